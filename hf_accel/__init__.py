@@ -1,0 +1,39 @@
+"""hf_accel: faster, leaner generation for Hugging Face transformers, opted into through generate kwargs.
+
+Importing this package registers hf_accel's cache names with transformers (`hf_accel.unregister()` undoes it):
+
+    import hf_accel
+    model.generate(**inputs, cache_implementation="paged", cache_config={"block_size": 16})
+"""
+
+from . import registry
+from .cache.block_pool import BlockPool, OutOfBlocksError
+from .cache.builders import build_paged_cache
+from .cache.paged import PagedCache
+from .cache.paged_config import PagedCacheConfig
+
+__version__ = "0.1.0"
+
+CACHE_BUILDERS = {registry.PAGED_ALIAS: build_paged_cache}
+
+
+def register() -> None:
+    """Register hf_accel with transformers (done on import; idempotent)."""
+    registry.register(CACHE_BUILDERS)
+
+
+def unregister() -> None:
+    """Restore stock transformers behaviour exactly."""
+    registry.unregister()
+
+
+register()
+
+__all__ = [
+    "BlockPool",
+    "OutOfBlocksError",
+    "PagedCache",
+    "PagedCacheConfig",
+    "register",
+    "unregister",
+]

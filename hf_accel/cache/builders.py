@@ -1,0 +1,33 @@
+"""Build hf_accel caches inside `generate`, from `cache_implementation` and `cache_config`."""
+
+from __future__ import annotations
+
+from transformers import GenerationConfig, PreTrainedModel
+
+from .paged import PagedCache
+from .paged_config import PagedCacheConfig
+
+
+def build_paged_cache(
+    model: PreTrainedModel, generation_config: GenerationConfig, num_rows: int, max_cache_len: int
+) -> PagedCache:
+    """A `PagedCache` for `num_rows` rows of up to `max_cache_len` tokens, from `generation_config.cache_config`."""
+    _require_cache_support(model, "paged")
+    settings = PagedCacheConfig.from_dict(generation_config.cache_config)
+    return PagedCache(
+        model.config,
+        block_size=settings.block_size,
+        num_blocks=settings.num_blocks,
+        max_memory=settings.max_memory,
+        max_cache_len=max_cache_len,
+    )
+
+
+def _require_cache_support(model: PreTrainedModel, name: str) -> None:
+    if model.config.is_encoder_decoder:
+        raise ValueError(f"cache_implementation={name!r} supports decoder-only models; this model is encoder-decoder")
+    if not model._supports_default_dynamic_cache():
+        raise ValueError(
+            f"cache_implementation={name!r} needs a model that uses transformers' Cache API; "
+            f"{type(model).__name__} does not"
+        )

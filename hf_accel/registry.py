@@ -1,0 +1,108 @@
+"""The one module that patches transformers: idempotent, reload-safe, reversible.
+
+What it changes (all undone by `unregister`):
+- `GenerationMixin.generate`: `cache_implementation="paged"` is renamed to an internal alias before stock `generate`
+  sees it, so the stock continuous-batching shim does not take over (`model.generate_batch` stays available).
+- `GenerationMixin._prepare_cache_for_generation`: our cache names build our caches; for an assistant model that
+  already holds a cache, `cache_implementation` is ignored (stock raises "Passing both ..." in round 2).
+- `generation.configuration_utils.ALL_CACHE_IMPLEMENTATIONS`: our names are added so validation accepts them.
+The pristine functions are kept on the wrappers (never in a module global), so `importlib.reload` cannot stack them.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping
+
+from transformers.generation import configuration_utils
+from transformers.generation.utils import GenerationMixin
+
+PAGED_ALIAS = "hf_accel_paged"  # "paged" is intercepted by stock generate; we pass this name through instead
+USER_NAMES = {"paged": PAGED_ALIAS}
+_ORIGINAL_ATTR = "__hf_accel_original__"
+_NAMES_ATTR = "__hf_accel_cache_names__"
+
+# builder(model, generation_config, num_rows, max_cache_len) -> Cache
+CacheBuilder = Callable[..., object]
+
+
+def register(cache_builders: Mapping[str, CacheBuilder]) -> None:
+    """Install the hooks for `cache_builders` (keyed by internal cache name). Safe to call again."""
+    unregister()
+    builders = dict(cache_builders)
+    _install(GenerationMixin, "generate", _wrap_generate)
+    _install(GenerationMixin, "_prepare_cache_for_generation", functools.partial(_wrap_prepare_cache, builders))
+    names = tuple(builders)
+    configuration_utils.ALL_CACHE_IMPLEMENTATIONS = configuration_utils.ALL_CACHE_IMPLEMENTATIONS + names
+    setattr(GenerationMixin._prepare_cache_for_generation, _NAMES_ATTR, names)
+
+
+def unregister() -> None:
+    """Restore stock transformers exactly. Safe to call when not registered."""
+    prepare = GenerationMixin.__dict__.get("_prepare_cache_for_generation")
+    names = getattr(prepare, _NAMES_ATTR, ())
+    configuration_utils.ALL_CACHE_IMPLEMENTATIONS = tuple(
+        name for name in configuration_utils.ALL_CACHE_IMPLEMENTATIONS if name not in names
+    )
+    for attr in ("generate", "_prepare_cache_for_generation"):
+        current = GenerationMixin.__dict__.get(attr)
+        if hasattr(current, _ORIGINAL_ATTR):
+            setattr(GenerationMixin, attr, getattr(current, _ORIGINAL_ATTR))
+
+
+def is_registered() -> bool:
+    return hasattr(GenerationMixin.__dict__.get("generate"), _ORIGINAL_ATTR)
+
+
+def _install(owner: type, attr: str, make_wrapper: Callable[[Callable], Callable]) -> None:
+    original = owner.__dict__[attr]
+    wrapper = functools.wraps(original)(make_wrapper(original))
+    setattr(wrapper, _ORIGINAL_ATTR, original)
+    setattr(owner, attr, wrapper)
+
+
+def _wrap_generate(original: Callable) -> Callable:
+    def generate(self, *args, **kwargs):
+        name = kwargs.get("cache_implementation")
+        if isinstance(name, str) and name in USER_NAMES:
+            kwargs["cache_implementation"] = USER_NAMES[name]
+        return original(self, *args, **kwargs)
+
+    return generate
+
+
+def _wrap_prepare_cache(builders: dict[str, CacheBuilder], original: Callable) -> Callable:
+    def _prepare_cache_for_generation(
+        self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
+    ):
+        name = USER_NAMES.get(generation_config.cache_implementation, generation_config.cache_implementation)
+        has_cache = model_kwargs.get("past_key_values") is not None
+        if generation_config.is_assistant and has_cache and name is not None:
+            return _without_cache_implementation(original, self, generation_config, model_kwargs,
+                                                 generation_mode, batch_size, max_cache_length)
+        if name not in builders:
+            return original(self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length)
+        if has_cache:
+            raise ValueError(
+                "Passing both `cache_implementation` (used to initialize certain caches) and `past_key_values` "
+                "(a Cache object) is unsupported. Please use only one of the two."
+            )
+        if generation_config.use_cache is False:
+            return None
+        num_rows = batch_size * max(generation_config.num_beams, generation_config.num_return_sequences)
+        cache = builders[name](self, generation_config, num_rows, max_cache_length)
+        if generation_config.is_assistant:
+            cache.activate_past_recording()
+        model_kwargs["past_key_values"] = cache
+        return None
+
+    return _prepare_cache_for_generation
+
+
+def _without_cache_implementation(original, model, generation_config, *args):
+    saved = generation_config.cache_implementation
+    generation_config.cache_implementation = None
+    try:
+        return original(model, generation_config, *args)
+    finally:
+        generation_config.cache_implementation = saved
