@@ -162,8 +162,16 @@ class BlockTables:
         return StridedLayout(first, stride)
 
     def _rows_writing_shared(self, num_tokens: int) -> list[int]:
+        # Rows that must copy, in order: each copy drops a reference, so the block's last writer keeps it.
         last = num_tokens // self.block_size
-        return [r for r, row in enumerate(self.rows) if self.pool.refcount(row[last]) > 1]
+        refs_left: dict[int, int] = {}
+        rows = []
+        for r, row in enumerate(self.rows):
+            refs = refs_left.setdefault(row[last], self.pool.refcount(row[last]))
+            if refs > 1:
+                rows.append(r)
+                refs_left[row[last]] = refs - 1
+        return rows
 
     def _copy_on_write(self, r: int) -> tuple[int, int]:
         last = self.rows[r][-1]

@@ -143,7 +143,8 @@ class PagedCache(Cache):
         self._plan: StepPlan | None = None
         self._shared_rows: list[tuple[int, int]] = []  # (row, group leader) pairs still to verify during prefill
         self._table_version = -1
-        self._block_table: torch.Tensor | None = None  # [rows, max_blocks] block ids, rebuilt when tables change
+        self._slot_table = torch.empty(0, dtype=torch.long)  # rebuilt when the tables change
+        self._read_blocks: torch.Tensor | None = None
         self._layout: StridedLayout | None = None
 
     @property
@@ -236,25 +237,32 @@ class PagedCache(Cache):
 
     def _build_plan(self, q_len: int, copies: BlockCopies, device: torch.device) -> StepPlan:
         tables, block_size = self.tables, self.tables.block_size
-        if self._table_version != tables.version or self._block_table.device != device:
-            width = max(len(row) for row in tables.rows)
-            padded = [row + [0] * (width - len(row)) for row in tables.rows]
-            self._block_table = torch.tensor(padded, dtype=torch.long, device=device)
-            self._layout, self._table_version = tables.strided_layout(), tables.version
+        if self._table_version != tables.version or self._slot_table.device != device:
+            self._rebuild_slot_table(device)
         kv_length = tables.num_tokens
-        positions = torch.arange(kv_length - q_len, kv_length, device=device)
-        slots = self._block_table[:, positions // block_size] * block_size + positions % block_size
-        read_blocks = None
-        if self._layout is None:
-            read_blocks = self._block_table[:, : tables.blocks_for(kv_length)].reshape(-1)
+        if q_len == 1:  # decode: one column of the slot table
+            slots = self._slot_table[:, (kv_length - 1) // block_size] + (kv_length - 1) % block_size
+        else:
+            positions = torch.arange(kv_length - q_len, kv_length, device=device)
+            slots = (self._slot_table[:, positions // block_size] + positions % block_size).reshape(-1)
         return StepPlan(
-            write_slots=slots.reshape(-1),
+            write_slots=slots,
             kv_length=kv_length,
             num_blocks=self.pool.num_blocks,
             layout=self._layout,
-            read_blocks=read_blocks,
+            read_blocks=self._read_blocks,
             copies=_as_tensor(copies, device) if copies else None,
         )
+
+    def _rebuild_slot_table(self, device: torch.device) -> None:
+        # slot table: [rows, max_blocks] first slot (block * block_size) of each row's blocks
+        rows, block_size = self.tables.rows, self.tables.block_size
+        width = max(len(row) for row in rows)
+        padded = [[block * block_size for block in row] + [0] * (width - len(row)) for row in rows]
+        self._slot_table = torch.tensor(padded, dtype=torch.long, device=device)
+        self._layout, self._table_version = self.tables.strided_layout(), self.tables.version
+        # every row holds exactly blocks_for(num_tokens) blocks, so a gather reads the whole table
+        self._read_blocks = None if self._layout else self._slot_table.reshape(-1) // block_size
 
 
 def _as_tensor(copies: BlockCopies, device: torch.device) -> torch.Tensor:

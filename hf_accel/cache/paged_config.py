@@ -24,6 +24,13 @@ def parse_bytes(value: int | str, name: str = "max_memory") -> int:
     return number
 
 
+def _check_positive_int(name: str, value: object, allowed: str = "a positive int") -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"`{name}` must be {allowed}, got {value!r} ({type(value).__name__})")
+    if value <= 0:
+        raise ValueError(f"`{name}` must be {allowed}, got {value!r}")
+
+
 @dataclass(slots=True)
 class PagedCacheConfig:
     """`block_size`: tokens per block. `num_blocks` / `max_memory`: fix the pool size (blocks, or bytes for K and V of
@@ -34,12 +41,9 @@ class PagedCacheConfig:
     max_memory: int | str | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.block_size, int) or isinstance(self.block_size, bool) or self.block_size <= 0:
-            raise ValueError(f"`block_size` must be a positive int, got {self.block_size!r}")
-        if self.num_blocks is not None and (
-            not isinstance(self.num_blocks, int) or isinstance(self.num_blocks, bool) or self.num_blocks <= 0
-        ):
-            raise ValueError(f"`num_blocks` must be a positive int or None, got {self.num_blocks!r}")
+        _check_positive_int("block_size", self.block_size)
+        if self.num_blocks is not None:
+            _check_positive_int("num_blocks", self.num_blocks, "a positive int or None")
         if self.max_memory is not None:
             self.max_memory = parse_bytes(self.max_memory)
         if self.num_blocks is not None and self.max_memory is not None:
@@ -48,6 +52,8 @@ class PagedCacheConfig:
     @classmethod
     def from_dict(cls, options: dict[str, Any] | None) -> PagedCacheConfig:
         """Build from a `cache_config` dict, rejecting unknown keys by name."""
+        if options is not None and not isinstance(options, dict):
+            raise TypeError(f"`cache_config` must be a dict of paged cache settings, got {type(options).__name__}")
         options = dict(options or {})
         allowed = {f.name for f in fields(cls)}
         unknown = sorted(set(options) - allowed)

@@ -1,0 +1,223 @@
+"""Registration with transformers: idempotent, reload-safe, exactly reversible, and what it changes in generate."""
+
+import importlib
+import json
+
+import pytest
+import torch
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, StoppingCriteria, StoppingCriteriaList
+from transformers.cache_utils import DynamicCache
+from transformers.generation import configuration_utils
+from transformers.generation.utils import GenerationMixin
+
+import hf_accel
+from hf_accel import PagedCache, registry
+
+PATCHED = ("generate", "_prepare_cache_for_generation")
+STOCK_CACHE_NAMES = configuration_utils.ALL_STATIC_CACHE_IMPLEMENTATIONS + configuration_utils.DYNAMIC_CACHE_IMPLEMENTATIONS
+
+
+def wrapping_layers(attr: str) -> tuple[int, object]:
+    """How many hf_accel wrappers sit on `GenerationMixin.<attr>`, and the function under them."""
+    function, layers = GenerationMixin.__dict__[attr], 0
+    while hasattr(function, "__hf_accel_original__"):
+        function, layers = function.__hf_accel_original__, layers + 1
+    return layers, function
+
+
+PRISTINE = {attr: wrapping_layers(attr)[1] for attr in PATCHED}
+
+
+def assert_registered_once():
+    for attr in PATCHED:
+        layers, original = wrapping_layers(attr)
+        assert layers == 1, f"{attr} wrapped {layers} times"
+        assert original is PRISTINE[attr]
+        assert GenerationMixin.__dict__[attr].__wrapped__ is PRISTINE[attr]
+    assert configuration_utils.ALL_CACHE_IMPLEMENTATIONS == STOCK_CACHE_NAMES + (registry.PAGED_ALIAS,)
+    assert registry.is_registered()
+
+
+class NeverStop(StoppingCriteria):
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+
+@pytest.fixture
+def restores_registration():
+    """Whatever the test does to the registration, leave hf_accel registered exactly once afterwards."""
+    yield
+    hf_accel.register()
+    assert_registered_once()
+
+
+@pytest.fixture
+def unregistered(restores_registration):
+    hf_accel.unregister()
+    yield
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=128, bos_token_id=1, eos_token_id=None, pad_token_id=0,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="module")
+def draft():
+    torch.manual_seed(1)
+    config = LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=128, bos_token_id=1, eos_token_id=None, pad_token_id=0,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="module")
+def prompt():
+    return torch.randint(2, 128, (1, 10), generator=torch.Generator().manual_seed(0))
+
+
+# --- registration mechanics ---------------------------------------------------------------------------------------
+
+
+def test_the_pristine_functions_are_transformers_own():
+    for attr in PATCHED:
+        assert PRISTINE[attr].__qualname__ == f"GenerationMixin.{attr}"
+        assert PRISTINE[attr].__module__ == "transformers.generation.utils"
+
+
+def test_importing_hf_accel_registers():
+    assert_registered_once()
+    assert "paged" not in configuration_utils.ALL_CACHE_IMPLEMENTATIONS  # stock "paged" handling is ours to intercept
+
+
+def test_register_twice_wraps_once(restores_registration):
+    hf_accel.register()
+    hf_accel.register()
+    assert_registered_once()
+
+
+def test_reload_of_the_package_wraps_once(restores_registration):
+    importlib.reload(hf_accel)
+    assert_registered_once()
+    importlib.reload(hf_accel)
+    assert_registered_once()
+    assert hf_accel.PagedCache is PagedCache
+
+
+def test_reload_of_the_registry_wraps_once(restores_registration):
+    importlib.reload(hf_accel.registry)
+    assert_registered_once()
+    hf_accel.register()
+    assert_registered_once()
+    importlib.reload(hf_accel.registry)
+    hf_accel.unregister()
+    for attr in PATCHED:
+        assert GenerationMixin.__dict__[attr] is PRISTINE[attr]
+
+
+def test_unregister_restores_transformers_exactly(unregistered):
+    for attr in PATCHED:
+        assert GenerationMixin.__dict__[attr] is PRISTINE[attr]
+    assert configuration_utils.ALL_CACHE_IMPLEMENTATIONS == STOCK_CACHE_NAMES
+    assert type(configuration_utils.ALL_CACHE_IMPLEMENTATIONS) is tuple
+    assert not registry.is_registered()
+    hf_accel.unregister()  # safe when not registered
+    for attr in PATCHED:
+        assert GenerationMixin.__dict__[attr] is PRISTINE[attr]
+    assert configuration_utils.ALL_CACHE_IMPLEMENTATIONS == STOCK_CACHE_NAMES
+
+
+def test_after_unregister_paged_is_stock_continuous_batching_again(unregistered, model, prompt):
+    stop = StoppingCriteriaList([NeverStop()])
+    with pytest.raises(NotImplementedError, match="not supported for continuous batching"):
+        model.generate(prompt, max_new_tokens=2, cache_implementation="paged", stopping_criteria=stop)
+    with pytest.raises(ValueError, match="Invalid `cache_implementation`"):
+        model.generate(prompt, max_new_tokens=2, cache_implementation=registry.PAGED_ALIAS)
+
+
+def test_registered_paged_takes_the_ordinary_generate_path(model, prompt):
+    stop = StoppingCriteriaList([NeverStop()])
+    out = model.generate(
+        prompt, max_new_tokens=2, do_sample=False, cache_implementation="paged", stopping_criteria=stop,
+        return_dict_in_generate=True,
+    )
+    assert type(out.past_key_values) is PagedCache
+    assert out.sequences.shape == (1, 12)
+
+
+# --- cache_implementation from a GenerationConfig, and persistence ------------------------------------------------
+
+
+def test_paged_from_a_generation_config_object(model, prompt):
+    config = GenerationConfig(
+        cache_implementation="paged", cache_config={"block_size": 4}, max_new_tokens=3, do_sample=False,
+        return_dict_in_generate=True,
+    )
+    out = model.generate(prompt, generation_config=config)
+    assert type(out.past_key_values) is PagedCache
+    assert out.past_key_values.tables.block_size == 4
+    assert config.cache_implementation == "paged"
+
+
+def test_paged_from_the_models_default_generation_config(model, prompt):
+    model.generation_config.cache_implementation = "paged"
+    try:
+        out = model.generate(prompt, max_new_tokens=3, do_sample=False, return_dict_in_generate=True)
+    finally:
+        model.generation_config.cache_implementation = None
+    assert type(out.past_key_values) is PagedCache
+
+
+def saved_generation_config(model, path) -> str:
+    model.save_pretrained(path)
+    return (path / "generation_config.json").read_text()
+
+
+def test_hf_accel_names_are_never_saved(model, prompt, tmp_path):
+    model.generate(prompt, max_new_tokens=2, cache_implementation="paged", cache_config={"block_size": 4})
+    model.generate(prompt, generation_config=GenerationConfig(cache_implementation="paged", max_new_tokens=2))
+    text = saved_generation_config(model, tmp_path / "after_kwarg")
+    assert "hf_accel" not in text and "paged" not in text
+
+    model.generation_config.cache_implementation = "paged"
+    try:
+        model.generate(prompt, max_new_tokens=2)
+        text = saved_generation_config(model, tmp_path / "model_default")
+    finally:
+        model.generation_config.cache_implementation = None
+    assert "hf_accel" not in text
+    assert json.loads(text)["cache_implementation"] == "paged"  # the user's own, stock-valid name
+
+
+def test_a_model_saved_after_paged_generation_loads_without_hf_accel(model, prompt, tmp_path, unregistered):
+    hf_accel.register()
+    model.generate(prompt, max_new_tokens=2, cache_implementation="paged")
+    model.save_pretrained(tmp_path)
+    hf_accel.unregister()
+    reloaded = LlamaForCausalLM.from_pretrained(tmp_path)
+    assert reloaded.generation_config.cache_implementation is None
+
+
+# --- assisted decoding --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cache_implementation, cache_type", [("dynamic", DynamicCache), ("paged", PagedCache)])
+def test_assisted_decoding_with_a_cache_implementation(model, draft, prompt, cache_implementation, cache_type):
+    greedy = model.generate(prompt, max_new_tokens=12, do_sample=False)
+    out = model.generate(
+        prompt, max_new_tokens=12, do_sample=False, assistant_model=draft,
+        cache_implementation=cache_implementation, return_dict_in_generate=True,
+    )
+    assert type(out.past_key_values) is cache_type
+    assert torch.equal(out.sequences, greedy)
+
+
+def test_stock_assisted_decoding_with_a_cache_implementation_fails_in_round_two(unregistered, model, draft, prompt):
+    with pytest.raises(ValueError, match="Passing both `cache_implementation`"):
+        model.generate(prompt, max_new_tokens=12, do_sample=False, assistant_model=draft, cache_implementation="dynamic")
