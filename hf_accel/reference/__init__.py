@@ -1,0 +1,41 @@
+"""hf_accel's own small reference models: a Llama target and a ~10x smaller draft, trained on Python source.
+
+    from hf_accel import reference
+    model, tokenizer = reference.load("target")   # or "draft"; plain from_pretrained on a local folder
+
+Both share one byte-level BPE tokenizer. ``hf-accel train-reference`` (``hf_accel.reference.train.main``) creates
+the assets; docs/reference-models.md is their model card.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+ASSETS_DIR = Path(__file__).resolve().parent / "assets"
+MODEL_NAMES = ("target", "draft")
+TRAIN_COMMAND = "hf-accel train-reference (or: python -m hf_accel.reference.train)"
+
+
+def load(
+    name: str, dtype: torch.dtype = torch.float32, assets_dir: Path = ASSETS_DIR
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """``(model, tokenizer)`` of the reference model ``name`` ("target" or "draft"), loaded offline from
+    ``assets_dir/name`` in eval mode.
+
+    The weights are stored in bf16; ``dtype`` (default fp32, exact upcast) is the dtype the model computes in.
+    Raises ``FileNotFoundError`` naming the command that creates the assets when they are missing.
+    """
+    if name not in MODEL_NAMES:
+        raise ValueError(f"name must be one of {MODEL_NAMES}, got {name!r}")
+    folder = Path(assets_dir) / name
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"reference model {name!r} not found in {folder}; create it with: {TRAIN_COMMAND}")
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    return model.eval(), tokenizer
+
+
+__all__ = ["ASSETS_DIR", "MODEL_NAMES", "load"]

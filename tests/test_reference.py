@@ -1,0 +1,184 @@
+"""Reference models: corpus order and split, tokenizer round trip, a tiny training run, offline loading."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from hf_accel import reference
+from hf_accel.reference import corpus
+from hf_accel.reference.evaluate import greedy_agreement, perplexity
+from hf_accel.reference.presets import MODEL_PRESETS, TRAIN_RECIPES, ModelPreset, TrainRecipe
+from hf_accel.reference.tokenizer import END_OF_TEXT, save_tokenizer, train_tokenizer
+from hf_accel.reference.loop import SAVE_DTYPE, build_model, lr_at, save_model, train_model
+from hf_accel.reference.train import main, recipe_for
+
+HAS_ASSETS = all((reference.ASSETS_DIR / name / "config.json").is_file() for name in reference.MODEL_NAMES)
+needs_assets = pytest.mark.skipif(not HAS_ASSETS, reason="reference assets not built (hf-accel train-reference)")
+
+
+@pytest.fixture(scope="module")
+def files() -> list[str]:
+    return corpus.list_source_files()
+
+
+@pytest.fixture(scope="module")
+def train() -> corpus.Corpus:
+    return corpus.load_split("train")
+
+
+@pytest.fixture(scope="module")
+def small_tokenizer(train):
+    # the first 40 train files (~300 kB): plenty of merges for a 512-token vocabulary, trained in a fraction of a second
+    return train_tokenizer(train.texts[:40], vocab_size=512)
+
+
+@pytest.fixture(scope="module")
+def held_out() -> corpus.Corpus:
+    return corpus.load_split("held_out")
+
+
+def test_corpus_is_sorted_filtered_and_split_by_path(files):
+    assert files == sorted(files) and len(set(files)) == len(files)
+    assert "os.py" in files and "json/decoder.py" in files
+    excluded = ("/test/", "/tests/", "/site-packages/", "/idlelib/", "/encodings/", "/pydoc_data/", "/_sysconfigdata_")
+    assert not [path for path in files if any(part in "/" + path for part in excluded)]
+    held = [path for path in files if corpus.split_of(path) == "held_out"]
+    assert 0.02 < len(held) / len(files) < 0.10
+    assert corpus.split_of("a/b.py") == corpus.split_of("a/b.py")
+
+
+def test_is_included_rule():
+    assert corpus.is_included("asyncio/tasks.py")
+    assert not corpus.is_included("unittest/test/test_case.py")
+    assert not corpus.is_included("config-3.11-x86_64-linux-gnu/python-config.py")
+    assert not corpus.is_included("_sysconfigdata__linux_x86_64-linux-gnu.py")
+    assert not corpus.is_included("README.txt")
+
+
+def test_splits_are_disjoint_and_cover_the_corpus(files, train, held_out):
+    assert set(train.paths).isdisjoint(held_out.paths)
+    assert sorted(train.paths + held_out.paths) == files
+    assert train.paths == sorted(train.paths)
+    assert len(corpus.load_split("held_out").fingerprint) == 64
+    assert corpus.load_split("held_out").fingerprint == held_out.fingerprint
+    with pytest.raises(ValueError, match="split"):
+        corpus.load_split("validation")
+
+
+def test_tokenizer_round_trips_held_out_text_and_loads_from_folder(small_tokenizer, held_out, tmp_path):
+    save_tokenizer(small_tokenizer, tmp_path)
+    loaded = AutoTokenizer.from_pretrained(tmp_path, local_files_only=True)
+    assert len(loaded) == 512
+    assert loaded.eos_token == loaded.bos_token == loaded.pad_token == END_OF_TEXT
+    assert loaded.convert_tokens_to_ids(END_OF_TEXT) == 0
+    for text in held_out.texts[:5] + ["x = 'é ü 中文 🙂'\r\n\ttabs  and   spaces\n"]:
+        ids = loaded(text, add_special_tokens=False)["input_ids"]
+        assert loaded.decode(ids) == text
+        assert ids == small_tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def test_tokenizer_training_is_deterministic(train, small_tokenizer):
+    again = train_tokenizer(train.texts[:40], vocab_size=512)
+    assert again.get_vocab() == small_tokenizer.get_vocab()
+
+
+def test_pack_sequences_separates_documents_and_drops_the_tail():
+    rows = corpus.pack_sequences([[1, 2, 3], [4], [5, 6]], separator_id=0, seq_len=4)
+    assert rows.tolist() == [[1, 2, 3, 0], [4, 0, 5, 6]]  # stream 1 2 3 0 4 0 5 6 0; the tail "0" is dropped
+    assert corpus.pack_sequences([[1, 2]], 0, 4).shape == (0, 4)
+
+
+def test_lr_schedule_warms_up_then_decays_to_the_floor():
+    recipe = TrainRecipe(steps=10, batch_size=1, seq_len=8, lr=1.0, warmup_steps=2, min_lr_ratio=0.1)
+    lrs = [lr_at(step, recipe) for step in range(10)]
+    assert lrs[0] == 0.5 and lrs[1] == 1.0
+    assert all(a >= b for a, b in zip(lrs[1:], lrs[2:]))
+    assert lr_at(10, recipe) == pytest.approx(0.1)
+
+
+def test_presets_validate_and_have_the_promised_sizes():
+    with pytest.raises(ValueError, match="num_heads"):
+        ModelPreset(hidden_size=30, num_layers=1, num_heads=4, num_kv_heads=1, intermediate_size=8, context_length=8)
+    with pytest.raises(ValueError, match="warmup_steps"):
+        TrainRecipe(steps=5, batch_size=1, seq_len=8, lr=1e-3, warmup_steps=6)
+    sizes = {}
+    for name in ("target", "draft"):
+        config = MODEL_PRESETS[name].to_config(vocab_size=4096, special_token_id=0)
+        with torch.device("meta"):
+            sizes[name] = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+        assert config.max_position_embeddings >= 512 and TRAIN_RECIPES[name].seq_len >= 512
+    assert 5e6 <= sizes["target"] <= 15e6
+    assert 7 <= sizes["target"] / sizes["draft"] <= 13
+
+
+def test_tiny_training_lowers_loss_and_save_load_round_trips(train, small_tokenizer, tmp_path):
+    ids = corpus.tokenize(train.texts[:10], small_tokenizer)
+    recipe = TRAIN_RECIPES["tiny"]
+    rows = corpus.pack_sequences(ids, small_tokenizer.eos_token_id, recipe.seq_len)
+    model = build_model(MODEL_PRESETS["tiny"], small_tokenizer, seed=0)
+    before = perplexity(model, rows[:8])
+    result = train_model(model, rows, recipe, progress=False)
+    assert result.steps_done == recipe.steps and result.tokens_seen == recipe.num_tokens
+    assert result.final_loss(5) < result.losses[0] - 0.5
+    assert perplexity(model, rows[:8]) < before
+
+    save_model(model, small_tokenizer, tmp_path / "target")
+    assert (tmp_path / "target" / "model.safetensors").is_file()
+    loaded, tokenizer = reference.load("target", assets_dir=tmp_path)
+    assert next(loaded.parameters()).dtype == torch.float32 and not loaded.training
+    assert tokenizer.get_vocab() == small_tokenizer.get_vocab()
+    for (name, saved), original in zip(loaded.state_dict().items(), model.state_dict().values()):
+        assert torch.equal(saved, original.to(SAVE_DTYPE).float()), name
+    assert greedy_agreement(loaded, loaded, rows[:2]) == 1.0
+
+
+def test_time_budget_stops_training_early(train, small_tokenizer):
+    ids = corpus.tokenize(train.texts[:3], small_tokenizer)
+    recipe = TRAIN_RECIPES["tiny"]
+    rows = corpus.pack_sequences(ids, small_tokenizer.eos_token_id, recipe.seq_len)
+    model = build_model(MODEL_PRESETS["tiny"], small_tokenizer, seed=0)
+    result = train_model(model, rows, recipe, time_budget_s=0.0, progress=False)
+    assert result.steps_done == 1 and math.isfinite(result.losses[0])
+
+
+def test_load_names_the_missing_assets_and_the_command(tmp_path):
+    with pytest.raises(FileNotFoundError, match="train-reference"):
+        reference.load("draft", assets_dir=tmp_path)
+    with pytest.raises(ValueError, match="target"):
+        reference.load("medium", assets_dir=tmp_path)
+
+
+def test_main_rejects_unknown_options():
+    with pytest.raises(SystemExit):
+        main(["--which", "medium"])
+
+
+def test_steps_override_scales_warmup():
+    assert recipe_for("target", None) == TRAIN_RECIPES["target"]
+    short = recipe_for("target", TRAIN_RECIPES["target"].steps // 10)
+    assert short.steps == TRAIN_RECIPES["target"].steps // 10
+    assert short.warmup_steps == max(1, round(TRAIN_RECIPES["target"].warmup_steps / 10))
+    assert recipe_for("draft", 1).warmup_steps == 1
+
+
+@needs_assets
+def test_committed_models_load_offline_and_share_the_tokenizer(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    target, tokenizer = reference.load("target")
+    draft, draft_tokenizer = reference.load("draft")
+    assert tokenizer.get_vocab() == draft_tokenizer.get_vocab()
+    assert target.config.vocab_size == draft.config.vocab_size == len(tokenizer)
+    prompt = tokenizer("def add(a, b):\n", return_tensors="pt")
+    out = target.generate(**prompt, max_new_tokens=8, do_sample=False, assistant_model=draft)
+    assert out.shape[1] > prompt["input_ids"].shape[1]
+
+
+@needs_assets
+def test_committed_tokenizer_round_trips_held_out_text(held_out):
+    _, tokenizer = reference.load("draft")
+    for text in held_out.texts:
+        assert tokenizer.decode(tokenizer(text, add_special_tokens=False)["input_ids"]) == text
