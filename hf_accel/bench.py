@@ -1,0 +1,283 @@
+"""Benchmark helpers: a benchmark model, prompts, a table of cache strategies, and same-process interleaved timing.
+
+Rules every measurement here follows (shared by `hf-accel bench` and `benchmarks/`):
+- all strategies run in one process on one model, interleaved (the order alternates every repeat), after warm-up;
+- decode time = time(generate N new tokens) - time(generate 1 new token), so prefill is excluded;
+- a strategy's decode time is the median over repeats; its speed ratio to the baseline (the first strategy) is the
+  median of per-repeat ratios, each taken within one repeat, so slow drift in machine load cancels out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import platform
+import statistics
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedModel, StaticCache
+from transformers.cache_utils import Cache
+
+from .cache.paged import PagedCache
+
+RANDOM_MODEL_NOTE = (
+    "random-weight Llama built from a config (the project's trained reference models are a later issue): "
+    "speed, memory and cache agreement are meaningful, the generated text is not"
+)
+
+
+def random_llama(
+    hidden_size: int = 256,
+    num_layers: int = 4,
+    vocab_size: int = 4096,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+) -> LlamaForCausalLM:
+    """A random-weight Llama (`hidden_size / 32` heads of 32 dims, half as many KV heads), eval mode, no EOS."""
+    torch.manual_seed(seed)
+    heads = max(hidden_size // 32, 1)
+    config = LlamaConfig(
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 8 // 3,
+        num_hidden_layers=num_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=max(heads // 2, 1),
+        vocab_size=vocab_size,
+        max_position_embeddings=8192,
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=0,
+    )
+    model = LlamaForCausalLM(config).to(dtype).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def load_model(name: str | None, dtype: torch.dtype = torch.float32) -> tuple[PreTrainedModel, str]:
+    """The model to benchmark and a one-line description: `name` (local path or hub id) or the random default."""
+    if name is None:
+        model = random_llama(dtype=dtype)
+        return model, f"{describe_model(model)}; {RANDOM_MODEL_NOTE}"
+    model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype).eval()
+    return model, f"{name}: {describe_model(model)}"
+
+
+def describe_model(model: PreTrainedModel) -> str:
+    config = model.config.get_text_config(decoder=True)
+    params = sum(p.numel() for p in model.parameters())
+    return (
+        f"{config.model_type}, {params / 1e6:.1f}M params, hidden {config.hidden_size}, "
+        f"{config.num_hidden_layers} layers, {config.num_key_value_heads} KV heads"
+    )
+
+
+def make_prompts(
+    lengths: Sequence[int], vocab_size: int, pad_token_id: int = 0, seed: int = 0
+) -> dict[str, torch.Tensor]:
+    """Random prompts of the given lengths, left-padded: `input_ids` and `attention_mask`, `[len(lengths), max]`."""
+    generator = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    input_ids = torch.full((len(lengths), width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(lengths), width), dtype=torch.long)
+    for row, length in enumerate(lengths):
+        input_ids[row, width - length :] = torch.randint(1, vocab_size, (length,), generator=generator)
+        attention_mask[row, width - length :] = 1
+    return {"input_ids": input_ids, "attention_mask": attention_mask}
+
+
+@dataclass(frozen=True, slots=True)
+class Strategy:
+    """One row of the benchmark: `generate_kwargs(model, max_cache_len)` gives the extra `generate` kwargs."""
+
+    name: str
+    description: str
+    generate_kwargs: Callable[[PreTrainedModel, int], dict[str, Any]]
+
+
+# Add a strategy (quantized cache, sink cache, speculative decoding, ...) by adding an entry; the first is the baseline.
+STRATEGIES: tuple[Strategy, ...] = (
+    Strategy("DynamicCache", "transformers default (baseline)", lambda model, max_len: {}),
+    Strategy(
+        "StaticCache",
+        "transformers preallocated cache (best stock option without torch.compile)",
+        lambda model, max_len: {"past_key_values": StaticCache(config=model.config, max_cache_len=max_len)},
+    ),
+    Strategy(
+        "hf_accel paged",
+        'cache_implementation="paged", block_size 16',
+        lambda model, max_len: {"cache_implementation": "paged", "cache_config": {"block_size": 16}},
+    ),
+)
+
+
+def kv_bytes(cache: Cache) -> int:
+    """Bytes held for K/V: a `PagedCache`'s allocated pools, else the sum of every layer's keys and values."""
+    if isinstance(cache, PagedCache):
+        return cache.memory_bytes()
+    return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers if layer.is_initialized)
+
+
+def block_waste(cache: PagedCache) -> float:
+    """1 - tokens stored / (used blocks * block_size); stored tokens include left padding, shared blocks count once."""
+    tables = cache.tables
+    fill = {}  # block id -> tokens it holds (block j of a row holds positions j*block_size ..)
+    for row in tables.rows:
+        for j, block in enumerate(row):
+            fill[block] = min(tables.block_size, tables.num_tokens - j * tables.block_size)
+    stored = sum(fill.values())
+    capacity = cache.pool.num_used_blocks * tables.block_size
+    return 1.0 - stored / capacity if capacity else 0.0
+
+
+def run_generate(
+    model: PreTrainedModel, inputs: dict[str, torch.Tensor], strategy: Strategy, new_tokens: int, **kwargs: Any
+) -> tuple[float, Any]:
+    """Seconds taken and the `generate` output (with `sequences` and `past_key_values`) for exactly `new_tokens`."""
+    max_len = inputs["input_ids"].shape[1] + new_tokens
+    options = {"do_sample": False, **kwargs, **strategy.generate_kwargs(model, max_len)}
+    start = time.perf_counter()
+    with torch.inference_mode():
+        output = model.generate(
+            **inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, return_dict_in_generate=True, **options
+        )
+    return time.perf_counter() - start, output
+
+
+def token_agreement(tokens: torch.Tensor, reference: torch.Tensor) -> float:
+    """Fraction of positions where `tokens` equals `reference` (same shape: `[rows, new_tokens]`)."""
+    return (tokens == reference).float().mean().item()
+
+
+@dataclass(slots=True)
+class StrategyResult:
+    """What one strategy measured; speeds in generated tokens per second over all rows, bytes of K/V."""
+
+    name: str
+    decode_tokens_per_s: float
+    speed_ratio: float  # median over repeats of (baseline decode time / this decode time) within the repeat
+    kv_bytes: int
+    kv_ratio: float  # kv_bytes / baseline kv_bytes
+    agreement: float  # greedy token agreement with the baseline over generated tokens
+    decode_seconds: list[float]  # one per measured repeat
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def compare_strategies(
+    model: PreTrainedModel,
+    inputs: dict[str, torch.Tensor],
+    new_tokens: int,
+    strategies: Sequence[Strategy] = STRATEGIES,
+    repeats: int = 3,
+    warmup: int = 1,
+    on_step: Callable[[str], None] | None = None,
+) -> list[StrategyResult]:
+    """Time decode of every strategy, interleaved, and compare with `strategies[0]`; `on_step` after each run pair."""
+    if new_tokens < 2:
+        raise ValueError(f"`new_tokens` must be at least 2 to measure decode, got {new_tokens}")
+    seconds: dict[str, list[float]] = {s.name: [] for s in strategies}
+    outputs: dict[str, Any] = {}
+    for repeat in range(warmup + repeats):
+        order = strategies if repeat % 2 == 0 else list(reversed(strategies))
+        for strategy in order:
+            prefill_time, _ = run_generate(model, inputs, strategy, 1)
+            total_time, outputs[strategy.name] = run_generate(model, inputs, strategy, new_tokens)
+            if repeat >= warmup:
+                seconds[strategy.name].append(total_time - prefill_time)
+            if on_step is not None:
+                on_step(strategy.name)
+    return _summarize(strategies, seconds, outputs, inputs, new_tokens)
+
+
+def _summarize(
+    strategies: Sequence[Strategy], seconds: dict[str, list[float]], outputs: dict[str, Any],
+    inputs: dict[str, torch.Tensor], new_tokens: int,
+) -> list[StrategyResult]:
+    rows, prompt_len = inputs["input_ids"].shape
+    noisy = [name for name, times in seconds.items() if statistics.median(times) <= 0]
+    if noisy:
+        raise RuntimeError(f"Decode time of {noisy} is not above prefill time: the machine is too noisy for "
+                           f"{new_tokens} new tokens; generate more tokens or use more repeats")
+    base = strategies[0].name
+    base_bytes = kv_bytes(outputs[base].past_key_values)
+    base_tokens = outputs[base].sequences[:, prompt_len:]
+    results = []
+    for strategy in strategies:
+        name, output = strategy.name, outputs[strategy.name]
+        num_bytes = kv_bytes(output.past_key_values)
+        results.append(StrategyResult(
+            name=name,
+            decode_tokens_per_s=rows * (new_tokens - 1) / statistics.median(seconds[name]),
+            speed_ratio=statistics.median(b / s for b, s in zip(seconds[base], seconds[name])),
+            kv_bytes=num_bytes,
+            kv_ratio=num_bytes / base_bytes,
+            agreement=token_agreement(output.sequences[:, prompt_len:], base_tokens),
+            decode_seconds=seconds[name],
+        ))
+    return results
+
+
+@contextlib.contextmanager
+def torch_threads(num: int) -> Iterator[None]:
+    """Run the block with `num` torch CPU threads, then restore the previous count."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(num)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def hardware() -> dict[str, Any]:
+    """CPU model (from /proc/cpuinfo where present), torch threads, versions."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "torch_threads": torch.get_num_threads(),
+        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
+
+
+def results_table(results: Sequence[StrategyResult], markdown: bool = False) -> str:
+    """One row per strategy: decode tok/s, speed and KV ratios to the baseline, KV bytes, greedy agreement."""
+    base = results[0].name
+    headers = ["strategy", "decode tok/s", f"x {base} (paired)", "KV bytes", f"KV x {base}", "greedy agreement"]
+    rows = [
+        [r.name, f"{r.decode_tokens_per_s:.1f}", f"{r.speed_ratio:.2f}x", format_bytes(r.kv_bytes),
+         f"{r.kv_ratio:.2f}x", f"{100 * r.agreement:.1f}%"]
+        for r in results
+    ]
+    return format_table(headers, rows, markdown=markdown)
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]], markdown: bool = False) -> str:
+    """Aligned text table, or a GitHub markdown table."""
+    if markdown:
+        lines = [headers, ["---"] * len(headers), *rows]
+        return "\n".join("| " + " | ".join(cells) + " |" for cells in lines)
+    widths = [max(len(str(c)) for c in column) for column in zip(headers, *rows)]
+    lines = [headers, ["-" * w for w in widths], *rows]
+    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip() for cells in lines)
+
+
+def format_bytes(num: float) -> str:
+    """`1536` -> `"1.5 KiB"`."""
+    units = ("B", "KiB", "MiB", "GiB")
+    power = 0
+    while num >= 1024 and power < len(units) - 1:
+        num, power = num / 1024, power + 1
+    return f"{num:.0f} B" if power == 0 else f"{num:.1f} {units[power]}"

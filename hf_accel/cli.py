@@ -1,0 +1,111 @@
+"""`hf-accel` command. `hf-accel bench`: decode speed, KV memory and greedy agreement of every cache strategy in
+`hf_accel.bench.STRATEGIES`, against transformers' DynamicCache, measured in one process."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from . import bench
+
+
+def at_least(minimum: int) -> Callable[[str], int]:
+    """argparse type: an int >= `minimum`."""
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hf-accel", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    run = commands.add_parser("bench", help="compare cache strategies on one model (same process, interleaved)")
+    run.add_argument("--model", default=None,
+                     help="local path or hub id of a causal LM (default: a built-in random-weight Llama)")
+    run.add_argument("--prompt-len", type=at_least(1), default=512,
+                     help="longest prompt in tokens; with batch > 1, rows range from half of it to all of it, "
+                          "left-padded (default: %(default)s)")
+    run.add_argument("--new-tokens", type=at_least(2), default=64,
+                     help="tokens generated per row, at least 2 (default: %(default)s)")
+    run.add_argument("--batch-size", type=at_least(1), default=4, help="rows per generate call (default: %(default)s)")
+    run.add_argument("--repeats", type=at_least(1), default=5,
+                     help="measured repeats after one warm-up (default: %(default)s)")
+    run.add_argument("--threads", type=at_least(1), default=1,
+                     help="torch CPU threads; 1 keeps timings stable on a shared machine (default: %(default)s)")
+    run.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the results as JSON")
+    run.set_defaults(handler=bench_command)
+    return parser
+
+
+def prompt_lengths(longest: int, batch_size: int) -> list[int]:
+    """Lengths evenly spread from `longest // 2` to `longest` (just `[longest]` for one row)."""
+    if batch_size == 1:
+        return [longest]
+    shortest = max(longest // 2, 1)
+    return [shortest + (longest - shortest) * row // (batch_size - 1) for row in range(batch_size)]
+
+
+def bench_command(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the comparison, print the table, return the report (also written to `args.json` when set)."""
+    model, description = bench.load_model(args.model)
+    lengths = prompt_lengths(args.prompt_len, args.batch_size)
+    pad = model.generation_config.pad_token_id
+    inputs = bench.make_prompts(lengths, model.config.vocab_size, pad_token_id=0 if pad is None else int(pad))
+    total = (1 + args.repeats) * len(bench.STRATEGIES)
+    with bench.torch_threads(args.threads), \
+            tqdm(total=total, desc="hf-accel bench", unit="run", file=sys.stderr, leave=False) as progress:
+        results = bench.compare_strategies(
+            model, inputs, args.new_tokens, repeats=args.repeats, warmup=1, on_step=lambda _: progress.update()
+        )
+        hardware = bench.hardware()
+    report = {
+        "model": description,
+        "hardware": hardware,
+        "settings": {"dtype": str(model.dtype), "batch_size": args.batch_size, "prompt_lengths": lengths,
+                     "new_tokens": args.new_tokens, "repeats": args.repeats, "warmup": 1},
+        "strategies": {s.name: s.description for s in bench.STRATEGIES},
+        "results": [r.as_dict() for r in results],
+    }
+    print(render_report(report, results))
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+def render_report(report: dict[str, Any], results: Sequence[bench.StrategyResult]) -> str:
+    hw, settings = report["hardware"], report["settings"]
+    lengths = settings["prompt_lengths"]
+    prompts = f"{lengths[0]}" if len(set(lengths)) == 1 else f"{min(lengths)}-{max(lengths)} (left-padded)"
+    return "\n".join([
+        f"model: {report['model']}",
+        f"hardware: {hw['cpu']}, {hw['torch_threads']} torch thread(s); torch {hw['torch']}, "
+        f"transformers {hw['transformers']}",
+        f"{settings['dtype']}, batch {settings['batch_size']}, prompt {prompts} tokens, {settings['new_tokens']} "
+        f"new tokens, greedy; median of {settings['repeats']} interleaved repeats after {settings['warmup']} warm-up",
+        "decode tok/s = rows * (new tokens - 1) / (time(new tokens) - time(1 token)): prefill excluded; "
+        "paired = median of per-repeat ratios",
+        "",
+        bench.results_table(results),
+    ])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `hf-accel` console script."""
+    args = build_parser().parse_args(argv)
+    args.handler(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
