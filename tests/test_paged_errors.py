@@ -4,8 +4,6 @@ the `PagedCache` constructor, and no blocks held afterwards. Also what `memory_b
 import pytest
 import torch
 from transformers import (
-    LlamaConfig,
-    LlamaForCausalLM,
     Lfm2Config,
     Lfm2ForCausalLM,
     RwkvConfig,
@@ -14,6 +12,7 @@ from transformers import (
     T5ForConditionalGeneration,
 )
 
+from tiny_llama import tiny_llama
 from hf_accel import OutOfBlocksError, PagedCache, PagedCacheConfig
 
 # Llama below: 2 layers, 2 KV heads of dim 16, fp32 -> one block of 4 tokens is 4 * 2 * 16 * 2 (K, V) * 4 * 2 bytes
@@ -22,12 +21,7 @@ BYTES_PER_BLOCK_OF_4 = 2048
 
 @pytest.fixture(scope="module")
 def model():
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=128, bos_token_id=1, eos_token_id=None, pad_token_id=0,
-    )
-    return LlamaForCausalLM(config).eval()
+    return tiny_llama()
 
 
 def prompt(rows: int = 1, length: int = 10, seed: int = 0) -> torch.Tensor:

@@ -5,12 +5,13 @@ import json
 
 import pytest
 import torch
-from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, StoppingCriteria, StoppingCriteriaList
+from transformers import GenerationConfig, LlamaForCausalLM, StoppingCriteria, StoppingCriteriaList
 from transformers.cache_utils import DynamicCache
 from transformers.generation import configuration_utils
 from transformers.generation.utils import GenerationMixin
 
 import hf_accel
+from tiny_llama import tiny_llama
 from hf_accel import PagedCache, registry
 
 PATCHED = ("generate", "_prepare_cache_for_generation")
@@ -59,22 +60,12 @@ def unregistered(restores_registration):
 
 @pytest.fixture(scope="module")
 def model():
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=128, bos_token_id=1, eos_token_id=None, pad_token_id=0,
-    )
-    return LlamaForCausalLM(config).eval()
+    return tiny_llama()
 
 
 @pytest.fixture(scope="module")
 def draft():
-    torch.manual_seed(1)
-    config = LlamaConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=128, bos_token_id=1, eos_token_id=None, pad_token_id=0,
-    )
-    return LlamaForCausalLM(config).eval()
+    return tiny_llama(num_hidden_layers=1, seed=1)
 
 
 @pytest.fixture(scope="module")
