@@ -1,10 +1,12 @@
 """The one module that patches transformers: idempotent, reload-safe, reversible.
 
 What it changes (all undone by `unregister`):
-- `GenerationMixin.generate`: `cache_implementation="paged"` is renamed to an internal alias before stock `generate`
-  sees it, so the stock continuous-batching shim does not take over (`model.generate_batch` stays available).
-- `GenerationMixin._prepare_cache_for_generation`: our cache names build our caches; for an assistant model that
-  already holds a cache, `cache_implementation` is ignored (stock raises "Passing both ..." in round 2).
+- `GenerationMixin.generate`: our user-facing names ("paged", "sink") are renamed to internal aliases before stock
+  `generate` sees them, so the stock continuous-batching shim does not take over "paged" (`model.generate_batch`
+  stays available) and a saved generation config never names a cache that needs hf_accel.
+- `GenerationMixin._prepare_cache_for_generation`: our cache names build our caches, and so does the stock name
+  "quantized" with `cache_config={"backend": "hf_accel", ...}` (other backends stay stock); for an assistant model
+  that already holds a cache, `cache_implementation` is ignored (stock raises "Passing both ..." in round 2).
 - `generation.configuration_utils.ALL_CACHE_IMPLEMENTATIONS`: our names are added so validation accepts them.
 The pristine functions are kept on the wrappers (never in a module global), so `importlib.reload` cannot stack them.
 """
@@ -13,16 +15,37 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+from transformers import GenerationConfig
 
 from transformers.generation import configuration_utils
 from transformers.generation.utils import GenerationMixin
 
 PAGED_ALIAS = "hf_accel_paged"  # "paged" is intercepted by stock generate; we pass this name through instead
-USER_NAMES = {"paged": PAGED_ALIAS}
+SINK_ALIAS = "hf_accel_sink"
+QUANTIZED_ALIAS = "hf_accel_quantized"
+USER_NAMES = {"paged": PAGED_ALIAS, "sink": SINK_ALIAS}
+QUANTIZED_BACKEND = "hf_accel"  # cache_implementation="quantized" with this cache_config backend is ours
 _ORIGINAL_ATTR = "__hf_accel_original__"
 _NAMES_ATTR = "__hf_accel_cache_names__"
 
-# builder(model, generation_config, num_rows, max_cache_len) -> Cache
+
+
+@dataclass(frozen=True, slots=True)
+class CacheRequest:
+    """What generate asks of a cache builder: `num_rows` rows (prompts x max(num_beams, num_return_sequences)) of up
+    to `max_cache_len` tokens. `attention_mask` is the prompts' 2-D padding mask `[num_rows, prompt_len]`, one row
+    per cache row (None when there is no padding)."""
+
+    generation_config: GenerationConfig
+    num_rows: int
+    max_cache_len: int
+    attention_mask: torch.Tensor | None
+
+
+# builder(model, request) -> Cache
 CacheBuilder = Callable[..., object]
 
 
@@ -75,7 +98,7 @@ def _wrap_prepare_cache(builders: dict[str, CacheBuilder], original: Callable) -
     def _prepare_cache_for_generation(
         self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
     ):
-        name = USER_NAMES.get(generation_config.cache_implementation, generation_config.cache_implementation)
+        name = internal_cache_name(generation_config.cache_implementation, generation_config.cache_config)
         has_cache = model_kwargs.get("past_key_values") is not None
         if generation_config.is_assistant and has_cache and name is not None:
             return _without_cache_implementation(original, self, generation_config, model_kwargs,
@@ -89,14 +112,30 @@ def _wrap_prepare_cache(builders: dict[str, CacheBuilder], original: Callable) -
             )
         if generation_config.use_cache is False:
             return None
-        num_rows = batch_size * max(generation_config.num_beams, generation_config.num_return_sequences)
-        cache = builders[name](self, generation_config, num_rows, max_cache_length)
+        cache = builders[name](self, _request(generation_config, model_kwargs, batch_size, max_cache_length))
         if generation_config.is_assistant:
             cache.activate_past_recording()
         model_kwargs["past_key_values"] = cache
         return None
 
     return _prepare_cache_for_generation
+
+
+def _request(generation_config, model_kwargs, batch_size: int, max_cache_len: int) -> CacheRequest:
+    # generate has already expanded the inputs (and the mask) for beams / num_return_sequences; it drops an all-ones
+    # mask, which means no padding
+    num_rows = batch_size * max(generation_config.num_beams, generation_config.num_return_sequences)
+    mask = model_kwargs.get("attention_mask")
+    if not (isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[0] == num_rows):
+        mask = None
+    return CacheRequest(generation_config, num_rows, max_cache_len, mask)
+
+
+def internal_cache_name(cache_implementation: object, cache_config: object) -> object:
+    """The name our builders are keyed by for what the user asked (unchanged when it is not ours)."""
+    if cache_implementation == "quantized" and isinstance(cache_config, Mapping):
+        return QUANTIZED_ALIAS if cache_config.get("backend") == QUANTIZED_BACKEND else cache_implementation
+    return USER_NAMES.get(cache_implementation, cache_implementation)
 
 
 def _without_cache_implementation(original, model, generation_config, *args):

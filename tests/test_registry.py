@@ -35,7 +35,7 @@ def assert_registered_once():
         assert layers == 1, f"{attr} wrapped {layers} times"
         assert original is PRISTINE[attr]
         assert GenerationMixin.__dict__[attr].__wrapped__ is PRISTINE[attr]
-    assert configuration_utils.ALL_CACHE_IMPLEMENTATIONS == STOCK_CACHE_NAMES + (registry.PAGED_ALIAS,)
+    assert configuration_utils.ALL_CACHE_IMPLEMENTATIONS == STOCK_CACHE_NAMES + tuple(hf_accel.CACHE_BUILDERS)
     assert registry.is_registered()
 
 

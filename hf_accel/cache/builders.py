@@ -2,24 +2,23 @@
 
 from __future__ import annotations
 
-from transformers import GenerationConfig, PreTrainedModel
+from transformers import PreTrainedModel
 
+from ..registry import CacheRequest
 from .paged import PagedCache
 from .paged_config import PagedCacheConfig
 
 
-def build_paged_cache(
-    model: PreTrainedModel, generation_config: GenerationConfig, num_rows: int, max_cache_len: int
-) -> PagedCache:
-    """A `PagedCache` for `num_rows` rows of up to `max_cache_len` tokens, from `generation_config.cache_config`."""
+def build_paged_cache(model: PreTrainedModel, request: CacheRequest) -> PagedCache:
+    """A `PagedCache` for the request's rows, from `generation_config.cache_config`."""
     _require_cache_support(model, "paged")
-    settings = PagedCacheConfig.from_dict(generation_config.cache_config)
+    settings = PagedCacheConfig.from_dict(request.generation_config.cache_config)
     return PagedCache(
         model.config,
         block_size=settings.block_size,
         num_blocks=settings.num_blocks,
         max_memory=settings.max_memory,
-        max_cache_len=max_cache_len,
+        max_cache_len=request.max_cache_len,
     )
 
 

@@ -79,8 +79,8 @@ class TrainRecipe:
 
 
 MODEL_PRESETS: dict[str, ModelPreset] = {
-    "target": ModelPreset(256, 10, 8, 4, 768, 512),
-    "draft": ModelPreset(128, 2, 4, 2, 384, 512),
+    "target": ModelPreset(256, 10, 4, 2, 768, 512),  # head_dim 64, as in most LLMs
+    "draft": ModelPreset(128, 2, 2, 1, 384, 512),
     "tiny": ModelPreset(32, 2, 2, 1, 64, 64),  # tests only
 }
 
