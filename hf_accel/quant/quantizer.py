@@ -1,0 +1,135 @@
+"""hf_accel's weight-only method in transformers' quantizer registry: `hf_accel_int8` and `hf_accel_int4`.
+
+    model = AutoModelForCausalLM.from_pretrained(path, quantization_config=WeightOnlyConfig(bits=4, group_size=64))
+    model.save_pretrained(out)                      # pre-quantized checkpoint (format: hf_accel.quant.weights)
+    AutoModelForCausalLM.from_pretrained(out)       # reloads it bit for bit, with hf_accel imported
+
+Every `nn.Linear` but the output embedding (and tied or `modules_to_not_convert` modules) becomes an `Int8Linear` /
+`Int4Linear`; embeddings are not Linear layers and stay as they are. Without hf_accel imported, stock transformers
+warns that it does not know the method and then fails on the packed `weight` shapes (see `weights`), never
+loading codes as floats.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from transformers.core_model_loading import ConversionOps
+from transformers.quantizers import HfQuantizer, register_quantization_config, register_quantizer
+from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING
+from transformers.quantizers.quantizers_utils import get_module_from_name, should_convert_module
+from transformers.utils.quantization_config import QuantizationConfigMixin
+
+from . import weights
+from .linear import Int4Linear, Int8Linear, make_quantized_linear
+
+METHODS = {8: "hf_accel_int8", 4: "hf_accel_int4"}  # bits -> quant_method
+FORMAT_VERSION = 1
+DEFAULT_GROUP_SIZE = 64
+
+
+class WeightOnlyConfig(QuantizationConfigMixin):
+    """Weight-only quantization: `bits=8` (symmetric per output channel) or `bits=4` (asymmetric, one scale and zero
+    per `group_size` inputs; 32, 64, 128 or 256, dividing every converted layer's in_features).
+
+    `modules_to_not_convert`: names or patterns kept in float on top of the defaults (output embedding, tied weights).
+    """
+
+    def __init__(self, bits: int = 8, group_size: int | None = None, modules_to_not_convert: list[str] | None = None,
+                 format_version: int = FORMAT_VERSION, **kwargs: Any) -> None:  # kwargs: `quant_method` from a dict
+        group_size = DEFAULT_GROUP_SIZE if group_size is None else group_size
+        if bits not in METHODS:
+            raise ValueError(f"bits must be one of {sorted(METHODS)}, got {bits}")
+        if bits == 4 and group_size not in weights.INT4_GROUP_SIZES:
+            raise ValueError(f"group_size must be one of {weights.INT4_GROUP_SIZES}, got {group_size}")
+        if format_version != FORMAT_VERSION:
+            raise ValueError(f"checkpoint format_version {format_version} is not {FORMAT_VERSION}; "
+                             "upgrade hf_accel to load it")
+        self.quant_method = METHODS[bits]
+        self.bits = bits
+        self.group_size = group_size if bits == 4 else None
+        self.modules_to_not_convert = modules_to_not_convert
+        self.format_version = format_version
+
+
+class WeightOnlyQuantize(ConversionOps):
+    """Quantize-on-load: a float `weight` `[out, in]` -> the target module's packed `weight` and its scales."""
+
+    def __init__(self, hf_quantizer: WeightOnlyQuantizer) -> None:
+        self.hf_quantizer = hf_quantizer
+
+    def convert(self, input_dict: dict[str, Any], full_layer_name: str | None = None, model: nn.Module | None = None,
+                **kwargs: Any) -> dict[str, torch.Tensor]:
+        value = next(iter(input_dict.values()))
+        weight = value[0] if isinstance(value, list) else value
+        module, _ = get_module_from_name(model, full_layer_name)
+        if isinstance(module, Int8Linear):
+            codes, scale = weights.quantize_int8(weight)
+            return {full_layer_name: weights.pack_words(codes, 8),
+                    full_layer_name + "_scale": scale.to(module.weight_scale.dtype)}
+        codes, qparams = weights.quantize_int4(weight, module.group_size)
+        return {full_layer_name: weights.pack_words(codes, 4),
+                full_layer_name + "_qparams": qparams.to(module.weight_qparams.dtype)}
+
+
+class WeightOnlyQuantizer(HfQuantizer):
+    """Swaps Linear layers for `Int8Linear` / `Int4Linear` before loading; quantizes float checkpoints on load."""
+
+    requires_calibration = False
+    quantization_config: WeightOnlyConfig
+
+    @property
+    def quantized_element_size(self) -> float:
+        return self.quantization_config.bits / 8
+
+    def param_needs_quantization(self, model: nn.Module, param_name: str, **kwargs: Any) -> bool:
+        module, name = get_module_from_name(model, param_name)
+        return not self.pre_quantized and name == "weight" and isinstance(module, (Int8Linear, Int4Linear))
+
+    def _process_model_before_weight_loading(self, model: nn.Module, **kwargs: Any) -> None:
+        config = self.quantization_config
+        self.modules_to_not_convert = self.get_modules_to_not_convert(
+            model, config.modules_to_not_convert, model._keep_in_fp32_modules, add_default_skips=True)
+        replace_linear_modules(model, config.bits, config.group_size or 0, self.modules_to_not_convert)
+
+    def is_serializable(self) -> bool:
+        return True
+
+    @property
+    def is_trainable(self) -> bool:
+        return False
+
+    def get_quantize_ops(self) -> WeightOnlyQuantize:
+        return WeightOnlyQuantize(self)
+
+
+def replace_linear_modules(model: nn.Module, bits: int, group_size: int, skip: list[str] | None = None) -> int:
+    """Replace every `nn.Linear` of `model` not matched by `skip` with an empty quantized module on the meta device;
+    returns how many. `ValueError` names the layer whose in_features the int4 group size does not divide."""
+    targets = [(name, module) for name, module in model.named_modules()
+               if isinstance(module, nn.Linear) and should_convert_module(name, skip)]
+    for name, linear in targets:
+        try:
+            with torch.device("meta"):
+                quantized = make_quantized_linear(linear, bits, group_size, dtype=linear.weight.dtype)
+        except ValueError as error:
+            raise ValueError(f"cannot quantize {name!r}: {error}") from None
+        model.set_submodule(name, quantized)
+    return len(targets)
+
+
+def register_methods() -> None:
+    """Add `hf_accel_int8` / `hf_accel_int4` to transformers' quantizer registry (idempotent, reload-safe)."""
+    unregister_methods()
+    for method in METHODS.values():
+        register_quantization_config(method)(WeightOnlyConfig)
+        register_quantizer(method)(WeightOnlyQuantizer)
+
+
+def unregister_methods() -> None:
+    """Remove our methods from transformers' quantizer registry."""
+    for method in METHODS.values():
+        AUTO_QUANTIZATION_CONFIG_MAPPING.pop(method, None)
+        AUTO_QUANTIZER_MAPPING.pop(method, None)
