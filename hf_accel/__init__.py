@@ -8,13 +8,15 @@ Importing this package registers hf_accel's cache names with transformers (`hf_a
 
 from . import registry
 from .cache.block_pool import BlockPool, OutOfBlocksError
-from .cache.builders import build_paged_cache
+from .cache.builders import build_paged_cache, build_sink_cache
 from .cache.paged import PagedCache
 from .cache.paged_config import PagedCacheConfig
+from .cache.sink import SinkCache
+from .cache.sink_config import SinkCacheConfig
 
 __version__ = "0.1.0"
 
-CACHE_BUILDERS = {registry.PAGED_ALIAS: build_paged_cache}
+CACHE_BUILDERS = {registry.PAGED_ALIAS: build_paged_cache, registry.SINK_ALIAS: build_sink_cache}
 
 
 def register() -> None:
@@ -34,6 +36,8 @@ __all__ = [
     "OutOfBlocksError",
     "PagedCache",
     "PagedCacheConfig",
+    "SinkCache",
+    "SinkCacheConfig",
     "register",
     "unregister",
 ]

@@ -7,6 +7,8 @@ from transformers import PreTrainedModel
 from ..registry import CacheRequest
 from .paged import PagedCache
 from .paged_config import PagedCacheConfig
+from .sink import SinkCache
+from .sink_config import SinkCacheConfig
 
 
 def build_paged_cache(model: PreTrainedModel, request: CacheRequest) -> PagedCache:
@@ -18,6 +20,19 @@ def build_paged_cache(model: PreTrainedModel, request: CacheRequest) -> PagedCac
         block_size=settings.block_size,
         num_blocks=settings.num_blocks,
         max_memory=settings.max_memory,
+        max_cache_len=request.max_cache_len,
+    )
+
+
+def build_sink_cache(model: PreTrainedModel, request: CacheRequest) -> SinkCache:
+    """A `SinkCache` from `generation_config.cache_config`, told the prompts' left padding (pads never become sinks)."""
+    _require_cache_support(model, "sink")
+    settings = SinkCacheConfig.from_dict(request.generation_config.cache_config)
+    return SinkCache(
+        model.config,
+        window_length=settings.window_length,
+        num_sink_tokens=settings.num_sink_tokens,
+        attention_mask=request.attention_mask,
         max_cache_len=request.max_cache_len,
     )
 
