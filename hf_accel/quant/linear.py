@@ -42,8 +42,15 @@ class Int8Linear(nn.Module):
         return module
 
     def forward(self, x: torch.Tensor, use_kernel: bool = True) -> torch.Tensor:
+        if not weights.is_aligned(self.weight):  # e.g. memory-mapped from a checkpoint: copy once
+            self._realign()
         out = weights.int8_matmul(x, weights.unpack_words(self.weight, 8), self.weight_scale, use_kernel)
         return out if self.bias is None else out + self.bias.to(out.dtype)
+
+    @torch.inference_mode(False)
+    @torch.no_grad()
+    def _realign(self) -> None:
+        self.weight = nn.Parameter(weights.aligned(self.weight.detach()), requires_grad=False)
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight `[out, in]` this module multiplies by."""
@@ -89,7 +96,7 @@ class Int4Linear(nn.Module):
         return module
 
     def forward(self, x: torch.Tensor, use_kernel: bool = True) -> torch.Tensor:
-        layout = weights.int4_kernel_layout(x.device, x.dtype, self.out_features) if use_kernel else None
+        layout = weights.int4_kernel_layout(x.device, self.out_features) if use_kernel else None
         if layout != self.layout:
             self._relayout(layout)
         if layout is None:

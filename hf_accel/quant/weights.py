@@ -19,6 +19,19 @@ INT4_GROUP_SIZES = (32, 64, 128, 256)
 INT4_OFFSET = 8  # int4 codes are 0..15; the kernels subtract 8
 CPU_INT4_INNER_K_TILES = 2
 CUDA_INT4_INNER_K_TILES = 2
+# The kernels run on bf16 activations: torch 2.13's CPU weight-only kernels take a 4-8x slower path for fp32 inputs
+# (measured at hidden 256-1024, one thread), and the CUDA int4 kernel takes bf16 only. Outputs return in x's dtype.
+KERNEL_DTYPE = torch.bfloat16
+KERNEL_ALIGNMENT = 64  # bytes; the CPU int8 kernel crashes (SIGSEGV) on unaligned weights or inputs, e.g. mmapped ones
+
+
+def is_aligned(tensor: torch.Tensor) -> bool:
+    return tensor.data_ptr() % KERNEL_ALIGNMENT == 0
+
+
+def aligned(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor`, or a contiguous copy of it in a fresh (64-byte aligned) allocation when it is not aligned."""
+    return tensor.contiguous() if is_aligned(tensor) else tensor.clone(memory_format=torch.contiguous_format)
 
 
 def check_group_size(in_features: int, group_size: int) -> None:
@@ -86,23 +99,25 @@ def dequantize_int4(codes: torch.Tensor, qparams: torch.Tensor, dtype: torch.dty
 def int8_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, use_kernel: bool = True) -> torch.Tensor:
     """`x` `[..., in]` @ dequantized(codes `[out, in]`, scale `[out]`).T -> `[..., out]` in x's dtype.
 
-    On CPU the kernel is `aten._weight_int8pack_mm`; elsewhere (or with `use_kernel=False`) the same product in plain
-    torch: `(x @ codes.T) * scale`.
+    On CPU the kernel is `aten._weight_int8pack_mm` (in `KERNEL_DTYPE`; `codes` must be 64-byte aligned, see
+    `aligned`); elsewhere (or with `use_kernel=False`) the same product in plain torch in x's dtype:
+    `(x @ codes.T) * scale`.
     """
     rows = x.reshape(-1, x.shape[-1])
-    scale = scale.to(x.dtype)
     if use_kernel and x.device.type == "cpu":
-        out = torch.ops.aten._weight_int8pack_mm(rows.contiguous(), codes, scale)
+        assert is_aligned(codes), "int8 kernel weights must be 64-byte aligned"
+        kernel_rows, kernel_scale = aligned(rows.to(KERNEL_DTYPE)), scale.to(KERNEL_DTYPE)
+        out = torch.ops.aten._weight_int8pack_mm(kernel_rows, codes, kernel_scale).to(x.dtype)
     else:
-        out = F.linear(rows, codes.to(x.dtype)) * scale
+        out = F.linear(rows, codes.to(x.dtype)) * scale.to(x.dtype)
     return out.reshape(*x.shape[:-1], codes.shape[0])
 
 
-def int4_kernel_layout(device: torch.device, dtype: torch.dtype, out_features: int) -> str | None:
-    """Which torch int4 kernel applies to inputs on `device` in `dtype`: "cpu", "cuda" or None (plain torch)."""
-    if device.type == "cpu" and out_features % 16 == 0 and dtype in (torch.float32, torch.bfloat16, torch.float16):
+def int4_kernel_layout(device: torch.device, out_features: int) -> str | None:
+    """Which torch int4 kernel applies on `device`: "cpu" (needs out % 16 == 0), "cuda" (out % 8 == 0) or None."""
+    if device.type == "cpu" and out_features % 16 == 0:
         return "cpu"
-    if device.type == "cuda" and out_features % 8 == 0 and dtype == torch.bfloat16:
+    if device.type == "cuda" and out_features % 8 == 0:
         return "cuda"
     return None
 
@@ -117,21 +132,22 @@ def pack_int4_for_kernel(codes: torch.Tensor, layout: str) -> torch.Tensor:
 
 
 def int4_kernel_matmul(x: torch.Tensor, packed: torch.Tensor, qparams: torch.Tensor, layout: str) -> torch.Tensor:
-    """`x` `[..., in]` @ the int4 weight packed by `pack_int4_for_kernel(.., layout)` -> `[..., out]`."""
-    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    """`x` `[..., in]` @ the int4 weight packed by `pack_int4_for_kernel(.., layout)` -> `[..., out]` in x's dtype,
+    computed in `KERNEL_DTYPE`."""
+    rows = x.reshape(-1, x.shape[-1]).to(KERNEL_DTYPE).contiguous()
     group_size = x.shape[-1] // qparams.shape[0]
-    qparams = qparams.to(x.dtype)
+    qparams = qparams.to(KERNEL_DTYPE)
     if layout == "cpu":
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, packed, group_size, qparams)
     else:
         out = torch.ops.aten._weight_int4pack_mm(rows, packed, group_size, qparams)
-    return out.reshape(*x.shape[:-1], qparams.shape[1])
+    return out.to(x.dtype).reshape(*x.shape[:-1], qparams.shape[1])
 
 
 def unpack_int4_from_kernel(packed: torch.Tensor, in_features: int, num_groups: int, layout: str) -> torch.Tensor:
     """Inverse of `pack_int4_for_kernel`: uint8 codes `[out, in]`. The packed layout is opaque (it differs by CPU
     instruction set), so the kernel itself reads it back: identity @ W with scale 1 and zero 0 gives `codes - 8`."""
-    dtype = torch.float32 if layout == "cpu" else torch.bfloat16  # both exact for integers -8..7
+    dtype = KERNEL_DTYPE  # exact for integers -8..7
     eye = torch.eye(in_features, dtype=dtype, device=packed.device)
     out_features = packed.shape[0] if layout == "cpu" else packed.shape[0] * 8
     qparams = torch.zeros(num_groups, out_features, 2, dtype=dtype, device=packed.device)
