@@ -8,36 +8,56 @@ Importing this package registers hf_accel's cache names with transformers (`hf_a
 
 from . import registry
 from .cache.block_pool import BlockPool, OutOfBlocksError
-from .cache.builders import build_paged_cache, build_sink_cache
+from .cache.builders import build_paged_cache, build_quantized_cache, build_sink_cache
 from .cache.paged import PagedCache
 from .cache.paged_config import PagedCacheConfig
+from .cache.quantized import QuantizedKVCache
+from .cache.quantized_config import QuantizedKVConfig
 from .cache.sink import SinkCache
 from .cache.sink_config import SinkCacheConfig
+from .quant import quantizer as _weight_quantizer
+from .quant.linear import Int4Linear, Int8Linear
+from .quant.presets import list_quantization_presets, load_model, quantization_config
+from .quant.quantizer import WeightOnlyConfig
 
 __version__ = "0.1.0"
 
-CACHE_BUILDERS = {registry.PAGED_ALIAS: build_paged_cache, registry.SINK_ALIAS: build_sink_cache}
+CACHE_BUILDERS = {
+    registry.PAGED_ALIAS: build_paged_cache,
+    registry.QUANTIZED_ALIAS: build_quantized_cache,
+    registry.SINK_ALIAS: build_sink_cache,
+}
 
 
 def register() -> None:
     """Register hf_accel with transformers (done on import; idempotent)."""
     registry.register(CACHE_BUILDERS)
+    _weight_quantizer.register_methods()
 
 
 def unregister() -> None:
     """Restore stock transformers behaviour exactly."""
     registry.unregister()
+    _weight_quantizer.unregister_methods()
 
 
 register()
 
 __all__ = [
     "BlockPool",
+    "Int4Linear",
+    "Int8Linear",
     "OutOfBlocksError",
     "PagedCache",
     "PagedCacheConfig",
+    "QuantizedKVCache",
+    "QuantizedKVConfig",
     "SinkCache",
     "SinkCacheConfig",
+    "WeightOnlyConfig",
+    "list_quantization_presets",
+    "load_model",
+    "quantization_config",
     "register",
     "unregister",
 ]

@@ -19,10 +19,14 @@ from typing import Any
 
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedModel, StaticCache
+from transformers import (
+    AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedModel, QuantizedCache, StaticCache,
+)
 from transformers.cache_utils import Cache
 
 from .cache.paged import PagedCache
+from .cache.quantized import QuantizedKVCache
+from .cache.sink import SinkCache
 
 RANDOM_MODEL_NOTE = (
     "random-weight Llama built from a config (the project's trained reference models are a later issue): "
@@ -90,6 +94,9 @@ def make_prompts(
     return {"input_ids": input_ids, "attention_mask": attention_mask}
 
 
+QUANTIZED_INT4 = {"backend": "hf_accel", "nbits": 4, "group_size": 64, "residual_length": 128}
+
+
 @dataclass(frozen=True, slots=True)
 class Strategy:
     """One row of the benchmark: `generate_kwargs(model, max_cache_len)` gives the extra `generate` kwargs."""
@@ -112,13 +119,28 @@ STRATEGIES: tuple[Strategy, ...] = (
         'cache_implementation="paged", block_size 16',
         lambda model, max_len: {"cache_implementation": "paged", "cache_config": {"block_size": 16}},
     ),
+    Strategy(
+        "hf_accel quantized int4",
+        'cache_implementation="quantized", backend "hf_accel", 4 bits, group 64, residual 128',
+        lambda model, max_len: {"cache_implementation": "quantized", "cache_config": QUANTIZED_INT4},
+    ),
+    Strategy(
+        "hf_accel sink",
+        'cache_implementation="sink", window = half the longest row (at least 64 tokens), 4 sinks',
+        lambda model, max_len: {"cache_implementation": "sink",
+                                "cache_config": {"window_length": max(max_len // 2, 64), "num_sink_tokens": 4}},
+    ),
 )
 
 
-def kv_bytes(cache: Cache) -> int:
-    """Bytes held for K/V: a `PagedCache`'s allocated pools, else the sum of every layer's keys and values."""
-    if isinstance(cache, PagedCache):
+def kv_bytes(cache: Cache) -> int | None:
+    """Bytes held for K/V: an hf_accel cache's `memory_bytes()` (a paged cache's allocated pools; a quantized cache's
+    codes, scales and residuals; a sink cache's window buffers and sinks), None for transformers' `QuantizedCache`
+    (its backend's tensors are opaque), else the sum of every layer's keys and values."""
+    if isinstance(cache, (PagedCache, QuantizedKVCache, SinkCache)):
         return cache.memory_bytes()
+    if isinstance(cache, QuantizedCache):
+        return None
     return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers if layer.is_initialized)
 
 
@@ -160,8 +182,8 @@ class StrategyResult:
     name: str
     decode_tokens_per_s: float
     speed_ratio: float  # median over repeats of (baseline decode time / this decode time) within the repeat
-    kv_bytes: int
-    kv_ratio: float  # kv_bytes / baseline kv_bytes
+    kv_bytes: int | None  # None where it cannot be measured (see `kv_bytes`)
+    kv_ratio: float | None  # kv_bytes / baseline kv_bytes
     agreement: float  # greedy token agreement with the baseline over generated tokens
     decode_seconds: list[float]  # one per measured repeat
 
@@ -216,7 +238,7 @@ def _summarize(
             decode_tokens_per_s=rows * (new_tokens - 1) / statistics.median(seconds[name]),
             speed_ratio=statistics.median(b / s for b, s in zip(seconds[base], seconds[name])),
             kv_bytes=num_bytes,
-            kv_ratio=num_bytes / base_bytes,
+            kv_ratio=None if num_bytes is None or not base_bytes else num_bytes / base_bytes,
             agreement=token_agreement(output.sequences[:, prompt_len:], base_tokens),
             decode_seconds=seconds[name],
         ))
@@ -257,8 +279,9 @@ def results_table(results: Sequence[StrategyResult], markdown: bool = False) -> 
     base = results[0].name
     headers = ["strategy", "decode tok/s", f"x {base} (paired)", "KV bytes", f"KV x {base}", "greedy agreement"]
     rows = [
-        [r.name, f"{r.decode_tokens_per_s:.1f}", f"{r.speed_ratio:.2f}x", format_bytes(r.kv_bytes),
-         f"{r.kv_ratio:.2f}x", f"{100 * r.agreement:.1f}%"]
+        [r.name, f"{r.decode_tokens_per_s:.1f}", f"{r.speed_ratio:.2f}x",
+         "-" if r.kv_bytes is None else format_bytes(r.kv_bytes), "-" if r.kv_ratio is None else f"{r.kv_ratio:.2f}x",
+         f"{100 * r.agreement:.1f}%"]
         for r in results
     ]
     return format_table(headers, rows, markdown=markdown)

@@ -60,7 +60,9 @@ class CacheSpec:
     logits (default 1e-5 in fp32, 2e-2 in bf16). `check_shared_rows(cache, num_prompts, prompt_len)` is called on
     the returned cache where rows come in groups from `num_prompts` prompts of padded length `prompt_len` (20
     tokens; beams, `num_return_sequences`) and should assert each prompt is stored once. `reference`: the spec
-    compared against (default: generate's own `DynamicCache`).
+    compared against (default: generate's own `DynamicCache`). `tie_atol` (lossy caches): tokens may first differ
+    only where the reference's two best logits are within `tie_atol` of each other, a near tie the cache's error can
+    flip; later tokens are not compared (the histories differ from there).
     """
 
     name: str
@@ -72,6 +74,7 @@ class CacheSpec:
     score_atol: float | None = None
     check_shared_rows: Callable[[Cache, int, int], None] | None = None
     reference: CacheSpec | None = None
+    tie_atol: float | None = None
 
     def kwargs(self, model: PreTrainedModel) -> dict[str, Any]:
         """Generate kwargs that select this cache, with a fresh cache object per call."""
@@ -186,10 +189,21 @@ def assert_same_tokens(reference, got, spec: CacheSpec, prompt_len: int) -> None
     if found is None or (not spec.exact and found[1] - prompt_len >= spec.min_matching_tokens):
         return
     row, step = found[0], found[1] - prompt_len
+    if spec.tie_atol is not None and _top2_gap(reference, row, step) <= spec.tie_atol:
+        return
     raise AssertionError(
         f"{spec}: tokens differ from {spec.baseline} first at row {row}, generated token {step}"
         f"{_describe_logits(reference, got, row, step)}\n"
         f"reference  {reference.sequences.tolist()}\nunder test {got.sequences.tolist()}")
+
+
+def _top2_gap(reference, row: int, step: int) -> float:
+    """Gap between the reference's two best raw logits at (row, generated step); inf when rows are beams."""
+    logits = reference.logits
+    if not logits or step >= len(logits) or logits[step].shape[0] != reference.sequences.shape[0]:
+        return float("inf")
+    best = logits[step][row].float().topk(2).values
+    return (best[0] - best[1]).item()
 
 
 def _describe_logits(reference, got, row: int, step: int) -> str:
@@ -247,7 +261,8 @@ def check_prompt_lookup(model: PreTrainedModel, spec: CacheSpec) -> None:
 
 
 def check_streamer(model: PreTrainedModel, spec: CacheSpec) -> None:
-    """`TextIteratorStreamer` fed by generate in a thread streams the reference's text; tokens equal too."""
+    """`TextIteratorStreamer` fed by generate in a thread streams exactly the generated text; tokens equal the
+    reference's too."""
     tokenizer, inputs = make_tokenizer(), make_prompts([10], seed=7)
     reference = generate(model, spec.baseline, inputs, do_sample=False)
     streamer = TextIteratorStreamer(tokenizer, skip_prompt=True, timeout=120)
@@ -267,7 +282,7 @@ def check_streamer(model: PreTrainedModel, spec: CacheSpec) -> None:
     if "error" in result:
         raise result["error"]
     assert_same_tokens(reference, result["out"], spec, inputs["input_ids"].shape[1])
-    expected = tokenizer.decode(reference.sequences[0, inputs["input_ids"].shape[1] :])
+    expected = tokenizer.decode(result["out"].sequences[0, inputs["input_ids"].shape[1] :])
     assert "".join(chunks) == expected, f"{spec}: streamed {chunks}, expected {expected!r}"
     assert len(chunks) > 1, "the streamer was not exercised incrementally"
 
@@ -326,6 +341,8 @@ def check_continue_from_cache(model: PreTrainedModel, spec: CacheSpec) -> None:
     """Generate, append a 3-token user turn, generate again passing the returned cache as `past_key_values`."""
     inputs, turn = make_prompts([6, 11], seed=11), make_prompts([3, 3], seed=12)
     first = compare(model, spec, inputs, do_sample=False, max_new_tokens=8)
+    if not torch.equal(first[0].sequences, first[1].sequences):
+        return  # a near tie flipped in the first call (allowed by `spec.tie_atol`): the follow-ups differ by design
     outs = []
     for side, out in zip((spec.baseline, spec), first):
         generated = torch.ones_like(out.sequences[:, inputs["input_ids"].shape[1] :])

@@ -9,6 +9,8 @@ from .paged import PagedCache
 from .paged_config import PagedCacheConfig
 from .sink import SinkCache
 from .sink_config import SinkCacheConfig
+from .quantized import QuantizedKVCache
+from .quantized_config import QuantizedKVConfig
 
 
 def build_paged_cache(model: PreTrainedModel, request: CacheRequest) -> PagedCache:
@@ -21,6 +23,15 @@ def build_paged_cache(model: PreTrainedModel, request: CacheRequest) -> PagedCac
         num_blocks=settings.num_blocks,
         max_memory=settings.max_memory,
         max_cache_len=request.max_cache_len,
+    )
+
+
+def build_quantized_cache(model: PreTrainedModel, request: CacheRequest) -> QuantizedKVCache:
+    """hf_accel's `QuantizedKVCache`, for `cache_implementation="quantized"` with `cache_config["backend"]="hf_accel"`."""
+    _require_cache_support(model, "quantized")
+    settings = QuantizedKVConfig.from_dict(request.generation_config.cache_config)
+    return QuantizedKVCache(
+        model.config, nbits=settings.nbits, group_size=settings.group_size, residual_length=settings.residual_length
     )
 
 

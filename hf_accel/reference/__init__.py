@@ -14,6 +14,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from .corpus import load_split, pack_sequences, tokenize
+
 ASSETS_DIR = Path(__file__).resolve().parent / "assets"
 MODEL_NAMES = ("target", "draft")
 TRAIN_COMMAND = "hf-accel train-reference (or: python -m hf_accel.reference.train)"
@@ -38,4 +40,13 @@ def load(
     return model.eval(), tokenizer
 
 
-__all__ = ["ASSETS_DIR", "MODEL_NAMES", "load"]
+def held_out_sequences(tokenizer: PreTrainedTokenizerBase, seq_len: int = 512, max_rows: int | None = None) -> torch.Tensor:
+    """The held-out split (never trained on) as ``[rows, seq_len]`` token ids: files in corpus order, each followed by
+    the end-of-text token, cut into rows; at most ``max_rows`` rows (all by default). The model card's perplexities
+    use ``seq_len=512``."""
+    held_out = load_split("held_out")
+    rows = pack_sequences(tokenize(held_out.texts, tokenizer), tokenizer.eos_token_id, seq_len)
+    return rows if max_rows is None else rows[:max_rows]
+
+
+__all__ = ["ASSETS_DIR", "MODEL_NAMES", "held_out_sequences", "load"]

@@ -1,0 +1,217 @@
+"""Quantized KV cache: int8 / int4 / int2 codes plus a full-precision residual window, append-only (KIVI layout).
+
+Per full-attention layer the cache holds
+
+    quantized_keys    codes [rows, kv_heads, Tq, D * nbits / 8] uint8; scale, minimum [rows, kv_heads, Tq / G, 1, D]
+    quantized_values  codes [rows, kv_heads, Tq, D * nbits / 8] uint8; scale, minimum [rows, kv_heads, Tq, D / G, 1]
+    keys, values      residual [rows, kv_heads, Tr, D] in the model's dtype (the most recent tokens)
+
+Keys are grouped per channel over G tokens and values per token over G channels (KIVI). After an update has been
+attended to in full precision, if the residual holds `residual_length` tokens or more, its whole groups are quantized
+and appended (the residual then holds fewer than G tokens, so memory stays low right after a long prefill); quantized
+data is never dequantized and re-quantized. The tokens of a short multi-token update (assisted decoding's candidates)
+stay in full precision, so cropping rejected candidates is exact. Each forward dequantizes the quantized part into one
+`[rows, kv_heads, Tq + Tr, D]` buffer (a fixed number of tensor ops per layer: no loop over tokens, no host sync).
+Layers of other types (sliding windows, ...) are transformers' own dynamic layers.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import PreTrainedConfig
+from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, CacheLayerMixin, get_layer_types_and_kwargs
+
+from ..quant import ops
+from ..quant.ops import QuantizedTensor
+from .quantized_config import QuantizedKVConfig
+
+KEY_AXIS, VALUE_AXIS = -2, -1  # keys: groups of tokens per channel; values: groups of channels per token
+
+
+class QuantizedKVLayer(CacheLayerMixin):
+    """One full-attention layer: quantized history plus a full-precision residual window."""
+
+    is_sliding = False
+    is_croppable = True
+
+    def __init__(self, settings: QuantizedKVConfig):
+        super().__init__()
+        self.settings = settings
+        self.quantized_keys: QuantizedTensor | None = None
+        self.quantized_values: QuantizedTensor | None = None
+        self.cumulative_length = 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.settings.check_head_dim(key_states.shape[-1])
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.keys, self.values = key_states[:, :, :0], value_states[:, :, :0]
+        self.is_initialized = True
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append `[rows, kv_heads, q_len, head_dim]` states; return the layer's full K/V (dequantized history first)."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.keys = torch.cat((self.keys, key_states), dim=-2)
+        self.values = torch.cat((self.values, value_states), dim=-2)
+        self.cumulative_length += key_states.shape[-2]
+        if self.quantized_keys is None:
+            keys, values = self.keys, self.values
+        else:
+            keys, values = self._dense(self.quantized_keys, self.keys), self._dense(self.quantized_values, self.values)
+        if self.keys.shape[-2] >= self.settings.residual_length:
+            self._flush_residual(key_states.shape[-2])
+        return keys, values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.cumulative_length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.cumulative_length
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove the last `-tokens_to_remove` tokens (a non-positive count, as assisted decoding passes)."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"`crop` takes a non-positive number of tokens to remove, got {tokens_to_remove}")
+        remove = min(-tokens_to_remove, self.cumulative_length)
+        if remove == 0:
+            return
+        if remove > self.keys.shape[-2]:
+            self._restore_groups(remove - self.keys.shape[-2])
+        kept = self.keys.shape[-2] - remove
+        self.keys, self.values = self.keys[:, :, :kept], self.values[:, :, :kept]
+        self.cumulative_length -= remove
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._select_rows(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._select_rows(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._select_rows(lambda t: t[indices])
+
+    def reset(self) -> None:
+        self.keys = self.values = None
+        self.quantized_keys = self.quantized_values = None
+        self.cumulative_length = 0
+        self.is_initialized = False
+
+    def nbytes(self) -> int:
+        """Bytes held: codes, scales and minima of the quantized part plus the residual."""
+        if not self.is_initialized:
+            return 0
+        held = [self.keys, self.values]
+        quantized = sum(q.nbytes() for q in (self.quantized_keys, self.quantized_values) if q is not None)
+        return quantized + sum(t.numel() * t.element_size() for t in held)
+
+    def _flush_residual(self, latest: int) -> None:
+        # Quantize the residual's oldest whole groups (keys need G tokens per group). The tokens of a multi-token
+        # update shorter than the residual (assisted decoding's candidates) stay in full precision, so cropping the
+        # rejected ones is exact; a decode step's token or a long prefill is flushed with the rest.
+        size = self.settings.group_size
+        keep = latest if 1 < latest < self.settings.residual_length else 0
+        count = (self.keys.shape[-2] - keep) // size * size
+        if count == 0:
+            return
+        nbits = self.settings.nbits
+        new_keys = ops.quantize(self.keys[:, :, :count], nbits, size, KEY_AXIS)
+        new_values = ops.quantize(self.values[:, :, :count], nbits, size, VALUE_AXIS)
+        self.quantized_keys = new_keys if self.quantized_keys is None else ops.concat(self.quantized_keys, new_keys)
+        self.quantized_values = (
+            new_values if self.quantized_values is None else ops.concat(self.quantized_values, new_values)
+        )
+        self.keys, self.values = self.keys[:, :, count:].clone(), self.values[:, :, count:].clone()
+
+    def _restore_groups(self, num_tokens: int) -> None:
+        # A crop deeper than the latest update (never done by generate): move the last whole key groups covering
+        # `num_tokens` back into the residual as their dequantized values (exactly what attention has been reading);
+        # the caller slices. Survivors among them are quantized again at a later flush (the one re-quantization).
+        size = self.settings.group_size
+        groups = -(-num_tokens // size)
+        keep = self.quantized_keys.num_tokens - groups * size
+        restored_keys = ops.dequantize(_tail(self.quantized_keys, keep, keep // size))
+        restored_values = ops.dequantize(_tail(self.quantized_values, keep, keep))
+        self.keys = torch.cat((restored_keys, self.keys), dim=-2)
+        self.values = torch.cat((restored_values, self.values), dim=-2)
+        self.quantized_keys = _head(self.quantized_keys, keep, keep // size) if keep else None
+        self.quantized_values = _head(self.quantized_values, keep, keep) if keep else None
+
+    def _select_rows(self, select) -> None:
+        if not self.is_initialized:
+            return
+        self.keys, self.values = select(self.keys), select(self.values)
+        if self.quantized_keys is not None:
+            self.quantized_keys = self.quantized_keys.map_tensors(select)
+            self.quantized_values = self.quantized_values.map_tensors(select)
+
+    def _dense(self, quantized: QuantizedTensor, residual: torch.Tensor) -> torch.Tensor:
+        # out: [rows, kv_heads, Tq + Tr, D]; dequantized history, then the full-precision residual
+        rows, heads, residual_len, head_dim = residual.shape
+        history = quantized.num_tokens
+        out = torch.empty(rows, heads, history + residual_len, head_dim, dtype=residual.dtype, device=residual.device)
+        ops.dequantize(quantized, out[:, :, :history])
+        out[:, :, history:].copy_(residual)
+        return out
+
+
+def _head(q: QuantizedTensor, tokens: int, scale_rows: int) -> QuantizedTensor:
+    """The first `tokens` tokens (`scale_rows` rows of scales: token groups for keys, tokens for values)."""
+    return QuantizedTensor(q.codes[..., :tokens, :], q.scale[..., :scale_rows, :, :], q.minimum[..., :scale_rows, :, :],
+                           q.nbits, q.group_size, q.axis)
+
+
+def _tail(q: QuantizedTensor, tokens: int, scale_rows: int) -> QuantizedTensor:
+    return QuantizedTensor(q.codes[..., tokens:, :], q.scale[..., scale_rows:, :, :], q.minimum[..., scale_rows:, :, :],
+                           q.nbits, q.group_size, q.axis)
+
+
+class QuantizedKVCache(Cache):
+    """hf_accel's quantized KV cache; full-attention layers quantized, other layer types kept by transformers.
+
+    Use through generate, `cache_implementation="quantized", cache_config={"backend": "hf_accel", "nbits": 4}`, or
+    directly: `model.generate(..., past_key_values=QuantizedKVCache(model.config, nbits=4))`.
+
+    Args:
+        config: the model's config (its text config is used; encoder-decoder configs are refused).
+        nbits, group_size, residual_length: see `QuantizedKVConfig`.
+    """
+
+    def __init__(self, config: PreTrainedConfig, nbits: int = 4, group_size: int = 64, residual_length: int = 128):
+        self.settings = QuantizedKVConfig(nbits=nbits, group_size=group_size, residual_length=residual_length)
+        text_config = _decoder_config(config)
+        self.settings.check_head_dim(_head_dim(text_config))
+        layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
+        layers = [
+            QuantizedKVLayer(self.settings) if kind == "full_attention" else DYNAMIC_LAYER_TYPE_MAPPING[kind](**kwargs)
+            for kind, kwargs in zip(layer_types, layer_kwargs)
+        ]
+        super().__init__(layers=layers)
+
+    def memory_bytes(self) -> int:
+        """Bytes of K/V held by all layers (codes, scales, minima, residuals and any full-precision layers)."""
+        return sum(_layer_bytes(layer) for layer in self.layers)
+
+
+def _layer_bytes(layer: CacheLayerMixin) -> int:
+    if isinstance(layer, QuantizedKVLayer):
+        return layer.nbytes()
+    held = (getattr(layer, "keys", None), getattr(layer, "values", None))
+    return sum(t.numel() * t.element_size() for t in held if isinstance(t, torch.Tensor))
+
+
+def _decoder_config(config: PreTrainedConfig) -> PreTrainedConfig:
+    if not isinstance(config, PreTrainedConfig):
+        raise TypeError(f"`config` must be a transformers PreTrainedConfig, got {type(config).__name__}")
+    if getattr(config, "is_encoder_decoder", False):
+        raise ValueError("QuantizedKVCache supports decoder-only models; `config` is an encoder-decoder config")
+    return config.get_text_config(decoder=True)
+
+
+def _head_dim(config: PreTrainedConfig) -> int:
+    head_dim = getattr(config, "head_dim", None)
+    return head_dim if isinstance(head_dim, int) else config.hidden_size // config.num_attention_heads

@@ -1,0 +1,71 @@
+"""Settings of the quantized KV cache, validated once, without I/O."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from ..quant.ops import SUPPORTED_NBITS
+
+BACKEND = "hf_accel"  # the `cache_config["backend"]` that selects this cache under cache_implementation="quantized"
+
+
+@dataclass(frozen=True, slots=True)
+class QuantizedKVConfig:
+    """How K/V are quantized (KIVI layout).
+
+    nbits: bits per code, one of 2, 4, 8. group_size: elements sharing a scale and minimum: keys are grouped per
+    channel over `group_size` consecutive tokens, values per token over `group_size` consecutive channels (so it
+    must divide the head dimension). residual_length: the most recent tokens are kept in full precision; once that
+    many have accumulated, the oldest whole groups of them are quantized and appended (a positive multiple of
+    `group_size`).
+    """
+
+    nbits: int = 4
+    group_size: int = 64
+    residual_length: int = 128
+
+    def __post_init__(self) -> None:
+        for name in ("nbits", "group_size", "residual_length"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(f"`{name}` must be an int, got {type(value).__name__}")
+        if self.nbits not in SUPPORTED_NBITS:
+            raise ValueError(f"`nbits` must be one of {SUPPORTED_NBITS}, got {self.nbits}")
+        if self.group_size < 1:
+            raise ValueError(f"`group_size` must be a positive int, got {self.group_size}")
+        if self.residual_length < self.group_size or self.residual_length % self.group_size:
+            raise ValueError(
+                f"`residual_length` must be a positive multiple of `group_size` ({self.group_size}), "
+                f"got {self.residual_length}"
+            )
+
+    def check_head_dim(self, head_dim: int) -> None:
+        """Raise if values cannot be grouped per token or codes cannot be packed for this head dimension."""
+        if head_dim % self.group_size:
+            raise ValueError(f"`group_size` ({self.group_size}) must divide the model's head dimension ({head_dim})")
+        per_byte = 8 // self.nbits
+        if head_dim % per_byte:
+            raise ValueError(f"`nbits`={self.nbits} packs {per_byte} codes per byte; head dimension {head_dim} is not a multiple")
+
+    @classmethod
+    def from_dict(cls, cache_config: Mapping[str, Any] | None) -> QuantizedKVConfig:
+        """From generate's `cache_config` (`backend` is accepted and must be "hf_accel"; `q_group_size`, the stock
+        name, is accepted for `group_size`)."""
+        if cache_config is None:
+            return cls()
+        if not isinstance(cache_config, Mapping):
+            raise TypeError(f"`cache_config` must be a dict, got {type(cache_config).__name__}")
+        settings = dict(cache_config)
+        if settings.pop("backend", BACKEND) != BACKEND:
+            raise ValueError(f"`cache_config['backend']` must be {BACKEND!r} for hf_accel's quantized cache")
+        if "q_group_size" in settings:
+            if "group_size" in settings:
+                raise ValueError("give `group_size` or `q_group_size` (its stock name), not both")
+            settings["group_size"] = settings.pop("q_group_size")
+        allowed = sorted(f.name for f in fields(cls))
+        unknown = sorted(set(settings) - set(allowed))
+        if unknown:
+            raise ValueError(f"unknown `cache_config` keys {unknown} for the hf_accel quantized cache; allowed: {allowed} and 'backend'")
+        return cls(**settings)
