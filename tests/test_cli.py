@@ -30,7 +30,7 @@ def test_bench_prints_one_row_per_strategy(capsys):
     threads = torch.get_num_threads()
     assert cli.main(SMALL_BENCH) == 0
     rows = _table_rows(capsys.readouterr().out)
-    assert [row.split("  ")[0] for row in rows] == ["DynamicCache", "StaticCache", "hf_accel paged"]
+    assert [row.split("  ")[0] for row in rows] == STRATEGY_NAMES
     assert rows[0].split()[2] == "1.00x"  # the baseline's ratio to itself
     assert all(row.rstrip().endswith("100.0%") for row in rows)  # greedy tokens agree with DynamicCache
     assert torch.get_num_threads() == threads  # --threads does not leak out of the command

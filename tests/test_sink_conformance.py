@@ -55,12 +55,12 @@ def test_sink_within_window(arch, attn, mode):
     MODES[mode](_model(arch, torch.float32, attn), SINK)
 
 
-@pytest.mark.parametrize("arch, mode", [(a, m) for a in ("llama", "gemma3") for m in MODES])
+@pytest.mark.parametrize("arch, mode", [(a, m) for a in ("llama",) for m in MODES])
 def test_sink_within_window_bf16(arch, mode):
     MODES[mode](_model(arch, torch.bfloat16, "sdpa"), SINK)
 
 
 # `past_key_values=SinkCache(model.config, ...)`: built without generate's padding mask and sizing hint
-@pytest.mark.parametrize("arch, mode", [(a, m) for a in ("llama", "qwen2") for m in MODES])
+@pytest.mark.parametrize("arch, mode", [(a, m) for a in ("qwen2",) for m in MODES])
 def test_sink_zero_patch_within_window(arch, mode):
     MODES[mode](_model(arch, torch.float32, "sdpa"), SINK_ZERO_PATCH)

@@ -35,10 +35,9 @@ def rope_inverse_frequencies(config: PreTrainedConfig, layer_type: str = "full_a
         dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
         return 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     if rope_type not in ROPE_INIT_FUNCTIONS:
-        raise ValueError(
-            f"The sink cache supports RoPE types 'default' and {sorted(set(ROPE_INIT_FUNCTIONS) - {'dynamic', 'longrope'})}; "
-            f"this model's `config` uses rope_type={rope_type!r}"
-        )
+        supported = ["default", *sorted(set(ROPE_INIT_FUNCTIONS) - {"dynamic", "longrope"})]
+        raise ValueError(f"The sink cache supports RoPE types {supported}; this model's `config` uses "
+                         f"rope_type={rope_type!r}")
     per_layer_type = layer_type in text_config.rope_parameters
     inv_freq, _ = ROPE_INIT_FUNCTIONS[rope_type](text_config, "cpu", layer_type=layer_type if per_layer_type else None)
     return inv_freq.float()

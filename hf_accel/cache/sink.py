@@ -235,7 +235,8 @@ def _checked_layer_types(config: PreTrainedConfig) -> tuple[list[str], list[dict
     layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
     unsupported = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
     if unsupported:
-        raise ValueError(f"SinkCache supports full and sliding attention layers; this model's `config` has {unsupported}")
+        raise ValueError(
+            f"SinkCache supports full and sliding attention layers; this model's `config` has {unsupported}")
     if "full_attention" not in layer_types:
         raise ValueError(
             "SinkCache keeps sinks in full-attention layers, and every layer of this model's `config` is a sliding "
