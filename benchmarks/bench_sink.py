@@ -170,11 +170,11 @@ def perplexity_part(plan: Plan) -> dict[str, Any]:
     if plan.quick:
         model = bench.random_llama(hidden_size=plan.hidden_size, num_layers=plan.num_layers, seed=0)
         return measure_perplexity(model, None, plan, f"{bench.describe_model(model)}, random tokens (smoke run)")
-    try:
-        model, tokenizer = reference.load("target")
-    except FileNotFoundError as missing:
-        print(f"perplexity skipped: {missing}", flush=True)
-        return {"skipped": str(missing)}
+    if not (reference.ASSETS_DIR / "target" / "config.json").is_file():
+        reason = f"no reference target model yet (hf_accel/reference/assets/target); run: {reference.TRAIN_COMMAND}"
+        print(f"perplexity skipped: {reason}", flush=True)
+        return {"skipped": reason}
+    model, tokenizer = reference.load("target")
     return measure_perplexity(model, tokenizer, plan, f"reference target: {bench.describe_model(model)}")
 
 
