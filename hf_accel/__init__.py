@@ -19,6 +19,9 @@ from .quant import quantizer as _weight_quantizer
 from .quant.linear import Int4Linear, Int8Linear
 from .quant.presets import list_quantization_presets, load_model, quantization_config
 from .quant.quantizer import WeightOnlyConfig
+from .speculative.draft import draft_generate
+from .speculative.draft_length import DraftLength
+from .speculative.draft_stats import SpeculativeStats
 
 __version__ = "0.1.0"
 
@@ -45,6 +48,7 @@ register()
 
 __all__ = [
     "BlockPool",
+    "DraftLength",
     "Int4Linear",
     "Int8Linear",
     "OutOfBlocksError",
@@ -54,7 +58,9 @@ __all__ = [
     "QuantizedKVConfig",
     "SinkCache",
     "SinkCacheConfig",
+    "SpeculativeStats",
     "WeightOnlyConfig",
+    "draft_generate",
     "list_quantization_presets",
     "load_model",
     "quantization_config",
