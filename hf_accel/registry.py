@@ -7,6 +7,8 @@ What it changes (all undone by `unregister`):
 - `GenerationMixin._prepare_cache_for_generation`: our cache names build our caches, and so does the stock name
   "quantized" with `cache_config={"backend": "hf_accel", ...}` (other backends stay stock); for an assistant model
   that already holds a cache, `cache_implementation` is ignored (stock raises "Passing both ..." in round 2).
+- `GenerationMixin.generate`, for callable `custom_generate`s: `streamer` is handed to callables that declare
+  `hf_accel_streamer`, and `stop_strings` + `tokenizer` become a stopping criterion (stock drops both).
 - `generation.configuration_utils.ALL_CACHE_IMPLEMENTATIONS`: our names are added so validation accepts them.
 The pristine functions are kept on the wrappers (never in a module global), so `importlib.reload` cannot stack them.
 """
@@ -14,11 +16,12 @@ The pristine functions are kept on the wrappers (never in a module global), so `
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
-from transformers import GenerationConfig
+from transformers import GenerationConfig, StopStringCriteria, StoppingCriteriaList
 
 from transformers.generation import configuration_utils
 from transformers.generation.utils import GenerationMixin
@@ -89,9 +92,23 @@ def _wrap_generate(original: Callable) -> Callable:
         name = kwargs.get("cache_implementation")
         if isinstance(name, str) and name in USER_NAMES:
             kwargs["cache_implementation"] = USER_NAMES[name]
+        if callable(kwargs.get("custom_generate")):
+            _forward_to_custom_generate(kwargs)
         return original(self, *args, **kwargs)
 
     return generate
+
+
+def _forward_to_custom_generate(kwargs: dict) -> None:
+    """Stock generate drops `streamer` and `tokenizer` for callable `custom_generate`s (so stop strings raise and
+    iterator streamers never end). A callable declaring `hf_accel_streamer` gets the streamer under that name and owns
+    it (prompt included); `stop_strings` with `tokenizer` become a `StopStringCriteria` in `stopping_criteria`."""
+    declared = inspect.signature(kwargs["custom_generate"]).parameters
+    if kwargs.get("streamer") is not None and "hf_accel_streamer" in declared:
+        kwargs["hf_accel_streamer"] = kwargs.pop("streamer")
+    if kwargs.get("stop_strings") and kwargs.get("tokenizer") is not None:
+        criterion = StopStringCriteria(kwargs.pop("tokenizer"), kwargs.pop("stop_strings"))
+        kwargs["stopping_criteria"] = StoppingCriteriaList([*(kwargs.get("stopping_criteria") or []), criterion])
 
 
 def _wrap_prepare_cache(builders: dict[str, CacheBuilder], original: Callable) -> Callable:

@@ -167,6 +167,16 @@ class PagedCache(Cache):
             raise ValueError(f"`crop` takes a non-positive number of tokens to remove, got {tokens_to_remove}")
         self.tables.crop(-tokens_to_remove)
 
+    def keep_tokens(self, start: int, offsets: list[int]) -> None:
+        """Keep tokens `start + offsets` (increasing) at `start, start + 1, ...`, crop the rest (tree speculation)."""
+        self._build_plan(1, [], self.layers[0].keys.device)  # brings the slot table up to date
+        table, size, count = self._slot_table, self.tables.block_size, len(offsets)
+        moved = (torch.tensor([start + o for o in offsets]), torch.arange(start, start + count))
+        source, target = ((table[:, p // size] + p % size).reshape(-1) for p in (m.to(table.device) for m in moved))
+        for pool in (pool for layer in self.layers for pool in (layer.keys, layer.values)):
+            pool.view(-1, *pool.shape[2:]).index_copy_(0, target, pool.view(-1, *pool.shape[2:])[source])  # by slot
+        self.tables.crop(self.tables.num_tokens - start - count)
+
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self.tables.reorder(beam_idx.tolist())
 

@@ -1,0 +1,211 @@
+"""`medusa_generate`: tree speculative decoding with Medusa heads, as a `custom_generate` callable for `generate`.
+
+    out = model.generate(**inputs, custom_generate=hf_accel.medusa_generate, medusa_heads=heads, max_new_tokens=64)
+
+Each step: the heads read the base model's last hidden state and propose a tree of candidates (top-k per head,
+`medusa_tree` paths); ONE forward verifies the root token and all candidates with a 4-D tree mask and depth-based
+positions; the walk from the root then decides tokens one at a time exactly as plain decoding would (logits
+processors on each position's logits with the tokens decided so far, argmax or one multinomial draw), descending
+into the child that holds the decided token, and checks the stopping criteria after every token. So greedy output
+equals plain greedy output, sampling draws from exactly the plain distribution (the candidates are deterministic:
+following a child whose token was drawn from the model's own distribution is lossless), and nothing overshoots a
+stop. The cache then keeps the accepted path only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel, StoppingCriteriaList
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.generation.streamers import BaseStreamer
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+from .medusa_heads import MedusaHeads
+from .tree import DEFAULT_TREE, MedusaTree, build_tree, tree_position_ids
+from .tree_cache import LayerGroup, keep_tree_path, layer_groups, prepare_tree_cache, tree_masks
+
+
+@dataclass(slots=True)
+class MedusaStats:
+    """Counters a caller may pass as `medusa_stats=` to see how speculation went (filled in place)."""
+
+    num_new_tokens: int = 0
+    num_verify_forwards: int = 0  # tree forwards after the prefill
+    accepted_per_depth: list[int] = field(default_factory=list)  # [depth-1] times a depth-d candidate was accepted
+
+    @property
+    def tokens_per_step(self) -> float:
+        """New tokens per target forward (the prefill included, as plain decoding makes one token per forward)."""
+        return self.num_new_tokens / max(self.num_verify_forwards + 1, 1)
+
+
+@dataclass(slots=True)
+class _Decoding:
+    """One request's state: committed tokens (the last one, the root, not yet in the cache) and what to return."""
+
+    sequence: torch.Tensor  # [1, seq_len]
+    valid: torch.Tensor  # [seq_len] bool, False at padding
+    scores: list[torch.Tensor]
+    raw_logits: list[torch.Tensor]
+    finished: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class _Setup:
+    model: PreTrainedModel
+    heads: MedusaHeads
+    tree: MedusaTree
+    cache: Cache
+    groups: list[LayerGroup]
+    logits_processor: LogitsProcessorList
+    stopping_criteria: StoppingCriteriaList
+    do_sample: bool
+    streamer: BaseStreamer | None
+    stats: MedusaStats
+
+
+def medusa_generate(
+    model: PreTrainedModel,
+    input_ids: torch.LongTensor,
+    logits_processor: LogitsProcessorList,
+    stopping_criteria: StoppingCriteriaList,
+    generation_config: GenerationConfig,
+    medusa_heads: MedusaHeads | None = None,
+    medusa_tree: Sequence[Sequence[int]] | None = None,
+    medusa_stats: MedusaStats | None = None,
+    hf_accel_streamer: BaseStreamer | None = None,
+    **model_kwargs,
+) -> GenerateDecoderOnlyOutput | torch.LongTensor:
+    """Decode with Medusa heads; called by `model.generate(..., custom_generate=medusa_generate, medusa_heads=...)`.
+
+    Args (beyond what generate passes):
+        medusa_heads: trained `MedusaHeads` for this model (hidden size and vocab must match).
+        medusa_tree: candidate paths (see `hf_accel.speculative.tree`); default `DEFAULT_TREE` cut to the heads.
+        medusa_stats: a `MedusaStats` to fill with tokens per step and acceptance per depth.
+        hf_accel_streamer: set by hf_accel's generate hook from `streamer=` (stock generate drops it for callables).
+    Batch size 1 only (`input_ids` rows x `num_return_sequences`), no beams. Returns what `_sample` returns.
+    """
+    setup = _setup(model, input_ids, generation_config, medusa_heads, medusa_tree, medusa_stats,
+                   hf_accel_streamer, logits_processor, stopping_criteria, model_kwargs)
+    state = _Decoding(input_ids, _valid_tokens(input_ids, model_kwargs.get("attention_mask")), [], [])
+    try:
+        hidden = _prefill(setup, state)
+        while not state.finished:
+            hidden = _step(setup, state, hidden)
+    finally:
+        if setup.streamer is not None:
+            setup.streamer.end()
+    setup.stats.num_new_tokens += state.sequence.shape[1] - input_ids.shape[1]
+    if not generation_config.return_dict_in_generate:
+        return state.sequence
+    return GenerateDecoderOnlyOutput(
+        sequences=state.sequence,
+        scores=tuple(state.scores) if generation_config.output_scores else None,
+        logits=tuple(state.raw_logits) if generation_config.output_logits else None,
+        past_key_values=setup.cache if generation_config.use_cache else None,
+    )
+
+
+def _setup(model, input_ids, generation_config, heads, paths, stats, streamer, processors, criteria, model_kwargs):
+    if heads is None:
+        raise ValueError("medusa_generate needs `medusa_heads=` (a hf_accel.MedusaHeads trained for this model)")
+    heads.check_compatible(model)
+    if generation_config.num_beams > 1:
+        raise ValueError(f"medusa_generate does not support beam search: `num_beams` is {generation_config.num_beams}")
+    if input_ids.shape[0] != 1:
+        raise ValueError(f"medusa_generate decodes one sequence at a time: `input_ids` has batch size "
+                         f"{input_ids.shape[0]} (rows x num_return_sequences); batch size > 1 is not supported")
+    if paths is None:
+        paths = [path for path in DEFAULT_TREE if len(path) <= heads.num_heads]
+    tree = build_tree(paths, heads.num_heads)
+    cache = model_kwargs.get("past_key_values")
+    cache = DynamicCache(config=model.config) if cache is None else cache
+    prepare_tree_cache(cache)
+    stats = stats if stats is not None else MedusaStats()
+    stats.accepted_per_depth.extend([0] * (tree.depth - len(stats.accepted_per_depth)))
+    if streamer is not None:
+        streamer.put(input_ids.cpu())
+    return _Setup(model, heads, tree, cache, layer_groups(model.config), processors, criteria,
+                  bool(generation_config.do_sample), streamer, stats)
+
+
+def _valid_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    if attention_mask is None:
+        return torch.ones(input_ids.shape[1], dtype=torch.bool, device=input_ids.device)
+    return attention_mask[0].bool()
+
+
+def _positions(valid: torch.Tensor) -> torch.Tensor:
+    # as generate computes them: index among non-padding tokens (padding gets 1, never attended)
+    return (valid.long().cumsum(-1) - 1).masked_fill(~valid, 1)
+
+
+def _prefill(setup: _Setup, state: _Decoding) -> torch.Tensor:
+    """Run the uncached part of the prompt, decide the first token; returns the hidden state `[hidden]` that
+    produced it (what the heads read next)."""
+    past = setup.cache.get_seq_length()
+    fresh = state.sequence[:, past:]
+    mask = None if bool(state.valid.all()) else state.valid.long()[None]
+    out = setup.model(input_ids=fresh, attention_mask=mask, position_ids=_positions(state.valid)[None, past:],
+                      past_key_values=setup.cache, use_cache=True, output_hidden_states=True, logits_to_keep=1)
+    prepare_tree_cache(setup.cache)  # trims sliding-window layers that recorded the whole prompt
+    _decide(setup, state, out.logits[0, -1])
+    return out.hidden_states[-1][0, -1]
+
+
+def _step(setup: _Setup, state: _Decoding, hidden: torch.Tensor) -> torch.Tensor:
+    """Verify one tree rooted at the last committed token, decide tokens along it; returns the new hidden state."""
+    tree, cache = setup.tree, setup.cache
+    candidates = tree.candidate_tokens(setup.heads(hidden.to(_heads_dtype(setup.heads))))  # generate runs no_grad
+    tokens = torch.cat([state.sequence[0, -1:], candidates.to(state.sequence.device)])  # [num_nodes]
+    root_position = int(_positions(state.valid)[-1])
+    out = setup.model(
+        input_ids=tokens[None], attention_mask=tree_masks(cache, setup.groups, tree, state.valid, setup.model.dtype),
+        position_ids=tree_position_ids(tree, root_position).to(tokens.device), past_key_values=cache, use_cache=True,
+        output_hidden_states=True,
+    )
+    setup.stats.num_verify_forwards += 1
+    kept = _walk(setup, state, tokens.tolist(), out.logits[0])
+    keep_tree_path(cache, tree.num_nodes, kept)
+    return out.hidden_states[-1][0, kept[-1]]
+
+
+def _walk(setup: _Setup, state: _Decoding, tokens: list[int], logits: torch.Tensor) -> list[int]:
+    """Decide tokens from the root down while the decided token is a child's; returns the kept nodes (root first),
+    i.e. every node whose token is now committed except the last committed token."""
+    kept = [0]
+    while True:
+        token = _decide(setup, state, logits[kept[-1]])
+        if state.finished:
+            return kept
+        child = next((c for c in setup.tree.children[kept[-1]] if tokens[c] == token), None)
+        if child is None:
+            return kept
+        kept.append(child)
+        setup.stats.accepted_per_depth[len(kept) - 2] += 1
+
+
+def _decide(setup: _Setup, state: _Decoding, raw_logits: torch.Tensor) -> int:
+    """Commit one token from `raw_logits` `[vocab]` exactly as `_sample` would: processors, then argmax or one
+    multinomial draw; streams it and checks the stopping criteria after it."""
+    raw = raw_logits[None].to(copy=True, dtype=torch.float32)  # [1, vocab]
+    scores = setup.logits_processor(state.sequence, raw)
+    if setup.do_sample:
+        token = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+    else:
+        token = torch.argmax(scores, dim=-1)
+    state.sequence = torch.cat([state.sequence, token[:, None]], dim=-1)
+    state.valid = torch.cat([state.valid, state.valid.new_ones(1)])
+    state.scores.append(scores)
+    state.raw_logits.append(raw)
+    if setup.streamer is not None:
+        setup.streamer.put(token.cpu())
+    state.finished = bool(setup.stopping_criteria(state.sequence, scores).any())
+    return int(token)
+
+
+def _heads_dtype(heads: MedusaHeads) -> torch.dtype:
+    return heads.lm_heads[0].weight.dtype

@@ -1,0 +1,148 @@
+"""Medusa heads: K small residual heads on a frozen model's last hidden state; head k predicts token t+2+k.
+
+The base model's own lm_head at position t predicts token t+1; head k (0-based) at the same position predicts token
+t+2+k (Medusa-1, Cai et al. 2024). Each head is a residual block (`x + SiLU(Linear(x))`, `num_layers` times) then its
+own Linear to the vocabulary. The parameter names (`blocks.{k}.layers.{j}`, `lm_heads.{k}`) are the ones vLLM's
+Medusa speculator loads, so `export_vllm` only has to write a different config.
+
+Saved as `medusa_heads.safetensors` + `medusa_config.json` (see `MedusaConfig`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import PreTrainedModel
+
+CONFIG_NAME = "medusa_config.json"
+WEIGHTS_NAME = "medusa_heads.safetensors"
+
+
+@dataclass(slots=True)
+class MedusaConfig:
+    """Shape of a set of Medusa heads and the base model they were made for.
+
+    Args:
+        num_heads: heads K (head k predicts token t+2+k), at least 1.
+        hidden_size: the base model's hidden size.
+        vocab_size: the base model's vocabulary size (rows of its lm_head).
+        num_layers: residual blocks per head, at least 1.
+        base_model_name_or_path: where the base model came from (informational).
+        base_model_type: the base config's `model_type` (informational).
+    """
+
+    num_heads: int
+    hidden_size: int
+    vocab_size: int
+    num_layers: int = 1
+    base_model_name_or_path: str | None = None
+    base_model_type: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("num_heads", "hidden_size", "vocab_size", "num_layers"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"`{name}` must be an integer >= 1, got {value!r}")
+
+
+class ResidualBlock(nn.Module):
+    """`num_layers` times `x = x + SiLU(Linear(x))`; the Linears start at zero, so a new head starts as the identity."""
+
+    def __init__(self, hidden_size: int, num_layers: int):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(hidden_size, hidden_size) for _ in range(num_layers)])
+        self.act = nn.SiLU()
+        for layer in self.layers:
+            nn.init.zeros_(layer.weight)
+            nn.init.zeros_(layer.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = x + self.act(layer(x))
+        return x
+
+
+class MedusaHeads(nn.Module):
+    """K Medusa heads. `forward(hidden)`: `[..., hidden_size]` -> logits `[K, ..., vocab_size]`.
+
+    Build them for a model with `MedusaHeads.for_model(model, num_heads=4)` (each head's vocabulary projection starts
+    as a copy of the model's lm_head), train with `hf_accel.train_medusa`, decode with
+    `model.generate(..., custom_generate=hf_accel.medusa_generate, medusa_heads=heads)`.
+    """
+
+    def __init__(self, config: MedusaConfig):
+        super().__init__()
+        self.config = config
+        # K separate modules each (never one module repeated: that would tie their weights)
+        self.blocks = nn.ModuleList(
+            [ResidualBlock(config.hidden_size, config.num_layers) for _ in range(config.num_heads)]
+        )
+        self.lm_heads = nn.ModuleList(
+            [nn.Linear(config.hidden_size, config.vocab_size, bias=False) for _ in range(config.num_heads)]
+        )
+
+    @property
+    def num_heads(self) -> int:
+        return self.config.num_heads
+
+    @classmethod
+    def for_model(
+        cls, model: PreTrainedModel, num_heads: int = 4, num_layers: int = 1, init_from_lm_head: bool = True
+    ) -> MedusaHeads:
+        """New heads sized for `model` (its dtype and device); `init_from_lm_head` copies its lm_head weight into
+        every head's projection, so an untrained head 0 predicts what the model predicts for the next token."""
+        text_config = model.config.get_text_config(decoder=True)
+        config = MedusaConfig(
+            num_heads=num_heads, hidden_size=text_config.hidden_size, vocab_size=text_config.vocab_size,
+            num_layers=num_layers, base_model_name_or_path=getattr(model, "name_or_path", None) or None,
+            base_model_type=getattr(text_config, "model_type", None),
+        )
+        lm_head = model.get_output_embeddings()
+        heads = cls(config).to(device=lm_head.weight.device, dtype=lm_head.weight.dtype)
+        if init_from_lm_head:
+            with torch.no_grad():
+                for head in heads.lm_heads:
+                    head.weight.copy_(lm_head.weight[: config.vocab_size])
+        return heads
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """`hidden_states`: `[..., hidden_size]` (the base model's last, normed hidden state) -> `[K, ..., vocab]`."""
+        return torch.stack([head(block(hidden_states)) for block, head in zip(self.blocks, self.lm_heads)])
+
+    def check_compatible(self, model: PreTrainedModel) -> None:
+        """Raise `ValueError` (naming `medusa_heads`) when these heads do not fit `model`'s hidden size or vocab."""
+        text_config = model.config.get_text_config(decoder=True)
+        lm_head = model.get_output_embeddings()
+        vocab = lm_head.weight.shape[0] if lm_head is not None else text_config.vocab_size
+        if self.config.hidden_size != text_config.hidden_size:
+            raise ValueError(f"`medusa_heads` have hidden size {self.config.hidden_size}, the model "
+                             f"{text_config.hidden_size}")
+        if self.config.vocab_size != vocab:
+            raise ValueError(f"`medusa_heads` have vocab size {self.config.vocab_size}, the model {vocab}")
+
+    def save_pretrained(self, save_directory: str | Path) -> None:
+        """Write `medusa_heads.safetensors` and `medusa_config.json` into `save_directory` (created if needed)."""
+        folder = Path(save_directory)
+        folder.mkdir(parents=True, exist_ok=True)
+        tensors = {name: tensor.detach().contiguous().cpu() for name, tensor in self.state_dict().items()}
+        save_file(tensors, folder / WEIGHTS_NAME, metadata={"format": "pt"})
+        (folder / CONFIG_NAME).write_text(json.dumps(asdict(self.config), indent=2) + "\n")
+
+    @classmethod
+    def from_pretrained(
+        cls, save_directory: str | Path, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"
+    ) -> MedusaHeads:
+        """Load heads written by `save_pretrained` from a local folder (stored dtype unless `dtype` is given)."""
+        folder = Path(save_directory)
+        if not (folder / CONFIG_NAME).is_file():
+            raise FileNotFoundError(f"no {CONFIG_NAME} in {folder}")
+        config = MedusaConfig(**json.loads((folder / CONFIG_NAME).read_text()))
+        state = load_file(folder / WEIGHTS_NAME, device=str(device))
+        heads = cls(config).to(device=device, dtype=dtype or next(iter(state.values())).dtype)
+        heads.load_state_dict(state)
+        return heads.eval()

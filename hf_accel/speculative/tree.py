@@ -1,0 +1,129 @@
+"""Medusa candidate trees: which top-k tokens of which heads are verified together, and how they attend.
+
+A tree is a list of paths; path `(i0, i1, ..., id)` is the candidate whose token is the `i0`-th best of head 0, whose
+parent is the node `(i0, ..., i(d-1))`, and so on: its token is the `id`-th best of head `d`. Node 0 is the root, the
+token already chosen from the base model's logits; node `j >= 1` is path `paths[j - 1]`, sorted by depth then by
+path, so every parent comes before its children. A node at depth d sits at sequence position `n + d` when the root
+is at `n`, and attends to the prefix, its ancestors and itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+# A sparse tree for 4 heads in the spirit of Medusa's: the paths most likely to be accepted when head k's top-1 is
+# right more often than its top-2, and shallow heads more often than deep ones. 26 candidates + the root.
+DEFAULT_TREE: tuple[tuple[int, ...], ...] = (
+    (0,), (0, 0), (1,), (0, 1), (0, 0, 0), (1, 0), (2,), (0, 2), (0, 0, 1), (0, 3), (3,), (0, 1, 0), (2, 0),
+    (4,), (0, 0, 2), (0, 4), (1, 1), (1, 0, 0), (0, 0, 0, 0), (5,), (0, 0, 3), (0, 5), (0, 2, 0), (3, 0),
+    (0, 1, 1), (0, 0, 0, 1),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class MedusaTree:
+    """A validated candidate tree with its derived index tensors (built by `build_tree`).
+
+    `paths[j - 1]` is node j; `depths`: `[num_nodes]` (root 0); `parents[j]`: node j's parent (-1 for the root);
+    `children[j]`: node j's children in node order; `ancestors`: `[num_nodes, num_nodes]` bool, row j true at j's
+    ancestors and j itself; node j >= 1 is the `candidate_ranks[j - 1]`-th best token of head
+    `candidate_heads[j - 1]` (its depth minus one).
+    """
+
+    paths: tuple[tuple[int, ...], ...]
+    depths: torch.Tensor  # [num_nodes] long
+    parents: tuple[int, ...]
+    children: tuple[tuple[int, ...], ...]
+    ancestors: torch.Tensor  # [num_nodes, num_nodes] bool
+    candidate_heads: torch.Tensor  # [num_nodes - 1] head that proposes node j + 1
+    candidate_ranks: torch.Tensor  # [num_nodes - 1] its rank in that head's top-k
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.paths) + 1
+
+    @property
+    def depth(self) -> int:
+        """Deepest level (heads used)."""
+        return int(self.depths.max())
+
+    @property
+    def max_rank(self) -> int:
+        """Top-k needed from any head."""
+        return int(self.candidate_ranks.max()) + 1
+
+    def candidate_tokens(self, head_logits: torch.Tensor) -> torch.Tensor:
+        """`head_logits`: `[num_heads, vocab]` -> token ids of nodes 1.. `[num_nodes - 1]`."""
+        top = head_logits[: self.depth].topk(self.max_rank, dim=-1).indices  # [depth, max_rank]
+        return top[self.candidate_heads, self.candidate_ranks]
+
+
+def build_tree(paths: Sequence[Sequence[int]], num_heads: int) -> MedusaTree:
+    """Validate `paths` (the `medusa_tree` argument) for heads `num_heads` deep and derive the tree's tensors.
+
+    Raises `ValueError` naming `medusa_tree` for an empty tree, an empty or negative path, a duplicate, a path deeper
+    than `num_heads`, or a path whose parent path is missing.
+    """
+    if not paths:
+        raise ValueError("`medusa_tree` must hold at least one path, got an empty tree")
+    clean = [tuple(int(i) for i in path) for path in paths]
+    for path in clean:
+        if not path or min(path) < 0:
+            raise ValueError(f"`medusa_tree` paths must be non-empty tuples of ranks >= 0, got {path}")
+        if len(path) > num_heads:
+            raise ValueError(f"`medusa_tree` path {path} is deeper than the {num_heads} Medusa heads")
+    if len(set(clean)) != len(clean):
+        raise ValueError("`medusa_tree` holds a path twice")
+    ordered = tuple(sorted(clean, key=lambda p: (len(p), p)))
+    node_of = {(): 0} | {path: j + 1 for j, path in enumerate(ordered)}
+    missing = [p for p in ordered if p[:-1] not in node_of]
+    if missing:
+        raise ValueError(f"`medusa_tree` path {missing[0]} lacks its parent path {missing[0][:-1]}")
+    parents = (-1, *(node_of[p[:-1]] for p in ordered))
+    return MedusaTree(
+        paths=ordered,
+        depths=torch.tensor([0, *(len(p) for p in ordered)], dtype=torch.long),
+        parents=parents,
+        children=tuple(tuple(j for j, parent in enumerate(parents) if parent == node) for node in range(len(parents))),
+        ancestors=_ancestor_matrix(parents),
+        candidate_heads=torch.tensor([len(p) - 1 for p in ordered], dtype=torch.long),
+        candidate_ranks=torch.tensor([p[-1] for p in ordered], dtype=torch.long),
+    )
+
+
+def _ancestor_matrix(parents: Sequence[int]) -> torch.Tensor:
+    # parents come before children, so row j = row parent(j) plus j itself
+    num = len(parents)
+    mask = torch.zeros(num, num, dtype=torch.bool)
+    for node, parent in enumerate(parents):
+        if parent >= 0:
+            mask[node] = mask[parent]
+        mask[node, node] = True
+    return mask
+
+
+def tree_attention_mask(
+    tree: MedusaTree, prefix_positions: torch.Tensor, root_position: int, sliding_window: int | None = None
+) -> torch.Tensor:
+    """Which keys each tree node may attend to: `[num_nodes, num_prefix + num_nodes]` bool.
+
+    `prefix_positions`: `[num_prefix]` sequence index of each cached key the layer returns (-1 for a padding key);
+    keys then continue with the tree nodes in node order. Rule: causal over the prefix (every cached key precedes the
+    root), tree ancestors and self among the nodes, and with `sliding_window` only keys whose sequence index is
+    greater than the query's minus the window (the query at depth d has index `root_position + d`).
+    """
+    query_index = root_position + tree.depths  # [num_nodes]
+    prefix = (prefix_positions >= 0).unsqueeze(0).expand(tree.num_nodes, -1)
+    nodes = tree.ancestors
+    if sliding_window is not None:
+        prefix = prefix & (prefix_positions.unsqueeze(0) > (query_index - sliding_window).unsqueeze(1))
+        nodes = nodes & ((tree.depths.unsqueeze(1) - tree.depths.unsqueeze(0)) < sliding_window)
+    return torch.cat([prefix, nodes], dim=1)
+
+
+def tree_position_ids(tree: MedusaTree, root_position: int) -> torch.Tensor:
+    """Depth-based position ids of the nodes, `[1, num_nodes]`: the root's position plus each node's depth."""
+    return (root_position + tree.depths).unsqueeze(0)

@@ -1,0 +1,101 @@
+"""Verifying a candidate tree through a transformers `Cache`: 4-D masks per layer type, and keeping the accepted path.
+
+The tree's nodes are appended to the cache by the verification forward like any other tokens; afterwards
+`keep_tree_path` moves the accepted nodes' K/V next to the prefix and drops the rest. Supported caches:
+`DynamicCache` (full and sliding-window layers; sliding layers record their past so rejected nodes can be dropped)
+and hf_accel's `PagedCache` (through `PagedCache.keep_tokens`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedConfig
+from transformers.cache_utils import (
+    Cache, DynamicCache, DynamicLayer, DynamicSlidingWindowLayer, get_layer_types_and_kwargs,
+)
+
+from ..cache.paged import PagedCache
+from .tree import MedusaTree, tree_attention_mask
+
+MASKED_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+@dataclass(frozen=True, slots=True)
+class LayerGroup:
+    """Layers sharing one attention mask: their type, the first layer of that type, and its window (None: full)."""
+
+    layer_type: str
+    first_layer: int
+    sliding_window: int | None
+
+
+def layer_groups(config: PreTrainedConfig) -> list[LayerGroup]:
+    """One `LayerGroup` per attention layer type of `config`, in first-appearance order."""
+    layer_types, layer_kwargs = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+    groups: dict[str, LayerGroup] = {}
+    for index, (layer_type, kwargs) in enumerate(zip(layer_types, layer_kwargs)):
+        if layer_type not in MASKED_LAYER_TYPES:
+            raise ValueError(f"medusa_generate supports layer types {MASKED_LAYER_TYPES}; the model has {layer_type!r}")
+        groups.setdefault(layer_type, LayerGroup(layer_type, index, kwargs.get("sliding_window")))
+    return list(groups.values())
+
+
+def prepare_tree_cache(cache: Cache) -> None:
+    """Check that tree verification can prune `cache` (else `ValueError` naming `past_key_values`) and make its
+    sliding-window layers keep rejected nodes until `keep_tree_path` drops them."""
+    if isinstance(cache, PagedCache):
+        return
+    if type(cache) is not DynamicCache or not all(isinstance(layer, DynamicLayer) for layer in cache.layers):
+        raise ValueError("medusa_generate supports `past_key_values` of type DynamicCache (the default) or "
+                         f"hf_accel's PagedCache (cache_implementation='paged'), got {type(cache).__name__}")
+    for layer in cache.layers:
+        if isinstance(layer, DynamicSlidingWindowLayer):
+            layer.activate_past_recording()
+            _trim_window(layer)
+
+
+def tree_masks(
+    cache: Cache, groups: list[LayerGroup], tree: MedusaTree, valid: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor | dict[str, torch.Tensor]:
+    """Additive 4-D masks `[1, 1, num_nodes, kv_length]` (0 attend, dtype min masked) for the verification forward:
+    one tensor when the model has one layer type, else a dict keyed by layer type (as hybrid models accept).
+
+    `valid`: `[seq_len]` bool, which committed tokens are not padding; the root sits at index `seq_len - 1`.
+    """
+    root = valid.shape[0] - 1
+    masks = {}
+    for group in groups:
+        kv_length, kv_offset = cache.get_mask_sizes(tree.num_nodes, group.first_layer)
+        positions = torch.arange(kv_offset, kv_offset + kv_length - tree.num_nodes, device=valid.device)
+        positions = torch.where(valid[positions], positions, -1)
+        allowed = tree_attention_mask(tree, positions, root, group.sliding_window)
+        additive = torch.zeros(allowed.shape, dtype=dtype, device=valid.device)
+        masks[group.layer_type] = additive.masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
+    return next(iter(masks.values())) if len(masks) == 1 else masks
+
+
+def keep_tree_path(cache: Cache, num_nodes: int, kept: list[int]) -> None:
+    """After a verification forward appended `num_nodes` tree tokens, keep only nodes `kept` (increasing node ids,
+    the accepted path from the root) right after the prefix, in that order."""
+    if isinstance(cache, PagedCache):
+        cache.keep_tokens(cache.get_seq_length() - num_nodes, kept)
+        return
+    for layer in cache.layers:
+        index = torch.tensor(kept, dtype=torch.long, device=layer.keys.device)
+        # keys, values: [batch, kv_heads, seq, head_dim]; the last num_nodes along seq are the tree's
+        layer.keys = torch.cat([layer.keys[:, :, :-num_nodes], layer.keys[:, :, -num_nodes:].index_select(2, index)], 2)
+        layer.values = torch.cat(
+            [layer.values[:, :, :-num_nodes], layer.values[:, :, -num_nodes:].index_select(2, index)], 2
+        )
+        if isinstance(layer, DynamicSlidingWindowLayer):
+            layer.cumulative_length -= num_nodes - len(kept)
+            _trim_window(layer)
+
+
+def _trim_window(layer: DynamicSlidingWindowLayer) -> None:
+    # a sliding layer needs only its last `sliding_window - 1` tokens for the next forward
+    if layer.is_initialized and layer.keys.shape[2] > layer.sliding_window - 1:
+        layer.keys = layer.keys[:, :, -(layer.sliding_window - 1) :]
+        layer.values = layer.values[:, :, -(layer.sliding_window - 1) :]
