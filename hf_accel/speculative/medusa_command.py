@@ -1,0 +1,115 @@
+"""`hf-accel train-medusa`: train Medusa heads for a model, measure them on held-out text, save them.
+
+    hf-accel train-medusa                                   # heads for the reference target, into its assets
+    hf-accel train-medusa --model ./my-model --dataset ./my-dataset --out ./my-model-medusa --steps 2000
+
+Default data: the reference corpus's train split (with the reference target), else `--dataset`, a folder written
+by `datasets.Dataset.save_to_disk` with a "text" or "input_ids" column. Held-out accuracy uses the reference
+corpus's held-out split when the model has the reference tokenizer. Writes `<out>/medusa_config.json`,
+`<out>/medusa_heads.safetensors` and `<out>/training.json` (time, steps, per-head held-out top-1 accuracy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from .. import reference
+from ..reference.corpus import load_split
+from .medusa_train import head_accuracy, train_medusa
+
+REFERENCE_HEADS_DIR = reference.ASSETS_DIR / "medusa"
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    """Options of `hf-accel train-medusa`."""
+    parser = argparse.ArgumentParser(prog="hf-accel train-medusa", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="local folder of a causal LM (default: the reference target)")
+    parser.add_argument("--dataset", type=Path, default=None, help="datasets.save_to_disk folder (default: corpus)")
+    parser.add_argument("--out", type=Path, default=None, help="where to save the heads (default: reference assets)")
+    parser.add_argument("--checkpoint-dir", type=Path, default=None, help="resumable checkpoints go here")
+    parser.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints")
+    parser.add_argument("--resume-from", type=Path, default=None, help="checkpoint folder to continue from")
+    parser.add_argument("--num-heads", type=int, default=4)
+    parser.add_argument("--num-layers", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--decay-factor", type=float, default=0.8)
+    parser.add_argument("--distill", choices=("none", "hard", "soft"), default="hard")
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="bf16", help="autocast dtype while training")
+    parser.add_argument("--save-dtype", choices=("fp32", "bf16"), default="bf16")
+    parser.add_argument("--time-budget", type=float, default=None, help="stop training after this many seconds")
+    parser.add_argument("--eval-rows", type=int, default=16, help="held-out rows of seq-len tokens for accuracy")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--no-progress", action="store_true")
+    return parser.parse_args(argv)
+
+
+def _load(args: argparse.Namespace):
+    if args.model is None:
+        model, tokenizer = reference.load("target")
+        return model, tokenizer, "hf_accel reference target"
+    model = AutoModelForCausalLM.from_pretrained(args.model, local_files_only=True).eval()
+    return model, AutoTokenizer.from_pretrained(args.model, local_files_only=True), str(args.model)
+
+
+def _dataset(args: argparse.Namespace) -> Any:
+    if args.dataset is None:
+        return load_split("train").texts
+    import datasets  # optional dependency, needed only for --dataset
+
+    return datasets.load_from_disk(str(args.dataset))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of `hf-accel train-medusa`; returns the exit status."""
+    args = parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    out = args.out or (REFERENCE_HEADS_DIR if args.model is None else None)
+    if out is None:
+        raise SystemExit("hf-accel train-medusa: --out is required with --model")
+    model, tokenizer, description = _load(args)
+    result = train_medusa(
+        model, _dataset(args), tokenizer=tokenizer, output_dir=args.checkpoint_dir, resume_from=args.resume_from,
+        progress=not args.no_progress, num_heads=args.num_heads, num_layers=args.num_layers, steps=args.steps,
+        batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr, decay_factor=args.decay_factor,
+        distill=args.distill, dtype=args.dtype, time_budget_s=args.time_budget, checkpoint_every=args.checkpoint_every,
+    )
+    heads = result.heads.to(torch.bfloat16 if args.save_dtype == "bf16" else torch.float32)
+    heads.save_pretrained(out)
+    held_out = reference.held_out_sequences(tokenizer, seq_len=args.seq_len, max_rows=args.eval_rows)
+    record = _record(args, description, result, head_accuracy(model, heads, held_out), held_out)
+    (Path(out) / "training.json").write_text(json.dumps(record, indent=2) + "\n")
+    print(json.dumps(record["held_out_top1_accuracy"]), f"trained {result.train_seconds:.0f} s; wrote {out}")
+    return 0
+
+
+def _record(args, description: str, result, accuracy: list[float], held_out: torch.Tensor) -> dict[str, Any]:
+    return {
+        "base_model": description,
+        "train_seconds": round(result.train_seconds, 1),
+        "steps": result.last_step,
+        "tokens_seen": result.last_step * args.batch_size * args.seq_len,
+        "final_loss": round(sum(result.losses[-20:]) / max(len(result.losses[-20:]), 1), 4) if result.losses else None,
+        "held_out_top1_accuracy": {f"head_{k}": round(a, 4) for k, a in enumerate(accuracy)},
+        "held_out_tokens": int(held_out.numel()),
+        "accuracy_rule": "head k's argmax at position t equals the held-out text's token t+2+k",
+        "settings": {key: getattr(args, key) for key in ("num_heads", "num_layers", "batch_size", "seq_len", "lr",
+                                                         "decay_factor", "distill", "dtype", "save_dtype", "threads")},
+        "hardware": {"cpu": platform.processor() or platform.machine(), "torch_threads": torch.get_num_threads(),
+                     "torch": torch.__version__},
+    }
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
