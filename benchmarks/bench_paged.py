@@ -13,8 +13,6 @@ Smoke run (tiny model, prints only unless --out is given):
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -23,7 +21,7 @@ from typing import Any
 
 import torch
 
-from hf_accel import bench
+from hf_accel import bench, bench_output
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMAND = ".venv/bin/python benchmarks/bench_paged.py"
@@ -57,8 +55,8 @@ FULL = Plan(
 )
 QUICK = Plan(
     hidden_size=64, num_layers=2,
-    speed=[Scenario("batch 1, prompt 32", [32], 8, repeats=1),
-           Scenario("batch 8, prompts 8-64", [8 * (i + 1) for i in range(8)], 8, repeats=1)],
+    speed=[Scenario("batch 1, prompt 32", [32], 16, repeats=1),
+           Scenario("batch 8, prompts 8-64", [8 * (i + 1) for i in range(8)], 16, repeats=1)],
     sampling_prompt_len=100, num_samples=8, sampling_new_tokens=8,
 )
 
@@ -191,15 +189,6 @@ def _decode_seconds(scenario: dict[str, Any], name: str) -> tuple[list[float], l
     return results[0]["decode_seconds"], next(r for r in results if r["name"] == name)["decode_seconds"]
 
 
-def update_marked_section(path: Path, text: str) -> None:
-    """Replace what lies between the bench_paged markers in `path`, if the file has them."""
-    start, end = "<!-- bench_paged:start -->\n", "<!-- bench_paged:end -->"
-    doc = path.read_text() if path.exists() else ""
-    if start in doc and end in doc:
-        head, rest = doc.split(start, 1)
-        path.write_text(head + start + text + "\n" + end + rest.split(end, 1)[1])
-
-
 def run(plan: Plan, quick: bool) -> dict[str, Any]:
     """Every measurement of `plan`, as the JSON report."""
     torch.manual_seed(0)
@@ -222,26 +211,15 @@ def run(plan: Plan, quick: bool) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="tiny model and lengths: a smoke run of a few seconds")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1: stable on a shared machine)")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="root for benchmarks/results/bench_paged.json and docs/bench_paged.md "
-                             "(default: this repository; with --quick, nothing is written)")
-    args = parser.parse_args(argv)
-    plan, out = (QUICK, args.out) if args.quick else (FULL, args.out or ROOT)
+    args = bench_output.benchmark_parser(__doc__.split("\n\n")[0], "bench_paged").parse_args(argv)
     with bench.torch_threads(args.threads):
-        report = run(plan, quick=args.quick)
+        report = run(QUICK if args.quick else FULL, quick=args.quick)
     text = markdown(report)
     print("\n" + text)
+    out = bench_output.output_root(args, ROOT)
     if out is not None:
-        (out / "benchmarks/results").mkdir(parents=True, exist_ok=True)
-        (out / "docs").mkdir(parents=True, exist_ok=True)
-        (out / "benchmarks/results/bench_paged.json").write_text(json.dumps(report, indent=2) + "\n")
-        (out / "docs/bench_paged.md").write_text(text)
-        for doc in (out / "README.md", out / "docs/caches.md"):
-            link = "bench_paged.md" if doc.name == "caches.md" else "docs/bench_paged.md"
-            update_marked_section(doc, headline(report, link))
+        bench_output.write_results(out, "bench_paged", report, text, {
+            "README.md": headline(report, "docs/bench_paged.md"), "docs/caches.md": headline(report, "bench_paged.md")})
     return report
 
 

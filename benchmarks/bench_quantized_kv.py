@@ -1,6 +1,6 @@
 """hf_accel's quantized KV cache against DynamicCache and transformers' QuantizedCache (quanto), in one process.
 
-Measures (a) KV bytes vs an fp16 DynamicCache at a 2,048-token context, scales, minima and residual included (mean
+Measures (a) KV bytes vs a 16-bit DynamicCache at a 2,048-token context, scales, minima and residual included (mean
 and worst over the decode steps, and at the end); (b) decode tok/s at 256 and 2,048 context, batch 1, vs DynamicCache
 and vs quanto at the same bits (interleaved, paired ratios); (c) held-out perplexity of the reference target when
 every next-token prediction is decoded through the cache (teacher forcing), and greedy agreement with the fp cache.
@@ -15,7 +15,6 @@ Smoke run (tiny random model, prints only unless --out is given):
 
 from __future__ import annotations
 
-import argparse
 import importlib.metadata
 import importlib.util
 import json
@@ -29,7 +28,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, StoppingCriteria
 
-from hf_accel import QuantizedKVCache, bench, reference
+from hf_accel import QuantizedKVCache, bench, bench_output, reference
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMAND = ".venv/bin/python benchmarks/bench_quantized_kv.py"
@@ -65,12 +64,13 @@ def quantized_kwargs(plan: Plan, nbits: int) -> dict[str, Any]:
 
 
 def strategies(plan: Plan) -> list[bench.Strategy]:
-    """DynamicCache, hf_accel at each bit width, then quanto at 4 and 2 bits when optimum-quanto is installed."""
+    """DynamicCache, hf_accel at each bit width, then quanto at 4 and 2 bits when optimum-quanto is installed (not in
+    the quick plan: quanto builds its kernels on first use)."""
     rows = [bench.Strategy("DynamicCache", "transformers default (baseline)", lambda model, max_len: {})]
     for nbits in BITS:
         rows.append(bench.Strategy(f"hf_accel int{nbits}", f"group {plan.group_size}, residual {plan.residual_length}",
                                    lambda model, max_len, n=nbits: quantized_kwargs(plan, n)))
-    for nbits in (4, 2) if HAS_QUANTO else ():
+    for nbits in (4, 2) if HAS_QUANTO and plan is not QUICK else ():
         config = {"backend": "quanto", "nbits": nbits, "q_group_size": plan.group_size,
                   "residual_length": plan.residual_length}
         rows.append(bench.Strategy(f"quanto int{nbits}", "transformers QuantizedCache, optimum-quanto",
@@ -91,10 +91,11 @@ class _RecordBytes(StoppingCriteria):
 
 
 def measure_memory(model: LlamaForCausalLM, plan: Plan) -> dict[str, Any]:
-    """KV bytes of each bit width over a greedy generation from a `memory_context`-token prompt, model in fp16."""
-    half = model.to(torch.float16)
+    """KV bytes of each bit width over a greedy generation from a `memory_context`-token prompt, model in bf16: the
+    same bytes as fp16 (2 per element, scales and minima included), and fast on CPU where fp16 matmuls are not."""
+    half = model.to(torch.bfloat16)
     inputs = bench.make_prompts([plan.memory_context], model.config.vocab_size, seed=3)
-    caches = {"DynamicCache fp16": DynamicCache(config=half.config)}
+    caches = {"DynamicCache 16-bit": DynamicCache(config=half.config)}
     caches |= {f"hf_accel int{n}": QuantizedKVCache(half.config, n, plan.group_size, plan.residual_length) for n in BITS}
     samples = {}
     for name, cache in caches.items():
@@ -104,11 +105,11 @@ def measure_memory(model: LlamaForCausalLM, plan: Plan) -> dict[str, Any]:
                           min_new_tokens=plan.memory_new_tokens, stopping_criteria=[recorder])
         samples[name] = recorder.samples
     model.to(torch.float32)
-    base = samples["DynamicCache fp16"]
+    base = samples["DynamicCache 16-bit"]
     rows = [{"name": name, "end_bytes": s[-1], "end_ratio": s[-1] / base[-1],
              "mean_ratio": sum(a / b for a, b in zip(s, base)) / len(s), "max_ratio": max(a / b for a, b in zip(s, base))}
             for name, s in samples.items()]
-    return {"context": plan.memory_context, "new_tokens": plan.memory_new_tokens, "dtype": "float16", "results": rows}
+    return {"context": plan.memory_context, "new_tokens": plan.memory_new_tokens, "dtype": "bfloat16", "results": rows}
 
 
 def measure_speed(model: LlamaForCausalLM, plan: Plan) -> list[dict[str, Any]]:
@@ -177,7 +178,7 @@ def target_rows(report: dict[str, Any]) -> list[list[str]]:
     memory = {r["name"]: r for r in report["memory"]["results"]}
     for nbits, limit in TARGETS["kv_ratio"].items():
         got = memory[f"hf_accel int{nbits}"]
-        rows.append([f"KV bytes <= {limit:.2f}x fp16 DynamicCache at {nbits} bits ({report['memory']['context']} ctx, "
+        rows.append([f"KV bytes <= {limit:.2f}x 16-bit DynamicCache at {nbits} bits ({report['memory']['context']} ctx, "
                      "mean over decode)", f"{got['mean_ratio']:.3f}x (max {got['max_ratio']:.3f}x)",
                      _yes(got["mean_ratio"] <= limit)])
     longest = report["speed"][-1]
@@ -211,13 +212,14 @@ def markdown(report: dict[str, Any]) -> str:
         f"Regenerate with `{COMMAND}` ({report['runtime_s']:.0f} s here; `--quick` for a smoke run).", "",
         f"- hardware: {hw['cpu']}, {hw['torch_threads']} torch thread(s), torch {hw['torch']}, "
         f"transformers {hw['transformers']}; a shared machine, so compare ratios, not absolutes",
-        f"- model: {report['model']}; speed in fp32, memory in fp16, batch 1, greedy",
+        f"- model: {report['model']}; speed in fp32, memory in bf16, batch 1, greedy",
         f"- hf_accel settings: group {report['group_size']}, residual {report['residual_length']}; quanto: "
         f"{'optimum-quanto ' + report['quanto_version'] if report['quanto_version'] else 'not installed'}, same "
         "bits, group and residual", f"- method: {report['method']}", "",
         "## Targets", "", bench.format_table(["target", "measured", "met"], target_rows(report), markdown=True), "",
-        f"## KV memory, {memory['context']}-token prompt + {memory['new_tokens']} generated tokens, fp16", "",
-        bench.format_table(["cache", "bytes at the end", "x fp16 DynamicCache (end)", "mean over decode", "max"],
+        f"## KV memory, {memory['context']}-token prompt + {memory['new_tokens']} generated tokens, 16-bit model", "",
+        "Model in bf16: the same bytes as fp16 (2 per element); codes, scales, minima and the residual all counted.", "",
+        bench.format_table(["cache", "bytes at the end", "x 16-bit DynamicCache (end)", "mean over decode", "max"],
                            [[r["name"], bench.format_bytes(r["end_bytes"]), f"{r['end_ratio']:.3f}x",
                              f"{r['mean_ratio']:.3f}x", f"{r['max_ratio']:.3f}x"] for r in memory["results"]], True),
         "", "## Decode speed",
@@ -236,15 +238,6 @@ def markdown(report: dict[str, Any]) -> str:
               "tokens of each row, position by position against DynamicCache.", "",
               bench.format_table(["cache", "perplexity", "vs DynamicCache", "greedy agreement"], rows, True)]
     return "\n".join(lines) + "\n"
-
-
-def update_marked_section(path: Path, text: str) -> None:
-    """Replace what lies between the bench_quantized_kv markers in `path`, if the file has them."""
-    start, end = "<!-- bench_quantized_kv:start -->\n", "<!-- bench_quantized_kv:end -->"
-    doc = path.read_text() if path.exists() else ""
-    if start in doc and end in doc:
-        head, rest = doc.split(start, 1)
-        path.write_text(head + start + text + "\n" + end + rest.split(end, 1)[1])
 
 
 def run(plan: Plan, quick: bool) -> dict[str, Any]:
@@ -270,26 +263,16 @@ def run(plan: Plan, quick: bool) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="tiny random model and lengths: a smoke run")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1: stable on a shared machine)")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="root for benchmarks/results/bench_quantized_kv.json and docs/bench_quantized_kv.md "
-                             "(default: this repository; with --quick, nothing is written)")
-    args = parser.parse_args(argv)
-    plan, out = (QUICK, args.out) if args.quick else (FULL, args.out or ROOT)
+    args = bench_output.benchmark_parser(__doc__.split("\n\n")[0], "bench_quantized_kv").parse_args(argv)
     with bench.torch_threads(args.threads):
-        report = run(plan, quick=args.quick)
+        report = run(QUICK if args.quick else FULL, quick=args.quick)
     text = markdown(report)
     print("\n" + text)
+    out = bench_output.output_root(args, ROOT)
     if out is not None:
-        (out / "benchmarks/results").mkdir(parents=True, exist_ok=True)
-        (out / "docs").mkdir(parents=True, exist_ok=True)
-        (out / "benchmarks/results/bench_quantized_kv.json").write_text(json.dumps(report, indent=2) + "\n")
-        (out / "docs/bench_quantized_kv.md").write_text(text)
-        update_marked_section(out / "docs/caches.md", "\n".join(
-            bench.format_table(["target", "measured", "met"], target_rows(report), markdown=True).splitlines()
-            + ["", f"From `{COMMAND}`; all tables: [bench_quantized_kv.md](bench_quantized_kv.md)."]))
+        headline = bench.format_table(["target", "measured", "met"], target_rows(report), markdown=True)
+        headline += f"\n\nFrom `{COMMAND}`; all tables: [bench_quantized_kv.md](bench_quantized_kv.md)."
+        bench_output.write_results(out, "bench_quantized_kv", report, text, {"docs/caches.md": headline})
     return report
 
 

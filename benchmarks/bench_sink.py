@@ -13,9 +13,7 @@ Regenerate benchmarks/results/bench_sink.json, docs/bench_sink.md and the table 
 
 from __future__ import annotations
 
-import argparse
 import copy
-import json
 import math
 import statistics
 import sys
@@ -27,7 +25,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from hf_accel import SinkCache, bench, reference
+from hf_accel import SinkCache, bench, bench_output, reference
 from hf_accel.reference import corpus
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -251,15 +249,6 @@ def markdown(report: dict[str, Any]) -> str:
     ])
 
 
-def update_marked_section(path: Path, text: str) -> None:
-    """Replace what lies between the bench_sink markers in `path`, if the file has them."""
-    start, end = "<!-- bench_sink:start -->\n", "<!-- bench_sink:end -->"
-    doc = path.read_text() if path.exists() else ""
-    if start in doc and end in doc:
-        head, rest = doc.split(start, 1)
-        path.write_text(head + start + text + "\n" + end + rest.split(end, 1)[1])
-
-
 def run(plan: Plan, quick: bool) -> dict[str, Any]:
     start = time.perf_counter()
     model = bench.random_llama(hidden_size=plan.hidden_size, num_layers=plan.num_layers, seed=0)
@@ -275,24 +264,15 @@ def run(plan: Plan, quick: bool) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="tiny random model, short streams: a smoke run")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1: stable on a shared machine)")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="root for benchmarks/results/bench_sink.json and docs/bench_sink.md "
-                             "(default: this repository; with --quick, nothing is written)")
-    args = parser.parse_args(argv)
-    plan, out = (QUICK, args.out) if args.quick else (FULL, args.out or ROOT)
+    args = bench_output.benchmark_parser(__doc__.split("\n\n")[0], "bench_sink").parse_args(argv)
     with bench.torch_threads(args.threads):
-        report = run(plan, quick=args.quick)
+        report = run(QUICK if args.quick else FULL, quick=args.quick)
     text = markdown(report)
     print("\n" + text)
+    out = bench_output.output_root(args, ROOT)
     if out is not None:
-        (out / "benchmarks/results").mkdir(parents=True, exist_ok=True)
-        (out / "docs").mkdir(parents=True, exist_ok=True)
-        (out / "benchmarks/results/bench_sink.json").write_text(json.dumps(report, indent=2) + "\n")
-        (out / "docs/bench_sink.md").write_text(text)
-        update_marked_section(out / "docs/caches.md", headline(report, "bench_sink.md"))
+        bench_output.write_results(out, "bench_sink", report, text,
+                                   {"docs/caches.md": headline(report, "bench_sink.md")})
     return report
 
 

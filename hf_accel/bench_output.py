@@ -1,0 +1,51 @@
+"""What every script under benchmarks/ shares: its command line and where it writes its results.
+
+A script `benchmarks/bench_<name>.py` writes `benchmarks/results/bench_<name>.json` (the full report) and
+`docs/bench_<name>.md` (its tables), and replaces the text between `<!-- bench_<name>:start -->` and
+`<!-- bench_<name>:end -->` in the docs that quote its headline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+
+def benchmark_parser(description: str, name: str) -> argparse.ArgumentParser:
+    """`--quick` (a smoke run), `--threads` (default 1) and `--out` (the root results are written under)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--quick", action="store_true", help="tiny model and lengths: a smoke run")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1: stable on a shared machine)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help=f"root for benchmarks/results/{name}.json and docs/{name}.md "
+                             "(default: this repository; with --quick, nothing is written)")
+    return parser
+
+
+def output_root(args: argparse.Namespace, repository: Path) -> Path | None:
+    """Where to write: `--out`, else the repository, except that a `--quick` run without `--out` writes nothing."""
+    return args.out if args.quick else (args.out or repository)
+
+
+def write_results(out: Path, name: str, report: dict[str, Any], markdown: str,
+                  headlines: Mapping[str, str] = {}) -> None:
+    """Write the JSON report and the markdown page; `headlines` maps a docs path (relative to `out`) to the text
+    that goes between its `name` markers."""
+    (out / "benchmarks/results").mkdir(parents=True, exist_ok=True)
+    (out / "docs").mkdir(parents=True, exist_ok=True)
+    (out / f"benchmarks/results/{name}.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / f"docs/{name}.md").write_text(markdown)
+    for relative, text in headlines.items():
+        update_marked_section(out / relative, name, text)
+
+
+def update_marked_section(path: Path, name: str, text: str) -> None:
+    """Replace what lies between the `name` markers in `path`, if the file has them."""
+    start, end = f"<!-- {name}:start -->\n", f"<!-- {name}:end -->"
+    doc = path.read_text() if path.exists() else ""
+    if start in doc and end in doc:
+        head, rest = doc.split(start, 1)
+        path.write_text(head + start + text + "\n" + end + rest.split(end, 1)[1])

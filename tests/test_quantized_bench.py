@@ -1,0 +1,26 @@
+"""benchmarks/bench_quantized_kv.py runs end to end in its quick plan and writes its JSON and markdown."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_quick_run_writes_json_markdown_and_target_rows(tmp_path, monkeypatch):
+    spec = importlib.util.spec_from_file_location("bench_quantized_kv", ROOT / "benchmarks" / "bench_quantized_kv.py")
+    script = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, script)  # dataclasses look their module up while being defined
+    spec.loader.exec_module(script)
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs/caches.md").write_text("x\n<!-- bench_quantized_kv:start -->\nold\n<!-- bench_quantized_kv:end -->\n")
+    script.main(["--quick", "--out", str(tmp_path)])
+    report = json.loads((tmp_path / "benchmarks/results/bench_quantized_kv.json").read_text())
+    memory = {r["name"]: r for r in report["memory"]["results"]}
+    assert memory["hf_accel int2"]["end_bytes"] < memory["hf_accel int4"]["end_bytes"] < memory["hf_accel int8"]["end_bytes"]
+    assert memory["hf_accel int8"]["end_ratio"] < 1.0
+    assert [s["context"] for s in report["speed"]] == list(script.QUICK.speed_contexts)
+    assert set(report["quality"]["perplexity"]) == {"DynamicCache", "hf_accel int8", "hf_accel int4", "hf_accel int2"}
+    assert "| hf_accel int4 |" in (tmp_path / "docs/bench_quantized_kv.md").read_text()
+    assert "perplexity increase" in (tmp_path / "docs/caches.md").read_text()
