@@ -37,7 +37,8 @@ class DraftRun:
     draft_cache: Cache
     batch: RaggedBatch
     processors: LogitsProcessorList
-    criteria: StoppingCriteriaList  # without MaxLengthCriteria: the batch counts each row's new tokens itself
+    criteria: StoppingCriteriaList  # without MaxLengthCriteria (the batch counts each row's new tokens) and EOS
+    eos_token_ids: torch.Tensor | None  # EosTokenCriteria's ids, checked on all emitted tokens at once
     do_sample: bool
     length: DraftLength
     stats: SpeculativeStats
@@ -96,9 +97,10 @@ def _start(model, input_ids, processors, criteria, config, draft_model, length, 
     mask = torch.ones_like(input_ids) if mask is None else mask
     pad = config._pad_token_tensor
     pad = 0 if pad is None else int(pad.reshape(-1)[0])
-    has_eos = any(isinstance(c, EosTokenCriteria) for c in criteria)  # stock generate pads finished rows only then
-    batch = RaggedBatch.from_prompt(input_ids, mask, config.max_length - input_ids.shape[1], pad, has_eos)
-    criteria = StoppingCriteriaList([c for c in criteria if not isinstance(c, MaxLengthCriteria)])
+    eos = [c.eos_token_id.reshape(-1) for c in criteria if isinstance(c, EosTokenCriteria)]
+    eos = torch.cat(eos).to(input_ids.device) if eos else None  # stock generate pads finished rows only with EOS
+    batch = RaggedBatch.from_prompt(input_ids, mask, config.max_length - input_ids.shape[1], pad, eos is not None)
+    criteria = StoppingCriteriaList([c for c in criteria if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))])
     cache.activate_past_recording()  # sliding-window layers must keep what a crop may take back
     rows = input_ids.shape[0]
     record = config.return_dict_in_generate
@@ -106,8 +108,9 @@ def _start(model, input_ids, processors, criteria, config, draft_model, length, 
     logits = [[] for _ in range(rows)] if record and config.output_logits else None
     if streamer is not None:
         streamer.put(input_ids.cpu())
-    return DraftRun(model, draft_model, cache, DynamicCache(), batch, processors, criteria, bool(config.do_sample),
-                    length, stats if stats is not None else SpeculativeStats(), streamer, scores, logits)
+    return DraftRun(model, draft_model, cache, DynamicCache(), batch, processors, criteria, eos,
+                    bool(config.do_sample), length, stats if stats is not None else SpeculativeStats(), streamer,
+                    scores, logits)
 
 
 def _check(model, draft_model, config, input_ids, cache, streamer, model_kwargs) -> None:
@@ -126,6 +129,8 @@ def _check(model, draft_model, config, input_ids, cache, streamer, model_kwargs)
             raise ValueError(f"draft_generate does not support `{name}`")
     if cache is None:
         raise ValueError("draft_generate needs a cache (`use_cache=False` is not supported)")
+    if not (model._supports_logits_to_keep() and draft_model._supports_logits_to_keep()):
+        raise ValueError("draft_generate needs `model` and `draft_model` whose forward takes `logits_to_keep`")
     if streamer is not None and input_ids.shape[0] > 1:
         raise ValueError("`streamer` supports batch size 1 only")
     if input_ids.shape[0] > 1:
@@ -147,17 +152,23 @@ def _check_full_attention(model: PreTrainedModel, name: str) -> None:
 
 def _forward(model, cache, batch: RaggedBatch, ids, mask, positions, keep: int) -> torch.Tensor:
     """Raw logits `[batch, keep, vocab]` in fp32 for `ids` `[batch, n]` appended to what `cache` holds."""
-    kwargs = {"logits_to_keep": keep} if model._supports_logits_to_keep() else {}
-    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True,
-                **kwargs)
+    out = model(input_ids=ids, attention_mask=None if batch.is_dense else mask, position_ids=positions,
+                past_key_values=cache, use_cache=True, logits_to_keep=keep)
     return out.logits[:, -keep:].to(dtype=torch.float32, copy=True)
+
+
+def _process(processors: LogitsProcessorList, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    # LogitsProcessorList.__call__ without its per-call signature inspection (generate passes no extra kwargs)
+    for processor in processors:
+        scores = processor(input_ids, scores)
+    return scores
 
 
 def _prefill(run: DraftRun) -> None:
     """Target forward over the prompt and its first token, exactly as plain `generate` picks it."""
     batch = run.batch
     logits = _forward(run.target, run.target_cache, batch, batch.columns, batch.mask, batch.positions, 1)[:, 0]
-    scores = run.processors(batch.view(batch.tokens, batch.history_lengths), logits.clone())
+    scores = _process(run.processors, batch.view(batch.tokens, batch.history_lengths), logits.clone())
     if run.do_sample:
         first = torch.multinomial(torch.softmax(scores, dim=-1), 1).squeeze(1)
     else:
@@ -176,7 +187,7 @@ def _round(run: DraftRun) -> None:
     positions = batch.positions[:, -1:] + torch.arange(k + 1, device=ids.device)
     logits = _forward(run.target, run.target_cache, batch, ids, mask, positions, k + 1)
     tokens = batch.with_candidates(candidates)
-    scores = torch.stack([run.processors(batch.view(tokens, batch.history_lengths + j), logits[:, j].clone())
+    scores = torch.stack([_process(run.processors, batch.view(tokens, batch.history_lengths + j), logits[:, j].clone())
                           for j in range(k + 1)], dim=1)  # [batch, k + 1, vocab]
     if run.do_sample:
         target_probs = torch.softmax(scores, dim=-1)
@@ -184,9 +195,9 @@ def _round(run: DraftRun) -> None:
         verdict = speculative_sample(candidates, draft_probs, target_probs)
     else:
         verdict = greedy_accept(candidates, scores.argmax(dim=-1))
-    most_accepted = int(verdict.num_accepted[batch.unfinished].max())
+    fewest_accepted = int(verdict.num_accepted[batch.unfinished].min())
     _keep(run, verdict, scores, logits, k=k, record=True)
-    run.length.update(k, most_accepted)
+    run.length.update(k, fewest_accepted)
 
 
 def _propose(run: DraftRun, k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -200,7 +211,7 @@ def _propose(run: DraftRun, k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     ids, mask, positions = batch.columns[:, start:], batch.mask, batch.positions[:, start:]
     for j in range(k):
         logits = _forward(run.draft, run.draft_cache, batch, ids, mask, positions, 1)[:, 0]
-        scores = run.processors(batch.view(tokens, batch.history_lengths + j), logits)
+        scores = _process(run.processors, batch.view(tokens, batch.history_lengths + j), logits)
         if run.do_sample:
             probs.append(torch.softmax(scores, dim=-1))
             token = torch.multinomial(probs[-1], 1).squeeze(1)
@@ -242,20 +253,26 @@ def _keep(run: DraftRun, verdict: Verdict, scores, logits, k: int, record: bool)
 def _stop_points(run: DraftRun, emitted, num_emitted, scores) -> tuple[torch.Tensor, torch.Tensor]:
     """Check the stopping criteria after each emitted token in order (rows that already stopped once are not
     checked again); a row keeps its tokens up to the first on which one fires. Returns the cut counts and which
-    rows fired, both `[batch]`."""
+    rows fired, both `[batch]`. EOS is found for all tokens at once; other criteria are called token by token."""
     batch = run.batch
     fired = torch.zeros_like(batch.stopped)
+    if run.eos_token_ids is not None:
+        steps = torch.arange(emitted.shape[1], device=emitted.device)
+        is_eos = torch.isin(emitted, run.eos_token_ids) & (steps < num_emitted[:, None])
+        is_eos &= (batch.unfinished & ~batch.stopped)[:, None]
+        fired = is_eos.any(dim=1)
+        num_emitted = torch.where(fired, is_eos.to(torch.long).argmax(dim=1) + 1, num_emitted)
     if len(run.criteria) == 0:
         return num_emitted, fired
-    tokens = batch.with_candidates(emitted)
+    tokens, cut = batch.with_candidates(emitted), torch.zeros_like(fired)
     for i in range(int(num_emitted[batch.unfinished].max())):
-        reached = batch.unfinished & ~batch.stopped & ~fired & (num_emitted > i)
+        reached = batch.unfinished & ~batch.stopped & ~cut & (num_emitted > i)  # EOS rows: up to their EOS
         if not bool(reached.any()):
             break
         stop = run.criteria(batch.view(tokens, batch.history_lengths + i + 1), scores[:, i]) & reached
         num_emitted = torch.where(stop, i + 1, num_emitted)
-        fired |= stop
-    return num_emitted, fired
+        cut |= stop
+    return num_emitted, fired | cut
 
 
 def _collect(run: DraftRun, scores, logits, num_emitted, active) -> None:

@@ -34,6 +34,7 @@ class RaggedBatch:
     max_new_tokens: int
     pad_token_id: int
     pad_finished: bool  # see `commit`
+    is_dense: bool  # one row without padding: it never gets holes, so forwards need no attention mask
 
     @classmethod
     def from_prompt(
@@ -48,7 +49,7 @@ class RaggedBatch:
         return cls(input_ids, attention_mask.long(), positions, tokens, input_ids.new_zeros(batch),
                    input_ids.new_full((batch,), max_new_tokens), torch.zeros(batch, dtype=torch.bool,
                    device=input_ids.device), input_ids.new_zeros(batch), width, max_new_tokens, pad_token_id,
-                   pad_finished or batch == 1)
+                   pad_finished or batch == 1, batch == 1 and bool(attention_mask.all()))
 
     @property
     def num_output_tokens(self) -> int:
@@ -85,6 +86,8 @@ class RaggedBatch:
         """Row r's first `lengths[r]` compact `tokens`, right-aligned in `[batch, max(lengths)]` (padded on the
         left), as logits processors and stopping criteria expect a batch to look."""
         width = int(lengths.max())
+        if tokens.shape[0] == 1:
+            return tokens[:, :width]
         index = torch.arange(width, device=tokens.device) + (lengths - width)[:, None]
         gathered = tokens.gather(1, index.clamp_min(0))
         return torch.where(index >= 0, gathered, self.pad_token_id)
