@@ -13,7 +13,7 @@ from transformers import DynamicCache
 from hf_accel.cache.paged import PagedCache
 from hf_accel.speculative.medusa_export import export_vllm
 from hf_accel.speculative.medusa_heads import MedusaConfig, MedusaHeads
-from hf_accel.speculative.tree import DEFAULT_TREE, build_tree, tree_attention_mask, tree_position_ids
+from hf_accel.speculative.tree import DEFAULT_TREE, build_tree, sparse_tree, tree_attention_mask, tree_position_ids
 from hf_accel.speculative.tree_cache import keep_tree_path
 
 SMALL_TREE = [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]  # nodes: root, (0,), (1,), (0,0), (0,1), (1,0), (0,0,0)
@@ -42,7 +42,7 @@ def test_save_load_round_trip(model, tmp_path):
     heads.save_pretrained(tmp_path)
     config = json.loads((tmp_path / "medusa_config.json").read_text())
     assert config == {"num_heads": 2, "hidden_size": 64, "vocab_size": VOCAB_SIZE, "num_layers": 1,
-                      "base_model_name_or_path": None, "base_model_type": "llama"}
+                      "base_model_name_or_path": None, "base_model_type": "llama", "tree": None}
     loaded = MedusaHeads.from_pretrained(tmp_path)
     hidden = torch.randn(3, 64)
     assert torch.equal(loaded(hidden), heads(hidden))
@@ -108,6 +108,17 @@ def test_tree_mask_exact_with_padding_and_window():
 def test_bad_trees(paths, message):
     with pytest.raises(ValueError, match=f"medusa_tree.*{message}|{message}.*medusa_tree"):
         build_tree(paths, num_heads=2)
+
+
+def test_sparse_tree_takes_the_likeliest_paths_and_heads_keep_it(model, tmp_path):
+    rates = torch.tensor([[0.6, 0.2, 0.12], [0.5, 0.3, 0.1]])
+    # path values: (0,) .6, (0,0) .3, (1,) .2, (0,1) .18, (2,) .12, (1,0) .1, (0,2) .06, ...
+    assert sparse_tree(rates, 5) == [(0,), (0, 0), (1,), (0, 1), (2,)]
+    assert build_tree(sparse_tree(rates, 9), num_heads=2).num_nodes == 10  # prefix-closed at every size
+    heads = MedusaHeads.for_model(model, num_heads=2)
+    heads.config.tree = sparse_tree(rates, 5)
+    heads.save_pretrained(tmp_path)
+    assert MedusaHeads.from_pretrained(tmp_path).config.tree == [(0,), (0, 0), (1,), (0, 1), (2,)]
 
 
 def test_default_tree_is_valid_for_every_head_count():

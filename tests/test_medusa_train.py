@@ -11,7 +11,8 @@ from conformance import FIRST_WORD, PAD, VOCAB_SIZE, make_model, make_tokenizer
 
 from hf_accel.speculative.medusa import MedusaStats, medusa_generate
 from hf_accel.speculative.medusa_heads import MedusaHeads
-from hf_accel.speculative.medusa_train import MedusaTrainConfig, head_accuracy, token_rows, train_medusa
+from hf_accel.speculative.medusa_calibrate import head_accuracy
+from hf_accel.speculative.medusa_train import MedusaTrainConfig, token_rows, train_medusa
 
 SETTINGS = dict(num_heads=2, batch_size=8, seq_len=48, lr=1e-2, warmup_steps=2, progress=False)
 

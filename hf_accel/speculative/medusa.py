@@ -83,7 +83,8 @@ def medusa_generate(
 
     Args (beyond what generate passes):
         medusa_heads: trained `MedusaHeads` for this model (hidden size and vocab must match).
-        medusa_tree: candidate paths (see `hf_accel.speculative.tree`); default `DEFAULT_TREE` cut to the heads.
+        medusa_tree: candidate paths (see `hf_accel.speculative.tree`); default: the heads' calibrated
+            `config.tree`, else `DEFAULT_TREE` cut to the heads' depth.
         medusa_stats: a `MedusaStats` to fill with tokens per step and acceptance per depth.
         hf_accel_streamer: set by hf_accel's generate hook from `streamer=` (stock generate drops it for callables).
     Batch size 1 only (`input_ids` rows x `num_return_sequences`), no beams. Returns what `_sample` returns.
@@ -99,6 +100,10 @@ def medusa_generate(
         if setup.streamer is not None:
             setup.streamer.end()
     setup.stats.num_new_tokens += state.sequence.shape[1] - input_ids.shape[1]
+    return _output(setup, state, generation_config)
+
+
+def _output(setup: _Setup, state: _Decoding, generation_config: GenerationConfig):
     if not generation_config.return_dict_in_generate:
         return state.sequence
     return GenerateDecoderOnlyOutput(
@@ -119,7 +124,7 @@ def _setup(model, input_ids, generation_config, heads, paths, stats, streamer, p
         raise ValueError(f"medusa_generate decodes one sequence at a time: `input_ids` has batch size "
                          f"{input_ids.shape[0]} (rows x num_return_sequences); batch size > 1 is not supported")
     if paths is None:
-        paths = [path for path in DEFAULT_TREE if len(path) <= heads.num_heads]
+        paths = heads.config.tree or [path for path in DEFAULT_TREE if len(path) <= heads.num_heads]
     tree = build_tree(paths, heads.num_heads)
     cache = model_kwargs.get("past_key_values")
     cache = DynamicCache(config=model.config) if cache is None else cache

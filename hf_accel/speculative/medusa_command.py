@@ -3,10 +3,11 @@
     hf-accel train-medusa                                   # heads for the reference target, into its assets
     hf-accel train-medusa --model ./my-model --dataset ./my-dataset --out ./my-model-medusa --steps 2000
 
-Default data: the reference corpus's train split (with the reference target), else `--dataset`, a folder written
-by `datasets.Dataset.save_to_disk` with a "text" or "input_ids" column. Held-out accuracy uses the reference
-corpus's held-out split when the model has the reference tokenizer. Writes `<out>/medusa_config.json`,
-`<out>/medusa_heads.safetensors` and `<out>/training.json` (time, steps, per-head held-out top-1 accuracy).
+Default data: the reference corpus's train split, else `--dataset`, a folder written by
+`datasets.Dataset.save_to_disk` with a "text" or "input_ids" column. Held-out accuracy and the tree calibration use
+the reference corpus's held-out split (tokenized with the model's tokenizer). Writes `<out>/medusa_config.json`,
+`<out>/medusa_heads.safetensors` and `<out>/training.json` (time, steps, per-head held-out top-1 accuracy). The
+heads' config also gets a candidate tree calibrated on the model's own greedy output (`--tree-size` candidates).
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from .. import reference
 from ..reference.corpus import load_split
-from .medusa_train import head_accuracy, train_medusa
+from .medusa_calibrate import calibrate_tree, head_accuracy
+from .medusa_heads import MedusaHeads
+from .medusa_train import MedusaTrainResult, train_medusa
 
 REFERENCE_HEADS_DIR = reference.ASSETS_DIR / "medusa"
 
@@ -49,6 +52,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--save-dtype", choices=("fp32", "bf16"), default="bf16")
     parser.add_argument("--time-budget", type=float, default=None, help="stop training after this many seconds")
     parser.add_argument("--eval-rows", type=int, default=16, help="held-out rows of seq-len tokens for accuracy")
+    parser.add_argument("--tree-size", type=int, default=32, help="candidates in the calibrated tree")
+    parser.add_argument("--calibration-prompts", type=int, default=16, help="prompts whose greedy output fits the tree")
+    parser.add_argument("--calibrate-only", action="store_true", help="refit the tree of the heads in --out")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--no-progress", action="store_true")
     return parser.parse_args(argv)
@@ -79,19 +85,39 @@ def main(argv: Sequence[str] | None = None) -> int:
     if out is None:
         raise SystemExit("hf-accel train-medusa: --out is required with --model")
     model, tokenizer, description = _load(args)
-    result = train_medusa(
+    if args.calibrate_only:
+        heads = MedusaHeads.from_pretrained(out)
+        record = json.loads((Path(out) / "training.json").read_text())
+    else:
+        result = _train(args, model, tokenizer)
+        heads = result.heads.to(torch.bfloat16 if args.save_dtype == "bf16" else torch.float32)
+        held_out = reference.held_out_sequences(tokenizer, seq_len=args.seq_len, max_rows=args.eval_rows)
+        record = _record(args, description, result, head_accuracy(model, heads, held_out), held_out)
+    heads.config.base_model_name_or_path = description
+    record["calibration"] = _calibrate(args, model, heads, tokenizer)
+    heads.save_pretrained(out)
+    (Path(out) / "training.json").write_text(json.dumps(record, indent=2) + "\n")
+    print(json.dumps(record["held_out_top1_accuracy"]), f"trained {record['train_seconds']:.0f} s; wrote {out}")
+    return 0
+
+
+def _train(args: argparse.Namespace, model, tokenizer) -> MedusaTrainResult:
+    return train_medusa(
         model, _dataset(args), tokenizer=tokenizer, output_dir=args.checkpoint_dir, resume_from=args.resume_from,
         progress=not args.no_progress, num_heads=args.num_heads, num_layers=args.num_layers, steps=args.steps,
         batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr, decay_factor=args.decay_factor,
         distill=args.distill, dtype=args.dtype, time_budget_s=args.time_budget, checkpoint_every=args.checkpoint_every,
     )
-    heads = result.heads.to(torch.bfloat16 if args.save_dtype == "bf16" else torch.float32)
-    heads.save_pretrained(out)
-    held_out = reference.held_out_sequences(tokenizer, seq_len=args.seq_len, max_rows=args.eval_rows)
-    record = _record(args, description, result, head_accuracy(model, heads, held_out), held_out)
-    (Path(out) / "training.json").write_text(json.dumps(record, indent=2) + "\n")
-    print(json.dumps(record["held_out_top1_accuracy"]), f"trained {result.train_seconds:.0f} s; wrote {out}")
-    return 0
+
+
+def _calibrate(args: argparse.Namespace, model, heads: MedusaHeads, tokenizer) -> dict[str, Any]:
+    """Store in `heads.config.tree` a sparse tree fitted to how the heads rank the model's own greedy output
+    (continuations of the last held-out rows; the benchmark's prompts come from the first ones)."""
+    prompts = reference.held_out_sequences(tokenizer, seq_len=64)[-args.calibration_prompts :]
+    tree, rates = calibrate_tree(model, heads, prompts, new_tokens=128, num_candidates=args.tree_size)
+    heads.config.tree = tree
+    return {"prompts": int(prompts.shape[0]), "prompt_len": 64, "new_tokens": 128, "tree_size": len(tree),
+            "rank_accuracy_on_own_greedy_output": [[round(r, 4) for r in row] for row in rates.tolist()]}
 
 
 def _record(args, description: str, result, accuracy: list[float], held_out: torch.Tensor) -> dict[str, Any]:

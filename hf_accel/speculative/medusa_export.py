@@ -5,7 +5,7 @@ vLLM reads a folder holding `config.json` (`model_type: "medusa"`, parsed by
 `vllm/model_executor/models/medusa.py: Medusa.load_weights`. Its modules: `blocks[k]` is a `ResidualBlock` whose
 `layers[j]` are `nn.Linear(hidden, hidden, bias=config.medusa_fc_bias)` applied as `x = x + SiLU(layer(x))`, and
 `lm_heads[k]` maps hidden -> `truncated_vocab_size` (= vocab without a token map). hf_accel's `MedusaHeads` uses the
-same module names, so the tensors are written unchanged; the mapping of config fields is in docs/speculative.md.
+same module names, so the tensors are written unchanged; the mapping of config fields is in docs/medusa.md.
 Use: `LLM(model=base, speculative_config={"method": "medusa", "model": folder, "num_speculative_tokens": K})`.
 """
 

@@ -34,6 +34,8 @@ class MedusaConfig:
         num_layers: residual blocks per head, at least 1.
         base_model_name_or_path: where the base model came from (informational).
         base_model_type: the base config's `model_type` (informational).
+        tree: candidate paths calibrated for these heads (`hf_accel.speculative.tree.sparse_tree`), used by
+            `medusa_generate` when no `medusa_tree` is given; None: the built-in default tree.
     """
 
     num_heads: int
@@ -42,12 +44,15 @@ class MedusaConfig:
     num_layers: int = 1
     base_model_name_or_path: str | None = None
     base_model_type: str | None = None
+    tree: list[tuple[int, ...]] | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_heads", "hidden_size", "vocab_size", "num_layers"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"`{name}` must be an integer >= 1, got {value!r}")
+        if self.tree is not None:  # JSON gives lists
+            self.tree = [tuple(path) for path in self.tree]
 
 
 class ResidualBlock(nn.Module):

@@ -241,19 +241,4 @@ def _train_step(model, heads: MedusaHeads, optimizer, ids: torch.Tensor, config:
     return float(loss.detach())
 
 
-@torch.no_grad()
-def head_accuracy(model: PreTrainedModel, heads: MedusaHeads, rows: torch.Tensor, batch_size: int = 4) -> list[float]:
-    """Per-head top-1 accuracy on `rows` `[n, seq]`: how often head k's argmax at t equals the text's token t+2+k."""
-    hits, counts = torch.zeros(heads.num_heads), torch.zeros(heads.num_heads)
-    device = next(model.parameters()).device
-    for start in range(0, rows.shape[0], batch_size):
-        ids = rows[start : start + batch_size].to(device)
-        hidden = model(input_ids=ids, output_hidden_states=True, use_cache=False, logits_to_keep=1).hidden_states[-1]
-        predicted = heads(hidden.to(heads.lm_heads[0].weight.dtype)).argmax(-1)  # [K, batch, seq]
-        for k in range(heads.num_heads):
-            hits[k] += (predicted[k, :, : -(k + 2)] == ids[:, k + 2 :]).sum().cpu()
-            counts[k] += ids[:, k + 2 :].numel()
-    return (hits / counts.clamp_min(1)).tolist()
-
-
-__all__ = ["MedusaTrainConfig", "MedusaTrainResult", "head_accuracy", "token_rows", "train_medusa"]
+__all__ = ["MedusaTrainConfig", "MedusaTrainResult", "token_rows", "train_medusa"]

@@ -9,6 +9,7 @@ is at `n`, and attends to the prefix, its ancestors and itself.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -92,6 +93,28 @@ def build_tree(paths: Sequence[Sequence[int]], num_heads: int) -> MedusaTree:
         candidate_heads=torch.tensor([len(p) - 1 for p in ordered], dtype=torch.long),
         candidate_ranks=torch.tensor([p[-1] for p in ordered], dtype=torch.long),
     )
+
+
+def sparse_tree(rank_accuracy: torch.Tensor, num_candidates: int) -> list[tuple[int, ...]]:
+    """The `num_candidates` paths most likely to be accepted (Medusa's sparse-tree construction).
+
+    `rank_accuracy[k, i]`: how often head k's i-th best token was the right one (measured on the model's own
+    greedy output). A path's value is the product of its ranks' accuracies; since a child is worth at most its
+    parent, taking paths best-first keeps the tree prefix-closed.
+    """
+    if num_candidates < 1:
+        raise ValueError(f"`num_candidates` must be >= 1, got {num_candidates}")
+    accuracy = rank_accuracy.double().tolist()  # [heads, ranks]
+    frontier = [(-accuracy[0][i], (i,)) for i in range(len(accuracy[0]))]
+    heapq.heapify(frontier)
+    chosen: list[tuple[int, ...]] = []
+    while frontier and len(chosen) < num_candidates:
+        value, path = heapq.heappop(frontier)
+        chosen.append(path)
+        if len(path) < len(accuracy):
+            for i, rate in enumerate(accuracy[len(path)]):
+                heapq.heappush(frontier, (value * rate, (*path, i)))
+    return chosen
 
 
 def _ancestor_matrix(parents: Sequence[int]) -> torch.Tensor:
