@@ -1,6 +1,6 @@
-"""Sampling with Medusa is lossless: on a tiny model with a 16-token vocabulary, the distribution of the 2nd, 3rd and 4th
-sampled tokens (decided at the root and at tree nodes of depth 1 and 2) matches plain sampling by a chi-square test at alpha 0.001,
-and the same test rejects a sampler with the wrong temperature (so its tolerance can fail)."""
+"""Sampling with Medusa is lossless: on a tiny model with a 16-token vocabulary, the distribution of the 2nd, 3rd
+and 4th sampled tokens (decided at the root and at tree nodes of depth 1 and 2) matches plain sampling by a
+chi-square test at alpha 0.001, and the same test rejects a wrong temperature (so its tolerance can fail)."""
 
 import math
 
