@@ -10,22 +10,20 @@ and stopping criteria see each row's compact tokens, one accepted token at a tim
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from transformers import DynamicCache, GenerationConfig, LogitsProcessorList, PreTrainedModel, StoppingCriteriaList
-from transformers.cache_utils import Cache, get_layer_types_and_kwargs
+from transformers.cache_utils import Cache
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from .draft_checks import check_inputs
 from .draft_length import DraftLength
 from .draft_stats import SpeculativeStats
 from .ragged_batch import RaggedBatch
 from .verify import Verdict, greedy_accept, speculative_sample
-
-_IGNORED_MODEL_KWARGS = ("attention_mask", "position_ids", "past_key_values", "use_cache", "logits_to_keep")
-
 
 @dataclass(slots=True)
 class DraftRun:
@@ -45,7 +43,18 @@ class DraftRun:
     streamer: Any = None
     scores: list[list[torch.Tensor]] | None = None  # [row][step] processed scores [vocab]
     logits: list[list[torch.Tensor]] | None = None  # [row][step] raw logits [vocab]
-    draft_length_seen: int = field(default=0)  # columns the draft cache holds
+    draft_length_seen: int = 0  # columns the draft cache holds
+
+
+@dataclass(slots=True)
+class Proposal:
+    """One round's drafts: `tokens` `[batch, k]`, the distributions they were sampled from (`probs`,
+    `[batch, k, vocab]`, None for greedy or k == 0), and the compact tokens with the drafts after each row's history
+    (`history`, `[batch, prompt_width + max_new_tokens + 1 + k]`)."""
+
+    tokens: torch.Tensor
+    probs: torch.Tensor | None
+    history: torch.Tensor
 
 
 def draft_generate(
@@ -92,7 +101,7 @@ def draft_generate(
 
 def _start(model, input_ids, processors, criteria, config, draft_model, length, stats, streamer, model_kwargs):
     cache = model_kwargs.get("past_key_values")
-    _check(model, draft_model, config, input_ids, cache, streamer, model_kwargs)
+    check_inputs(model, draft_model, config, input_ids, cache, streamer, model_kwargs)
     mask = model_kwargs.get("attention_mask")
     mask = torch.ones_like(input_ids) if mask is None else mask
     pad = config._pad_token_tensor
@@ -111,43 +120,6 @@ def _start(model, input_ids, processors, criteria, config, draft_model, length, 
     return DraftRun(model, draft_model, cache, DynamicCache(), batch, processors, criteria, eos,
                     bool(config.do_sample), length, stats if stats is not None else SpeculativeStats(), streamer,
                     scores, logits)
-
-
-def _check(model, draft_model, config, input_ids, cache, streamer, model_kwargs) -> None:
-    if draft_model is None:
-        raise ValueError("draft_generate needs `draft_model=` (a small causal LM with the same tokenizer)")
-    if model.config.is_encoder_decoder or draft_model.config.is_encoder_decoder:
-        raise ValueError("draft_generate supports decoder-only models; `model` or `draft_model` is encoder-decoder")
-    vocab, draft_vocab = model.get_output_embeddings().out_features, draft_model.get_output_embeddings().out_features
-    if vocab != draft_vocab:
-        raise ValueError(f"`draft_model` predicts {draft_vocab} tokens, the model {vocab}: they must share a vocabulary")
-    for name in ("num_beams", "num_beam_groups"):
-        if (getattr(config, name, 1) or 1) > 1:
-            raise ValueError(f"draft_generate does not support beam search (`{name}` > 1)")
-    for name in ("output_attentions", "output_hidden_states"):
-        if getattr(config, name):
-            raise ValueError(f"draft_generate does not support `{name}`")
-    if cache is None:
-        raise ValueError("draft_generate needs a cache (`use_cache=False` is not supported)")
-    if not (model._supports_logits_to_keep() and draft_model._supports_logits_to_keep()):
-        raise ValueError("draft_generate needs `model` and `draft_model` whose forward takes `logits_to_keep`")
-    if streamer is not None and input_ids.shape[0] > 1:
-        raise ValueError("`streamer` supports batch size 1 only")
-    if input_ids.shape[0] > 1:
-        _check_full_attention(model, "model")
-        _check_full_attention(draft_model, "draft_model")
-    unknown = sorted(k for k, v in model_kwargs.items() if v is not None and k not in _IGNORED_MODEL_KWARGS)
-    if unknown:
-        raise ValueError(f"draft_generate does not support the model inputs {unknown}")
-
-
-def _check_full_attention(model: PreTrainedModel, name: str) -> None:
-    # holes in the cache layout count toward a sliding window (it is enforced over cache slots): only exact when
-    # every layer attends to the whole history
-    layer_types, _ = get_layer_types_and_kwargs(model.config.get_text_config(decoder=True))
-    if any(t != "full_attention" for t in layer_types):
-        raise ValueError(f"draft_generate at batch size > 1 needs full-attention layers; `{name}` has layer types "
-                         f"{sorted(set(layer_types))} (use batch size 1 for sliding-window models)")
 
 
 def _forward(model, cache, batch: RaggedBatch, ids, mask, positions, keep: int) -> torch.Tensor:
@@ -181,32 +153,31 @@ def _round(run: DraftRun) -> None:
     """Draft k tokens, verify them in one target forward, keep each row's accepted prefix."""
     batch = run.batch
     k = run.length.next(int(batch.remaining.max()))
-    candidates, draft_probs = _propose(run, k)
-    ids = torch.cat([batch.columns[:, -1:], candidates], dim=1)
+    proposal = _propose(run, k)
+    ids = torch.cat([batch.columns[:, -1:], proposal.tokens], dim=1)
     mask = torch.cat([batch.mask, batch.mask.new_ones((batch.mask.shape[0], k))], dim=1)
     positions = batch.positions[:, -1:] + torch.arange(k + 1, device=ids.device)
     logits = _forward(run.target, run.target_cache, batch, ids, mask, positions, k + 1)
-    tokens = batch.with_candidates(candidates)
-    scores = torch.stack([_process(run.processors, batch.view(tokens, batch.history_lengths + j), logits[:, j].clone())
-                          for j in range(k + 1)], dim=1)  # [batch, k + 1, vocab]
+    scores = torch.stack([_process(run.processors, batch.view(proposal.history, batch.history_lengths + j),
+                                   logits[:, j].clone()) for j in range(k + 1)], dim=1)  # [batch, k + 1, vocab]
     if run.do_sample:
         target_probs = torch.softmax(scores, dim=-1)
-        draft_probs = target_probs[:, :0] if draft_probs is None else draft_probs  # k == 0: no drafts
-        verdict = speculative_sample(candidates, draft_probs, target_probs)
+        draft_probs = target_probs[:, :0] if proposal.probs is None else proposal.probs  # k == 0: no drafts
+        verdict = speculative_sample(proposal.tokens, draft_probs, target_probs)
     else:
-        verdict = greedy_accept(candidates, scores.argmax(dim=-1))
+        verdict = greedy_accept(proposal.tokens, scores.argmax(dim=-1))
     fewest_accepted = int(verdict.num_accepted[batch.unfinished].min())
     _keep(run, verdict, scores, logits, k=k, record=True)
     run.length.update(k, fewest_accepted)
 
 
-def _propose(run: DraftRun, k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`k` draft tokens `[batch, k]` and, when sampling, the distributions they were drawn from `[batch, k, vocab]`."""
+def _propose(run: DraftRun, k: int) -> Proposal:
+    """`k` draft tokens per row, one draft forward each (the first also catches up on columns it has not seen)."""
     batch = run.batch
     candidates = batch.columns.new_full((batch.columns.shape[0], k), batch.pad_token_id)
-    if k == 0:
-        return candidates, None
     tokens, probs = batch.with_candidates(candidates), []
+    if k == 0:
+        return Proposal(candidates, None, tokens)
     start = run.draft_length_seen
     ids, mask, positions = batch.columns[:, start:], batch.mask, batch.positions[:, start:]
     for j in range(k):
@@ -223,7 +194,7 @@ def _propose(run: DraftRun, k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=1)
     run.stats.num_draft_forwards += k
     run.draft_length_seen = batch.width + k - 1  # the last draft token was never forwarded
-    return candidates, torch.stack(probs, dim=1) if probs else None
+    return Proposal(candidates, torch.stack(probs, dim=1) if probs else None, tokens)
 
 
 def _keep(run: DraftRun, verdict: Verdict, scores, logits, k: int, record: bool) -> None:

@@ -46,8 +46,7 @@ def _first_rejection(accepted: torch.Tensor) -> torch.Tensor:
 
 def _emit(draft_tokens: torch.Tensor, num_accepted: torch.Tensor, last: torch.Tensor) -> Verdict:
     # tokens[r, :n] = drafts, tokens[r, n] = last[r]
-    tokens = torch.cat([draft_tokens, draft_tokens[:, -1:]], dim=1) if draft_tokens.shape[1] else last[:, None]
-    tokens = tokens.clone()
+    tokens = torch.cat([draft_tokens, draft_tokens[:, -1:]], dim=1) if draft_tokens.shape[1] else last[:, None].clone()
     tokens.scatter_(1, num_accepted[:, None], last[:, None])
     return Verdict(num_accepted, tokens)
 

@@ -1,0 +1,50 @@
+"""What `draft_generate` refuses, by name, before it starts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import GenerationConfig, PreTrainedModel
+from transformers.cache_utils import Cache, get_layer_types_and_kwargs
+
+_IGNORED_MODEL_KWARGS = ("attention_mask", "position_ids", "past_key_values", "use_cache", "logits_to_keep")
+
+
+def check_inputs(model: PreTrainedModel, draft_model: PreTrainedModel | None, config: GenerationConfig,
+                 input_ids: torch.Tensor, cache: Cache | None, streamer: Any, model_kwargs: dict[str, Any]) -> None:
+    """Raise `ValueError` naming the option for anything `draft_generate` does not support."""
+    if draft_model is None:
+        raise ValueError("draft_generate needs `draft_model=` (a small causal LM with the same tokenizer)")
+    if model.config.is_encoder_decoder or draft_model.config.is_encoder_decoder:
+        raise ValueError("draft_generate supports decoder-only models; `model` or `draft_model` is encoder-decoder")
+    vocab, draft_vocab = model.get_output_embeddings().out_features, draft_model.get_output_embeddings().out_features
+    if vocab != draft_vocab:
+        raise ValueError(f"`draft_model` predicts {draft_vocab} tokens, the model {vocab}: they must share a vocabulary")
+    for name in ("num_beams", "num_beam_groups"):
+        if (getattr(config, name, 1) or 1) > 1:
+            raise ValueError(f"draft_generate does not support beam search (`{name}` > 1)")
+    for name in ("output_attentions", "output_hidden_states"):
+        if getattr(config, name):
+            raise ValueError(f"draft_generate does not support `{name}`")
+    if cache is None:
+        raise ValueError("draft_generate needs a cache (`use_cache=False` is not supported)")
+    if not (model._supports_logits_to_keep() and draft_model._supports_logits_to_keep()):
+        raise ValueError("draft_generate needs `model` and `draft_model` whose forward takes `logits_to_keep`")
+    if streamer is not None and input_ids.shape[0] > 1:
+        raise ValueError("`streamer` supports batch size 1 only")
+    if input_ids.shape[0] > 1:
+        _check_full_attention(model, "model")
+        _check_full_attention(draft_model, "draft_model")
+    unknown = sorted(k for k, v in model_kwargs.items() if v is not None and k not in _IGNORED_MODEL_KWARGS)
+    if unknown:
+        raise ValueError(f"draft_generate does not support the model inputs {unknown}")
+
+
+def _check_full_attention(model: PreTrainedModel, name: str) -> None:
+    # holes in the cache layout count toward a sliding window (it is enforced over cache slots): only exact when
+    # every layer attends to the whole history
+    layer_types, _ = get_layer_types_and_kwargs(model.config.get_text_config(decoder=True))
+    if any(t != "full_attention" for t in layer_types):
+        raise ValueError(f"draft_generate at batch size > 1 needs full-attention layers; `{name}` has layer types "
+                         f"{sorted(set(layer_types))} (use batch size 1 for sliding-window models)")
