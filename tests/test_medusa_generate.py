@@ -68,6 +68,12 @@ def test_cache_kinds_equal_plain(model, cache_implementation):
     assert got.past_key_values.get_seq_length() == got.sequences.shape[1] - 1
 
 
+def test_left_padded_single_row(model):
+    padded = {name: rows[:1] for name, rows in make_prompts([5, 12], seed=3).items()}  # 7 pads, then 5 tokens
+    for kwargs in ({}, {"cache_implementation": "paged"}):
+        assert torch.equal(run(model, padded, **kwargs), run(model, padded, medusa=False, **kwargs))
+
+
 def transformers_dynamic():
     from transformers import DynamicCache
 

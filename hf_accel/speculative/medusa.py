@@ -91,6 +91,7 @@ def medusa_generate(
     """
     setup = _setup(model, input_ids, generation_config, medusa_heads, medusa_tree, medusa_stats,
                    hf_accel_streamer, logits_processor, stopping_criteria, model_kwargs)
+    input_ids = input_ids.to(model.device)  # generate leaves inputs where the user put them
     state = _Decoding(input_ids, _valid_tokens(input_ids, model_kwargs.get("attention_mask")), [], [])
     try:
         hidden = _prefill(setup, state)
@@ -140,7 +141,7 @@ def _setup(model, input_ids, generation_config, heads, paths, stats, streamer, p
 def _valid_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
     if attention_mask is None:
         return torch.ones(input_ids.shape[1], dtype=torch.bool, device=input_ids.device)
-    return attention_mask[0].bool()
+    return attention_mask[0].bool().to(input_ids.device)
 
 
 def _positions(valid: torch.Tensor) -> torch.Tensor:
