@@ -12,7 +12,7 @@ from conformance import FIRST_WORD, PAD, VOCAB_SIZE, make_model, make_tokenizer
 from hf_accel.speculative.medusa import MedusaStats, medusa_generate
 from hf_accel.speculative.medusa_heads import MedusaHeads
 from hf_accel.speculative.medusa_calibrate import head_accuracy
-from hf_accel.speculative.medusa_train import MedusaTrainConfig, token_rows, train_medusa
+from hf_accel.speculative.medusa_train import MedusaTrainConfig, self_distilled_rows, token_rows, train_medusa
 
 SETTINGS = dict(num_heads=2, batch_size=8, seq_len=48, lr=1e-2, warmup_steps=2, progress=False)
 
@@ -43,6 +43,15 @@ def test_loss_falls_and_heads_learn(model):
                          medusa_heads=result.heads, medusa_stats=stats)
     assert torch.equal(out, model.generate(prompt, max_new_tokens=30, do_sample=False, pad_token_id=PAD))
     assert stats.tokens_per_step > 1.5, stats
+
+
+def test_self_distilled_rows_are_greedy_continuations(model):
+    rows = own_text(model)[:3]
+    got = self_distilled_rows(model, rows, prompt_len=8, batch_size=2)
+    assert got.shape == rows.shape
+    for start in (0, 2):
+        expected = model.generate(rows[start : start + 2, :8], max_new_tokens=40, do_sample=False, pad_token_id=PAD)
+        assert torch.equal(got[start : start + 2], expected)
 
 
 @pytest.mark.parametrize("distill", ["hard", "soft"])
@@ -95,8 +104,8 @@ def test_train_medusa_command(model, tmp_path):
     make_tokenizer().save_pretrained(tmp_path / "model")
     datasets.Dataset.from_dict({"input_ids": own_text(model).tolist()}).save_to_disk(str(tmp_path / "data"))
     args = ["--model", str(tmp_path / "model"), "--dataset", str(tmp_path / "data"), "--out", str(tmp_path / "heads"),
-            "--steps", "3", "--num-heads", "2", "--seq-len", "32", "--batch-size", "4", "--eval-rows", "2",
-            "--no-progress"]
+            "--steps", "3", "--num-heads", "2", "--seq-len", "48", "--batch-size", "4", "--eval-rows", "2",
+            "--self-distill-rows", "8", "--no-progress"]
     assert medusa_command.main(args) == 0
     record = json.loads((tmp_path / "heads" / "training.json").read_text())
     assert record["steps"] == 3 and set(record["held_out_top1_accuracy"]) == {"head_0", "head_1"}

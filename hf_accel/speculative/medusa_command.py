@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,7 @@ from .. import reference
 from ..reference.corpus import load_split
 from .medusa_calibrate import calibrate_tree, head_accuracy
 from .medusa_heads import MedusaHeads
-from .medusa_train import MedusaTrainResult, train_medusa
+from .medusa_train import MedusaTrainResult, self_distilled_rows, token_rows, train_medusa
 
 REFERENCE_HEADS_DIR = reference.ASSETS_DIR / "medusa"
 
@@ -48,6 +49,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--decay-factor", type=float, default=0.8)
     parser.add_argument("--distill", choices=("none", "hard", "soft"), default="hard")
+    parser.add_argument("--self-distill-rows", type=int, default=0,
+                        help="train on the model's own greedy continuations of this many 32-token prompts from "
+                             "the data instead of the data itself (0: the data)")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="bf16", help="autocast dtype while training")
     parser.add_argument("--save-dtype", choices=("fp32", "bf16"), default="bf16")
     parser.add_argument("--time-budget", type=float, default=None, help="stop training after this many seconds")
@@ -89,10 +93,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         heads = MedusaHeads.from_pretrained(out)
         record = json.loads((Path(out) / "training.json").read_text())
     else:
-        result = _train(args, model, tokenizer)
+        result, generation_s = _train(args, model, tokenizer)
         heads = result.heads.to(torch.bfloat16 if args.save_dtype == "bf16" else torch.float32)
         held_out = reference.held_out_sequences(tokenizer, seq_len=args.seq_len, max_rows=args.eval_rows)
         record = _record(args, description, result, head_accuracy(model, heads, held_out), held_out)
+        record["self_distillation_data_seconds"] = round(generation_s, 1)
     heads.config.base_model_name_or_path = description
     record["calibration"] = _calibrate(args, model, heads, tokenizer)
     heads.save_pretrained(out)
@@ -101,13 +106,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _train(args: argparse.Namespace, model, tokenizer) -> MedusaTrainResult:
+def _train(args: argparse.Namespace, model, tokenizer) -> tuple[MedusaTrainResult, float]:
+    """Train; returns the result and the seconds spent generating self-distillation data."""
+    data, started = _dataset(args), time.perf_counter()
+    if args.self_distill_rows:
+        rows = token_rows(data, args.seq_len, tokenizer, model.generation_config.eos_token_id)
+        order = torch.randperm(rows.shape[0], generator=torch.Generator().manual_seed(0))[: args.self_distill_rows]
+        data = self_distilled_rows(model, rows[order], progress=not args.no_progress)
+    generation_s = time.perf_counter() - started if args.self_distill_rows else 0.0
     return train_medusa(
-        model, _dataset(args), tokenizer=tokenizer, output_dir=args.checkpoint_dir, resume_from=args.resume_from,
+        model, data, tokenizer=tokenizer, output_dir=args.checkpoint_dir, resume_from=args.resume_from,
         progress=not args.no_progress, num_heads=args.num_heads, num_layers=args.num_layers, steps=args.steps,
         batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr, decay_factor=args.decay_factor,
-        distill=args.distill, dtype=args.dtype, time_budget_s=args.time_budget, checkpoint_every=args.checkpoint_every,
-    )
+        distill=args.distill, dtype=args.dtype, checkpoint_every=args.checkpoint_every,
+        time_budget_s=None if args.time_budget is None else args.time_budget - generation_s,  # budget covers both
+    ), generation_s
 
 
 def _calibrate(args: argparse.Namespace, model, heads: MedusaHeads, tokenizer) -> dict[str, Any]:
@@ -130,8 +143,9 @@ def _record(args, description: str, result, accuracy: list[float], held_out: tor
         "held_out_top1_accuracy": {f"head_{k}": round(a, 4) for k, a in enumerate(accuracy)},
         "held_out_tokens": int(held_out.numel()),
         "accuracy_rule": "head k's argmax at position t equals the held-out text's token t+2+k",
-        "settings": {key: getattr(args, key) for key in ("num_heads", "num_layers", "batch_size", "seq_len", "lr",
-                                                         "decay_factor", "distill", "dtype", "save_dtype", "threads")},
+        "settings": {key: getattr(args, key) for key in (
+            "num_heads", "num_layers", "batch_size", "seq_len", "lr", "decay_factor", "distill", "self_distill_rows",
+            "dtype", "save_dtype", "threads")},
         "hardware": {"cpu": platform.processor() or platform.machine(), "torch_threads": torch.get_num_threads(),
                      "torch": torch.__version__},
     }

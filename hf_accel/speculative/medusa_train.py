@@ -113,6 +113,19 @@ def token_rows(
     return rows
 
 
+@torch.no_grad()
+def self_distilled_rows(model: PreTrainedModel, rows: torch.Tensor, prompt_len: int = 32, batch_size: int = 64,
+                        progress: bool = False) -> torch.Tensor:
+    """The model's own greedy continuations of the first `prompt_len` tokens of each of `rows` `[n, seq]`, as
+    `[n, seq]` training rows (Medusa's self-distillation data: what greedy decoding will ask the heads to guess)."""
+    device, seq_len, out = next(model.parameters()).device, rows.shape[1], []
+    for start in tqdm(range(0, rows.shape[0], batch_size), desc="self-distillation data", disable=not progress):
+        prompts = rows[start : start + batch_size, :prompt_len].to(device)
+        out.append(model.generate(prompts, max_new_tokens=seq_len - prompt_len, min_new_tokens=seq_len - prompt_len,
+                                  do_sample=False, eos_token_id=None, pad_token_id=0).cpu())
+    return torch.cat(out)
+
+
 def medusa_loss(
     head_logits: torch.Tensor, input_ids: torch.Tensor, base_logits: torch.Tensor | None, config: MedusaTrainConfig
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -241,4 +254,4 @@ def _train_step(model, heads: MedusaHeads, optimizer, ids: torch.Tensor, config:
     return float(loss.detach())
 
 
-__all__ = ["MedusaTrainConfig", "MedusaTrainResult", "token_rows", "train_medusa"]
+__all__ = ["MedusaTrainConfig", "MedusaTrainResult", "self_distilled_rows", "token_rows", "train_medusa"]
