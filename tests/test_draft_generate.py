@@ -13,7 +13,7 @@ from conformance import (
 from transformers import DynamicCache, TextIteratorStreamer
 
 import hf_accel
-from hf_accel import PagedCache, QuantizedKVCache, SpeculativeStats, draft_generate
+from hf_accel import PagedCache, QuantizedKVCache, SpeculativeStats, bench, draft_generate, reference
 
 NEW = 20
 BATCHES = {"batch 1": [12], "left-padded batch 4": [5, 12, 9, 3]}
@@ -184,3 +184,18 @@ def test_stock_assisted_decoding_with_a_cache_implementation(cache_implementatio
                          return_dict_in_generate=True)
     assert type(out.past_key_values) is (PagedCache if cache_implementation == "paged" else DynamicCache)
     assert torch.equal(out.sequences, _plain(model, inputs))
+
+
+@pytest.mark.skipif(not reference.has_assets(), reason="reference models not built")
+@pytest.mark.parametrize("lengths", [[40], [40, 24, 33]], ids=["batch 1", "left-padded batch 3"])
+def test_reference_pair_greedy_equals_plain_greedy(lengths):
+    model, tokenizer = reference.load("target")
+    draft, _ = reference.load("draft")
+    inputs = bench.text_prompts(tokenizer, lengths)
+    stats = SpeculativeStats()
+    for kwargs in ({}, {"cache_implementation": "paged"}):
+        expected = model.generate(**inputs, max_new_tokens=48, do_sample=False, **kwargs)
+        got = model.generate(**inputs, max_new_tokens=48, do_sample=False, custom_generate=draft_generate,
+                             draft_model=draft, draft_stats=stats, **kwargs)
+        assert torch.equal(got, expected)
+    assert stats.tokens_per_forward > 2  # a trained pair agrees most of the time
