@@ -48,7 +48,7 @@ class _Decoding:
 
     sequence: torch.Tensor  # [1, seq_len]
     valid: torch.Tensor  # [seq_len] bool, False at padding
-    scores: list[torch.Tensor]
+    scores: list[torch.Tensor]  # [1, vocab] per new token, only when asked for
     raw_logits: list[torch.Tensor]
     finished: bool = False
 
@@ -63,6 +63,7 @@ class _Setup:
     logits_processor: LogitsProcessorList
     stopping_criteria: StoppingCriteriaList
     do_sample: bool
+    keep_scores: tuple[bool, bool]  # (processed scores, raw logits) asked for by output_scores / output_logits
     streamer: BaseStreamer | None
     stats: MedusaStats
 
@@ -109,8 +110,8 @@ def _output(setup: _Setup, state: _Decoding, generation_config: GenerationConfig
         return state.sequence
     return GenerateDecoderOnlyOutput(
         sequences=state.sequence,
-        scores=tuple(state.scores) if generation_config.output_scores else None,
-        logits=tuple(state.raw_logits) if generation_config.output_logits else None,
+        scores=tuple(state.scores) if setup.keep_scores[0] else None,
+        logits=tuple(state.raw_logits) if setup.keep_scores[1] else None,
         past_key_values=setup.cache if generation_config.use_cache else None,
     )
 
@@ -135,7 +136,8 @@ def _setup(model, input_ids, generation_config, heads, paths, stats, streamer, p
     if streamer is not None:
         streamer.put(input_ids.cpu())
     return _Setup(model, heads, tree, cache, layer_groups(model.config), processors, criteria,
-                  bool(generation_config.do_sample), streamer, stats)
+                  bool(generation_config.do_sample),
+                  (bool(generation_config.output_scores), bool(generation_config.output_logits)), streamer, stats)
 
 
 def _valid_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
@@ -205,8 +207,10 @@ def _decide(setup: _Setup, state: _Decoding, raw_logits: torch.Tensor) -> int:
         token = torch.argmax(scores, dim=-1)
     state.sequence = torch.cat([state.sequence, token[:, None]], dim=-1)
     state.valid = torch.cat([state.valid, state.valid.new_ones(1)])
-    state.scores.append(scores)
-    state.raw_logits.append(raw)
+    if setup.keep_scores[0]:
+        state.scores.append(scores)
+    if setup.keep_scores[1]:
+        state.raw_logits.append(raw)
     if setup.streamer is not None:
         setup.streamer.put(token.cpu())
     state.finished = bool(setup.stopping_criteria(state.sequence, scores).any())
