@@ -19,6 +19,9 @@ from .quant import quantizer as _weight_quantizer
 from .quant.linear import Int4Linear, Int8Linear
 from .quant.presets import list_quantization_presets, load_model, quantization_config
 from .quant.quantizer import WeightOnlyConfig
+from .speculative.medusa import MedusaStats, medusa_generate
+from .speculative.medusa_heads import MedusaConfig, MedusaHeads
+from .speculative.medusa_train import train_medusa
 from .speculative.draft import draft_generate
 from .speculative.draft_length import DraftLength
 from .speculative.draft_stats import SpeculativeStats
@@ -51,6 +54,9 @@ __all__ = [
     "DraftLength",
     "Int4Linear",
     "Int8Linear",
+    "MedusaConfig",
+    "MedusaHeads",
+    "MedusaStats",
     "OutOfBlocksError",
     "PagedCache",
     "PagedCacheConfig",
@@ -63,7 +69,9 @@ __all__ = [
     "draft_generate",
     "list_quantization_presets",
     "load_model",
+    "medusa_generate",
     "quantization_config",
     "register",
+    "train_medusa",
     "unregister",
 ]
