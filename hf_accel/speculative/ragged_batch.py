@@ -92,7 +92,9 @@ class RaggedBatch:
         gathered = tokens.gather(1, index.clamp_min(0))
         return torch.where(index >= 0, gathered, self.pad_token_id)
 
-    def commit(self, emitted: torch.Tensor, num_emitted: torch.Tensor, fired: torch.Tensor, num_to_stop) -> int:
+    def commit(
+        self, emitted: torch.Tensor, num_emitted: torch.Tensor, fired: torch.Tensor, num_to_stop: torch.Tensor
+    ) -> int:
         """Keep `num_emitted[r]` (>= 1) tokens of `emitted` `[batch, k + 1]` for every unfinished row; `fired[r]`: a
         stopping criterion fired on the row's token `num_to_stop[r]` (1-based) of them. Appends M + 1 cache columns
         (M = most tokens kept minus one) and returns M; the caches must then hold every column but the last.
