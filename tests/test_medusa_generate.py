@@ -182,3 +182,13 @@ def test_bad_input(model):
         model.generate(**one, max_new_tokens=3, custom_generate=medusa_generate)
     with pytest.raises(ValueError, match="past_key_values"):
         run(model, one, cache_implementation="sink")
+
+
+@pytest.mark.parametrize("arch, attn", [("mistral", "sdpa"), ("qwen3", "eager"), ("gemma2", "eager"),
+                                        ("gemma3", "sdpa"), ("phi3", "sdpa"), ("llama", "eager")])
+def test_greedy_equals_plain_across_architectures(arch, attn):
+    # sliding-window-only (mistral), hybrid sliding/full (gemma2, gemma3), eager attention (additive mask as is)
+    model = make_model(arch, torch.float32, attn)
+    inputs = make_prompts([12], seed=4)
+    for kwargs in ({}, {"cache_implementation": "paged"}):
+        assert torch.equal(run(model, inputs, **kwargs), run(model, inputs, medusa=False, **kwargs)), kwargs
