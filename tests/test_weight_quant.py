@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 import hf_accel
 from hf_accel import Int4Linear, Int8Linear, WeightOnlyConfig, registry
+from hf_accel.quant.quantizer import quantize_model
 
 QUANT_CLASSES = {8: Int8Linear, 4: Int4Linear}
 CONFIGS = {8: WeightOnlyConfig(bits=8), 4: WeightOnlyConfig(bits=4, group_size=32)}
@@ -60,6 +61,20 @@ def test_save_and_reload_pre_quantized_is_bit_identical(float_path, prompt, tmp_
     assert torch.equal(reloaded(prompt).logits, logits)
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantize_model_equals_quantize_on_load_and_leaves_the_float_model(float_path, prompt, tmp_path, bits):
+    float_model = AutoModelForCausalLM.from_pretrained(float_path).eval()
+    quantized, loaded = quantize_model(float_model, CONFIGS[bits]), _load(float_path, bits)
+    assert type(float_model.model.layers[0].mlp.up_proj) is torch.nn.Linear
+    assert "quantization_config" not in float_model.config.to_dict()
+    assert not any(module.training for module in quantized.modules())  # eval, like the float model
+    expected, got = loaded.state_dict(), quantized.state_dict()
+    assert got.keys() == expected.keys() and all(torch.equal(got[key], expected[key]) for key in got)
+    quantized.save_pretrained(tmp_path)  # a pre-quantized checkpoint, as from a quantize-on-load model
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert torch.equal(reloaded(prompt).logits, loaded(prompt).logits)
+
+
 GUARD_SCRIPT = """
 import sys
 from transformers import AutoModelForCausalLM
@@ -88,6 +103,8 @@ def test_stock_transformers_refuses_the_checkpoints_loudly(float_path, tmp_path)
 def test_group_size_that_does_not_divide_in_features_is_a_value_error(float_path):
     with pytest.raises(ValueError, match="group_size 128 must divide in_features 64"):
         AutoModelForCausalLM.from_pretrained(float_path, quantization_config=WeightOnlyConfig(bits=4, group_size=128))
+    with pytest.raises(ValueError, match="cannot quantize 'model.layers.0.self_attn.q_proj'.*divide in_features 64"):
+        quantize_model(AutoModelForCausalLM.from_pretrained(float_path), WeightOnlyConfig(bits=4, group_size=128))
 
 
 @pytest.mark.parametrize("kwargs", [{"bits": 3}, {"bits": 4, "group_size": 48}, {"format_version": 2}])

@@ -3,6 +3,7 @@
     model = AutoModelForCausalLM.from_pretrained(path, quantization_config=WeightOnlyConfig(bits=4, group_size=64))
     model.save_pretrained(out)                      # pre-quantized checkpoint (format: hf_accel.quant.weights)
     AutoModelForCausalLM.from_pretrained(out)       # reloads it bit for bit, with hf_accel imported
+    quantized = quantize_model(model, WeightOnlyConfig(bits=8))  # the same, from a float model in memory
 
 Every `nn.Linear` but the output embedding (and tied or `modules_to_not_convert` modules) becomes an `Int8Linear` /
 `Int4Linear`; embeddings are not Linear layers and stay as they are. Without hf_accel imported, stock transformers
@@ -12,10 +13,12 @@ loading codes as floats.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
 from torch import nn
+from transformers import PreTrainedModel
 from transformers.core_model_loading import ConversionOps
 from transformers.quantizers import HfQuantizer, register_quantization_config, register_quantizer
 from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING
@@ -90,8 +93,7 @@ class WeightOnlyQuantizer(HfQuantizer):
 
     def _process_model_before_weight_loading(self, model: nn.Module, **kwargs: Any) -> None:
         config = self.quantization_config
-        self.modules_to_not_convert = self.get_modules_to_not_convert(
-            model, config.modules_to_not_convert, model._keep_in_fp32_modules, add_default_skips=True)
+        self.modules_to_not_convert = modules_kept_float(model, config)
         replace_linear_modules(model, config.bits, config.group_size or 0, self.modules_to_not_convert)
 
     def is_serializable(self) -> bool:
@@ -103,6 +105,39 @@ class WeightOnlyQuantizer(HfQuantizer):
 
     def get_quantize_ops(self) -> WeightOnlyQuantize:
         return WeightOnlyQuantize(self)
+
+
+def modules_kept_float(model: PreTrainedModel, config: WeightOnlyConfig) -> list[str]:
+    """Names or patterns of the modules left in float: `config.modules_to_not_convert`, the model's fp32 modules,
+    and transformers' defaults (the output embedding, tied weights)."""
+    return HfQuantizer.get_modules_to_not_convert(
+        model, config.modules_to_not_convert, model._keep_in_fp32_modules, add_default_skips=True)
+
+
+def quantize_model(model: PreTrainedModel, config: WeightOnlyConfig) -> PreTrainedModel:
+    """A weight-quantized copy of the float `model` (which is left as it is, and whose float Linear weights are never
+    copied): the Linear layers that `from_pretrained(..., quantization_config=config)` converts become `Int8Linear` /
+    `Int4Linear` with the codes quantize-on-load gives for the same weights; everything else is deep-copied. The
+    copy carries `config` as its `quantization_config`, so `save_pretrained` writes a pre-quantized checkpoint.
+    `ValueError` names a layer whose in_features the int4 group size does not divide."""
+    skip = modules_kept_float(model, config)
+    memo: dict[int, Any] = {}  # deepcopy takes each converted Linear's quantized module instead of copying it
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and should_convert_module(name, skip):
+            try:
+                memo[id(module)] = quantize_linear(module, config.bits, config.group_size or 0)
+            except ValueError as error:
+                raise ValueError(f"cannot quantize {name!r}: {error}") from None
+    quantized = copy.deepcopy(model, memo)
+    quantized.hf_quantizer = WeightOnlyQuantizer(config, pre_quantized=False)
+    quantized.hf_quantizer.postprocess_model(quantized)  # sets config.quantization_config, as from_pretrained does
+    return quantized
+
+
+def quantize_linear(linear: nn.Linear, bits: int, group_size: int) -> Int8Linear | Int4Linear:
+    """A quantized copy of `linear`: `Int8Linear` (bits 8) or `Int4Linear` with groups of `group_size` (bits 4)."""
+    quantized = Int8Linear.from_float(linear) if bits == 8 else Int4Linear.from_float(linear, group_size)
+    return quantized.train(linear.training)
 
 
 def replace_linear_modules(model: nn.Module, bits: int, group_size: int, skip: list[str] | None = None) -> int:
