@@ -18,7 +18,7 @@ from .cache.sink_config import SinkCacheConfig
 from .quant import quantizer as _weight_quantizer
 from .quant.linear import Int4Linear, Int8Linear
 from .quant.presets import list_quantization_presets, load_model, quantization_config
-from .quant.quantizer import WeightOnlyConfig
+from .quant.quantizer import WeightOnlyConfig, quantize_model
 from .speculative.medusa import MedusaStats, medusa_generate
 from .speculative.medusa_heads import MedusaConfig, MedusaHeads
 from .speculative.medusa_train import train_medusa
@@ -71,6 +71,7 @@ __all__ = [
     "load_model",
     "medusa_generate",
     "quantization_config",
+    "quantize_model",
     "register",
     "train_medusa",
     "unregister",

@@ -10,8 +10,7 @@ from tiny_llama import tiny_llama
 from transformers import AutoModelForCausalLM, DynamicCache
 
 import hf_accel
-from hf_accel import Int4Linear, Int8Linear, WeightOnlyConfig, registry
-from hf_accel.quant.quantizer import quantize_model
+from hf_accel import Int4Linear, Int8Linear, WeightOnlyConfig, quantize_model, registry
 
 QUANT_CLASSES = {8: Int8Linear, 4: Int4Linear}
 CONFIGS = {8: WeightOnlyConfig(bits=8), 4: WeightOnlyConfig(bits=4, group_size=32)}

@@ -6,10 +6,9 @@ import pytest
 import torch
 from tiny_llama import tiny_llama
 
-from hf_accel import SpeculativeStats, WeightOnlyConfig, bench, draft_generate
-from hf_accel.quant.quantizer import quantize_model
-from hf_accel.speculative.medusa import MedusaStats, medusa_generate
-from hf_accel.speculative.medusa_heads import MedusaHeads
+from hf_accel import (
+    MedusaHeads, MedusaStats, SpeculativeStats, WeightOnlyConfig, bench, draft_generate, medusa_generate, quantize_model,
+)
 
 CONFIGS = {"int8": WeightOnlyConfig(bits=8), "int4": WeightOnlyConfig(bits=4, group_size=32)}
 CACHES = {"dynamic": {}, "paged": {"cache_implementation": "paged", "cache_config": {"block_size": 4}}}
