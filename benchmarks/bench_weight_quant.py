@@ -59,7 +59,6 @@ VARIANTS = (
 
 @dataclass(frozen=True, slots=True)
 class Scenario:
-    key: str  # "reference" or "large"
     prompt_len: int
     new_tokens: int
     repeats: int  # measured repeats after one warm-up round
@@ -76,9 +75,9 @@ class Plan:
 
 
 # large: 10 new tokens, as quanto decodes ~1 token/s at 220M parameters on one thread and the run must stay ~5 min
-FULL = Plan(Scenario("reference", 64, 32, repeats=5, ppl_rows=16, seq_len=256), Scenario("large", 32, 10, repeats=4),
+FULL = Plan(Scenario(64, 32, repeats=5, ppl_rows=16, seq_len=256), Scenario(32, 10, repeats=4),
             large_hidden=1536, large_layers=8)
-QUICK = Plan(Scenario("reference", 16, 4, repeats=1, ppl_rows=2, seq_len=32), Scenario("large", 16, 4, repeats=1),
+QUICK = Plan(Scenario(16, 4, repeats=1, ppl_rows=2, seq_len=32), Scenario(16, 4, repeats=1),
              large_hidden=192, large_layers=2)
 
 
