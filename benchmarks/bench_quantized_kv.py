@@ -262,18 +262,14 @@ def run(plan: Plan, quick: bool) -> dict[str, Any]:
     return report
 
 
+def headlines(report: dict[str, Any]) -> dict[str, str]:
+    table = bench.format_table(["target", "measured", "met"], target_rows(report), markdown=True)
+    return {"docs/caches.md": f"{table}\n\nFrom `{COMMAND}`; all tables: [bench_quantized_kv.md](bench_quantized_kv.md)."}
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args = bench_output.benchmark_parser(__doc__.split("\n\n")[0], "bench_quantized_kv").parse_args(argv)
-    with bench.torch_threads(args.threads):
-        report = run(QUICK if args.quick else FULL, quick=args.quick)
-    text = markdown(report)
-    print("\n" + text)
-    out = bench_output.output_root(args, ROOT)
-    if out is not None:
-        headline = bench.format_table(["target", "measured", "met"], target_rows(report), markdown=True)
-        headline += f"\n\nFrom `{COMMAND}`; all tables: [bench_quantized_kv.md](bench_quantized_kv.md)."
-        bench_output.write_results(out, "bench_quantized_kv", report, text, {"docs/caches.md": headline})
-    return report
+    return bench_output.run_benchmark(argv, __doc__.split("\n\n")[0], "bench_quantized_kv", ROOT,
+                                      lambda quick: run(QUICK if quick else FULL, quick), markdown, headlines)
 
 
 if __name__ == "__main__":

@@ -264,16 +264,9 @@ def run(plan: Plan, quick: bool) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args = bench_output.benchmark_parser(__doc__.split("\n\n")[0], "bench_sink").parse_args(argv)
-    with bench.torch_threads(args.threads):
-        report = run(QUICK if args.quick else FULL, quick=args.quick)
-    text = markdown(report)
-    print("\n" + text)
-    out = bench_output.output_root(args, ROOT)
-    if out is not None:
-        bench_output.write_results(out, "bench_sink", report, text,
-                                   {"docs/caches.md": headline(report, "bench_sink.md")})
-    return report
+    return bench_output.run_benchmark(argv, __doc__.split("\n\n")[0], "bench_sink", ROOT,
+                                      lambda quick: run(QUICK if quick else FULL, quick), markdown,
+                                      lambda report: {"docs/caches.md": headline(report, "bench_sink.md")})
 
 
 if __name__ == "__main__":

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
+
+from .bench import torch_threads
 
 
 def benchmark_parser(description: str, name: str) -> argparse.ArgumentParser:
@@ -49,3 +51,19 @@ def update_marked_section(path: Path, name: str, text: str) -> None:
     if start in doc and end in doc:
         head, rest = doc.split(start, 1)
         path.write_text(head + start + text + "\n" + end + rest.split(end, 1)[1])
+
+
+def run_benchmark(argv: list[str] | None, description: str, name: str, repository: Path,
+                  measure: Callable[[bool], dict[str, Any]], render: Callable[[dict[str, Any]], str],
+                  headlines: Callable[[dict[str, Any]], Mapping[str, str]] = lambda report: {}) -> dict[str, Any]:
+    """A benchmark script's `main`: parse the common options, `measure(quick)` on `--threads` threads, print
+    `render(report)`, and write the results (see `write_results`) unless it is a quick run without `--out`."""
+    args = benchmark_parser(description, name).parse_args(argv)
+    with torch_threads(args.threads):
+        report = measure(args.quick)
+    text = render(report)
+    print("\n" + text)
+    out = output_root(args, repository)
+    if out is not None:
+        write_results(out, name, report, text, headlines(report))
+    return report

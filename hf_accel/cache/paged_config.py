@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
+
+from .settings import check_int, settings_from_dict
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
@@ -24,13 +26,6 @@ def parse_bytes(value: int | str, name: str = "max_memory") -> int:
     return number
 
 
-def _check_positive_int(name: str, value: object, allowed: str = "a positive int") -> None:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"`{name}` must be {allowed}, got {value!r} ({type(value).__name__})")
-    if value <= 0:
-        raise ValueError(f"`{name}` must be {allowed}, got {value!r}")
-
-
 @dataclass(slots=True)
 class PagedCacheConfig:
     """`block_size`: tokens per block. `num_blocks` / `max_memory`: fix the pool size (blocks, or bytes for K and V of
@@ -41,9 +36,9 @@ class PagedCacheConfig:
     max_memory: int | str | None = None
 
     def __post_init__(self) -> None:
-        _check_positive_int("block_size", self.block_size)
+        check_int("block_size", self.block_size, 1, "a positive int")
         if self.num_blocks is not None:
-            _check_positive_int("num_blocks", self.num_blocks, "a positive int or None")
+            check_int("num_blocks", self.num_blocks, 1, "a positive int or None")
         if self.max_memory is not None:
             self.max_memory = parse_bytes(self.max_memory)
         if self.num_blocks is not None and self.max_memory is not None:
@@ -52,11 +47,4 @@ class PagedCacheConfig:
     @classmethod
     def from_dict(cls, options: dict[str, Any] | None) -> PagedCacheConfig:
         """Build from a `cache_config` dict, rejecting unknown keys by name."""
-        if options is not None and not isinstance(options, dict):
-            raise TypeError(f"`cache_config` must be a dict of paged cache settings, got {type(options).__name__}")
-        options = dict(options or {})
-        allowed = {f.name for f in fields(cls)}
-        unknown = sorted(set(options) - allowed)
-        if unknown:
-            raise ValueError(f"Unknown paged cache_config keys {unknown}; allowed keys are {sorted(allowed)}")
-        return cls(**options)
+        return cls(**settings_from_dict(cls, options, "paged"))

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 from ..quant.ops import SUPPORTED_NBITS
+from .settings import check_int, settings_from_dict
 
 BACKEND = "hf_accel"  # the `cache_config["backend"]` that selects this cache under cache_implementation="quantized"
 
@@ -27,14 +28,11 @@ class QuantizedKVConfig:
     residual_length: int = 128
 
     def __post_init__(self) -> None:
-        for name in ("nbits", "group_size", "residual_length"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise TypeError(f"`{name}` must be an int, got {type(value).__name__}")
+        check_int("nbits", self.nbits, 0, f"an int, one of {SUPPORTED_NBITS}")
         if self.nbits not in SUPPORTED_NBITS:
             raise ValueError(f"`nbits` must be one of {SUPPORTED_NBITS}, got {self.nbits}")
-        if self.group_size < 1:
-            raise ValueError(f"`group_size` must be a positive int, got {self.group_size}")
+        check_int("group_size", self.group_size, 1, "a positive int")
+        check_int("residual_length", self.residual_length, 1, "a positive multiple of `group_size`")
         if self.residual_length < self.group_size or self.residual_length % self.group_size:
             raise ValueError(
                 f"`residual_length` must be a positive multiple of `group_size` ({self.group_size}), "
@@ -47,25 +45,19 @@ class QuantizedKVConfig:
             raise ValueError(f"`group_size` ({self.group_size}) must divide the model's head dimension ({head_dim})")
         per_byte = 8 // self.nbits
         if head_dim % per_byte:
-            raise ValueError(f"`nbits`={self.nbits} packs {per_byte} codes per byte; head dimension {head_dim} is not a multiple")
+            raise ValueError(
+                f"`nbits`={self.nbits} packs {per_byte} codes per byte; head dimension {head_dim} is not a multiple"
+            )
 
     @classmethod
     def from_dict(cls, cache_config: Mapping[str, Any] | None) -> QuantizedKVConfig:
         """From generate's `cache_config` (`backend` is accepted and must be "hf_accel"; `q_group_size`, the stock
         name, is accepted for `group_size`)."""
-        if cache_config is None:
-            return cls()
-        if not isinstance(cache_config, Mapping):
-            raise TypeError(f"`cache_config` must be a dict, got {type(cache_config).__name__}")
-        settings = dict(cache_config)
+        settings = settings_from_dict(cls, cache_config, "hf_accel quantized", extra_keys=("backend", "q_group_size"))
         if settings.pop("backend", BACKEND) != BACKEND:
             raise ValueError(f"`cache_config['backend']` must be {BACKEND!r} for hf_accel's quantized cache")
         if "q_group_size" in settings:
             if "group_size" in settings:
                 raise ValueError("give `group_size` or `q_group_size` (its stock name), not both")
             settings["group_size"] = settings.pop("q_group_size")
-        allowed = sorted(f.name for f in fields(cls))
-        unknown = sorted(set(settings) - set(allowed))
-        if unknown:
-            raise ValueError(f"unknown `cache_config` keys {unknown} for the hf_accel quantized cache; allowed: {allowed} and 'backend'")
         return cls(**settings)

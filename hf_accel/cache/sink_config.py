@@ -2,15 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
-
-def _check_int(name: str, value: object, minimum: int, allowed: str) -> None:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"`{name}` must be {allowed}, got {value!r} ({type(value).__name__})")
-    if value < minimum:
-        raise ValueError(f"`{name}` must be {allowed}, got {value!r}")
+from .settings import check_int, settings_from_dict
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,8 +18,8 @@ class SinkCacheConfig:
     num_sink_tokens: int = 4
 
     def __post_init__(self) -> None:
-        _check_int("window_length", self.window_length, 1, "a positive int")
-        _check_int("num_sink_tokens", self.num_sink_tokens, 0, "a non-negative int")
+        check_int("window_length", self.window_length, 1, "a positive int")
+        check_int("num_sink_tokens", self.num_sink_tokens, 0, "a non-negative int")
         if self.window_length <= self.num_sink_tokens:
             raise ValueError(
                 f"`window_length` ({self.window_length}) must be greater than `num_sink_tokens` "
@@ -39,11 +34,4 @@ class SinkCacheConfig:
     @classmethod
     def from_dict(cls, options: dict[str, Any] | None) -> SinkCacheConfig:
         """Build from a `cache_config` dict, rejecting unknown keys by name."""
-        if options is not None and not isinstance(options, dict):
-            raise TypeError(f"`cache_config` must be a dict of sink cache settings, got {type(options).__name__}")
-        options = dict(options or {})
-        allowed = {f.name for f in fields(cls)}
-        unknown = sorted(set(options) - allowed)
-        if unknown:
-            raise ValueError(f"Unknown sink cache_config keys {unknown}; allowed keys are {sorted(allowed)}")
-        return cls(**options)
+        return cls(**settings_from_dict(cls, options, "sink"))
