@@ -81,24 +81,26 @@ def main(argv=None) -> dict:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--heads", type=Path, default=REFERENCE_HEADS_DIR, help="heads folder (with training.json)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     model, tokenizer = reference.load("target")
-    heads = MedusaHeads.from_pretrained(REFERENCE_HEADS_DIR, dtype=torch.float32)
+    heads = MedusaHeads.from_pretrained(args.heads, dtype=torch.float32)
     num_prompts, repeats = (2, 1) if args.quick else (6, 2)
     prompts = reference.held_out_sequences(tokenizer, seq_len=args.prompt_len, max_rows=num_prompts * 7)[::7]
     results = {name: run_tree(model, heads, prompts, tree, args.new_tokens, repeats)
-               for name, tree in trees(REFERENCE_HEADS_DIR).items()}
+               for name, tree in trees(args.heads).items()}
     report = {
         "command": COMMAND + (" --quick" if args.quick else ""),
-        "model": "hf_accel reference target (fp32 compute), heads from hf_accel/reference/assets/medusa",
+        "model": "hf_accel reference target (fp32 compute)",
+        "heads": str(args.heads.relative_to(ROOT) if args.heads.is_relative_to(ROOT) else args.heads),
         "settings": {"batch_size": 1, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "greedy": True,
                      "prompts": int(prompts.shape[0]), "repeats": repeats, "torch_threads": args.threads},
         "hardware": {"cpu": platform.processor() or platform.machine(), "torch": torch.__version__},
         "trees": results,
     }
     print(json.dumps(report, indent=2))
-    if not args.quick:
+    if not args.quick and args.heads == REFERENCE_HEADS_DIR:
         out = ROOT / "benchmarks" / "results" / "bench_medusa.json"
         out.write_text(json.dumps(report, indent=2) + "\n")
     return report

@@ -1,13 +1,15 @@
 """`hf-accel train-medusa`: train Medusa heads for a model, measure them on held-out text, save them.
 
-    hf-accel train-medusa                                   # heads for the reference target, into its assets
+    hf-accel train-medusa --steps 2000 --time-budget 570    # the committed reference heads (~10 min on one core)
     hf-accel train-medusa --model ./my-model --dataset ./my-dataset --out ./my-model-medusa --steps 2000
 
 Default data: the reference corpus's train split, else `--dataset`, a folder written by
-`datasets.Dataset.save_to_disk` with a "text" or "input_ids" column. Held-out accuracy and the tree calibration use
-the reference corpus's held-out split (tokenized with the model's tokenizer). Writes `<out>/medusa_config.json`,
-`<out>/medusa_heads.safetensors` and `<out>/training.json` (time, steps, per-head held-out top-1 accuracy). The
-heads' config also gets a candidate tree calibrated on the model's own greedy output (`--tree-size` candidates).
+`datasets.Dataset.save_to_disk` with a "text" or "input_ids" column; by default the heads train on the model's own
+greedy continuations of 256 prompts cut from it (`--self-distill-rows`, 0 for the data itself). Held-out accuracy
+and the tree calibration use the reference corpus's held-out split (tokenized with the model's tokenizer). Writes
+`<out>/medusa_config.json`, `<out>/medusa_heads.safetensors` and `<out>/training.json` (time, steps, per-head
+held-out top-1 accuracy). The heads' config also gets a candidate tree calibrated on the model's own greedy output
+(`--tree-size` candidates).
 """
 
 from __future__ import annotations
@@ -46,17 +48,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--decay-factor", type=float, default=0.8)
     parser.add_argument("--distill", choices=("none", "hard", "soft"), default="hard")
-    parser.add_argument("--self-distill-rows", type=int, default=0,
+    parser.add_argument("--self-distill-rows", type=int, default=256,
                         help="train on the model's own greedy continuations of this many 32-token prompts from "
                              "the data instead of the data itself (0: the data)")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="bf16", help="autocast dtype while training")
     parser.add_argument("--save-dtype", choices=("fp32", "bf16"), default="bf16")
     parser.add_argument("--time-budget", type=float, default=None, help="stop training after this many seconds")
     parser.add_argument("--eval-rows", type=int, default=16, help="held-out rows of seq-len tokens for accuracy")
-    parser.add_argument("--tree-size", type=int, default=32, help="candidates in the calibrated tree")
+    parser.add_argument("--tree-size", type=int, default=20, help="candidates in the calibrated tree")
     parser.add_argument("--calibration-prompts", type=int, default=16, help="prompts whose greedy output fits the tree")
     parser.add_argument("--calibrate-only", action="store_true", help="refit the tree of the heads in --out")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
