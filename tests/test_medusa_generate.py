@@ -192,3 +192,19 @@ def test_greedy_equals_plain_across_architectures(arch, attn):
     inputs = make_prompts([12], seed=4)
     for kwargs in ({}, {"cache_implementation": "paged"}):
         assert torch.equal(run(model, inputs, **kwargs), run(model, inputs, medusa=False, **kwargs)), kwargs
+
+
+def test_reference_target_with_committed_heads():
+    from hf_accel import reference
+    from hf_accel.speculative.medusa_command import REFERENCE_HEADS_DIR
+
+    if not (reference.has_assets() and (REFERENCE_HEADS_DIR / "medusa_config.json").is_file()):
+        pytest.skip("reference assets not built")
+    target, tokenizer = reference.load("target")
+    heads = MedusaHeads.from_pretrained(REFERENCE_HEADS_DIR, dtype=torch.float32)
+    prompt = reference.held_out_sequences(tokenizer, seq_len=64, max_rows=1)
+    stats = MedusaStats()
+    kwargs = dict(max_new_tokens=48, min_new_tokens=48, do_sample=False, eos_token_id=None)
+    got = target.generate(prompt, custom_generate=medusa_generate, medusa_heads=heads, medusa_stats=stats, **kwargs)
+    assert torch.equal(got, target.generate(prompt, **kwargs))
+    assert stats.tokens_per_step > 2.0, stats  # the trained heads do get accepted
