@@ -1,28 +1,28 @@
-"""Medusa benchmark: greedy Medusa decoding against plain greedy generate on the reference target.
+"""Medusa benchmark: Medusa decoding against plain generate on the reference target, greedy and sampling.
 
-Prompts are held-out rows of the reference corpus (text the model and the heads never trained on). For each prompt
-and repeat, plain `generate` and `generate(custom_generate=medusa_generate)` run back to back in the same process
-(interleaved, one warm-up of each first); greedy outputs must be token-for-token equal. Reported: new tokens per
-target forward (the prefill counted as one forward, as plain decoding makes one token per forward), acceptance per
-tree depth, and the wall-time ratio plain / Medusa (median over prompts x repeats) for each tree, greedy; then the
-heads' own tree with sampling (temperature 0.7, both sides seeded alike).
+Prompts are held-out rows of the reference corpus (text neither the model nor the heads trained on). For each
+prompt and repeat, plain `generate` and `generate(custom_generate=medusa_generate)` run back to back in the same
+process (interleaved, one warm-up pair first, both seeded alike); greedy outputs must be token-for-token equal.
+Reported per tree: new tokens per target forward (the prefill counted as one forward, as plain decoding makes one
+token per forward), accepted candidates per step at each depth, and the wall-time ratio plain / Medusa (median of
+the per-pair ratios); then the heads' own tree with sampling (temperature 0.7).
 
-    .venv/bin/python benchmarks/bench_medusa.py              # writes benchmarks/results/bench_medusa.json
-    .venv/bin/python benchmarks/bench_medusa.py --quick      # 2 prompts, 1 repeat, prints only
+Regenerate benchmarks/results/bench_medusa.json, docs/bench_medusa.md and the table in docs/medusa.md:
+    .venv/bin/python benchmarks/bench_medusa.py        (--quick: 2 prompts, 32 tokens, prints only)
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import platform
 import statistics
+import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from hf_accel import reference
+from hf_accel import bench, bench_output, reference
 from hf_accel.speculative.medusa import MedusaStats, medusa_generate
 from hf_accel.speculative.medusa_command import REFERENCE_HEADS_DIR
 from hf_accel.speculative.medusa_heads import MedusaHeads
@@ -32,6 +32,10 @@ ROOT = Path(__file__).resolve().parents[1]
 COMMAND = ".venv/bin/python benchmarks/bench_medusa.py"
 GREEDY = {"do_sample": False}
 SAMPLING = {"do_sample": True, "temperature": 0.7, "top_k": 0, "top_p": 1.0}
+FULL = {"prompts": 6, "repeats": 2, "prompt_len": 128, "new_tokens": 128}
+QUICK = {"prompts": 2, "repeats": 1, "prompt_len": 64, "new_tokens": 32}
+
+
 def trees(heads_dir: Path) -> dict[str, list | None]:
     """The heads' own calibrated tree, sparse trees of other sizes from the same measured rank accuracies, the
     built-in default and a plain chain of top-1 candidates."""
@@ -52,23 +56,21 @@ def timed(fn) -> tuple[float, torch.Tensor]:
     return time.perf_counter() - started, out
 
 
-def run_tree(model, heads, prompts: torch.Tensor, tree, new_tokens: int, repeats: int, sampling: dict | None = None
-             ) -> dict:
-    """Interleaved plain / Medusa runs over every prompt, each side seeded alike. Greedy outputs must be equal;
-    with `sampling` (generate kwargs) the count of equal outputs is reported (equal seeds draw equal tokens up to
-    float rounding of the wider verification forward)."""
-    common = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, eos_token_id=None, **(sampling or {}))
+def run_tree(model, heads, prompts: torch.Tensor, tree, plan: dict[str, int], mode: dict[str, Any]) -> dict:
+    """Interleaved plain / Medusa pairs over every prompt, each side seeded alike. Greedy outputs must be equal;
+    with sampling the count of equal outputs is reported (equal seeds draw equal tokens up to float rounding)."""
+    common = dict(max_new_tokens=plan["new_tokens"], min_new_tokens=plan["new_tokens"], eos_token_id=None, **mode)
     ratios, plain_times, medusa_times, stats, num_equal = [], [], [], MedusaStats(), 0
     for index in range(-1, prompts.shape[0]):  # index -1: warm-up on the first prompt, not recorded
         prompt = prompts[max(index, 0)][None]
-        for repeat in range(1 if index < 0 else repeats):
+        for repeat in range(1 if index < 0 else plan["repeats"]):
             torch.manual_seed(repeat)
             plain_s, plain = timed(lambda: model.generate(prompt, **common))
             counted = MedusaStats() if index < 0 else stats
             torch.manual_seed(repeat)
             medusa_s, medusa = timed(lambda: model.generate(prompt, custom_generate=medusa_generate, medusa_heads=heads,
                                                             medusa_tree=tree, medusa_stats=counted, **common))
-            assert sampling or torch.equal(plain, medusa), "Medusa greedy output differs from plain greedy"
+            assert mode["do_sample"] or torch.equal(plain, medusa), "Medusa greedy output differs from plain greedy"
             if index >= 0:
                 ratios.append(plain_s / medusa_s)
                 plain_times.append(plain_s)
@@ -79,45 +81,79 @@ def run_tree(model, heads, prompts: torch.Tensor, tree, new_tokens: int, repeats
         "accepted_per_step_by_depth": [round(n / stats.num_verify_forwards, 3) for n in stats.accepted_per_depth],
         "speedup_median": round(statistics.median(ratios), 3),
         "speedup_range": [round(min(ratios), 3), round(max(ratios), 3)],
-        "plain_tokens_per_s": round(new_tokens / statistics.median(plain_times), 1),
-        "medusa_tokens_per_s": round(new_tokens / statistics.median(medusa_times), 1),
+        "plain_tokens_per_s": round(plan["new_tokens"] / statistics.median(plain_times), 1),
+        "medusa_tokens_per_s": round(plan["new_tokens"] / statistics.median(medusa_times), 1),
         "outputs_equal_to_plain": f"{num_equal}/{len(ratios)}",
     }
 
 
-def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--heads", type=Path, default=REFERENCE_HEADS_DIR, help="heads folder (with training.json)")
-    args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
+def measure(quick: bool) -> dict[str, Any]:
+    plan = QUICK if quick else FULL
     model, tokenizer = reference.load("target")
-    heads = MedusaHeads.from_pretrained(args.heads, dtype=torch.float32)
-    num_prompts, repeats = (2, 1) if args.quick else (6, 2)
-    prompts = reference.held_out_sequences(tokenizer, seq_len=args.prompt_len, max_rows=num_prompts * 7)[::7]
-    results = {name: run_tree(model, heads, prompts, tree, args.new_tokens, repeats, GREEDY)
-               for name, tree in trees(args.heads).items()}
-    sampled = {name: run_tree(model, heads, prompts, tree, args.new_tokens, repeats, SAMPLING)
-               for name, tree in list(trees(args.heads).items())[:1]}
-    report = {
-        "command": COMMAND + (" --quick" if args.quick else ""),
-        "model": "hf_accel reference target (fp32 compute)",
-        "heads": str(args.heads.relative_to(ROOT) if args.heads.is_relative_to(ROOT) else args.heads),
-        "settings": {"batch_size": 1, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
-                     "prompts": int(prompts.shape[0]), "repeats": repeats, "torch_threads": args.threads},
-        "hardware": {"cpu": platform.processor() or platform.machine(), "torch": torch.__version__},
-        "trees": results,
-        "sampling": {"settings": SAMPLING, "trees": sampled},
+    heads = MedusaHeads.from_pretrained(REFERENCE_HEADS_DIR, dtype=torch.float32)
+    rows = reference.held_out_sequences(tokenizer, seq_len=plan["prompt_len"], max_rows=plan["prompts"] * 7)
+    prompts, candidates = rows[::7], trees(REFERENCE_HEADS_DIR)
+    greedy = {name: run_tree(model, heads, prompts, tree, plan, GREEDY) for name, tree in candidates.items()}
+    own = next(iter(candidates.items()))
+    return {
+        "command": COMMAND + (" --quick" if quick else ""),
+        "model": "hf_accel reference target, fp32; heads: hf_accel/reference/assets/medusa",
+        "hardware": bench.hardware(),
+        "settings": {"batch_size": 1, **plan, "sampling": SAMPLING},
+        "greedy": greedy,
+        "sampling": {own[0]: run_tree(model, heads, prompts, own[1], plan, SAMPLING)},
     }
-    print(json.dumps(report, indent=2))
-    if not args.quick and args.heads == REFERENCE_HEADS_DIR:
-        out = ROOT / "benchmarks" / "results" / "bench_medusa.json"
-        out.write_text(json.dumps(report, indent=2) + "\n")
-    return report
+
+
+def tree_table(results: dict[str, dict]) -> str:
+    rows = [[name, f"{r['tokens_per_forward']:.2f}", ", ".join(f"{a:.2f}" for a in r["accepted_per_step_by_depth"]),
+             f"{r['speedup_median']:.2f}x ({r['speedup_range'][0]:.2f}-{r['speedup_range'][1]:.2f})",
+             r["outputs_equal_to_plain"]] for name, r in results.items()]
+    headers = ["tree", "tokens per target forward", "accepted per step at depth 1, 2, ...",
+               "speed x plain, median (range)", "outputs equal to plain"]
+    return bench.format_table(headers, rows, markdown=True)
+
+
+def headline(report: dict[str, Any]) -> str:
+    """Greedy and sampling tables plus the issue's targets, for docs/medusa.md."""
+    s, greedy = report["settings"], report["greedy"]
+    own, built_in = next(iter(greedy.values())), greedy[f"built-in default, {len(DEFAULT_TREE)} candidates"]
+    targets = [
+        [">= 2.5 tokens per target forward (greedy)", f"{own['tokens_per_forward']:.2f} (heads' tree), "
+         f"{built_in['tokens_per_forward']:.2f} (built-in tree)",
+         "yes" if own["tokens_per_forward"] >= 2.5 else "**no**"],
+        [">= 2.0x plain (greedy)", f"{own['speedup_median']:.2f}x (heads' tree), {built_in['speedup_median']:.2f}x "
+         "(built-in tree)", "yes" if own["speedup_median"] >= 2.0 else "**no**"],
+    ]
+    return "\n".join([
+        f"{s['prompts']} held-out prompts of {s['prompt_len']} tokens x {s['repeats']} repeats, batch 1, "
+        f"{s['new_tokens']} new tokens each, reference target in fp32 on {report['hardware']['torch_threads']} torch "
+        f"thread(s) of a shared CPU ({report['hardware']['cpu']}); plain and Medusa interleaved and seeded alike. "
+        f"From `{COMMAND}`; all numbers: [bench_medusa.md](bench_medusa.md).", "",
+        "Greedy:", "", tree_table(greedy), "",
+        f"Sampling (temperature {SAMPLING['temperature']}, the heads' tree):", "", tree_table(report["sampling"]), "",
+        bench.format_table(["target (issue 6)", "measured", "met"], targets, markdown=True),
+    ])
+
+
+def markdown(report: dict[str, Any]) -> str:
+    hw = report["hardware"]
+    return "\n".join([
+        "# Medusa benchmark", "", f"Regenerate with `{COMMAND}` (`--quick` for a smoke run).", "",
+        f"- hardware: {hw['cpu']}, {hw['torch_threads']} torch thread(s), torch {hw['torch']}, transformers "
+        f"{hw['transformers']}; the machine was shared with other jobs, so compare ratios, not absolutes",
+        f"- {report['model']}", "", headline(report), "",
+        "Tokens per second (medians):", "",
+        bench.format_table(["mode", "tree", "plain tok/s", "Medusa tok/s"], [
+            [mode, name, f"{r['plain_tokens_per_s']:.1f}", f"{r['medusa_tokens_per_s']:.1f}"]
+            for mode in ("greedy", "sampling") for name, r in report[mode].items()], markdown=True), "",
+    ])
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    return bench_output.run_benchmark(argv, __doc__.split("\n\n")[0], "bench_medusa", ROOT, measure, markdown,
+                                      lambda report: {"docs/medusa.md": headline(report)})
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])
