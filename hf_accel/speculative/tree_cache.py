@@ -82,15 +82,18 @@ def keep_tree_path(cache: Cache, num_nodes: int, kept: list[int]) -> None:
     if isinstance(cache, PagedCache):
         cache.keep_tokens(cache.get_seq_length() - num_nodes, kept)
         return
+    index = torch.tensor(kept, dtype=torch.long, device=cache.layers[0].keys.device)
+    drop = num_nodes - len(kept)
     for layer in cache.layers:
-        index = torch.tensor(kept, dtype=torch.long, device=layer.keys.device)
-        # keys, values: [batch, kv_heads, seq, head_dim]; the last num_nodes along seq are the tree's
-        layer.keys = torch.cat([layer.keys[:, :, :-num_nodes], layer.keys[:, :, -num_nodes:].index_select(2, index)], 2)
-        layer.values = torch.cat(
-            [layer.values[:, :, :-num_nodes], layer.values[:, :, -num_nodes:].index_select(2, index)], 2
-        )
+        # keys, values: [batch, kv_heads, seq, head_dim]; the last num_nodes along seq are the tree's. Kept nodes
+        # move to the front of the tree's slots (in place: kept[i] >= i), the rest is sliced off (a view)
+        for states in (layer.keys, layer.values):
+            tree_part = states[:, :, -num_nodes:]
+            tree_part[:, :, : len(kept)] = tree_part.index_select(2, index)
+        if drop:
+            layer.keys, layer.values = layer.keys[:, :, :-drop], layer.values[:, :, :-drop]
         if isinstance(layer, DynamicSlidingWindowLayer):
-            layer.cumulative_length -= num_nodes - len(kept)
+            layer.cumulative_length -= drop
             _trim_window(layer)
 
 
