@@ -10,6 +10,7 @@ Rules every measurement here follows (shared by `hf-accel bench` and `benchmarks
 from __future__ import annotations
 
 import contextlib
+import math
 import platform
 import statistics
 import time
@@ -19,91 +20,49 @@ from typing import Any
 
 import torch
 import transformers
-from transformers import (
-    AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedModel, QuantizedCache, StaticCache,
-)
+from torch import nn
+from transformers import PreTrainedModel, QuantizedCache, StaticCache
 from transformers.cache_utils import Cache
 
+from .bench_inputs import (  # re-exported: benchmarks and tests use them as bench.*
+    RANDOM_MODEL_NOTE, BenchModel, describe_model, load_bench_model, make_prompts, random_llama, text_prompts,
+)
 from .cache.paged import PagedCache
 from .cache.quantized import QuantizedKVCache
 from .cache.sink import SinkCache
+from .quant.quantizer import WeightOnlyConfig, quantize_model
+from .speculative.draft import draft_generate
+from .speculative.medusa import medusa_generate
 
-RANDOM_MODEL_NOTE = (
-    "random-weight Llama built from a config (the project's trained reference models are a later issue): "
-    "speed, memory and cache agreement are meaningful, the generated text is not"
-)
-
-
-def random_llama(
-    hidden_size: int = 256,
-    num_layers: int = 4,
-    vocab_size: int = 4096,
-    seed: int = 0,
-    dtype: torch.dtype = torch.float32,
-) -> LlamaForCausalLM:
-    """A random-weight Llama (`hidden_size / 32` heads of 32 dims, half as many KV heads), eval mode, no EOS."""
-    torch.manual_seed(seed)
-    heads = max(hidden_size // 32, 1)
-    config = LlamaConfig(
-        hidden_size=hidden_size,
-        intermediate_size=hidden_size * 8 // 3,
-        num_hidden_layers=num_layers,
-        num_attention_heads=heads,
-        num_key_value_heads=max(heads // 2, 1),
-        vocab_size=vocab_size,
-        max_position_embeddings=8192,
-        eos_token_id=None,
-        bos_token_id=None,
-        pad_token_id=0,
-    )
-    model = LlamaForCausalLM(config).to(dtype).eval()
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    return model
-
-
-def load_model(name: str | None, dtype: torch.dtype = torch.float32) -> tuple[PreTrainedModel, str]:
-    """The model to benchmark and a one-line description: `name` (local path or hub id) or the random default."""
-    if name is None:
-        model = random_llama(dtype=dtype)
-        return model, f"{describe_model(model)}; {RANDOM_MODEL_NOTE}"
-    model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype).eval()
-    return model, f"{name}: {describe_model(model)}"
-
-
-def describe_model(model: PreTrainedModel) -> str:
+def quantized_int4(model: PreTrainedModel) -> dict[str, Any]:
+    """generate kwargs for hf_accel's int4 KV cache: groups of 64 (or the head dimension when smaller), residual 128."""
     config = model.config.get_text_config(decoder=True)
-    params = sum(p.numel() for p in model.parameters())
-    return (
-        f"{config.model_type}, {params / 1e6:.1f}M params, hidden {config.hidden_size}, "
-        f"{config.num_hidden_layers} layers, {config.num_key_value_heads} KV heads"
-    )
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    settings = {"backend": "hf_accel", "nbits": 4, "group_size": math.gcd(64, head_dim), "residual_length": 128}
+    return {"cache_implementation": "quantized", "cache_config": settings}
 
 
-def make_prompts(
-    lengths: Sequence[int], vocab_size: int, pad_token_id: int = 0, seed: int = 0
-) -> dict[str, torch.Tensor]:
-    """Random prompts of the given lengths, left-padded: `input_ids` and `attention_mask`, `[len(lengths), max]`."""
-    generator = torch.Generator().manual_seed(seed)
-    width = max(lengths)
-    input_ids = torch.full((len(lengths), width), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(lengths), width), dtype=torch.long)
-    for row, length in enumerate(lengths):
-        input_ids[row, width - length :] = torch.randint(1, vocab_size, (length,), generator=generator)
-        attention_mask[row, width - length :] = 1
-    return {"input_ids": input_ids, "attention_mask": attention_mask}
+def weight_quantized(bits: int) -> Callable[[PreTrainedModel], PreTrainedModel]:
+    """A `Strategy.model_variant`: a copy of the model whose Linear layers are hf_accel's weight-only int8 (per output
+    channel) or int4 (groups of 64) modules (`quantize_model`); lm_head, embeddings, and any Linear whose in_features
+    the packing does not divide (4 for int8, 64 for int4) stay float."""
+    step = 4 if bits == 8 else 64
 
-
-QUANTIZED_INT4 = {"backend": "hf_accel", "nbits": 4, "group_size": 64, "residual_length": 128}
+    def variant(model: PreTrainedModel) -> PreTrainedModel:
+        keep = [name for name, m in model.named_modules() if isinstance(m, nn.Linear) and m.in_features % step]
+        return quantize_model(model, WeightOnlyConfig(bits=bits, modules_to_not_convert=keep))
+    return variant
 
 
 @dataclass(frozen=True, slots=True)
 class Strategy:
-    """One row of the benchmark: `generate_kwargs(model, max_cache_len)` gives the extra `generate` kwargs."""
+    """One row of the benchmark: `generate_kwargs(model, max_cache_len)` gives the extra `generate` kwargs;
+    `model_variant`, when set, builds the model this row runs on from the benchmarked one (once, untimed)."""
 
     name: str
     description: str
     generate_kwargs: Callable[[PreTrainedModel, int], dict[str, Any]]
+    model_variant: Callable[[PreTrainedModel], PreTrainedModel] | None = None
 
 
 # Add a strategy (quantized cache, sink cache, speculative decoding, ...) by adding an entry; the first is the baseline.
@@ -121,8 +80,8 @@ STRATEGIES: tuple[Strategy, ...] = (
     ),
     Strategy(
         "hf_accel quantized int4",
-        'cache_implementation="quantized", backend "hf_accel", 4 bits, group 64, residual 128',
-        lambda model, max_len: {"cache_implementation": "quantized", "cache_config": QUANTIZED_INT4},
+        'cache_implementation="quantized", backend "hf_accel", 4 bits, group 64 (or the head dim), residual 128',
+        lambda model, max_len: quantized_int4(model),
     ),
     Strategy(
         "hf_accel sink",
@@ -130,7 +89,32 @@ STRATEGIES: tuple[Strategy, ...] = (
         lambda model, max_len: {"cache_implementation": "sink",
                                 "cache_config": {"window_length": max(max_len // 2, 64), "num_sink_tokens": 4}},
     ),
+    Strategy("hf_accel int8 weights", "Linear weights int8 per output channel (hf_accel.quant), DynamicCache",
+             lambda model, max_len: {}, model_variant=weight_quantized(8)),
+    Strategy("hf_accel int4 weights", "Linear weights int4 in groups of 64 (hf_accel.quant), DynamicCache",
+             lambda model, max_len: {}, model_variant=weight_quantized(4)),
 )
+
+
+def strategies_for(bench_model: BenchModel, batch_size: int) -> tuple[tuple[Strategy, ...], list[str]]:
+    """`STRATEGIES`, plus the speculative rows the model has what for: hf_accel's draft-model decoding (any batch
+    size) and, at batch size 1 only, stock assisted decoding with the same draft and hf_accel's Medusa heads; and
+    notes on what was left out and why."""
+    rows, notes = list(STRATEGIES), []
+    draft, heads = bench_model.draft, bench_model.medusa_heads
+    if draft is not None and batch_size == 1:
+        rows.append(Strategy("transformers assisted (draft)", "stock assisted decoding, assistant_model=the draft",
+                             lambda model, max_len: {"assistant_model": draft}))
+    if draft is not None:
+        rows.append(Strategy("hf_accel draft", "custom_generate=hf_accel.draft_generate, draft_model=the draft",
+                             lambda model, max_len: {"custom_generate": draft_generate, "draft_model": draft}))
+    if heads is not None and batch_size == 1:
+        rows.append(Strategy("hf_accel medusa", "custom_generate=hf_accel.medusa_generate, the reference heads",
+                             lambda model, max_len: {"custom_generate": medusa_generate, "medusa_heads": heads}))
+    if batch_size != 1 and (draft is not None or heads is not None):
+        notes.append("left out at this batch size: transformers assisted decoding and hf_accel Medusa support batch "
+                     "size 1 only (run with --batch-size 1)")
+    return tuple(rows), notes
 
 
 def kv_bytes(cache: Cache) -> int | None:
@@ -200,16 +184,18 @@ def compare_strategies(
     warmup: int = 1,
     on_step: Callable[[str], None] | None = None,
 ) -> list[StrategyResult]:
-    """Time decode of every strategy, interleaved, and compare with `strategies[0]`; `on_step` after each run pair."""
+    """Time decode of every strategy, interleaved, and compare with `strategies[0]`; `on_step` after each run pair.
+    A strategy with a `model_variant` runs on that variant of `model`, built once before any timing."""
     if new_tokens < 2:
         raise ValueError(f"`new_tokens` must be at least 2 to measure decode, got {new_tokens}")
+    models = {s.name: model if s.model_variant is None else s.model_variant(model) for s in strategies}
     seconds: dict[str, list[float]] = {s.name: [] for s in strategies}
     outputs: dict[str, Any] = {}
     for repeat in range(warmup + repeats):
         order = strategies if repeat % 2 == 0 else list(reversed(strategies))
         for strategy in order:
-            prefill_time, _ = run_generate(model, inputs, strategy, 1)
-            total_time, outputs[strategy.name] = run_generate(model, inputs, strategy, new_tokens)
+            prefill_time, _ = run_generate(models[strategy.name], inputs, strategy, 1)
+            total_time, outputs[strategy.name] = run_generate(models[strategy.name], inputs, strategy, new_tokens)
             if repeat >= warmup:
                 seconds[strategy.name].append(total_time - prefill_time)
             if on_step is not None:

@@ -1,5 +1,9 @@
-"""`hf-accel` command. `hf-accel bench`: decode speed, KV memory and greedy agreement of every cache strategy in
-`hf_accel.bench.STRATEGIES`, against transformers' DynamicCache, measured in one process."""
+"""`hf-accel` command.
+
+`hf-accel bench`: decode speed, KV memory and greedy agreement of every strategy in `hf_accel.bench.STRATEGIES`
+against transformers' DynamicCache, measured in one process, on hf_accel's reference target by default.
+`hf-accel train-reference`: train the reference models from scratch (see `hf_accel.reference.train`).
+`hf-accel train-medusa`: train Medusa heads for a model (see `hf_accel.speculative.medusa_command`)."""
 
 from __future__ import annotations
 
@@ -31,8 +35,11 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser("bench", help="compare cache strategies on one model (same process, interleaved)")
     run.add_argument("--model", default=None,
-                     help="local path or hub id of a causal LM (default: a built-in random-weight Llama)")
-    run.add_argument("--prompt-len", type=at_least(1), default=512,
+                     help="local path or hub id of a causal LM (default: hf_accel's reference target)")
+    run.add_argument("--draft", default=None,
+                     help="local path or hub id of a draft model for the assisted-decoding row (default: the "
+                          "reference draft with the reference target)")
+    run.add_argument("--prompt-len", type=at_least(1), default=256,
                      help="longest prompt in tokens; with batch > 1, rows range from half of it to all of it, "
                           "left-padded (default: %(default)s)")
     run.add_argument("--new-tokens", type=at_least(2), default=64,
@@ -44,7 +51,27 @@ def build_parser() -> argparse.ArgumentParser:
                      help="torch CPU threads; 1 keeps timings stable on a shared machine (default: %(default)s)")
     run.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the results as JSON")
     run.set_defaults(handler=bench_command)
+    train = commands.add_parser("train-reference", add_help=False,
+                                help="train the reference target and draft from scratch (--help for options)")
+    train.set_defaults(handler=train_reference_command)
+    medusa = commands.add_parser("train-medusa", add_help=False,
+                                 help="train Medusa heads for a model (default: the reference target; --help)")
+    medusa.set_defaults(handler=train_medusa_command)
     return parser
+
+
+def train_reference_command(args: argparse.Namespace, extra: Sequence[str]) -> int:
+    """`hf-accel train-reference [options]`: the options are `hf_accel.reference.train`'s."""
+    from .reference import train  # imported on demand: training code is not needed to benchmark
+
+    return train.main(list(extra))
+
+
+def train_medusa_command(args: argparse.Namespace, extra: Sequence[str]) -> int:
+    """`hf-accel train-medusa [options]`: the options are `hf_accel.speculative.medusa_command`'s."""
+    from .speculative import medusa_command  # imported on demand, like train-reference
+
+    return medusa_command.main(list(extra))
 
 
 def prompt_lengths(longest: int, batch_size: int) -> list[int]:
@@ -55,25 +82,35 @@ def prompt_lengths(longest: int, batch_size: int) -> list[int]:
     return [shortest + (longest - shortest) * row // (batch_size - 1) for row in range(batch_size)]
 
 
-def bench_command(args: argparse.Namespace) -> dict[str, Any]:
+def bench_inputs(loaded: bench.BenchModel, lengths: list[int]) -> dict[str, Any]:
+    """Held-out text prompts when the model has a tokenizer, else random token ids."""
+    if loaded.tokenizer is not None:
+        return bench.text_prompts(loaded.tokenizer, lengths)
+    pad = loaded.model.generation_config.pad_token_id
+    return bench.make_prompts(lengths, loaded.model.config.vocab_size, pad_token_id=0 if pad is None else int(pad))
+
+
+def bench_command(args: argparse.Namespace, extra: Sequence[str] = ()) -> dict[str, Any]:
     """Run the comparison, print the table, return the report (also written to `args.json` when set)."""
-    model, description = bench.load_model(args.model)
+    loaded = bench.load_bench_model(args.model, args.draft)
+    model = loaded.model
     lengths = prompt_lengths(args.prompt_len, args.batch_size)
-    pad = model.generation_config.pad_token_id
-    inputs = bench.make_prompts(lengths, model.config.vocab_size, pad_token_id=0 if pad is None else int(pad))
-    total = (1 + args.repeats) * len(bench.STRATEGIES)
+    inputs = bench_inputs(loaded, lengths)
+    strategies, notes = bench.strategies_for(loaded, args.batch_size)
+    total = (1 + args.repeats) * len(strategies)
     with bench.torch_threads(args.threads), \
             tqdm(total=total, desc="hf-accel bench", unit="run", file=sys.stderr, leave=False) as progress:
-        results = bench.compare_strategies(
-            model, inputs, args.new_tokens, repeats=args.repeats, warmup=1, on_step=lambda _: progress.update()
-        )
+        results = bench.compare_strategies(model, inputs, args.new_tokens, strategies, repeats=args.repeats, warmup=1,
+                                           on_step=lambda _: progress.update())
         hardware = bench.hardware()
     report = {
-        "model": description,
+        "model": loaded.description,
+        "prompts": "held-out standard-library text" if loaded.tokenizer is not None else "random token ids",
+        "notes": notes,
         "hardware": hardware,
         "settings": {"dtype": str(model.dtype), "batch_size": args.batch_size, "prompt_lengths": lengths,
                      "new_tokens": args.new_tokens, "repeats": args.repeats, "warmup": 1},
-        "strategies": {s.name: s.description for s in bench.STRATEGIES},
+        "strategies": {s.name: s.description for s in strategies},
         "results": [r.as_dict() for r in results],
     }
     print(render_report(report, results))
@@ -91,20 +128,24 @@ def render_report(report: dict[str, Any], results: Sequence[bench.StrategyResult
         f"model: {report['model']}",
         f"hardware: {hw['cpu']}, {hw['torch_threads']} torch thread(s); torch {hw['torch']}, "
         f"transformers {hw['transformers']}",
-        f"{settings['dtype']}, batch {settings['batch_size']}, prompt {prompts} tokens, {settings['new_tokens']} "
+        f"{settings['dtype']}, batch {settings['batch_size']}, prompts of {prompts} tokens ({report['prompts']}), "
+        f"{settings['new_tokens']} "
         f"new tokens, greedy; median of {settings['repeats']} interleaved repeats after {settings['warmup']} warm-up",
         "decode tok/s = rows * (new tokens - 1) / (time(new tokens) - time(1 token)): prefill excluded; "
         "paired = median of per-repeat ratios",
         "",
         bench.results_table(results),
+        *report["notes"],
     ])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `hf-accel` console script."""
-    args = build_parser().parse_args(argv)
-    args.handler(args)
-    return 0
+    args, extra = build_parser().parse_known_args(argv)
+    if extra and args.command not in ("train-reference", "train-medusa"):
+        build_parser().parse_args(argv)  # reports the unknown options and exits
+    result = args.handler(args, extra)
+    return result if isinstance(result, int) else 0
 
 
 if __name__ == "__main__":

@@ -8,10 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
+import hf_accel
 from hf_accel import PagedCache, bench, cli
 
 ROOT = Path(__file__).resolve().parents[1]
 STRATEGY_NAMES = [s.name for s in bench.STRATEGIES]
+WEIGHT_ROWS = {s.name for s in bench.STRATEGIES if s.model_variant is not None}  # lossy: greedy tokens may differ
 SMALL_BENCH = ["bench", "--new-tokens", "8", "--prompt-len", "24", "--batch-size", "2", "--repeats", "1"]
 
 
@@ -32,18 +34,40 @@ def test_bench_prints_one_row_per_strategy(capsys):
     rows = _table_rows(capsys.readouterr().out)
     assert [row.split("  ")[0] for row in rows] == STRATEGY_NAMES
     assert rows[0].split()[2] == "1.00x"  # the baseline's ratio to itself
-    assert all(row.rstrip().endswith("100.0%") for row in rows)  # greedy tokens agree with DynamicCache
+    lossless = [row for row in rows if row.split("  ")[0] not in WEIGHT_ROWS]
+    assert all(row.rstrip().endswith("100.0%") for row in lossless)  # greedy tokens agree with DynamicCache
+    assert all(float(row.split()[-1].rstrip("%")) > 50 for row in rows)  # quantized weights: mostly the same tokens
     assert torch.get_num_threads() == threads  # --threads does not leak out of the command
 
 
-def test_bench_json_is_valid(tmp_path, capsys):
+def test_bench_runs_on_the_reference_pair_by_default(tmp_path, capsys):
     path = tmp_path / "out" / "bench.json"
     cli.main([*SMALL_BENCH, "--batch-size", "1", "--json", str(path)])
     report = json.loads(path.read_text())
-    assert [r["name"] for r in report["results"]] == STRATEGY_NAMES
+    assert [r["name"] for r in report["results"]] == [*STRATEGY_NAMES, "transformers assisted (draft)",
+                                                      "hf_accel draft", "hf_accel medusa"]
     assert report["settings"]["prompt_lengths"] == [24] and report["settings"]["new_tokens"] == 8
     assert all(r["decode_tokens_per_s"] > 0 and r["kv_bytes"] > 0 for r in report["results"])
-    assert "random-weight" in report["model"]
+    assert report["model"].startswith("hf_accel reference target") and report["prompts"].startswith("held-out")
+    lossless = [r for r in report["results"] if r["name"] not in WEIGHT_ROWS]
+    assert all(r["agreement"] == 1.0 for r in lossless)  # lossless at these lengths, speculative rows included
+    assert all(r["agreement"] > 0.5 for r in report["results"])  # quantized weights: mostly the same tokens
+    assert "transformers assisted (draft)" in capsys.readouterr().out
+
+
+def test_bench_leaves_stock_assisted_out_of_batches_and_says_why(capsys):
+    cli.main(SMALL_BENCH)
+    out = capsys.readouterr().out
+    assert "support batch size 1 only" in out
+    assert "hf_accel draft" in out and "hf_accel medusa" not in out  # the draft path works at any batch size
+
+
+def test_train_reference_is_a_subcommand(capsys):
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["train-reference", "--help"])
+    assert exited.value.code == 0 and "--which" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--no-such-option"])
 
 
 def test_bench_rejects_too_few_new_tokens(capsys):
@@ -61,6 +85,15 @@ def test_make_prompts_left_pads():
     inputs = bench.make_prompts([2, 4], vocab_size=50, pad_token_id=0)
     assert inputs["attention_mask"].tolist() == [[0, 0, 1, 1], [1, 1, 1, 1]]
     assert inputs["input_ids"][0, :2].tolist() == [0, 0] and bool((inputs["input_ids"][1] > 0).all())
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_bench_weight_rows_keep_float_the_layers_the_packing_does_not_divide(bits):
+    model = bench.random_llama(hidden_size=64, num_layers=1, vocab_size=128)  # intermediate 170: not a multiple of 4
+    mlp = bench.weight_quantized(bits)(model).model.layers[0].mlp
+    assert type(mlp.down_proj) is torch.nn.Linear
+    assert isinstance(mlp.up_proj, (hf_accel.Int8Linear, hf_accel.Int4Linear)) and mlp.up_proj.bits == bits
+    assert type(model.model.layers[0].mlp.up_proj) is torch.nn.Linear  # the variant is a copy
 
 
 def test_block_waste_counts_partial_last_blocks_and_shared_blocks_once(one_thread):
@@ -87,11 +120,25 @@ def test_bench_paged_quick_writes_json_and_markdown(tmp_path, capsys, monkeypatc
     assert "| hf_accel paged |" in text and script.COMMAND in text
 
 
-def test_notebook_code_cells_run_in_order(one_thread):
-    notebook = json.loads((ROOT / "notebooks" / "paged_cache.ipynb").read_text())
+def _run_notebook(name: str) -> dict:
+    notebook = json.loads((ROOT / "notebooks" / name).read_text())
     assert notebook["nbformat"] == 4
     namespace: dict = {}
     for cell in notebook["cells"]:
         if cell["cell_type"] == "code":
-            exec(compile("".join(cell["source"]), "paged_cache.ipynb", "exec"), namespace)
-    assert isinstance(namespace["cache"], PagedCache)
+            exec(compile("".join(cell["source"]), name, "exec"), namespace)
+    return namespace
+
+
+def test_paged_notebook_code_cells_run_in_order(one_thread):
+    assert isinstance(_run_notebook("paged_cache.ipynb")["cache"], PagedCache)
+
+
+def test_kv_caches_notebook_code_cells_run_in_order(one_thread):
+    namespace = _run_notebook("kv_caches.ipynb")
+    assert isinstance(namespace["streamed"].past_key_values, hf_accel.SinkCache)
+
+
+def test_every_notebook_is_tested():
+    tested = {"paged_cache.ipynb", "kv_caches.ipynb"}
+    assert {path.name for path in (ROOT / "notebooks").glob("*.ipynb")} <= tested

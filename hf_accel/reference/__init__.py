@@ -40,6 +40,11 @@ def load(
     return model.eval(), tokenizer
 
 
+def has_assets(assets_dir: Path = ASSETS_DIR) -> bool:
+    """Whether both reference models are present in ``assets_dir``."""
+    return all((Path(assets_dir) / name / "config.json").is_file() for name in MODEL_NAMES)
+
+
 def held_out_sequences(tokenizer: PreTrainedTokenizerBase, seq_len: int = 512, max_rows: int | None = None) -> torch.Tensor:
     """The held-out split (never trained on) as ``[rows, seq_len]`` token ids: files in corpus order, each followed by
     the end-of-text token, cut into rows; at most ``max_rows`` rows (all by default). The model card's perplexities
@@ -49,4 +54,4 @@ def held_out_sequences(tokenizer: PreTrainedTokenizerBase, seq_len: int = 512, m
     return rows if max_rows is None else rows[:max_rows]
 
 
-__all__ = ["ASSETS_DIR", "MODEL_NAMES", "held_out_sequences", "load"]
+__all__ = ["ASSETS_DIR", "MODEL_NAMES", "has_assets", "held_out_sequences", "load"]

@@ -1,0 +1,121 @@
+"""What benchmarks run on: the model (hf_accel's reference target by default, a random-weight Llama when its assets
+are missing, or any causal LM by path or hub id), its tokenizer and draft, and the prompts."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers import (
+    AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerBase,
+)
+
+from . import reference
+from .speculative.medusa_heads import MedusaHeads
+
+RANDOM_MODEL_NOTE = (
+    "random-weight Llama built from a config: speed, memory and cache agreement are meaningful, the generated text "
+    "is not"
+)
+
+
+def random_llama(
+    hidden_size: int = 256,
+    num_layers: int = 4,
+    vocab_size: int = 4096,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+) -> LlamaForCausalLM:
+    """A random-weight Llama (`hidden_size / 32` heads of 32 dims, half as many KV heads), eval mode, no EOS."""
+    torch.manual_seed(seed)
+    heads = max(hidden_size // 32, 1)
+    config = LlamaConfig(
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 8 // 3,
+        num_hidden_layers=num_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=max(heads // 2, 1),
+        vocab_size=vocab_size,
+        max_position_embeddings=8192,
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=0,
+    )
+    model = LlamaForCausalLM(config).to(dtype).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+@dataclass(slots=True)
+class BenchModel:
+    """What a benchmark runs on: the model, its tokenizer (None for a random model), an optional draft model and
+    Medusa heads for the speculative rows, and a one-line description."""
+
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase | None
+    draft: PreTrainedModel | None
+    description: str
+    medusa_heads: MedusaHeads | None = None
+
+
+def load_bench_model(name: str | None, draft: str | None = None, dtype: torch.dtype = torch.float32) -> BenchModel:
+    """`name` (local path or hub id) and `draft` loaded with `from_pretrained`; by default hf_accel's reference
+    target and draft (or, when their assets are missing, a random-weight Llama and no draft)."""
+    if name is None:
+        if not reference.has_assets():
+            model = random_llama(dtype=dtype)
+            return BenchModel(model, None, None, f"{describe_model(model)}; {RANDOM_MODEL_NOTE}")
+        model, tokenizer = reference.load("target", dtype=dtype)
+        draft_model = reference.load("draft", dtype=dtype)[0] if draft is None else _pretrained(draft, dtype)
+        heads_folder = reference.ASSETS_DIR / "medusa"
+        heads = MedusaHeads.from_pretrained(heads_folder).to(dtype) if heads_folder.is_dir() else None
+        return BenchModel(model, tokenizer, draft_model, f"hf_accel reference target: {describe_model(model)}", heads)
+    model = _pretrained(name, dtype)
+    tokenizer = AutoTokenizer.from_pretrained(name)
+    return BenchModel(model, tokenizer, None if draft is None else _pretrained(draft, dtype),
+                      f"{name}: {describe_model(model)}")
+
+
+def _pretrained(name: str, dtype: torch.dtype) -> PreTrainedModel:
+    return AutoModelForCausalLM.from_pretrained(name, dtype=dtype).eval()
+
+
+def describe_model(model: PreTrainedModel) -> str:
+    config = model.config.get_text_config(decoder=True)
+    params = sum(p.numel() for p in model.parameters())
+    return (
+        f"{config.model_type}, {params / 1e6:.1f}M params, hidden {config.hidden_size}, "
+        f"{config.num_hidden_layers} layers, {config.num_key_value_heads} KV heads"
+    )
+
+
+def text_prompts(tokenizer: PreTrainedTokenizerBase, lengths: Sequence[int]) -> dict[str, torch.Tensor]:
+    """Left-padded prompts of the given lengths cut from held-out text (the standard library files the reference
+    models never trained on), tokenized by `tokenizer`; row r starts at a different place in the text."""
+    rows = reference.held_out_sequences(tokenizer, max(lengths), max_rows=len(lengths))
+    if rows.shape[0] < len(lengths):
+        raise ValueError(f"the held-out text gives {rows.shape[0]} rows of {max(lengths)} tokens; asked for {len(lengths)}")
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    width = max(lengths)
+    input_ids = torch.full((len(lengths), width), pad, dtype=torch.long)
+    attention_mask = torch.zeros((len(lengths), width), dtype=torch.long)
+    for row, length in enumerate(lengths):
+        input_ids[row, width - length :] = rows[row, :length]
+        attention_mask[row, width - length :] = 1
+    return {"input_ids": input_ids, "attention_mask": attention_mask}
+
+
+def make_prompts(
+    lengths: Sequence[int], vocab_size: int, pad_token_id: int = 0, seed: int = 0
+) -> dict[str, torch.Tensor]:
+    """Random prompts of the given lengths, left-padded: `input_ids` and `attention_mask`, `[len(lengths), max]`."""
+    generator = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    input_ids = torch.full((len(lengths), width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(lengths), width), dtype=torch.long)
+    for row, length in enumerate(lengths):
+        input_ids[row, width - length :] = torch.randint(1, vocab_size, (length,), generator=generator)
+        attention_mask[row, width - length :] = 1
+    return {"input_ids": input_ids, "attention_mask": attention_mask}
