@@ -24,7 +24,7 @@ from torch import nn
 from transformers import PreTrainedModel, QuantizedCache, StaticCache
 from transformers.cache_utils import Cache
 
-from .bench_inputs import (  # re-exported: benchmarks and tests use them as bench.*
+from .bench_inputs import (  # noqa: F401  re-exported: benchmarks and tests use them as bench.*
     RANDOM_MODEL_NOTE, BenchModel, describe_model, load_bench_model, make_prompts, random_llama, text_prompts,
 )
 from .cache.paged import PagedCache

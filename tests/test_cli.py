@@ -1,8 +1,6 @@
 """`hf-accel bench`, the benchmark script and the notebook run end to end (small settings, a few seconds each)."""
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -107,11 +105,8 @@ def test_block_waste_counts_partial_last_blocks_and_shared_blocks_once(one_threa
     assert bench.kv_bytes(cache) == cache.memory_bytes()
 
 
-def test_bench_paged_quick_writes_json_and_markdown(tmp_path, capsys, monkeypatch):
-    spec = importlib.util.spec_from_file_location("bench_paged", ROOT / "benchmarks" / "bench_paged.py")
-    script = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, script)  # dataclasses look their module up while being defined
-    spec.loader.exec_module(script)
+def test_bench_paged_quick_writes_json_and_markdown(tmp_path, capsys, load_benchmark):
+    script = load_benchmark("bench_paged")
     script.main(["--quick", "--out", str(tmp_path)])
     report = json.loads((tmp_path / "benchmarks/results/bench_paged.json").read_text())
     assert [s["name"] for s in report["speed"]] == [s.name for s in script.QUICK.speed]

@@ -57,14 +57,6 @@ def _cases(spec_dtypes=tuple(DTYPES), archs=tuple(ARCHITECTURES), attns=("sdpa",
     ]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run fastest on one thread, and stay deterministic whatever else shares the machine."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
-
 
 @pytest.mark.parametrize("arch, dtype, attn, mode", _cases(xfail_ties=True))
 def test_paged(arch, dtype, attn, mode):

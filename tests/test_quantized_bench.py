@@ -1,18 +1,10 @@
 """benchmarks/bench_quantized_kv.py runs end to end in its quick plan and writes its JSON and markdown."""
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_quick_run_writes_json_markdown_and_target_rows(tmp_path, monkeypatch):
-    spec = importlib.util.spec_from_file_location("bench_quantized_kv", ROOT / "benchmarks" / "bench_quantized_kv.py")
-    script = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, script)  # dataclasses look their module up while being defined
-    spec.loader.exec_module(script)
+def test_quick_run_writes_json_markdown_and_target_rows(tmp_path, load_benchmark):
+    script = load_benchmark("bench_quantized_kv")
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs/caches.md").write_text("x\n<!-- bench_quantized_kv:start -->\nold\n<!-- bench_quantized_kv:end -->\n")
     script.main(["--quick", "--out", str(tmp_path)])

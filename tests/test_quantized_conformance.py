@@ -42,13 +42,6 @@ def _cases(dtypes=tuple(DTYPES), archs=tuple(ARCHITECTURES)):
     ]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
-
 
 TIE_ATOL = {torch.float32: 1e-3, torch.bfloat16: 8e-3}
 

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -64,11 +62,8 @@ def test_draft_and_target_agree_like_a_speculative_pair():
     assert 0.3 < report["greedy_agreement"] < 0.95  # related models, yet the draft is not a copy
 
 
-def test_model_card_is_rendered_from_the_report(monkeypatch):
-    spec = importlib.util.spec_from_file_location("reference_card", ROOT / "benchmarks" / "reference_card.py")
-    card = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, card)
-    spec.loader.exec_module(card)
+def test_model_card_is_rendered_from_the_report(load_benchmark):
+    card = load_benchmark("reference_card")
     report = json.loads((reference.ASSETS_DIR / "report.json").read_text())
     assert (ROOT / "docs" / "reference-models.md").read_text() == card.render(report), (
         "docs/reference-models.md is out of date: run .venv/bin/python benchmarks/reference_card.py")

@@ -1,20 +1,13 @@
 """benchmarks/bench_sink.py runs end to end (tiny model, a few seconds) and `hf-accel bench` has a sink row."""
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 from hf_accel import bench
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_bench_sink_quick_writes_json_and_markdown(tmp_path, monkeypatch):
-    spec = importlib.util.spec_from_file_location("bench_sink", ROOT / "benchmarks" / "bench_sink.py")
-    script = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, script)  # dataclasses look their module up while being defined
-    spec.loader.exec_module(script)
+def test_bench_sink_quick_writes_json_and_markdown(tmp_path, load_benchmark):
+    script = load_benchmark("bench_sink")
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs/caches.md").write_text("a\n<!-- bench_sink:start -->\nold\n<!-- bench_sink:end -->\nb\n")
     script.main(["--quick", "--out", str(tmp_path)])

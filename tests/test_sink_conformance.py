@@ -38,13 +38,6 @@ def _attns(arch: str) -> tuple[str, ...]:
     return ARCHITECTURES["mistral" if arch == "mistral-full" else arch][1]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
-
 
 # fp32 x every decoding mode, sdpa where the architecture has it, eager for llama too
 CASES = [(a, "sdpa" if "sdpa" in _attns(a) else "eager", m) for a in ARCHS for m in MODES]

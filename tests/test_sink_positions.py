@@ -75,13 +75,6 @@ def check_against_reference(model, lengths, window, sinks, new_tokens=24, **gene
                 f"row {row} (prompt {length}), step {step}: max |diff| {(got - expected).abs().max():.3g}")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
-
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_sinks_match_streaming_llm_recomputation(name):

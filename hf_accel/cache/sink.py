@@ -22,7 +22,7 @@ import torch
 from transformers import PreTrainedConfig
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer, get_layer_types_and_kwargs
 
-from .rope import rope_inverse_frequencies, rotate, rotation
+from .rope import rope_inverse_frequencies, rotate
 from .sink_config import SinkCacheConfig
 from .sink_window import SinkStep, SinkWindow
 
