@@ -1,23 +1,14 @@
 """benchmarks/bench_weight_quant.py: targets and tables from a report, and a --quick run end to end (JSON, markdown,
 the marked section of docs/weight-quantization.md)."""
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 @pytest.fixture
-def script(monkeypatch):
-    spec = importlib.util.spec_from_file_location("bench_weight_quant", ROOT / "benchmarks" / "bench_weight_quant.py")
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, module)  # dataclasses look their module up while being defined
-    spec.loader.exec_module(module)
-    return module
+def script(load_benchmark):
+    return load_benchmark("bench_weight_quant")
 
 
 def _scenario(script, speeds, ppl, int8_vs_bnb, num_params):
