@@ -26,7 +26,6 @@ import torch
 from transformers import DynamicCache
 
 from hf_accel import SinkCache, bench, bench_output, reference
-from hf_accel.reference import corpus
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMAND = ".venv/bin/python benchmarks/bench_sink.py"
@@ -99,9 +98,7 @@ def load_stream(plan: Plan, vocab_size: int, tokenizer: Any) -> torch.Tensor:
     if tokenizer is None:
         gen = torch.Generator().manual_seed(2)
         return torch.randint(1, vocab_size, (plan.ppl_rows, plan.ppl_stream_len), generator=gen)
-    held_out = corpus.load_split("held_out")
-    ids = corpus.tokenize(held_out.texts, tokenizer)
-    rows = corpus.pack_sequences(ids, tokenizer.eos_token_id, plan.ppl_stream_len)
+    rows = reference.held_out_sequences(tokenizer, plan.ppl_stream_len)
     if rows.shape[0] < plan.ppl_rows:
         raise ValueError(f"the held-out split holds {rows.shape[0]} streams of {plan.ppl_stream_len} tokens, "
                          f"fewer than {plan.ppl_rows}")

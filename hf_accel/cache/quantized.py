@@ -134,12 +134,12 @@ class QuantizedKVLayer(CacheLayerMixin):
         size = self.settings.group_size
         groups = -(-num_tokens // size)
         keep = self.quantized_keys.num_tokens - groups * size
-        restored_keys = ops.dequantize(_tail(self.quantized_keys, keep, keep // size))
-        restored_values = ops.dequantize(_tail(self.quantized_values, keep, keep))
+        restored_keys = ops.dequantize(_tokens(self.quantized_keys, slice(keep, None), slice(keep // size, None)))
+        restored_values = ops.dequantize(_tokens(self.quantized_values, slice(keep, None), slice(keep, None)))
         self.keys = torch.cat((restored_keys, self.keys), dim=-2)
         self.values = torch.cat((restored_values, self.values), dim=-2)
-        self.quantized_keys = _head(self.quantized_keys, keep, keep // size) if keep else None
-        self.quantized_values = _head(self.quantized_values, keep, keep) if keep else None
+        self.quantized_keys = _tokens(self.quantized_keys, slice(keep), slice(keep // size)) if keep else None
+        self.quantized_values = _tokens(self.quantized_values, slice(keep), slice(keep)) if keep else None
 
     def _select_rows(self, select) -> None:
         if not self.is_initialized:
@@ -159,14 +159,10 @@ class QuantizedKVLayer(CacheLayerMixin):
         return out
 
 
-def _head(q: QuantizedTensor, tokens: int, scale_rows: int) -> QuantizedTensor:
-    """The first `tokens` tokens (`scale_rows` rows of scales: token groups for keys, tokens for values)."""
-    return QuantizedTensor(q.codes[..., :tokens, :], q.scale[..., :scale_rows, :, :], q.minimum[..., :scale_rows, :, :],
-                           q.nbits, q.group_size, q.axis)
-
-
-def _tail(q: QuantizedTensor, tokens: int, scale_rows: int) -> QuantizedTensor:
-    return QuantizedTensor(q.codes[..., tokens:, :], q.scale[..., scale_rows:, :, :], q.minimum[..., scale_rows:, :, :],
+def _tokens(q: QuantizedTensor, tokens: slice, scale_rows: slice) -> QuantizedTensor:
+    """A token range of `q`: `tokens` of the codes, `scale_rows` of scale and minimum (token groups for keys,
+    tokens for values)."""
+    return QuantizedTensor(q.codes[..., tokens, :], q.scale[..., scale_rows, :, :], q.minimum[..., scale_rows, :, :],
                            q.nbits, q.group_size, q.axis)
 
 
