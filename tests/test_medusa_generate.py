@@ -71,7 +71,9 @@ def test_cache_kinds_equal_plain(model, cache_implementation):
 def test_left_padded_single_row(model):
     padded = {name: rows[:1] for name, rows in make_prompts([5, 12], seed=3).items()}  # 7 pads, then 5 tokens
     for kwargs in ({}, {"cache_implementation": "paged"}):
-        assert torch.equal(run(model, padded, **kwargs), run(model, padded, medusa=False, **kwargs))
+        expected = run(model, padded, medusa=False, **kwargs)
+        assert torch.equal(run(model, padded, **kwargs), expected)
+        assert torch.equal(run(model, padded, medusa_adaptive=True, **kwargs), expected)  # plain steps, padded
 
 
 def transformers_dynamic():
@@ -150,15 +152,29 @@ def test_streamers_get_every_token_and_end(model):
     assert text == tokenizer.decode(got[0, 10:])
 
 
-def test_seeded_sampling_equals_plain_sampling(model):
-    # one multinomial draw per token on the same distribution, so the same seed gives the same tokens
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_seeded_sampling_equals_plain_sampling(model, adaptive):
+    # one multinomial draw per token on the same distribution, so the same seed gives the same tokens (whatever
+    # tree size each step verifies)
     inputs = make_prompts([10], seed=11)
     for seed in range(4):
         outs = []
         for medusa in (True, False):
             torch.manual_seed(seed)
-            outs.append(run(model, inputs, medusa=medusa, do_sample=True, top_k=20, temperature=0.9))
+            extra = {"medusa_adaptive": adaptive} if medusa else {}
+            outs.append(run(model, inputs, medusa=medusa, do_sample=True, top_k=20, temperature=0.9, **extra))
         assert torch.equal(*outs), f"seed {seed}"
+
+
+def test_adaptive_tree_sizes(model):
+    inputs = make_prompts([9], seed=2)
+    fixed, adaptive = MedusaStats(), MedusaStats()
+    run(model, inputs, medusa_stats=fixed)
+    assert set(fixed.candidates_per_step) == {len(WIDE)}  # an explicit tree is verified whole by default
+    got = run(model, inputs, medusa_stats=adaptive, medusa_adaptive=True, max_new_tokens=40)
+    assert torch.equal(got, run(model, inputs, medusa=False, max_new_tokens=40))
+    sizes = set(adaptive.candidates_per_step)
+    assert {0, 1, len(WIDE)} <= sizes, sizes  # explored from the whole tree down to a plain step
 
 
 def test_bad_input(model):
@@ -191,7 +207,10 @@ def test_greedy_equals_plain_across_architectures(arch, attn):
     model = make_model(arch, torch.float32, attn)
     inputs = make_prompts([12], seed=4)
     for kwargs in ({}, {"cache_implementation": "paged"}):
-        assert torch.equal(run(model, inputs, **kwargs), run(model, inputs, medusa=False, **kwargs)), kwargs
+        expected = run(model, inputs, medusa=False, **kwargs)
+        assert torch.equal(run(model, inputs, **kwargs), expected), kwargs
+        # adaptive sizes mix plain one-token steps (the model's own masks) with tree steps on the same cache
+        assert torch.equal(run(model, inputs, medusa_adaptive=True, **kwargs), expected), kwargs
 
 
 def test_reference_target_with_committed_heads():

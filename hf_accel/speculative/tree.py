@@ -78,11 +78,21 @@ def build_tree(paths: Sequence[Sequence[int]], num_heads: int) -> MedusaTree:
             raise ValueError(f"`medusa_tree` path {path} is deeper than the {num_heads} Medusa heads")
     if len(set(clean)) != len(clean):
         raise ValueError("`medusa_tree` holds a path twice")
-    ordered = tuple(sorted(clean, key=lambda p: (len(p), p)))
-    node_of = {(): 0} | {path: j + 1 for j, path in enumerate(ordered)}
-    missing = [p for p in ordered if p[:-1] not in node_of]
+    known = set(clean)
+    missing = [p for p in clean if p[:-1] and p[:-1] not in known]
     if missing:
         raise ValueError(f"`medusa_tree` path {missing[0]} lacks its parent path {missing[0][:-1]}")
+    return _make_tree(clean)
+
+
+def root_only_tree() -> MedusaTree:
+    """The tree of no candidates: verifying it is a plain decoding step (the heads need not run)."""
+    return _make_tree([])
+
+
+def _make_tree(paths: list[tuple[int, ...]]) -> MedusaTree:
+    ordered = tuple(sorted(paths, key=lambda p: (len(p), p)))
+    node_of = {(): 0} | {path: j + 1 for j, path in enumerate(ordered)}
     parents = (-1, *(node_of[p[:-1]] for p in ordered))
     return MedusaTree(
         paths=ordered,

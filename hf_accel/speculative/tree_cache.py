@@ -79,6 +79,8 @@ def tree_masks(
 def keep_tree_path(cache: Cache, num_nodes: int, kept: list[int]) -> None:
     """After a verification forward appended `num_nodes` tree tokens, keep only nodes `kept` (increasing node ids,
     the accepted path from the root) right after the prefix, in that order."""
+    if kept == list(range(num_nodes)):  # a chain accepted whole (or the root alone): already in place
+        return
     if isinstance(cache, PagedCache):
         cache.keep_tokens(cache.get_seq_length() - num_nodes, kept)
         return

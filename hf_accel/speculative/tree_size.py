@@ -1,0 +1,93 @@
+"""Adaptive Medusa tree size: each step verifies the prefix of the candidate list that gives the most tokens per second.
+
+Candidates are ordered best first (a calibrated sparse tree is built that way), so every prefix that holds its
+paths' parents is a tree of its own. A step's accepted path also says what each smaller prefix would have gained at
+that step: the accepted chain cut at its first node outside the prefix. That is exact, because the walk decides
+the same tokens whatever the tree (greedy, or one draw per token when sampling). Each size's seconds per step are
+measured when it runs. The size chosen maximises (1 + mean accepted) / seconds per step: on a GPU, where a forward
+over many tokens costs about one over a single token, that is the whole tree; on a CPU, or when sampling at high
+temperature accepts little, a small one.
+
+Size 0 is a plain decoding step (no candidates, the heads do not run): where nothing pays off, decoding costs what
+plain decoding costs. Sizes not yet timed run first, largest first, so one step measures acceptance for all of
+them; afterwards every `refresh`-th step verifies the whole tree, which refreshes every size's acceptance.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+# candidate counts tried (those that leave a prefix-closed tree), plus the whole list
+SIZE_GRID = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+SECONDS_EMA = 0.25  # weight of a new timing in a size's running seconds per step
+
+
+def prefix_sizes(paths: Sequence[tuple[int, ...]]) -> tuple[int, ...]:
+    """Grid sizes `n` below `len(paths)` whose first `n` paths hold each path's parent (0 included), then
+    `len(paths)`."""
+    closed, seen = [0], set()
+    for count, path in enumerate(paths, start=1):
+        seen.add(path)
+        if count in SIZE_GRID and count < len(paths) and all(p[:-1] in seen for p in paths[:count] if len(p) > 1):
+            closed.append(count)
+    return (*closed, len(paths))
+
+
+@dataclass(slots=True)
+class TreeSizer:
+    """Running acceptance and timing per candidate prefix size; `choose` picks the size index for the next step."""
+
+    sizes: tuple[int, ...]  # increasing candidate counts; the last is the whole list
+    refresh: int = 16
+    gains: list[float] = field(default_factory=list)  # per size: accepted tokens over the next smaller size, summed
+    observed: list[int] = field(default_factory=list)  # per size: steps that measured its acceptance
+    seconds: list[float | None] = field(default_factory=list)  # per size: running seconds per step (None: untimed)
+    num_steps: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.sizes or list(self.sizes) != sorted(set(self.sizes)) or self.sizes[0] < 0:
+            raise ValueError(f"`sizes` must be increasing candidate counts >= 0, got {self.sizes}")
+        count = len(self.sizes)
+        self.gains, self.observed, self.seconds = [0.0] * count, [0] * count, [None] * count
+
+    def choose(self) -> int:
+        """Index into `sizes` of the prefix to verify next."""
+        untimed = [i for i, seconds in enumerate(self.seconds) if seconds is None]
+        if untimed:
+            return untimed[-1]
+        if self.refresh and self.num_steps % self.refresh == 0:
+            return len(self.sizes) - 1  # measures what every size would accept now
+        return self.best()
+
+    def best(self) -> int:
+        """Index of the size with the most expected tokens per second (all sizes timed)."""
+        return max(range(len(self.sizes)), key=self.tokens_per_second)
+
+    def mean_accepted(self, index: int) -> float:
+        """Candidates size `index` accepts per step: the sum of each size's mean gain over the next smaller one, each
+        mean over every step that measured it (so the estimate never falls as the size grows)."""
+        return sum(self.gains[i] / self.observed[i] for i in range(index + 1) if self.observed[i])
+
+    def step_seconds(self, index: int) -> float:
+        """Seconds per step of size `index`: its running time, raised to any smaller size's (more never costs less)."""
+        return max(seconds for seconds in self.seconds[: index + 1] if seconds is not None)
+
+    def tokens_per_second(self, index: int) -> float:
+        """Expected tokens per second of size `index`: the root's token plus the mean accepted, over its time."""
+        return (1.0 + self.mean_accepted(index)) / max(self.step_seconds(index), 1e-9)
+
+    def record(self, index: int, accepted_ranks: Sequence[int], seconds: float) -> None:
+        """A step that verified size `index` took `seconds` and accepted the candidates whose best-first ranks are
+        `accepted_ranks`, in path order (root excluded)."""
+        previous_count = 0
+        for smaller in range(index + 1):
+            limit = self.sizes[smaller]  # the accepted chain cut at its first candidate outside the prefix
+            count = next((i for i, rank in enumerate(accepted_ranks) if rank >= limit), len(accepted_ranks))
+            self.gains[smaller] += count - previous_count
+            self.observed[smaller] += 1
+            previous_count = count
+        previous = self.seconds[index]
+        if self.num_steps > 0:  # the first step of a call pays for cold caches: its time says little
+            self.seconds[index] = seconds if previous is None else previous + SECONDS_EMA * (seconds - previous)
+        self.num_steps += 1
