@@ -9,15 +9,15 @@ processors on each position's logits with the tokens decided so far, argmax or o
 into the child that holds the decided token, and checks the stopping criteria after every token. So greedy output
 equals plain greedy output, sampling draws from exactly the plain distribution (the candidates are deterministic:
 following a child whose token was drawn from the model's own distribution is lossless), and nothing overshoots a
-stop. The cache then keeps the accepted path only.
+stop. The cache then keeps the accepted path only. By default the tree verified is the prefix of the best-first
+candidate list with the best measured tokens per second (`tree_size.TreeSizer`; size 0 is a plain step).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-
-import time
 
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel, StoppingCriteriaList
