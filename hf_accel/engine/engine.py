@@ -231,7 +231,7 @@ class Engine:
             command()
 
     def _deliver(self, out: RequestOutput) -> None:
-        listener = self._listeners.pop(out.request_id) if out.finished else self._listeners.get(out.request_id)
+        listener = self._listeners.pop(out.request_id, None) if out.finished else self._listeners.get(out.request_id)
         if listener is not None:
             listener(out)
         if out.finished:
