@@ -9,12 +9,14 @@ manager` (the machinery behind `generate_batch`) with each request's own `max_ne
 `hf_accel.Engine.generate`. Generated tok/s counts only the tokens each request asked for. The batched methods run
 interleaved over repeats after a warm-up; the sequential run (slowest) runs once and its outputs are the reference
 every Engine output is compared with. Also: Engine throughput against `max_num_seqs` (plot), and time to first
-token with and without prefix caching for requests sharing a 256-token system prompt, arriving at a steady rate.
+token with and without prefix caching for requests sharing a 256-token system prompt, arriving at a steady rate;
+and online serving through the HTTP server (`hf_accel.server.load`: Poisson arrivals, TTFT / TPOT / ITL / e2e).
     .venv/bin/python benchmarks/bench_serving.py        (--quick: tiny model, prints only unless --out)
 """
 
 from __future__ import annotations
 
+import asyncio
 import random
 import statistics
 import sys
@@ -48,10 +50,12 @@ class Plan:
     prefix_requests: int
     header_len: int
     prefix_interval_s: float
+    online_requests: int
+    online_rates: tuple[float, ...]
 
 
-FULL = Plan(64, (32, 400), (16, 256), 2, (1, 4, 16, 64), 24, 64, 256, 0.05)
-QUICK = Plan(6, (8, 40), (4, 12), 1, (1, 4), 4, 4, 32, 0.0)
+FULL = Plan(64, (32, 400), (16, 256), 2, (1, 4, 16, 64), 24, 64, 256, 0.05, 48, (1.0, 2.0, 4.0, float("inf")))
+QUICK = Plan(6, (8, 40), (4, 12), 1, (1, 4), 4, 4, 32, 0.0, 4, (8.0, float("inf")))
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,13 +203,27 @@ def _ttfts(engine: Engine, prompts: list[list[int]], interval: float) -> list[fl
     return finished
 
 
+def online(model, tokenizer, plan: Plan) -> list[dict[str, Any]]:
+    """Through `hf-accel serve`'s app on a loopback port with the `openai` client, at each arrival rate."""
+    from hf_accel.server.app import create_app
+    from hf_accel.server.launch import serve_in_thread
+    from hf_accel.server.load import run_load
+
+    engine = Engine(model, tokenizer, max_num_seqs=64)
+    work = workload(tokenizer, plan, engine.max_model_len, seed=2)[: plan.online_requests]
+    requests = [(r.prompt, min(r.max_tokens, 128)) for r in work]
+    with serve_in_thread(create_app(engine, tokenizer, NAME, max_queue_len=1024)) as url:
+        asyncio.run(run_load(url, NAME, requests[:2], float("inf")))  # warm-up
+        return [asyncio.run(run_load(url, NAME, requests, rate)) for rate in plan.online_rates]
+
+
 def measure(quick: bool) -> dict[str, Any]:
     plan = QUICK if quick else FULL
     model, tokenizer = (reference.load("draft") if quick else reference.load("target"))
     report = {"benchmark": NAME, "command": COMMAND, "hardware": bench.hardware(), "plan": asdict(plan),
               "model": describe_model(model),
               "offline": offline(model, tokenizer, plan), "max_num_seqs_sweep": sweep(model, tokenizer, plan),
-              "prefix_caching": prefix_ttft(model, tokenizer, plan)}
+              "prefix_caching": prefix_ttft(model, tokenizer, plan), "online": online(model, tokenizer, plan)}
     rates = report["offline"]["tokens_per_s"]
     engine = rates["hf_accel Engine"]
     prefix = report["prefix_caching"]
@@ -238,6 +256,12 @@ def render(report: dict[str, Any]) -> str:
         value = report["targets"][name]
         met = value <= goal if "ratio" in name else value >= goal
         lines.append(f"| {name} {'<=' if 'ratio' in name else '>='} {goal} | {value:.2f} | {'yes' if met else 'no'} |")
+    lines += ["", "Online, through the HTTP server with the `openai` client (streamed completions, Poisson arrivals; "
+              "latencies in ms, mean / median / p99):", "",
+              "| rate (req/s) | req/s | output tok/s | TTFT | TPOT | ITL | e2e |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines += [f"| {r['rate']} | {r['request_throughput']:.2f} | {r['output_token_throughput']:.1f} | "
+              + " | ".join("/".join(f"{r[k][s]:.0f}" for s in ("mean", "median", "p99"))
+                           for k in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")) + " |" for r in report["online"]]
     lines += ["", f"![Engine throughput against max_num_seqs]({NAME}.png)"]
     return "\n".join(lines) + f"\n\nFrom `{report['command']}`.\n"
 

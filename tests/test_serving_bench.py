@@ -16,6 +16,9 @@ def test_bench_serving_quick_writes_json_markdown_and_the_docs_table(tmp_path, l
     assert equality["identical"] + len(equality["first_difference_top2_gaps"]) == equality["requests"]
     assert all(gap < 1e-4 for gap in equality["first_difference_top2_gaps"])
     assert set(report["max_num_seqs_sweep"]) == {"1", "4"} and set(report["prefix_caching"]) == {"with", "without"}
+    online = report["online"]
+    assert [r["rate"] for r in online] == [8.0, "inf"] and all(r["requests"] == 4 for r in online)
+    assert all(r["output_token_throughput"] > 0 and r["ttft_ms"]["median"] > 0 for r in online)
     doc = (tmp_path / "docs/serving.md").read_text()
     assert "old" not in doc and "| hf_accel Engine |" in doc
     assert (tmp_path / "docs/bench_serving.png").stat().st_size > 1000  # the throughput plot
