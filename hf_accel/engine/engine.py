@@ -5,7 +5,9 @@
     async for out in engine.stream("class Stack:", params): print(out.text)
 
 Threads: the core (scheduler, blocks, model) is driven by one thread at a time. `generate` drives it in the calling
-thread, unless the background loop is running (`start`, or the first `stream`), which then owns it; requests and
+thread, unless the background loop is running (`start`, or the first `stream`), which then owns it (and the model:
+during a step the model's attention implementation is the engine's, so do not call `model.generate` from another
+thread while the loop runs); requests and
 aborts from other threads go through a queue the stepping thread drains before each step, so callers never wait for
 a model forward. If the loop dies, `is_healthy` turns False, every open request gets `EngineDeadError`, and no new
 request is accepted.
@@ -142,6 +144,8 @@ class Engine:
             with self._drive_lock:
                 while not done.is_set():
                     self._step()
+                    if not done.is_set() and not self.has_unfinished_requests():
+                        raise RuntimeError("the engine has no work left but requests did not finish")
         if "error" in finished:
             raise EngineDeadError("the engine loop died") from finished["error"]
         return [finished[i] for i in ids]
