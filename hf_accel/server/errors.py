@@ -54,8 +54,9 @@ def engine_dead() -> APIError:
                     error_type="service_unavailable_error")
 
 
-def model_not_found(model: str) -> APIError:
-    return APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+def model_not_found(model: str, served: str) -> APIError:
+    return APIError(404, f"The model `{model}` does not exist: `model` must be `{served}` (or left out).",
+                    param="model", code="model_not_found")
 
 
 def validation_error(error: RequestValidationError) -> APIError:

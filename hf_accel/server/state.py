@@ -29,7 +29,7 @@ class ServerState:
     def check_model(self, model: str | None) -> None:
         """404 unless `model` is the served name (a missing `model` means the served one)."""
         if model is not None and model != self.model_name:
-            raise model_not_found(model)
+            raise model_not_found(model, self.model_name)
 
     def new_requests(self, prefix: str) -> tuple[str, EngineRequests]:
         """A fresh response id (`{prefix}-<hex>`) and the engine-request group under it."""
