@@ -103,8 +103,8 @@ def test_seed_reproducible_and_different_seeds_differ(client):
 def test_stop_string_and_max_tokens(client):
     free = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=24, temperature=0,
                                      extra_body={"ignore_eos": True}).choices[0]
-    stop = free.text[len(free.text) // 2:][:3]
-    assert stop.strip(), "the greedy text should hold something to stop at"
+    half = len(free.text) // 2
+    stop = next(free.text[i:i + 3] for i in range(half, len(free.text) - 2) if free.text[i:i + 3].strip())
     stopped = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=24, temperature=0,
                                         stop=[stop]).choices[0]
     assert stopped.text == free.text[: free.text.index(stop)]
@@ -128,7 +128,9 @@ def test_several_prompts_with_n_samples_number_choices_by_prompt(client, server)
 def test_logprobs_of_completions_and_chat(client):
     out = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=4, temperature=0, logprobs=2,
                                     extra_body=GREEDY).choices[0]
-    assert len(out.logprobs.tokens) == 4 and "".join(out.logprobs.tokens) == out.text
+    assert len(out.logprobs.tokens) == 4
+    if out.text.isascii():  # a multi-byte character split over tokens has no per-token text
+        assert "".join(out.logprobs.tokens) == out.text
     assert all(len(top) == 2 and max(top.values()) == pytest.approx(lp, abs=1e-5)
                for top, lp in zip(out.logprobs.top_logprobs, out.logprobs.token_logprobs))
     assert out.logprobs.text_offset == [sum(map(len, out.logprobs.tokens[:i])) for i in range(4)]
@@ -141,12 +143,13 @@ def test_logprobs_of_completions_and_chat(client):
 
 def test_models_tokenize_and_detokenize(server, client):
     (card,) = client.models.list().data
-    assert card.id == MODEL_NAME and card.max_model_len == server.engine.max_model_len == 512
+    assert card.id == MODEL_NAME and card.max_model_len == server.engine.max_model_len
     text = "def add(a, b):"
     tokenized = httpx.post(f"{server.url}/tokenize", json={"model": MODEL_NAME, "prompt": text,
                                                              "return_token_strs": True}).json()
     ids = prompt_ids(server.tokenizer, text)
-    assert tokenized["tokens"] == ids and tokenized["count"] == len(ids) and tokenized["max_model_len"] == 512
+    assert tokenized["tokens"] == ids and tokenized["count"] == len(ids)
+    assert tokenized["max_model_len"] == server.engine.max_model_len
     assert tokenized["token_strs"] == server.tokenizer.convert_ids_to_tokens(ids)
     assert httpx.post(f"{server.url}/detokenize", json={"tokens": ids}).json() == {"prompt": text}
     messages = [{"role": "user", "content": "hi"}]

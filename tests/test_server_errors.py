@@ -80,17 +80,18 @@ def test_malformed_json_is_400(server, content):
     assert_error(response, 400, None, "invalid_json")
 
 
-@pytest.mark.parametrize("path, body", [
-    ("/v1/completions", {"prompt": "x", "max_tokens": 600}),
-    ("/v1/completions", {"prompt": [7] * 510, "max_tokens": 3}),
-    ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 600}),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x " * 600}]}),
+@pytest.mark.parametrize("path, make_body", [
+    ("/v1/completions", lambda limit: {"prompt": "x", "max_tokens": limit}),
+    ("/v1/completions", lambda limit: {"prompt": [7] * (limit - 2), "max_tokens": 3}),
+    ("/v1/chat/completions", lambda limit: {"messages": CHAT, "max_tokens": limit}),
+    ("/v1/chat/completions", lambda limit: {"messages": [{"role": "user", "content": "x " * limit}]}),
 ])
-def test_prompt_plus_max_tokens_beyond_the_context_is_400(server, path, body):
+def test_prompt_plus_max_tokens_beyond_the_context_is_400(server, path, make_body):
+    limit = server.engine.max_model_len
     for stream in (False, True):
-        error = assert_error(httpx.post(server.url + path, json={**body, "stream": stream}, headers=AUTH), 400,
-                             "max_tokens", "context_length_exceeded")
-        assert "maximum context length is 512" in error["message"]
+        response = httpx.post(server.url + path, json={**make_body(limit), "stream": stream}, headers=AUTH)
+        error = assert_error(response, 400, "max_tokens", "context_length_exceeded")
+        assert f"maximum context length is {limit}" in error["message"]
 
 
 @pytest.mark.parametrize("path, body", [
@@ -127,9 +128,10 @@ def test_chat_without_a_chat_template_is_400():
 
 
 def test_full_queue_is_429(target):
-    body = {"prompt": "def main():", "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True}
     with live_server(*target, max_num_seqs=1, max_queue_len=1) as live, httpx.Client(timeout=60) as client:
         url = f"{live.url}/v1/completions"
+        body = {"prompt": "def main():", "max_tokens": live.engine.max_model_len - 16, "temperature": 0,
+                "ignore_eos": True, "stream": True}  # long enough to still run while the next two arrive
         with client.stream("POST", url, json=body) as running:
             next(running.iter_lines())  # its first token came: it runs and no longer waits
             with client.stream("POST", url, json=body) as waiting:

@@ -35,7 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--quant", default=None, metavar="PRESET",
                         choices=[preset.name for preset in list_quantization_presets()],
                         help="weight quantization preset, one of %(choices)s (default: none)")
-    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="compute dtype (default: %(default)s)")
+    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES),
+                        help="compute dtype (default: %(default)s)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, loopback only)")
     parser.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
     parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),

@@ -91,7 +91,7 @@ class ServerMetrics:
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish of requests not aborted.",
                              REQUEST_BUCKETS)
         self.queue = histogram("request_queue_time_seconds", "Arrival to first scheduled.", REQUEST_BUCKETS)
-        self.success = Counter(PREFIX + "request_success", "Finished requests by the finish reason of their first sample.",
+        self.success = Counter(PREFIX + "request_success", "Finished requests by their first sample's finish reason.",
                                LABELS + ["finished_reason"], registry=self.registry)
         engine.add_finish_observer(self.observe)
 
