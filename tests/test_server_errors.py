@@ -119,12 +119,15 @@ def test_unknown_route_is_404_in_openai_shape(server):
     assert_error(httpx.get(f"{server.url}/v1/nothing", headers=AUTH), 404, None)
 
 
-def test_chat_without_a_chat_template_is_400():
+def test_chat_without_a_usable_chat_template_is_400():
     model, tokenizer = reference.load("target")
     tokenizer.chat_template = None
     with live_server(model, tokenizer, max_num_seqs=1) as live:
         response = httpx.post(f"{live.url}/v1/chat/completions", json={"messages": CHAT})
         assert "chat template" in assert_error(response, 400, "messages", "no_chat_template")["message"]
+        tokenizer.chat_template = "{{ raise_exception('roles must alternate') }}"  # a template refusing the messages
+        response = httpx.post(f"{live.url}/v1/chat/completions", json={"messages": CHAT})
+        assert "roles must alternate" in assert_error(response, 400, "messages", "invalid_value")["message"]
 
 
 def test_full_queue_is_429(target):

@@ -1,8 +1,9 @@
 """Errors in OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, and the handlers that produce them.
 
-Every failure the server can name becomes an `APIError` with its HTTP status: request validation (pydantic) and
-malformed JSON are 400 naming the field, `SamplingParams`' own ValueError / TypeError are 400 naming the field,
-a prompt that cannot fit is 400 with code `context_length_exceeded`, unknown paths and models are 404.
+Statuses: 400 for request validation (pydantic: wrong types, missing fields, unsupported fields) and malformed JSON,
+naming the field; 400 for `SamplingParams`' and the engine's own ValueError / TypeError (their messages name the
+field in backticks), with code `context_length_exceeded` when a prompt plus `max_tokens` cannot fit; 401 without the
+API key; 404 for unknown paths and models; 429 when the waiting queue is full; 503 once the engine loop has died.
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from fastapi import Request
+from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
 from ..engine.engine import Engine
@@ -37,13 +38,17 @@ class ServerState:
         return response_id, EngineRequests(self.engine, self.waiting, response_id)
 
     def chat_prompt(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
-        """The chat template applied to `messages`; 400 when the tokenizer has none."""
+        """The chat template applied to `messages`; 400 when the tokenizer has none or the template refuses them."""
         if not self.tokenizer.chat_template:
             raise APIError(400, f"The tokenizer of `{self.model_name}` has no chat template, so `messages` cannot be "
                                 "turned into a prompt; use /v1/completions instead.", param="messages",
                            code="no_chat_template")
-        return self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt)
+        try:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt)
+        except TemplateError as error:  # the template refuses these messages (e.g. roles that must alternate)
+            raise APIError(400, f"The chat template rejected `messages`: {error}", param="messages",
+                           code="invalid_value") from error
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
