@@ -112,6 +112,12 @@ def test_stop_string_and_max_tokens(client):
     short = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=5, temperature=0,
                                       extra_body={"ignore_eos": True})
     assert short.choices[0].finish_reason == "length" and short.usage.completion_tokens == 5
+    ids = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=24, temperature=0,
+                                    extra_body=GREEDY).choices[0].token_ids
+    by_token = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=24, temperature=0,
+                                         extra_body={**GREEDY, "stop_token_ids": [ids[3]]}).choices[0]
+    assert by_token.token_ids == ids[: ids.index(ids[3]) + 1]  # the stop token is kept, as EOS is
+    assert by_token.finish_reason == "stop" and by_token.stop_reason == ids[3]
 
 
 def test_several_prompts_with_n_samples_number_choices_by_prompt(client, server):
@@ -123,6 +129,11 @@ def test_several_prompts_with_n_samples_number_choices_by_prompt(client, server)
     assert [c.token_ids for c in out.choices] == [alone[0], alone[0], alone[1], alone[1]]
     lengths = [len(prompt_ids(server.tokenizer, p)) for p in PROMPTS[:2]]
     assert out.usage.prompt_tokens == sum(lengths) and out.usage.completion_tokens == 24
+    streamed = {index: [] for index in range(4)}
+    for chunk in client.completions.create(model=MODEL_NAME, prompt=PROMPTS[:2], n=2, max_tokens=6, temperature=0,
+                                           stream=True, extra_body=GREEDY):
+        streamed[chunk.choices[0].index] += chunk.choices[0].token_ids
+    assert streamed == {c.index: c.token_ids for c in out.choices}
 
 
 def test_logprobs_of_completions_and_chat(client):

@@ -65,6 +65,7 @@ def assert_error(response: httpx.Response, status: int, param: str | None, code:
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
     ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 50}, "top_logprobs"),
     ("/v1/chat/completions", {"messages": CHAT, "max_tokens": -3}, "max_tokens"),
+    ("/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": 0}, "max_completion_tokens"),
     ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function"}]}, "tools"),
     ("/detokenize", {"tokens": [-1]}, "tokens"),
     ("/detokenize", {"tokens": "abc"}, "tokens"),

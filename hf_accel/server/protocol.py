@@ -139,7 +139,7 @@ class ChatCompletionRequest(SamplingRequest):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_completion_tokens: int | None = Field(default=None, ge=1)  # OpenAI's newer name for max_tokens
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True  # vLLM's: end the prompt with the assistant turn's opening
