@@ -22,6 +22,7 @@ from . import chat, completions, tokenization
 from .errors import APIError, engine_dead, install_error_handlers
 from .generation import WaitingRequests
 from .metrics import ServerMetrics
+from .responses import ModelCard, ModelList
 from .state import ServerState, server_state
 
 DEFAULT_MAX_QUEUE_LEN = 1024
@@ -31,10 +32,10 @@ model_routes = APIRouter()
 
 
 @model_routes.get("/v1/models")
-async def list_models(server: ServerState = Depends(server_state)) -> dict:
-    card = {"id": server.model_name, "object": "model", "created": server.created, "owned_by": "hf_accel",
-            "root": server.model_name, "parent": None, "max_model_len": server.engine.max_model_len}
-    return {"object": "list", "data": [card]}
+async def list_models(server: ServerState = Depends(server_state)) -> ModelList:
+    """The one served model, with its `max_model_len`."""
+    return ModelList(data=[ModelCard(id=server.model_name, created=server.created, root=server.model_name,
+                                     max_model_len=server.engine.max_model_len)])
 
 
 @open_routes.get("/health")

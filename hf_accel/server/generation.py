@@ -23,6 +23,7 @@ from ..engine.engine import Engine, EngineDeadError
 from ..engine.outputs import RequestOutput, TokenLogprob
 from ..engine.sampling_params import SamplingParams
 from .errors import APIError
+from .responses import Usage
 
 T = TypeVar("T")
 
@@ -150,11 +151,11 @@ def full_choices(outputs: Sequence[RequestOutput], n: int) -> list[ChoiceDelta]:
     return [delta for index, out in enumerate(outputs) for delta in tracker.deltas(index, out)]
 
 
-def usage(outputs: Sequence[RequestOutput]) -> dict[str, int]:
+def usage(outputs: Sequence[RequestOutput]) -> Usage:
     """OpenAI's usage: prompt tokens once per prompt, completion tokens over every sample."""
     prompt = sum(len(out.prompt_token_ids) for out in outputs)
     completion = sum(len(sample.token_ids) for out in outputs for sample in out.outputs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
