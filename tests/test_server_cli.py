@@ -14,6 +14,7 @@ import httpx
 import openai
 import pytest
 
+from hf_accel import cli
 from hf_accel.server import command
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,6 +39,12 @@ def wait_for_health(url: str, proc: subprocess.Popen, timeout: float = 180.0) ->
         time.sleep(0.2)
     proc.kill()
     pytest.fail("hf-accel serve did not become healthy in time")
+
+
+def test_serve_is_a_subcommand(capsys):
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["serve", "--help"])
+    assert exited.value.code == 0 and "--api-key" in capsys.readouterr().out
 
 
 def test_serve_defaults(monkeypatch):
