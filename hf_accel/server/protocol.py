@@ -2,7 +2,8 @@
 a number belongs is a 400, not a coercion). An explicit `null` means "the default". Sampling ranges are checked
 once, by `SamplingParams`, whose errors name the field; only the server's own bounds live here (at most 20
 logprobs, `max_completion_tokens` >= 1). Fields this server cannot honour (`presence_penalty`, `frequency_penalty`,
-`logit_bias`, `echo`, `suffix`, `tools`) are refused with a 400 rather than ignored; other unknown fields are ignored.
+`logit_bias`, `echo`, `suffix`, `tools`, `best_of` != `n`) get a 400 when set to anything but their no-op value;
+other unknown fields are ignored.
 
 Extras beyond OpenAI's fields (vLLM's names): `top_k`, `min_p`, `repetition_penalty`, `stop_token_ids`,
 `ignore_eos`, `priority` (lower runs first), `return_token_ids` (choices carry their `token_ids`).
