@@ -157,8 +157,14 @@ class Engine:
         self.start()
         loop = asyncio.get_running_loop()
         updates: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        request_id = self.add_request(prompt, params, request_id,
-                                      listener=lambda out: loop.call_soon_threadsafe(updates.put_nowait, out))
+        def post(out: RequestOutput | BaseException) -> None:
+            try:
+                loop.call_soon_threadsafe(updates.put_nowait, out)
+            except RuntimeError:  # the consumer's event loop is closed: nobody is listening any more
+                if isinstance(out, RequestOutput) and not out.finished:
+                    self.abort(out.request_id)
+
+        request_id = self.add_request(prompt, params, request_id, listener=post)
         finished = False
         try:
             while not finished:
