@@ -279,6 +279,7 @@ def plot_sweep(report: dict[str, Any], path: Path) -> None:
     axes.axhline(report["offline"]["tokens_per_s"]["static batches of 8"], color="gray", linestyle="--",
                  label="static batches of 8 (offline mix)")
     axes.set(xscale="log", xlabel="max_num_seqs", ylabel="generated tokens / s", title="Throughput, reference target")
+    axes.set_xticks([int(k) for k in sweep], [str(k) for k in sweep])
     axes.legend(fontsize=8)
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
