@@ -21,6 +21,7 @@ import torch
 from transformers import PreTrainedConfig
 from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, CacheLayerMixin, get_layer_types_and_kwargs
 
+from ..display import CacheDisplay
 from ..quant import ops
 from ..quant.ops import QuantizedTensor
 from .quantized_config import QuantizedKVConfig
@@ -166,7 +167,7 @@ def _tokens(q: QuantizedTensor, tokens: slice, scale_rows: slice) -> QuantizedTe
                            q.nbits, q.group_size, q.axis)
 
 
-class QuantizedKVCache(Cache):
+class QuantizedKVCache(CacheDisplay, Cache):
     """hf_accel's quantized KV cache; full-attention layers quantized, other layer types kept by transformers.
 
     Use through generate, `cache_implementation="quantized", cache_config={"backend": "hf_accel", "nbits": 4}`, or
