@@ -1,13 +1,15 @@
 """How hf_accel objects show themselves: one line in a terminal (`repr`), a compact HTML table in Jupyter.
 
 An object lists what it wants shown in `summary()` (label -> value, in display order); `RichDisplay` turns that
-into both forms, so the two never disagree. Values are shown as `str(value)`, floats with 3 significant digits.
+into both forms, so the two never disagree. `Table` does the same for a comparison (rows under named columns).
+Values are shown as `str(value)`, floats with 3 significant digits (whole from 1000 up), sequences as `[a b c]`.
 """
 
 from __future__ import annotations
 
 import html
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from dataclasses import fields as dataclass_fields
 
 _TABLE_STYLE = "border-collapse:collapse;font-size:0.9em"
@@ -25,9 +27,9 @@ def format_bytes(num_bytes: int) -> str:
 
 
 def format_value(value: object) -> str:
-    """A float with 3 significant digits, a sequence as space-separated items, anything else as `str`."""
+    """A float with 3 significant digits (whole from 1000 up), a sequence as `[a b c]`, anything else as `str`."""
     if isinstance(value, float):
-        return f"{value:.3g}"
+        return f"{value:.0f}" if abs(value) >= 1000 else f"{value:.3g}"
     if isinstance(value, Sequence) and not isinstance(value, str):
         return "[" + " ".join(format_value(item) for item in value) + "]"
     return str(value)
@@ -47,6 +49,45 @@ def html_table(title: str, fields: Mapping[str, object]) -> str:
         for label, value in fields.items()
     )
     return f"<table style='{_TABLE_STYLE}'><caption><b>{html.escape(title)}</b></caption>{rows}</table>"
+
+
+def html_grid(title: str, columns: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """An HTML table with a header row of `columns` and one row per item of `rows`, under a bold `title`."""
+    head = "".join(f"<th style='{_CELL_STYLE}'>{html.escape(c)}</th>" for c in columns)
+    body = "".join(
+        "<tr>" + "".join(f"<td style='{_CELL_STYLE}'>{html.escape(format_value(v))}</td>" for v in row) + "</tr>"
+        for row in rows
+    )
+    return f"<table style='{_TABLE_STYLE}'><caption><b>{html.escape(title)}</b></caption><tr>{head}</tr>{body}</table>"
+
+
+@dataclass(slots=True, repr=False)
+class Table:
+    """Rows under named columns: an HTML table in Jupyter, aligned text elsewhere (`str`); for comparisons.
+
+    Example: `Table("decode", ["cache", "tokens/s"], [["DynamicCache", 210.0], ["paged", 205.3]])`.
+    """
+
+    title: str
+    columns: list[str]
+    rows: list[list[object]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        widths = {len(row) for row in self.rows}
+        if widths - {len(self.columns)}:
+            raise ValueError(f"every row of `rows` must have {len(self.columns)} values (one per column), got {widths}")
+
+    def __str__(self) -> str:
+        cells = [list(self.columns)] + [[format_value(v) for v in row] for row in self.rows]
+        widths = [max(len(row[i]) for row in cells) for i in range(len(self.columns))]
+        lines = ["  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip() for row in cells]
+        return "\n".join([self.title, *lines])
+
+    def __repr__(self) -> str:
+        return str(self)
+
+    def _repr_html_(self) -> str:
+        return html_grid(self.title, self.columns, self.rows)
 
 
 class RichDisplay:

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import hf_accel
-from hf_accel.display import format_bytes, html_table, one_line
+from hf_accel.display import Table, format_bytes, html_table, one_line
 from tiny_llama import tiny_llama
 
 
@@ -68,3 +68,12 @@ def test_medusa_heads_display():
     assert repr(heads) == (f"MedusaHeads(num_heads=3, num_layers=1, hidden_size=64, vocab_size=128, "
                            f"parameters={parameters}, tree_paths=default, base_model=None)")
     assert "<th style='padding:1px 8px;text-align:left'>num_heads</th>" in heads._repr_html_()
+
+
+def test_table_text_and_html():
+    table = Table("decode", ["cache", "tokens/s"], [["DynamicCache", 2100.4], ["paged", 5.0]])
+    assert str(table) == "decode\ncache         tokens/s\nDynamicCache  2100\npaged         5"
+    assert table._repr_html_().count("<tr>") == 3 and "<th style='padding:1px 8px;text-align:left'>cache</th>" in \
+        table._repr_html_()
+    with pytest.raises(ValueError, match="every row of `rows` must have 2 values"):
+        Table("bad", ["a", "b"], [[1]])

@@ -175,7 +175,9 @@ class QuantizedKVCache(CacheDisplay, Cache):
 
     Args:
         config: the model's config (its text config is used; encoder-decoder configs are refused).
-        nbits, group_size, residual_length: see `QuantizedKVConfig`.
+        nbits: bits per K/V code, see `QuantizedKVConfig`.
+        group_size: values sharing one scale and minimum, see `QuantizedKVConfig`.
+        residual_length: recent tokens kept in full precision, see `QuantizedKVConfig`.
     """
 
     def __init__(self, config: PreTrainedConfig, nbits: int = 4, group_size: int = 64, residual_length: int = 128):
