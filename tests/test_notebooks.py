@@ -39,9 +39,9 @@ class NotebookRun:
 
 # one entry per notebook in notebooks/ (the serving notebook joins when the serving engine lands)
 NOTEBOOKS = {
-    "quickstart.ipynb": NotebookRun(120, "assert set(runs) >= {'DynamicCache', 'paged', 'draft', 'medusa'}"),
+    "quickstart.ipynb": NotebookRun(90, "assert set(runs) >= {'DynamicCache', 'paged', 'draft', 'medusa'}"),
     "kv_caches.ipynb": NotebookRun(
-        120, "assert isinstance(streams['sink'], hf_accel.SinkCache) and len(memory['DynamicCache']) > 1",
+        150, "assert isinstance(streams['sink'], hf_accel.SinkCache) and len(memory['DynamicCache']) > 1",
         save_plots=True),
     "speculative.ipynb": NotebookRun(120, "assert trained.last_step == TRAIN_STEPS and medusa_stats.num_verify_forwards"),
     "weight_quantization.ipynb": NotebookRun(90, "assert {'fp32', 'int8', 'int4'} <= set(measured)"),
