@@ -15,6 +15,10 @@ from .cache.quantized import QuantizedKVCache
 from .cache.quantized_config import QuantizedKVConfig
 from .cache.sink import SinkCache
 from .cache.sink_config import SinkCacheConfig
+from .engine.engine import Engine, EngineDeadError
+from .engine.engine_core import ContextLengthExceededError, EngineStats
+from .engine.outputs import CompletionOutput, RequestOutput
+from .engine.sampling_params import SamplingParams
 from .quant import quantizer as _weight_quantizer
 from .quant.linear import Int4Linear, Int8Linear
 from .quant.presets import list_quantization_presets, load_model, quantization_config
@@ -51,7 +55,12 @@ register()
 
 __all__ = [
     "BlockPool",
+    "CompletionOutput",
+    "ContextLengthExceededError",
     "DraftLength",
+    "Engine",
+    "EngineDeadError",
+    "EngineStats",
     "Int4Linear",
     "Int8Linear",
     "MedusaConfig",
@@ -62,6 +71,8 @@ __all__ = [
     "PagedCacheConfig",
     "QuantizedKVCache",
     "QuantizedKVConfig",
+    "RequestOutput",
+    "SamplingParams",
     "SinkCache",
     "SinkCacheConfig",
     "SpeculativeStats",

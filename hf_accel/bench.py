@@ -30,6 +30,7 @@ from .bench_inputs import (  # noqa: F401  re-exported: benchmarks and tests use
 )
 from .cache.paged import PagedCache
 from .cache.quantized import QuantizedKVCache
+from .bench_engine import engine_strategy
 from .cache.sink import SinkCache
 from .quant.quantizer import WeightOnlyConfig, quantize_model
 from .speculative.draft import draft_generate
@@ -58,12 +59,15 @@ def weight_quantized(bits: int) -> Callable[[PreTrainedModel], PreTrainedModel]:
 @dataclass(frozen=True, slots=True)
 class Strategy:
     """One row of the benchmark: `generate_kwargs(model, max_cache_len)` gives the extra `generate` kwargs;
-    `model_variant`, when set, builds the model this row runs on from the benchmarked one (once, untimed)."""
+    `model_variant`, when set, builds the model this row runs on from the benchmarked one (once, untimed); `run`,
+    when set, replaces `generate`: `run(model, inputs, new_tokens)` returns an object with `sequences` (prompt
+    columns then exactly `new_tokens` greedy tokens) and `past_key_values` (None when it keeps no cache)."""
 
     name: str
     description: str
     generate_kwargs: Callable[[PreTrainedModel, int], dict[str, Any]]
     model_variant: Callable[[PreTrainedModel], PreTrainedModel] | None = None
+    run: Callable[[PreTrainedModel, dict[str, torch.Tensor], int], Any] | None = None
 
 
 # Add a strategy (quantized cache, sink cache, speculative decoding, ...) by adding an entry; the first is the baseline.
@@ -103,6 +107,7 @@ def strategies_for(bench_model: BenchModel, batch_size: int) -> tuple[tuple[Stra
     notes on what was left out and why."""
     rows, notes = list(STRATEGIES), []
     draft, heads = bench_model.draft, bench_model.medusa_heads
+    rows.append(engine_strategy())
     if draft is not None and batch_size == 1:
         rows.append(Strategy("transformers assisted (draft)", "stock assisted decoding, assistant_model=the draft",
                              lambda model, max_len: {"assistant_model": draft}))
@@ -121,10 +126,11 @@ def strategies_for(bench_model: BenchModel, batch_size: int) -> tuple[tuple[Stra
 def kv_bytes(cache: Cache) -> int | None:
     """Bytes held for K/V: an hf_accel cache's `memory_bytes()` (a paged cache's allocated pools; a quantized cache's
     codes, scales and residuals; a sink cache's window buffers and sinks), None for transformers' `QuantizedCache`
-    (its backend's tensors are opaque), else the sum of every layer's keys and values."""
+    (its backend's tensors are opaque) and for runs that return no cache (the engine), else the sum of every
+    layer's keys and values."""
     if isinstance(cache, (PagedCache, QuantizedKVCache, SinkCache)):
         return cache.memory_bytes()
-    if isinstance(cache, QuantizedCache):
+    if cache is None or isinstance(cache, QuantizedCache):
         return None
     return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers if layer.is_initialized)
 
@@ -147,6 +153,10 @@ def run_generate(
     """Seconds taken and the `generate` output (with `sequences` and `past_key_values`) for exactly `new_tokens`."""
     max_len = inputs["input_ids"].shape[1] + new_tokens
     options = {"do_sample": False, **kwargs, **strategy.generate_kwargs(model, max_len)}
+    if strategy.run is not None:
+        start = time.perf_counter()
+        output = strategy.run(model, inputs, new_tokens)
+        return time.perf_counter() - start, output
     start = time.perf_counter()
     with torch.inference_mode():
         output = model.generate(

@@ -3,7 +3,8 @@
 `hf-accel bench`: decode speed, KV memory and greedy agreement of every strategy in `hf_accel.bench.STRATEGIES`
 against transformers' DynamicCache, measured in one process, on hf_accel's reference target by default.
 `hf-accel train-reference`: train the reference models from scratch (see `hf_accel.reference.train`).
-`hf-accel train-medusa`: train Medusa heads for a model (see `hf_accel.speculative.medusa_command`)."""
+`hf-accel train-medusa`: train Medusa heads for a model (see `hf_accel.speculative.medusa_command`).
+`hf-accel serve`: the OpenAI-compatible HTTP server (extra `serve`; see `hf_accel.server.command`)."""
 
 from __future__ import annotations
 
@@ -56,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     medusa = commands.add_parser("train-medusa", add_help=False,
                                  help="train Medusa heads for a model (default: the reference target; --help)")
     medusa.set_defaults(handler=train_medusa_command)
+    serve = commands.add_parser("serve", add_help=False,
+                                help="OpenAI-compatible HTTP server (default: the reference target; --help)")
+    serve.set_defaults(handler=serve_command)
     return parser
 
 
@@ -71,6 +75,13 @@ def train_medusa_command(args: argparse.Namespace, extra: Sequence[str]) -> int:
     from .speculative import medusa_command  # imported on demand, like train-reference
 
     return medusa_command.main(list(extra))
+
+
+def serve_command(args: argparse.Namespace, extra: Sequence[str]) -> int:
+    """`hf-accel serve [options]`: the options are `hf_accel.server.command`'s."""
+    from .server import command  # imported on demand: the server needs the `serve` extra
+
+    return command.main(list(extra))
 
 
 def prompt_lengths(longest: int, batch_size: int) -> list[int]:
@@ -138,7 +149,7 @@ def render_report(report: dict[str, Any], results: Sequence[bench.StrategyResult
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `hf-accel` console script."""
     args, extra = build_parser().parse_known_args(argv)
-    if extra and args.command not in ("train-reference", "train-medusa"):
+    if extra and args.command not in ("train-reference", "train-medusa", "serve"):
         build_parser().parse_args(argv)  # reports the unknown options and exits
     result = args.handler(args, extra)
     return result if isinstance(result, int) else 0

@@ -43,10 +43,12 @@ def test_bench_runs_on_the_reference_pair_by_default(tmp_path, capsys):
     path = tmp_path / "out" / "bench.json"
     cli.main([*SMALL_BENCH, "--batch-size", "1", "--json", str(path)])
     report = json.loads(path.read_text())
-    assert [r["name"] for r in report["results"]] == [*STRATEGY_NAMES, "transformers assisted (draft)",
-                                                      "hf_accel draft", "hf_accel medusa"]
+    assert [r["name"] for r in report["results"]] == [*STRATEGY_NAMES, "hf_accel Engine",
+                                                      "transformers assisted (draft)", "hf_accel draft",
+                                                      "hf_accel medusa"]
     assert report["settings"]["prompt_lengths"] == [24] and report["settings"]["new_tokens"] == 8
-    assert all(r["decode_tokens_per_s"] > 0 and r["kv_bytes"] > 0 for r in report["results"])
+    assert all(r["decode_tokens_per_s"] > 0 for r in report["results"])
+    assert all(r["kv_bytes"] > 0 for r in report["results"] if r["name"] != "hf_accel Engine")  # frees at finish
     assert report["model"].startswith("hf_accel reference target") and report["prompts"].startswith("held-out")
     lossless = [r for r in report["results"] if r["name"] not in WEIGHT_ROWS]
     assert all(r["agreement"] == 1.0 for r in lossless)  # lossless at these lengths, speculative rows included
@@ -59,6 +61,8 @@ def test_bench_leaves_stock_assisted_out_of_batches_and_says_why(capsys):
     out = capsys.readouterr().out
     assert "support batch size 1 only" in out
     assert "hf_accel draft" in out and "hf_accel medusa" not in out  # the draft path works at any batch size
+    engine_row = next(line for line in out.splitlines() if line.startswith("hf_accel Engine"))
+    assert engine_row.rstrip().endswith("100.0%")  # left-padded rows through the engine: the same greedy tokens
 
 
 def test_train_reference_is_a_subcommand(capsys):

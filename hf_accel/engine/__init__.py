@@ -1,0 +1,1 @@
+"""Continuous batching over a paged KV block pool: `Engine`, `SamplingParams`, `RequestOutput`."""

@@ -1,0 +1,159 @@
+"""Attention over the engine's block pool, registered with transformers' `AttentionInterface`.
+
+One engine step runs the model once on all scheduled tokens packed into one row (`[1, num_tokens]`, per-token
+`position_ids`). For each layer, the registered function writes the step's new K/V into their slots, then attends
+per sequence: every decoding sequence at once (one query each, K/V gathered from its slots, padded and masked),
+then each prefill chunk on its own (causal from its first position). The metadata travels in the forward's
+kwargs as `hf_accel_step` (the way transformers' own continuous batching passes `cu_seq_lens`), so no model code
+is forked and no state hides in globals. Grouped-query heads are folded into the query axis (no K/V repeat).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+
+from .kv_pool import KVPool
+
+ATTENTION_NAME = "hf_accel_paged"
+
+
+@dataclass(slots=True)
+class PrefillRow:
+    """A chunk of `num_tokens` queries starting at packed index `start`, at positions `first_position ...`; it
+    attends over the first `first_position + num_tokens` tokens of its blocks `kv_blocks` (`[num_blocks]` ids)."""
+
+    start: int
+    num_tokens: int
+    first_position: int
+    kv_blocks: torch.Tensor
+
+    @property
+    def kv_length(self) -> int:
+        return self.first_position + self.num_tokens
+
+
+@dataclass(slots=True)
+class StepAttention:
+    """What every layer needs to know about one engine step (the `hf_accel_step` forward kwarg)."""
+
+    kv: KVPool
+    write_slots: torch.Tensor  # [num_tokens] slot of each packed token
+    decode_index: torch.Tensor | None  # [num_decodes] packed index of each decoding sequence's query
+    decode_blocks: torch.Tensor | None  # [num_decodes, max_blocks] block ids of each decoding sequence (padded)
+    decode_lengths: torch.Tensor | None  # [num_decodes] tokens each decoding sequence attends over
+    prefills: list[PrefillRow]
+    _masks: dict[tuple, torch.Tensor] = field(default_factory=dict)
+
+    def decode_mask(self, window: int | None) -> torch.Tensor:
+        """`[num_decodes, 1, 1, max_blocks * block_size]` True where a decoding query may attend."""
+        key = ("decode", window)
+        if key not in self._masks:
+            width = self.decode_blocks.shape[1] * self.kv.block_size
+            columns = torch.arange(width, device=self.decode_blocks.device)
+            mask = columns < self.decode_lengths[:, None]
+            if window is not None:  # transformers' sliding rule: key position > query position - window
+                mask &= columns > (self.decode_lengths[:, None] - 1 - window)
+            self._masks[key] = mask[:, None, None, :]
+        return self._masks[key]
+
+    def prefill_mask(self, i: int, window: int | None) -> torch.Tensor | None:
+        """`[num_tokens, kv_len]` True where chunk `i`'s queries may attend; None for a plain causal chunk."""
+        row = self.prefills[i]
+        if row.first_position == 0 and window is None:
+            return None
+        key = ("prefill", i, window)
+        if key not in self._masks:
+            device = row.kv_blocks.device
+            queries = torch.arange(row.first_position, row.kv_length, device=device)[:, None]
+            columns = torch.arange(row.kv_length, device=device)
+            mask = columns <= queries
+            if window is not None:
+                mask &= columns > queries - window
+            self._masks[key] = mask
+        return self._masks[key]
+
+
+def paged_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    hf_accel_step: StepAttention | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """`query` `[1, heads, num_tokens, head_dim]`, `key` / `value` `[1, kv_heads, num_tokens, head_dim]` (the step's
+    new tokens) -> `[1, num_tokens, heads, head_dim]`."""
+    if hf_accel_step is None:
+        raise ValueError(f"attention implementation {ATTENTION_NAME!r} runs only inside hf_accel.Engine steps")
+    step, layer = hf_accel_step, module.layer_idx
+    keys, values = step.kv.keys[layer], step.kv.values[layer]  # [kv_heads, num_blocks, block_size, head_dim]
+    heads, blocks, size, dim = keys.shape
+    keys.view(heads, -1, dim).index_copy_(1, step.write_slots, key[0].to(keys.dtype))
+    values.view(heads, -1, dim).index_copy_(1, step.write_slots, value[0].to(values.dtype))
+    out = query.new_empty(query.shape[2], query.shape[1], query.shape[3])  # [num_tokens, heads, head_dim]
+    if step.decode_index is not None:
+        q = query[0][:, step.decode_index].transpose(0, 1)[:, :, None]  # [num_decodes, heads, 1, head_dim]
+        k, v = (_gather(pool, step.decode_blocks) for pool in (keys, values))  # [num_decodes, kv_heads, len, dim]
+        out[step.decode_index] = _attend(q, k, v, step.decode_mask(sliding_window), scaling, softcap)[:, :, 0]
+    for i, row in enumerate(step.prefills):
+        q = query[:, :, row.start : row.start + row.num_tokens]  # [1, heads, num_tokens, head_dim]
+        k, v = (_gather(pool, row.kv_blocks[None])[:, :, : row.kv_length] for pool in (keys, values))
+        mask = step.prefill_mask(i, sliding_window)
+        out[row.start : row.start + row.num_tokens] = _attend(q, k, v, mask, scaling, softcap)[0].transpose(0, 1)
+    return out[None], None
+
+
+def _gather(pool: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """`pool` `[kv_heads, num_blocks, block_size, dim]`, `blocks` `[rows, n]` -> `[rows, kv_heads, n * block_size,
+    dim]`, each (row, head) slab contiguous."""
+    heads, _, size, dim = pool.shape
+    rows, n = blocks.shape
+    return pool.index_select(1, blocks.reshape(-1)).view(heads, rows, n * size, dim).transpose(0, 1)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float | None,
+            softcap: float | None) -> torch.Tensor:
+    """`q` `[b, heads, q_len, d]`, `k` / `v` `[b, kv_heads, kv_len, d]`, `mask` broadcastable to `[b, 1, q_len,
+    kv_len]` (None: causal) -> `[b, heads, q_len, d]`. Query heads sharing a K/V head are folded into the query axis."""
+    batch, heads, q_len, dim = q.shape
+    groups = heads // k.shape[1]
+    q = q.reshape(batch, k.shape[1], groups * q_len, dim)  # head h uses kv head h // groups
+    if mask is None and groups == 1 and softcap is None:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        return out.reshape(batch, heads, q_len, dim)
+    if mask is None:
+        mask = _causal(q_len, k.shape[2], q.device)
+    if q_len > 1 and groups > 1:  # folded query rows are (group, position): repeat the rows per group
+        mask = mask.repeat(groups, 1) if mask.dim() == 2 else mask.repeat(1, 1, groups, 1)
+    if softcap is None:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    else:
+        out = _eager(q, k, v, mask, scale, softcap)
+    return out.reshape(batch, heads, q_len, dim)
+
+
+def _causal(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
+    return torch.ones(q_len, kv_len, dtype=torch.bool, device=device).tril(kv_len - q_len)
+
+
+def _eager(q, k, v, mask, scale, softcap) -> torch.Tensor:
+    # scores: [b, kv_heads, groups * q_len, kv_len], tanh soft-capped as Gemma 2 does
+    scores = (q @ k.transpose(-1, -2)) * (scale if scale is not None else q.shape[-1] ** -0.5)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    return torch.softmax(scores.float(), dim=-1).to(v.dtype) @ v
+
+
+def register_attention() -> None:
+    """Make `ATTENTION_NAME` selectable as an attention implementation (idempotent)."""
+    AttentionInterface.register(ATTENTION_NAME, paged_attention)

@@ -1,0 +1,53 @@
+"""`EngineConfig`: the engine's limits, validated once; the pool size follows from memory and the model's K/V."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..cache.paged_config import parse_bytes
+from ..cache.settings import check_int
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Limits of the engine.
+
+    Args:
+        max_num_seqs: most sequences running at once (a request with `n` samples counts `n`).
+        max_num_batched_tokens: most tokens computed in one step (decodes plus prefill chunks).
+        kv_cache_memory: bytes (or e.g. `"2GiB"`) for K and V of all layers; default: room for `max_num_seqs`
+            sequences of `max_model_len` tokens, so nothing is ever preempted.
+        block_size: tokens per KV block.
+        enable_prefix_caching: reuse the K/V of full blocks of earlier prompts.
+        max_model_len: longest sequence (prompt plus output); default: the model's `max_position_embeddings`.
+    """
+
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+    kv_cache_memory: int | str | None = None
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    max_model_len: int | None = None
+
+    def __post_init__(self) -> None:
+        check_int("max_num_seqs", self.max_num_seqs, 1, "a positive int")
+        check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1, "a positive int")
+        check_int("block_size", self.block_size, 1, "a positive int")
+        if self.kv_cache_memory is not None:
+            self.kv_cache_memory = parse_bytes(self.kv_cache_memory, "kv_cache_memory")
+        if self.max_model_len is not None:
+            check_int("max_model_len", self.max_model_len, 1, "a positive int or None")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise TypeError(f"`enable_prefix_caching` must be a bool, got {self.enable_prefix_caching!r}")
+
+    def num_blocks(self, bytes_per_token: int, max_model_len: int) -> int:
+        """Blocks in the pool; ValueError if they cannot hold one sequence of `max_model_len` tokens."""
+        blocks_per_seq = -(-max_model_len // self.block_size)
+        if self.kv_cache_memory is None:
+            return self.max_num_seqs * blocks_per_seq
+        num = self.kv_cache_memory // (bytes_per_token * self.block_size)
+        if num < blocks_per_seq:
+            need = blocks_per_seq * bytes_per_token * self.block_size
+            raise ValueError(f"`kv_cache_memory` ({self.kv_cache_memory} bytes) cannot hold one sequence of "
+                             f"max_model_len={max_model_len} tokens ({need} bytes); raise it or lower max_model_len")
+        return num

@@ -1,0 +1,70 @@
+"""Incremental detokenization with stop strings, for streaming.
+
+Each step decodes only the newest tokens plus the previous step's (the prefix/read offsets used by TGI and vLLM): text is
+released once the window decodes without a dangling partial character, and text that could still be the start of a
+stop string is held back until it cannot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from transformers import PreTrainedTokenizerBase
+
+
+@dataclass(slots=True)
+class Detokenizer:
+    """Text of one sample's output tokens, released as it becomes final."""
+
+    tokenizer: PreTrainedTokenizerBase
+    stop: list[str]
+    tokens: list[int] = field(default_factory=list)
+    text: str = ""  # decoded so far (may end in held-back text)
+    released: int = 0  # characters of `text` that are final
+    prefix_offset: int = 0
+    read_offset: int = 0
+
+    def add(self, token_id: int) -> str | None:
+        """Append a token; returns the stop string it completed, if any (the text is then cut before it)."""
+        self.tokens.append(token_id)
+        window = self.tokens[self.prefix_offset:]
+        prefix = self.tokenizer.decode(self.tokens[self.prefix_offset:self.read_offset], skip_special_tokens=True)
+        full = self.tokenizer.decode(window, skip_special_tokens=True)
+        if full.endswith("\ufffd") or len(full) <= len(prefix):
+            return None
+        self.text += full[len(prefix):]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
+        return self._check_stop()
+
+    def finish(self) -> None:
+        """Release everything (the sample ended for another reason)."""
+        rest = self.tokenizer.decode(self.tokens[self.prefix_offset:], skip_special_tokens=True)
+        done = self.tokenizer.decode(self.tokens[self.prefix_offset:self.read_offset], skip_special_tokens=True)
+        if len(rest) > len(done):
+            self.text += rest[len(done):]
+            self.read_offset = len(self.tokens)
+        self.released = len(self.text)
+
+    def _check_stop(self) -> str | None:
+        # only text that could contain a stop string not yet seen: start a stop-length before the released mark
+        start = max(self.released - max((len(s) for s in self.stop), default=0), 0)
+        hits = [(self.text.find(s, start), s) for s in self.stop]
+        hits = [(at, s) for at, s in hits if at >= 0]
+        if hits:
+            at, stop = min(hits)
+            self.text = self.text[:at]
+            self.released = at
+            return stop
+        self.released = len(self.text) - _held_back(self.text, self.stop)
+        return None
+
+
+def _held_back(text: str, stops: list[str]) -> int:
+    """Length of the longest tail of `text` that is a proper prefix of some stop string."""
+    longest = 0
+    for stop in stops:
+        for size in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:size]):
+                longest = size
+                break
+    return longest

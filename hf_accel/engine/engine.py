@@ -1,0 +1,277 @@
+"""`Engine`: continuous batching for any decoder-only transformers model, with vLLM-like names.
+
+    engine = hf_accel.Engine(model, tokenizer, max_num_seqs=32)
+    outputs = engine.generate(["def add(a, b):", "import os"], hf_accel.SamplingParams(max_tokens=64, temperature=0))
+    async for out in engine.stream("class Stack:", params): print(out.text)
+
+Threads: the core (scheduler, blocks, model) is driven by one thread at a time. `generate` drives it in the calling
+thread, unless the background loop is running (`start`, or the first `stream`), which then owns it (and the model:
+during a step the model's attention implementation is the engine's, so do not call `model.generate` from another
+thread while the loop runs); requests and
+aborts from other threads go through a queue the stepping thread drains before each step, so callers never wait for
+a model forward. If the loop dies, `is_healthy` turns False, every open request gets `EngineDeadError`, and no new
+request is accepted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from .config import EngineConfig
+from .engine_core import EngineCore, EngineStats
+from .outputs import RequestOutput, RequestTiming
+from .sampling_params import SamplingParams
+from .sequence import Request
+
+Listener = Callable[[RequestOutput | BaseException], None]
+
+
+class EngineDeadError(RuntimeError):
+    """The engine's background loop stopped on an error; the original error is the `__cause__`."""
+
+
+class Engine:
+    """Continuous-batching generation over a paged KV block pool.
+
+    Args:
+        model: a decoder-only causal LM whose attention goes through transformers' `AttentionInterface` (Llama,
+            Mistral, Qwen2/3, Gemma2/3, Phi3, ...), in any dtype; hf_accel int8/int4 weights work as they are.
+        tokenizer: turns string prompts into ids and outputs into text (optional with token-id prompts).
+
+    The keyword-only limits (`max_num_seqs`, `max_num_batched_tokens`, `kv_cache_memory`, `block_size`,
+    `enable_prefix_caching`, `max_model_len`) are the fields of `EngineConfig`, documented there.
+    """
+
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None = None, *,
+                 max_num_seqs: int = 32, max_num_batched_tokens: int = 512, kv_cache_memory: int | str | None = None,
+                 block_size: int = 16, enable_prefix_caching: bool = True, max_model_len: int | None = None):
+        self.config = EngineConfig(max_num_seqs, max_num_batched_tokens, kv_cache_memory, block_size,
+                                   enable_prefix_caching, max_model_len)
+        self.tokenizer = tokenizer
+        self.core = EngineCore(model, tokenizer, self.config)
+        self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._listeners: dict[str, Listener] = {}
+        self._finish_observers: list[Callable[[RequestOutput], None]] = []
+        self._ids = itertools.count()
+        self._arrivals = itertools.count()
+        self._wakeup = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._dead: BaseException | None = None
+        self._drive_lock = threading.Lock()  # held by whichever thread steps the core
+
+    @property
+    def max_model_len(self) -> int:
+        return self.core.max_model_len
+
+    @property
+    def is_running(self) -> bool:
+        """Whether the background loop is running."""
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def is_healthy(self) -> bool:
+        return self._dead is None
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, listener: Listener | None = None) -> str:
+        """Queue a request (thread-safe); returns its id. `listener` gets a `RequestOutput` after every step that
+        changes it (in the stepping thread), or the error that killed the engine. Raises ValueError / TypeError for
+        bad prompts or parameters (`ContextLengthExceededError` when it cannot fit)."""
+        self._check_alive()
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"`params` must be a SamplingParams, got {type(params).__name__}")
+        text, ids = self._encode(prompt)
+        self.core.check_prompt(ids, params)
+        request_id = f"req-{next(self._ids)}" if request_id is None else request_id
+        if request_id in self._listeners:
+            raise ValueError(f"`request_id` {request_id!r} is already in use")
+        request = Request(request_id, text, ids, params, next(self._arrivals), RequestTiming(time.perf_counter()))
+        self._listeners[request_id] = listener or _ignore
+        self._inbox.put(lambda: self.core.add(request))
+        self._wakeup.set()
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request and free its blocks at the start of the next step (thread-safe; unknown ids ignored)."""
+        self._inbox.put(lambda: self._deliver_abort(request_id))
+        self._wakeup.set()
+
+    def step(self) -> list[RequestOutput]:
+        """Run one step in the calling thread (not while the background loop runs); returns the changed requests."""
+        if self.is_running:
+            raise RuntimeError("the background loop is running; use generate/stream instead of step")
+        with self._drive_lock:
+            return self._step()
+
+    def has_unfinished_requests(self) -> bool:
+        return self.core.has_unfinished or not self._inbox.empty()
+
+    def generate(self, prompts: str | list[int] | Sequence[str | list[int]],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Generate for every prompt (strings or token-id lists); `params` is one for all or one per prompt.
+        Returns the finished outputs in prompt order."""
+        prompts = [prompts] if isinstance(prompts, str) or _is_token_ids(prompts) else list(prompts)
+        per_prompt = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(per_prompt) != len(prompts):
+            raise ValueError(f"`params` has {len(per_prompt)} entries for {len(prompts)} prompts")
+        finished: dict[str, RequestOutput] = {}
+        done = threading.Event()
+
+        def collect(out: RequestOutput | BaseException) -> None:
+            if isinstance(out, BaseException) or out.finished:
+                finished[out.request_id if isinstance(out, RequestOutput) else "error"] = out
+                if len(finished) == len(ids) or "error" in finished:
+                    done.set()
+
+        ids: list[str] = []
+        try:
+            ids.extend(self.add_request(p, sp, listener=collect) for p, sp in zip(prompts, per_prompt))
+        except BaseException:
+            for request_id in ids:
+                self.abort(request_id)
+            raise
+        if self.is_running:
+            done.wait()
+        else:
+            with self._drive_lock:
+                while not done.is_set():
+                    self._step()
+                    if not done.is_set() and not self.has_unfinished_requests():
+                        raise RuntimeError("the engine has no work left but requests did not finish")
+        if "error" in finished:
+            raise EngineDeadError("the engine loop died") from finished["error"]
+        return [finished[i] for i in ids]
+
+    async def stream(self, prompt: str | list[int], params: SamplingParams | None = None,
+                     request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Yield the request's output after every step that changes it (cumulative token ids and text), the last
+        one finished. Leaving the loop early (or cancelling the task) aborts the request and frees its blocks."""
+        self.start()
+        loop = asyncio.get_running_loop()
+        updates: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        def post(out: RequestOutput | BaseException) -> None:
+            try:
+                loop.call_soon_threadsafe(updates.put_nowait, out)
+            except RuntimeError:  # the consumer's event loop is closed: nobody is listening any more
+                if isinstance(out, RequestOutput) and not out.finished:
+                    self.abort(out.request_id)
+
+        request_id = self.add_request(prompt, params, request_id, listener=post)
+        finished = False
+        try:
+            while not finished:
+                out = await updates.get()
+                if isinstance(out, BaseException):
+                    raise EngineDeadError("the engine loop died") from out
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def add_finish_observer(self, observer: Callable[[RequestOutput], None]) -> None:
+        """Call `observer` with every finished request's output, in the stepping thread (metrics)."""
+        self._finish_observers.append(observer)
+
+    def stats(self) -> EngineStats:
+        return self.core.stats()
+
+    def start(self) -> None:
+        """Start the background loop (idempotent)."""
+        self._check_alive()
+        if self.is_running:
+            return
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="hf_accel-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float | None = 30.0) -> None:
+        """Stop the background loop after its current step; unfinished requests are aborted."""
+        self._stopping = True
+        self._wakeup.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+        with self._drive_lock:
+            self._drain_inbox()
+            for request_id in list(self.core.requests):
+                self._deliver_abort(request_id)
+
+    def _loop(self) -> None:
+        with self._drive_lock:
+            while not self._stopping:
+                if not self.has_unfinished_requests():
+                    self._drive_lock.release()
+                    try:
+                        self._wakeup.wait(0.5)
+                        self._wakeup.clear()
+                    finally:
+                        self._drive_lock.acquire()
+                    continue
+                try:
+                    self._step()
+                except BaseException as error:  # the loop is dead: tell every waiting request, refuse new ones
+                    self._dead = error
+                    for listener in list(self._listeners.values()):
+                        listener(error)
+                    self._listeners.clear()
+                    return
+
+    def _step(self) -> list[RequestOutput]:
+        self._drain_inbox()
+        outputs = [request.snapshot() for request in self.core.step()]
+        for out in outputs:
+            self._deliver(out)
+        return outputs
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            command()
+
+    def _deliver(self, out: RequestOutput) -> None:
+        listener = self._listeners.pop(out.request_id, None) if out.finished else self._listeners.get(out.request_id)
+        if listener is not None:
+            listener(out)
+        if out.finished:
+            for observer in self._finish_observers:
+                observer(out)
+
+    def _deliver_abort(self, request_id: str) -> None:
+        request = self.core.abort(request_id)
+        if request is not None:
+            self._deliver(request.snapshot())
+
+    def _encode(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("`prompt` is a string but the Engine has no tokenizer; pass token ids or a tokenizer")
+            return prompt, self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        if _is_token_ids(prompt):
+            return None, list(prompt)
+        raise TypeError(f"`prompt` must be a string or a list of token ids, got {type(prompt).__name__}")
+
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError("the engine loop died; create a new Engine") from self._dead
+
+
+def _is_token_ids(value: object) -> bool:
+    return isinstance(value, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool) for v in value) \
+        and len(value) > 0
+
+
+def _ignore(out: RequestOutput | BaseException) -> None:
+    return None

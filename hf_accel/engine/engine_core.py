@@ -1,0 +1,175 @@
+"""The engine's step, single-threaded: schedule, run the model once, sample, detect stops, free finished blocks.
+
+`EngineCore` is driven by one thread at a time (`Engine` owns the threading); it never blocks and never sleeps.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from .block_manager import BlockManager
+from .config import EngineConfig
+from .detokenizer import Detokenizer
+from .kv_pool import KVPool, KVShape
+from .model_runner import ModelRunner
+from .sampler import sample, token_logprobs
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler, SchedulerConfig
+from .sequence import Request, Sequence, SequenceStatus, make_sequences
+
+
+class ContextLengthExceededError(ValueError):
+    """A prompt plus `max_tokens` does not fit in the model's context (`max_model_len`)."""
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """Counters since start and current gauges, named after vLLM's metrics."""
+
+    num_requests_running: int
+    num_requests_waiting: int
+    kv_cache_usage_perc: float
+    num_preemptions: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    prompt_tokens: int
+    generation_tokens: int
+    num_steps: int
+    num_free_blocks: int
+    num_blocks: int
+
+
+class EngineCore:
+    """Scheduler, block manager, model runner and sampler of one model."""
+
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, config: EngineConfig):
+        self.model, self.tokenizer, self.config = model, tokenizer, config
+        self.max_model_len = config.max_model_len or _context_length(model)
+        shape = KVShape.from_config(model.config)
+        dtype, device = model.dtype, next(model.parameters()).device
+        num_blocks = config.num_blocks(shape.bytes_per_token(dtype), self.max_model_len)
+        self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.blocks)
+        self.kv = KVPool(shape, num_blocks, config.block_size, dtype, device)
+        self.runner = ModelRunner(model, self.kv)
+        self.requests: dict[str, Request] = {}
+        self.eos_token_ids = _eos_token_ids(model, tokenizer)
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.prompt_tokens = self.generation_tokens = self.num_steps = 0
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    def check_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """ValueError for an empty prompt, ids outside the vocabulary, or a prompt plus `max_tokens` too long."""
+        if not prompt_token_ids:
+            raise ValueError("`prompt` must hold at least one token")
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.vocab_size:
+            raise ValueError(f"`prompt` token ids must be in [0, {self.vocab_size}), got {prompt_token_ids[:8]}...")
+        total = len(prompt_token_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise ContextLengthExceededError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{total} tokens ({len(prompt_token_ids)} in the prompt, {params.max_tokens} for `max_tokens`). "
+                "Please reduce the length of the prompt or `max_tokens`.")
+
+    def add(self, request: Request) -> None:
+        """Queue a checked request (its ids unique among unfinished requests)."""
+        make_sequences(request, self._detokenizer_for)
+        self.prompt_tokens += len(request.prompt_token_ids)
+        self.requests[request.request_id] = request
+        for seq in request.sequences:
+            self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> Request | None:
+        """Stop a request now, freeing its blocks; None if it is unknown or already finished."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        for seq in request.sequences:
+            if not seq.is_finished:
+                self.scheduler.remove(seq)
+                seq.finish("abort")
+        request.timing.finished = time.perf_counter()
+        return request
+
+    def step(self) -> list[Request]:
+        """Run one step; returns the requests whose output changed (finished ones are forgotten)."""
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return []
+        now = time.perf_counter()
+        starting = {id(seq.request) for seq in batch.seqs if seq.request.timing.first_scheduled is None}
+        for seq in batch.seqs:
+            if id(seq.request) in starting:  # its prefix-cache hits are its computed tokens now
+                seq.request.timing.first_scheduled = now
+                seq.request.num_cached_tokens = max(seq.request.num_cached_tokens, seq.num_computed_tokens)
+        logits, sampling = self.runner.execute(batch)
+        for seq, num in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += num
+            self.blocks.cache_full_blocks(seq)
+        tokens = sample(logits, sampling)
+        logprobs = token_logprobs(logits, tokens, [seq.params.logprobs for seq in sampling])
+        now = time.perf_counter()
+        changed = {}
+        for seq, token, logprob in zip(sampling, tokens, logprobs):
+            self._append(seq, token, logprob, now)
+            changed[seq.request.request_id] = seq.request
+        self.num_steps += 1
+        for request in changed.values():
+            if request.is_finished:
+                request.timing.finished = now
+                del self.requests[request.request_id]
+        return list(changed.values())
+
+    def stats(self) -> EngineStats:
+        running = {seq.request.request_id for seq in self.scheduler.running}
+        waiting = {seq.request.request_id for seq in self.scheduler.waiting} - running
+        return EngineStats(
+            len(running), len(waiting), self.blocks.usage, self.scheduler.num_preemptions,
+            self.blocks.stats.queries, self.blocks.stats.hits, self.prompt_tokens, self.generation_tokens,
+            self.num_steps, self.blocks.num_free_blocks, self.blocks.num_blocks,
+        )
+
+    def _append(self, seq: Sequence, token: int, logprob, now: float) -> None:
+        request = seq.request
+        if request.timing.first_token is None:
+            request.timing.first_token = now
+        request.timing.last_token = now
+        self.generation_tokens += 1
+        stop_string = seq.append_token(token, logprob, now)
+        params = seq.params
+        if stop_string is not None:
+            seq.finish("stop", stop_string)
+        elif token in params.stop_token_ids:
+            seq.finish("stop", token)
+        elif token in self.eos_token_ids and not params.ignore_eos:
+            seq.finish("stop")
+        elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            seq.finish("length")
+        if seq.is_finished:
+            self.scheduler.remove(seq)
+
+    def _detokenizer_for(self, params: SamplingParams) -> Detokenizer | None:
+        return None if self.tokenizer is None else Detokenizer(self.tokenizer, params.stop)
+
+
+def _context_length(model: PreTrainedModel) -> int:
+    text = model.config.get_text_config(decoder=True)
+    length = getattr(text, "max_position_embeddings", None)
+    if not isinstance(length, int):
+        raise ValueError("the model config has no `max_position_embeddings`; pass `max_model_len` to the Engine")
+    return length
+
+
+def _eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None) -> set[int]:
+    eos = getattr(model.generation_config, "eos_token_id", None)
+    if eos is None and tokenizer is not None:
+        eos = tokenizer.eos_token_id
+    if eos is None:
+        return set()
+    return {eos} if isinstance(eos, int) else set(eos)

@@ -1,0 +1,84 @@
+"""What the engine hands back: one `RequestOutput` per request, one `CompletionOutput` per sample (vLLM's shape)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    """Log-probability of the chosen token and of the `k` most likely tokens at that step (from the raw logits)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass(slots=True)
+class RequestTiming:
+    """Wall-clock times (`time.perf_counter()` seconds) of a request's milestones; None until reached."""
+
+    arrival: float
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+    finished: float | None = None
+
+    @property
+    def queue_time(self) -> float | None:
+        return None if self.first_scheduled is None else self.first_scheduled - self.arrival
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.arrival
+
+    @property
+    def e2e_latency(self) -> float | None:
+        return None if self.finished is None else self.finished - self.arrival
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    """One sample of a request: cumulative `token_ids` and `text` so far, `finish_reason` once done
+    ("stop": EOS, a stop token or a stop string; "length": `max_tokens` or the model's context; "abort")."""
+
+    index: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None  # the stop string or token id that ended it, if any
+    logprobs: list[TokenLogprob] | None = None
+    token_times: list[float] = field(default_factory=list)  # perf_counter() when each token was produced
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """A request's state: `outputs` holds its `n` samples. `token_ids`, `text` and `finish_reason` are the first
+    sample's, for the common `n == 1` case."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    timing: RequestTiming
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+    @property
+    def finished(self) -> bool:
+        return all(out.finished for out in self.outputs)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason

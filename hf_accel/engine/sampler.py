@@ -1,0 +1,86 @@
+"""Next tokens of one step's sequences, each with its own `SamplingParams`, through transformers' logits processors.
+
+Plain greedy rows take one batched argmax. Other rows are grouped by their parameters: each group runs one
+`LogitsProcessorList` (repetition penalty, temperature, top-k, top-p, min-p: transformers' own classes, in the
+order `generate` applies them) over its rows, then draws per row with the row's seeded generator, so a seeded
+request samples the same tokens whatever it is batched with.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import (
+    LogitsProcessorList,
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from .outputs import TokenLogprob
+from .sampling_params import SamplingParams
+from .sequence import Sequence
+
+
+def logits_processors(params: SamplingParams) -> LogitsProcessorList:
+    """transformers' processors for `params`, in generate's order; empty for plain greedy."""
+    processors = LogitsProcessorList()
+    if params.repetition_penalty != 1.0:
+        processors.append(RepetitionPenaltyLogitsProcessor(params.repetition_penalty))
+    if params.is_greedy:
+        return processors
+    if params.temperature != 1.0:
+        processors.append(TemperatureLogitsWarper(params.temperature))
+    if params.top_k > 0:
+        processors.append(TopKLogitsWarper(params.top_k))
+    if params.top_p < 1.0:
+        processors.append(TopPLogitsWarper(params.top_p))
+    if params.min_p > 0.0:
+        processors.append(MinPLogitsWarper(params.min_p))
+    return processors
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+    """`logits` `[len(seqs), vocab]` (fp32) -> one token id per sequence."""
+    tokens = logits.argmax(dim=-1).tolist()
+    groups: dict[int, list[int]] = {}
+    for i, seq in enumerate(seqs):
+        if seq.params.needs_processing:
+            groups.setdefault(id(seq.params), []).append(i)
+    for rows in groups.values():
+        params = seqs[rows[0]].params
+        scores = _process(logits[rows], [seqs[i] for i in rows], params)
+        if params.is_greedy:
+            for i, token in zip(rows, scores.argmax(dim=-1).tolist()):
+                tokens[i] = token
+            continue
+        probs = torch.softmax(scores, dim=-1)
+        for i, row in zip(rows, probs):
+            tokens[i] = int(torch.multinomial(row, 1, generator=seqs[i].generator))
+    return tokens
+
+
+def _process(logits: torch.Tensor, seqs: list[Sequence], params: SamplingParams) -> torch.Tensor:
+    processors = logits_processors(params)
+    if params.repetition_penalty == 1.0:  # no processor reads the history: skip building it
+        return processors(None, logits)
+    width = max(seq.num_tokens for seq in seqs)
+    # history padded with the row's own first token, which the penalty already counts, so padding changes nothing
+    history = torch.tensor([seq.token_ids + seq.token_ids[:1] * (width - seq.num_tokens) for seq in seqs],
+                           device=logits.device)
+    return processors(history, logits)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], num_top: list[int | None]) -> list[TokenLogprob | None]:
+    """Log-probabilities (from the raw logits) of the chosen tokens and each row's `num_top` best, where asked."""
+    wanted = [i for i, k in enumerate(num_top) if k is not None]
+    result: list[TokenLogprob | None] = [None] * len(tokens)
+    if not wanted:
+        return result
+    logprobs = torch.log_softmax(logits[wanted], dim=-1)
+    for row, i in enumerate(wanted):
+        top = torch.topk(logprobs[row], num_top[i]) if num_top[i] else None
+        alternatives = [] if top is None else list(zip(top.indices.tolist(), top.values.tolist()))
+        result[i] = TokenLogprob(tokens[i], float(logprobs[row, tokens[i]]), alternatives)
+    return result

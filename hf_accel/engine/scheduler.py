@@ -1,0 +1,122 @@
+"""Which sequences run in the next step, and how many tokens each computes. Plain Python, no torch.
+
+Rules:
+- order is priority (lower first), then arrival; `waiting` and `running` are kept in that order;
+- one step computes at most `max_num_batched_tokens` tokens: running decodes first (one token each), then running
+  prefills in chunks, then new sequences, so a long prompt never stalls running decodes (chunked prefill);
+- at most `max_num_seqs` sequences run at once; a new one is admitted only when its blocks (minus prefix-cache
+  hits) are free, and only in order: the head of the queue is never overtaken;
+- when a running sequence cannot get a block, the last running sequence in order is preempted by recompute: its
+  blocks are freed and it waits again with its tokens so far, to be prefilled anew (outputs are unchanged).
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from .block_manager import BlockManager
+from .sequence import Sequence, SequenceStatus
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    """Limits of one step."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    """One step's work: `num_new_tokens[i]` tokens of `seqs[i]`, starting at its `num_computed_tokens`."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def add(self, seq: Sequence, num: int) -> None:
+        self.seqs.append(seq)
+        self.num_new_tokens.append(num)
+
+
+class Scheduler:
+    """Waiting and running queues over a `BlockManager`."""
+
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager):
+        self.config = config
+        self.blocks = blocks
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        bisect.insort(self.waiting, seq, key=lambda s: s.sort_key)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a sequence out of whichever queue holds it and free its blocks (finish or abort)."""
+        for queue in (self.running, self.waiting):
+            if seq in queue:
+                queue.remove(seq)
+        self.blocks.free(seq)
+
+    def schedule(self) -> ScheduledBatch:
+        """Plan the next step (empty when nothing can run)."""
+        batch = ScheduledBatch()
+        budget = self.config.max_num_batched_tokens
+        decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
+        prefills = [s for s in self.running if s.num_uncomputed_tokens > 1]
+        for seq in decodes + prefills:
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            num = min(seq.num_uncomputed_tokens, budget)
+            if self._reserve(seq, num, batch):
+                batch.add(seq, num)
+                budget -= num
+        if not batch.preempted:
+            self._admit(batch, budget)
+        return batch
+
+    def _reserve(self, seq: Sequence, num: int, batch: ScheduledBatch) -> bool:
+        """Blocks for `num` tokens of a running sequence, preempting from the back of `running` until they fit."""
+        while not self.blocks.allocate(seq, num):
+            victim = self.running[-1]
+            self._preempt(victim, batch)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
+        self.running.remove(seq)
+        if seq in batch.seqs:  # scheduled earlier in this step: undo that
+            i = batch.seqs.index(seq)
+            del batch.seqs[i], batch.num_new_tokens[i]
+        self.blocks.free(seq)
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        batch.preempted.append(seq)
+        self.add(seq)
+
+    def _admit(self, batch: ScheduledBatch, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            # keep a block per running sequence free, so admitting does not force the next decodes to preempt
+            if not self.blocks.allocate_with_prefix(seq, budget, reserve=len(self.running)):
+                break
+            num = min(seq.num_uncomputed_tokens, budget)
+            self.waiting.pop(0)
+            seq.status = SequenceStatus.RUNNING
+            bisect.insort(self.running, seq, key=lambda s: s.sort_key)
+            batch.add(seq, num)
+            budget -= num

@@ -1,0 +1,137 @@
+"""One record per request and per sample: the state the scheduler, block manager and runner share.
+
+A `Request` holds `n` `Sequence`s (its samples). A sequence's tokens are its prompt followed by its output; the
+first `num_computed_tokens` of them have K/V in the sequence's blocks. The sequence samples a token in a step
+exactly when that step computes its last token (`num_computed_tokens` reaches `num_tokens`); a fresh request and
+one resumed after preemption run the same rule.
+"""
+
+from __future__ import annotations
+
+import copy
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from .detokenizer import Detokenizer
+from .outputs import CompletionOutput, RequestOutput, RequestTiming, TokenLogprob
+from .sampling_params import SamplingParams
+
+_sequence_ids = itertools.count()
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False, slots=True)
+class Sequence:
+    """One sample of a request: its tokens, blocks and decoding state."""
+
+    request: Request
+    index: int
+    token_ids: list[int]
+    num_prompt_tokens: int
+    generator: torch.Generator | None
+    detokenizer: Detokenizer | None
+    seq_id: int = field(default_factory=lambda: next(_sequence_ids))
+    status: SequenceStatus = SequenceStatus.WAITING
+    block_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_preemptions: int = 0
+    output: CompletionOutput = field(init=False)
+
+    def __post_init__(self) -> None:
+        logprobs = [] if self.request.params.logprobs is not None else None
+        self.output = CompletionOutput(index=self.index, token_ids=[], text="", logprobs=logprobs)
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def sort_key(self) -> tuple[int, int, int]:
+        """Scheduling order: priority (lower first), then arrival, then sample index."""
+        return self.request.params.priority, self.request.arrival_seq, self.index
+
+    def append_token(self, token_id: int, logprob: TokenLogprob | None, now: float) -> str | None:
+        """Record a sampled token; returns the stop string it completed, if any."""
+        self.token_ids.append(token_id)
+        self.output.token_ids.append(token_id)
+        self.output.token_times.append(now)
+        if logprob is not None and self.output.logprobs is not None:
+            self.output.logprobs.append(logprob)
+        if self.detokenizer is None:
+            return None
+        stop = self.detokenizer.add(token_id)
+        self.output.text = self.detokenizer.text[: self.detokenizer.released]
+        return stop
+
+    def finish(self, reason: str, stop_reason: str | int | None = None) -> None:
+        if self.detokenizer is not None and not isinstance(stop_reason, str):  # a stop string already cut the text
+            self.detokenizer.finish()
+            self.output.text = self.detokenizer.text
+        self.status = SequenceStatus.FINISHED
+        self.output.finish_reason, self.output.stop_reason = reason, stop_reason
+
+
+@dataclass(eq=False, slots=True)
+class Request:
+    """A prompt and its parameters, with `params.n` samples in `sequences`."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_seq: int
+    timing: RequestTiming
+    sequences: list[Sequence] = field(default_factory=list)
+    num_cached_tokens: int = 0
+
+    @property
+    def is_finished(self) -> bool:
+        return all(seq.is_finished for seq in self.sequences)
+
+    def snapshot(self) -> RequestOutput:
+        """A copy of the request's current output, safe to hand to another thread."""
+        outputs = [copy.copy(seq.output) for seq in self.sequences]
+        for out in outputs:
+            out.token_ids = list(out.token_ids)
+            out.token_times = list(out.token_times)
+            out.logprobs = None if out.logprobs is None else list(out.logprobs)
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs,
+                             copy.copy(self.timing), self.num_cached_tokens)
+
+
+def make_sequences(request: Request, detokenizer_for) -> None:
+    """Create the request's `params.n` samples (sample `i` seeded with `seed + i` when a seed is set)."""
+    params = request.params
+    for i in range(params.n):
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator().manual_seed(params.seed + i)
+        request.sequences.append(Sequence(
+            request=request, index=i, token_ids=list(request.prompt_token_ids),
+            num_prompt_tokens=len(request.prompt_token_ids), generator=generator,
+            detokenizer=detokenizer_for(params),
+        ))

@@ -1,0 +1,101 @@
+"""`create_app`: the OpenAI-compatible HTTP app over one `Engine` (routes in their own files, this one wires them).
+
+Endpoints: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`, `POST /tokenize`,
+`POST /detokenize` (behind the API key when one is set), `GET /health`, `GET /metrics` (always open, as in vLLM).
+The app starts the engine's loop on startup and shuts the engine down on shutdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+from collections.abc import AsyncIterator, Callable, Coroutine
+from contextlib import asynccontextmanager
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from transformers import PreTrainedTokenizerBase
+
+from ..engine.engine import Engine
+from . import chat, completions, tokenization
+from .errors import APIError, engine_dead, install_error_handlers
+from .generation import WaitingRequests
+from .metrics import ServerMetrics
+from .responses import ModelCard, ModelList
+from .state import ServerState, server_state
+
+DEFAULT_MAX_QUEUE_LEN = 1024
+
+open_routes = APIRouter()
+model_routes = APIRouter()
+
+
+@model_routes.get("/v1/models")
+async def list_models(server: ServerState = Depends(server_state)) -> ModelList:
+    """The one served model, with its `max_model_len`."""
+    return ModelList(data=[ModelCard(id=server.model_name, created=server.created, root=server.model_name,
+                                     max_model_len=server.engine.max_model_len)])
+
+
+@open_routes.get("/health")
+async def health(server: ServerState = Depends(server_state)) -> Response:
+    """200 while the engine loop is alive, 503 once it has died."""
+    if not server.engine.is_healthy:
+        return engine_dead().response()
+    return Response(status_code=200)
+
+
+@open_routes.get("/metrics")
+async def metrics(server: ServerState = Depends(server_state)) -> Response:
+    return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def api_key_check(api_key: str) -> Callable[[Request], Coroutine[None, None, None]]:
+    """Dependency: 401 unless the request carries `Authorization: Bearer <api_key>` (compared in constant time)."""
+    expected = f"Bearer {api_key}".encode()
+
+    async def check(request: Request) -> None:
+        given = request.headers.get("authorization", "").encode()
+        if not hmac.compare_digest(given, expected):
+            raise APIError(401, "Invalid or missing API key: send `Authorization: Bearer <key>`.",
+                           code="invalid_api_key", error_type="authentication_error")
+
+    return check
+
+
+def create_app(engine: Engine, tokenizer: PreTrainedTokenizerBase, model_name: str, api_key: str | None = None,
+               max_queue_len: int = DEFAULT_MAX_QUEUE_LEN) -> FastAPI:
+    """The HTTP app serving `engine` as model `model_name`.
+
+    Args:
+        engine: the engine to serve; its loop starts with the app and it is shut down when the app stops.
+        tokenizer: the engine's tokenizer (chat template, /tokenize, logprob token strings).
+        model_name: the `model` clients name (others get 404) and /v1/models lists.
+        api_key: when set, the /v1 routes and /tokenize, /detokenize need `Authorization: Bearer <api_key>`.
+        max_queue_len: most requests waiting for their first token; more get 429.
+    """
+    if not isinstance(model_name, str) or not model_name:
+        raise ValueError(f"`model_name` must be a non-empty string, got {model_name!r}")
+    if api_key is not None and (not isinstance(api_key, str) or not api_key):
+        raise ValueError("`api_key` must be a non-empty string or None")
+    if not isinstance(max_queue_len, int) or isinstance(max_queue_len, bool) or max_queue_len < 1:
+        raise ValueError(f"`max_queue_len` must be a positive int, got {max_queue_len!r}")
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(engine.shutdown)
+
+    app = FastAPI(title="hf_accel", lifespan=lifespan)
+    app.state.server = ServerState(engine, tokenizer, model_name, WaitingRequests(max_queue_len),
+                                   ServerMetrics(engine, model_name))
+    install_error_handlers(app)
+    guarded = [] if api_key is None else [Depends(api_key_check(api_key))]
+    for router in (completions.router, chat.router, tokenization.router, model_routes):
+        app.include_router(router, dependencies=guarded)
+    app.include_router(open_routes)
+    return app

@@ -1,0 +1,81 @@
+"""`POST /v1/chat/completions`: the messages through the tokenizer's chat template, then the engine."""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import StreamingResponse
+
+from ..engine.outputs import TokenLogprob
+from .errors import bad_request
+from .generation import ChoiceDelta, full_choices, unless_disconnected, usage
+from .protocol import ChatCompletionRequest
+from .responses import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    DeltaMessage,
+    TokenLogprobEntry,
+    TopLogprob,
+    Usage,
+)
+from .state import ServerState, server_state
+from .streaming import sse_response, stream_choices
+
+router = APIRouter()
+
+
+@router.post("/v1/chat/completions", response_model=ChatCompletionResponse)
+async def create_chat_completion(body: ChatCompletionRequest, request: Request,
+                                 server: ServerState = Depends(server_state)
+                                 ) -> ChatCompletionResponse | StreamingResponse:
+    """A reply per sample; with `stream`, a role chunk per choice, then content chunks of one choice each."""
+    server.check_model(body.model)
+    prompt = server.chat_prompt([m.template_dict() for m in body.messages], body.add_generation_prompt)
+    prompt_ids = server.encode(prompt)
+    max_tokens = body.requested_max_tokens
+    if max_tokens is None:  # the rest of the context (at least one token: a full prompt then fails the length check)
+        max_tokens = max(server.engine.max_model_len - len(prompt_ids), 1)
+    try:
+        params = body.sampling_params(max_tokens, body.num_logprobs)
+        response_id, requests = server.new_requests("chatcmpl")
+        requests.submit([prompt_ids], params)
+    except (ValueError, TypeError) as error:
+        raise bad_request(error) from error
+    created = int(time.time())
+
+    def fields(delta: ChoiceDelta) -> dict:
+        return {"index": delta.index, "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason,
+                "logprobs": None if delta.logprobs is None else chat_logprobs(server, delta.logprobs),
+                "token_ids": delta.token_ids if body.return_token_ids else None}
+
+    if body.stream:
+        def chunk(choices: list[ChatChunkChoice], counts: Usage | None = None) -> ChatCompletionChunk:
+            return ChatCompletionChunk(id=response_id, created=created, model=server.model_name, choices=choices,
+                                       usage=counts)
+
+        first = [chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
+                 for i in range(body.n)]
+        usage_chunk = (lambda counts: chunk([], counts)) if body.include_usage else None
+        return sse_response(stream_choices(
+            requests, body.n, lambda d: chunk([ChatChunkChoice(delta=DeltaMessage(content=d.text), **fields(d))]),
+            usage_chunk, first))
+    outputs = await unless_disconnected(request, requests.final_outputs())
+    choices = [ChatChoice(message=AssistantMessage(content=d.text), **fields(d)) for d in full_choices(outputs, body.n)]
+    return ChatCompletionResponse(id=response_id, created=created, model=server.model_name, choices=choices,
+                                  usage=usage(outputs))
+
+
+def chat_logprobs(server: ServerState, logprobs: list[TokenLogprob]) -> ChatLogprobs:
+    """OpenAI's chat logprobs: per token its text, logprob, UTF-8 bytes and top alternatives."""
+    def entry(token_id: int, logprob: float) -> TopLogprob:
+        text = server.token_text(token_id)
+        return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
+
+    return ChatLogprobs(content=[TokenLogprobEntry(**entry(lp.token_id, lp.logprob).model_dump(),
+                                                   top_logprobs=[entry(t, v) for t, v in lp.top])
+                                 for lp in logprobs])

@@ -1,0 +1,84 @@
+"""`hf-accel serve`: the OpenAI-compatible server on one model (the reference target by default, so it runs offline).
+
+    hf-accel serve                                   # reference target on http://127.0.0.1:8000/v1
+    hf-accel serve --model ./my-llama --quant int8 --api-key "$KEY" --port 9000
+
+Ctrl-C (SIGINT) or SIGTERM shuts down gracefully: no new connections, open requests get `--graceful-timeout`
+seconds to finish, then the engine stops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Sequence
+
+import torch
+import uvicorn
+from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from ..engine.engine import Engine
+from ..quant.presets import list_quantization_presets, load_model
+from ..reference import ASSETS_DIR
+from .app import DEFAULT_MAX_QUEUE_LEN, create_app
+
+REFERENCE_NAME = "hf_accel-reference-target"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+API_KEY_ENV = "HF_ACCEL_API_KEY"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hf-accel serve", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, metavar="PATH",
+                        help="local path or hub id of a causal LM (default: hf_accel's reference target)")
+    parser.add_argument("--quant", default=None, metavar="PRESET",
+                        choices=[preset.name for preset in list_quantization_presets()],
+                        help="weight quantization preset, one of %(choices)s (default: none)")
+    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES),
+                        help="compute dtype (default: %(default)s)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, loopback only)")
+    parser.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
+    parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+                        help=f"require `Authorization: Bearer KEY` on the API routes (default: ${API_KEY_ENV}, "
+                             "else no key)")
+    parser.add_argument("--served-model-name", default=None,
+                        help="the `model` clients send (default: --model, or hf_accel-reference-target)")
+    parser.add_argument("--max-num-seqs", type=int, default=32, help="sequences in a batch (default: %(default)s)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512,
+                        help="tokens computed per engine step (default: %(default)s)")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="longest prompt plus output (default: the model's max_position_embeddings)")
+    parser.add_argument("--kv-cache-memory", default=None,
+                        help="KV pool size, bytes or e.g. 2GiB (default: room for max-num-seqs full sequences)")
+    parser.add_argument("--max-queue-len", type=int, default=DEFAULT_MAX_QUEUE_LEN,
+                        help="requests waiting for their first token before new ones get 429 (default: %(default)s)")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--graceful-timeout", type=float, default=30.0,
+                        help="seconds open requests get to finish on shutdown (default: %(default)s)")
+    parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    return parser
+
+
+def load_served_model(path: str | None, quant: str | None,
+                      dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The model (quantized with the `quant` preset, if any) and its tokenizer; `path` None is the reference target."""
+    source = str(ASSETS_DIR / "target") if path is None else path
+    model = load_model(source, quant=quant, dtype=dtype)
+    return model.eval(), AutoTokenizer.from_pretrained(source)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of `hf-accel serve`; returns once the server has shut down."""
+    args = build_parser().parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    model, tokenizer = load_served_model(args.model, args.quant, DTYPES[args.dtype])
+    engine = Engine(model, tokenizer, max_num_seqs=args.max_num_seqs,
+                    max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
+                    max_model_len=args.max_model_len)
+    name = args.served_model_name or args.model or REFERENCE_NAME
+    app = create_app(engine, tokenizer, name, api_key=args.api_key or None, max_queue_len=args.max_queue_len)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=args.graceful_timeout)
+    return 0

@@ -1,0 +1,62 @@
+"""`ServerState`: what every route of one app shares (engine, tokenizer, served name, waiting bound, metrics)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from fastapi import Request
+from jinja2 import TemplateError
+from transformers import PreTrainedTokenizerBase
+
+from ..engine.engine import Engine
+from .errors import APIError, model_not_found
+from .generation import EngineRequests, WaitingRequests
+from .metrics import ServerMetrics
+
+
+@dataclass(slots=True)
+class ServerState:
+    """One app's engine and settings; routes reach it through the `server_state` dependency."""
+
+    engine: Engine
+    tokenizer: PreTrainedTokenizerBase
+    model_name: str
+    waiting: WaitingRequests
+    metrics: ServerMetrics
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def check_model(self, model: str | None) -> None:
+        """404 unless `model` is the served name (a missing `model` means the served one)."""
+        if model is not None and model != self.model_name:
+            raise model_not_found(model, self.model_name)
+
+    def new_requests(self, prefix: str) -> tuple[str, EngineRequests]:
+        """A fresh response id (`{prefix}-<hex>`) and the engine-request group under it."""
+        response_id = f"{prefix}-{uuid.uuid4().hex}"
+        return response_id, EngineRequests(self.engine, self.waiting, response_id)
+
+    def chat_prompt(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+        """The chat template applied to `messages`; 400 when the tokenizer has none or the template refuses them."""
+        if not self.tokenizer.chat_template:
+            raise APIError(400, f"The tokenizer of `{self.model_name}` has no chat template, so `messages` cannot be "
+                                "turned into a prompt; use /v1/completions instead.", param="messages",
+                           code="no_chat_template")
+        try:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt)
+        except TemplateError as error:  # the template refuses these messages (e.g. roles that must alternate)
+            raise APIError(400, f"The chat template rejected `messages`: {error}", param="messages",
+                           code="invalid_value") from error
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+
+def server_state(request: Request) -> ServerState:
+    """FastAPI dependency: the app's `ServerState`."""
+    return request.app.state.server

@@ -1,0 +1,52 @@
+"""Server-sent events: `data: {json}\\n\\n` per chunk (one choice each), an optional usage chunk, `data: [DONE]`.
+
+If the engine dies mid-stream, the stream ends with an error event in OpenAI's shape before `[DONE]`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Callable, Sequence
+
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel
+
+from ..engine.engine import EngineDeadError
+from ..engine.outputs import RequestOutput
+from .errors import engine_dead
+from .generation import ChoiceDelta, DeltaTracker, EngineRequests, usage
+from .responses import Usage
+
+DONE = "data: [DONE]\n\n"
+
+
+def event(payload: BaseModel | dict) -> str:
+    text = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload, ensure_ascii=False)
+    return f"data: {text}\n\n"
+
+
+def sse_response(events: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+async def stream_choices(requests: EngineRequests, n: int, chunk: Callable[[ChoiceDelta], BaseModel],
+                         usage_chunk: Callable[[Usage], BaseModel] | None,
+                         first: Sequence[BaseModel] = ()) -> AsyncIterator[str]:
+    """Events of one streamed request: `first` chunks, then one chunk per choice delta as the engine produces
+    them, then (with `usage_chunk`) the usage, then `[DONE]`. Closing the stream early aborts the engine requests."""
+    tracker = DeltaTracker(n)
+    last: dict[int, RequestOutput] = {}
+    try:
+        for payload in first:
+            yield event(payload)
+        async for index, out in requests.updates():
+            last[index] = out
+            for delta in tracker.deltas(index, out):
+                yield event(chunk(delta))
+        if usage_chunk is not None:
+            yield event(usage_chunk(usage([last[index] for index in sorted(last)])))
+    except EngineDeadError:
+        yield event(engine_dead().body())
+    finally:
+        requests.close()
+    yield DONE
