@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
 
 from hf_accel import bench, bench_output, reference
 from hf_accel.speculative.medusa import MedusaStats, medusa_generate
@@ -63,7 +64,7 @@ def run_tree(model, heads, prompts: torch.Tensor, tree, plan: dict[str, int], mo
     with sampling the count of equal outputs is reported (equal seeds draw equal tokens up to float rounding)."""
     common = dict(max_new_tokens=plan["new_tokens"], min_new_tokens=plan["new_tokens"], eos_token_id=None, **mode)
     ratios, plain_times, medusa_times, stats, num_equal = [], [], [], MedusaStats(), 0
-    for index in range(-1, prompts.shape[0]):  # index -1: warm-up on the first prompt, not recorded
+    for index in tqdm(range(-1, prompts.shape[0]), desc="prompts", leave=False):  # index -1: warm-up on the first prompt, not recorded
         prompt = prompts[max(index, 0)][None]
         for repeat in range(1 if index < 0 else plan["repeats"]):
             torch.manual_seed(repeat)

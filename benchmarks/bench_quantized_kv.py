@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, StoppingCriteria
 
 from hf_accel import QuantizedKVCache, bench, bench_output, reference
@@ -131,7 +132,7 @@ def decoded_perplexity(model: LlamaForCausalLM, rows: torch.Tensor, prompt_len: 
     """exp(mean NLL) of tokens `prompt_len + 1 ..` of `rows` `[batch, seq]`, each predicted by a decode step
     through `cache` after prefilling `prompt_len` tokens (teacher forcing: the true token is fed back)."""
     logits = [model(input_ids=rows[:, :prompt_len], past_key_values=cache).logits[:, -1]]
-    for t in range(prompt_len, rows.shape[1] - 1):
+    for t in tqdm(range(prompt_len, rows.shape[1] - 1), desc="perplexity", unit="token", leave=False):
         logits.append(model(input_ids=rows[:, t : t + 1], past_key_values=cache).logits[:, -1])
     predicted = torch.stack(logits, 1).float()  # [batch, seq - prompt_len, vocab]
     nll = torch.nn.functional.cross_entropy(predicted.flatten(0, 1), rows[:, prompt_len:].flatten())

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
 from transformers import DynamicCache
 
 from hf_accel import SinkCache, bench, bench_output, reference
@@ -63,7 +64,7 @@ def measure_stream(model: torch.nn.Module, plan: Plan) -> dict[str, Any]:
                            generator=torch.Generator().manual_seed(1))
     live = {"sink": SinkCache(model.config, window, plan.num_sink_tokens), "DynamicCache": DynamicCache()}
     at_one_window, memory = {}, {name: {} for name in live}
-    for pos in range(total):
+    for pos in tqdm(range(total), desc="stream", unit="token", leave=False):
         for name, cache in live.items():
             model(tokens[:, pos : pos + 1], past_key_values=cache)
         if pos + 1 == window:  # snapshot: the 1x caches are timed side by side with the 10x ones below

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 import transformers
+from tqdm.auto import tqdm
 from torch import nn
 from transformers import PreTrainedModel, QuantizedCache, StaticCache
 from transformers.cache_utils import Cache
@@ -193,14 +194,17 @@ def compare_strategies(
     repeats: int = 3,
     warmup: int = 1,
     on_step: Callable[[str], None] | None = None,
+    progress: bool = True,
 ) -> list[StrategyResult]:
-    """Time decode of every strategy, interleaved, and compare with `strategies[0]`; `on_step` after each run pair.
-    A strategy with a `model_variant` runs on that variant of `model`, built once before any timing."""
+    """Time decode of every strategy, interleaved, and compare with `strategies[0]`; `on_step` after each run pair,
+    a `tqdm.auto` bar over the runs unless `progress=False`. A strategy with a `model_variant` runs on that variant of
+    `model`, built once before any timing."""
     if new_tokens < 2:
         raise ValueError(f"`new_tokens` must be at least 2 to measure decode, got {new_tokens}")
     models = {s.name: model if s.model_variant is None else s.model_variant(model) for s in strategies}
     seconds: dict[str, list[float]] = {s.name: [] for s in strategies}
     outputs: dict[str, Any] = {}
+    bar = tqdm(total=(warmup + repeats) * len(strategies), desc="compare", unit="run", leave=False, disable=not progress)
     for repeat in range(warmup + repeats):
         order = strategies if repeat % 2 == 0 else list(reversed(strategies))
         for strategy in order:
@@ -208,8 +212,10 @@ def compare_strategies(
             total_time, outputs[strategy.name] = run_generate(models[strategy.name], inputs, strategy, new_tokens)
             if repeat >= warmup:
                 seconds[strategy.name].append(total_time - prefill_time)
+            bar.update()
             if on_step is not None:
                 on_step(strategy.name)
+    bar.close()
     return _summarize(strategies, seconds, outputs, inputs, new_tokens)
 
 

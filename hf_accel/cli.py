@@ -15,7 +15,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from tqdm.auto import tqdm
 
 from . import bench
 
@@ -108,11 +107,8 @@ def bench_command(args: argparse.Namespace, extra: Sequence[str] = ()) -> dict[s
     lengths = prompt_lengths(args.prompt_len, args.batch_size)
     inputs = bench_inputs(loaded, lengths)
     strategies, notes = bench.strategies_for(loaded, args.batch_size)
-    total = (1 + args.repeats) * len(strategies)
-    with bench.torch_threads(args.threads), \
-            tqdm(total=total, desc="hf-accel bench", unit="run", file=sys.stderr, leave=False) as progress:
-        results = bench.compare_strategies(model, inputs, args.new_tokens, strategies, repeats=args.repeats, warmup=1,
-                                           on_step=lambda _: progress.update())
+    with bench.torch_threads(args.threads):  # compare_strategies shows a tqdm bar over the runs
+        results = bench.compare_strategies(model, inputs, args.new_tokens, strategies, repeats=args.repeats, warmup=1)
         hardware = bench.hardware()
     report = {
         "model": loaded.description,

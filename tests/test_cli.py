@@ -1,4 +1,5 @@
-"""`hf-accel bench`, the benchmark script and the notebook run end to end (small settings, a few seconds each)."""
+"""`hf-accel bench` and the benchmark script run end to end (small settings, a few seconds each; notebooks:
+test_notebooks.py)."""
 
 import json
 from pathlib import Path
@@ -117,27 +118,3 @@ def test_bench_paged_quick_writes_json_and_markdown(tmp_path, capsys, load_bench
     assert 0 <= report["waste"]["block_waste"] < 1
     text = (tmp_path / "docs/bench_paged.md").read_text()
     assert "| hf_accel paged |" in text and script.COMMAND in text
-
-
-def _run_notebook(name: str) -> dict:
-    notebook = json.loads((ROOT / "notebooks" / name).read_text())
-    assert notebook["nbformat"] == 4
-    namespace: dict = {}
-    for cell in notebook["cells"]:
-        if cell["cell_type"] == "code":
-            exec(compile("".join(cell["source"]), name, "exec"), namespace)
-    return namespace
-
-
-def test_paged_notebook_code_cells_run_in_order(one_thread):
-    assert isinstance(_run_notebook("paged_cache.ipynb")["cache"], PagedCache)
-
-
-def test_kv_caches_notebook_code_cells_run_in_order(one_thread):
-    namespace = _run_notebook("kv_caches.ipynb")
-    assert isinstance(namespace["streamed"].past_key_values, hf_accel.SinkCache)
-
-
-def test_every_notebook_is_tested():
-    tested = {"paged_cache.ipynb", "kv_caches.ipynb"}
-    assert {path.name for path in (ROOT / "notebooks").glob("*.ipynb")} <= tested

@@ -15,6 +15,7 @@ import torch
 from transformers import PreTrainedConfig
 from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
 
+from ..display import CacheDisplay
 from .block_pool import BlockPool
 from .block_table import BlockCopies, BlockTables, StridedLayout
 from .paged_config import PagedCacheConfig
@@ -109,7 +110,7 @@ def _read(pool: torch.Tensor, plan: StepPlan, rows: int) -> torch.Tensor:
     return dense.transpose(1, 2)
 
 
-class PagedCache(Cache):
+class PagedCache(CacheDisplay, Cache):
     """KV cache in fixed-size blocks with reference-counted sharing, for the ordinary `generate` loop.
 
     Rows with identical prompts (beams, `num_return_sequences`, repeated prompts) share the prompt's full blocks;
@@ -126,14 +127,8 @@ class PagedCache(Cache):
     Example: `model.generate(**inputs, past_key_values=PagedCache(model.config, max_cache_len=512))`.
     """
 
-    def __init__(
-        self,
-        config: PreTrainedConfig,
-        block_size: int = 16,
-        num_blocks: int | None = None,
-        max_memory: int | str | None = None,
-        max_cache_len: int | None = None,
-    ):
+    def __init__(self, config: PreTrainedConfig, block_size: int = 16, num_blocks: int | None = None,
+                 max_memory: int | str | None = None, max_cache_len: int | None = None):
         self.settings = PagedCacheConfig(block_size=block_size, num_blocks=num_blocks, max_memory=max_memory)
         layer_types = _checked_layer_types(config)
         fixed = self.settings.num_blocks is not None or self.settings.max_memory is not None
@@ -199,6 +194,10 @@ class PagedCache(Cache):
         """Bytes of the blocks that hold tokens (shared blocks counted once)."""
         num_blocks = max(self.pool.num_blocks, 1)
         return self.memory_bytes() * self.pool.num_used_blocks // num_blocks
+
+    def summary(self) -> dict[str, object]:
+        """`CacheDisplay`'s fields plus the pool's blocks in use (what `repr` and the Jupyter table show)."""
+        return {**super().summary(), "blocks_used": f"{self.pool.num_used_blocks}/{self.pool.num_blocks}"}
 
     def _plan_step(self, key_states: torch.Tensor, value_states: torch.Tensor) -> StepPlan:
         rows, q_len = key_states.shape[0], key_states.shape[2]

@@ -21,6 +21,7 @@ import torch
 from transformers import PreTrainedConfig
 from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, CacheLayerMixin, get_layer_types_and_kwargs
 
+from ..display import CacheDisplay
 from ..quant import ops
 from ..quant.ops import QuantizedTensor
 from .quantized_config import QuantizedKVConfig
@@ -166,7 +167,7 @@ def _tokens(q: QuantizedTensor, tokens: slice, scale_rows: slice) -> QuantizedTe
                            q.nbits, q.group_size, q.axis)
 
 
-class QuantizedKVCache(Cache):
+class QuantizedKVCache(CacheDisplay, Cache):
     """hf_accel's quantized KV cache; full-attention layers quantized, other layer types kept by transformers.
 
     Use through generate, `cache_implementation="quantized", cache_config={"backend": "hf_accel", "nbits": 4}`, or
@@ -174,7 +175,9 @@ class QuantizedKVCache(Cache):
 
     Args:
         config: the model's config (its text config is used; encoder-decoder configs are refused).
-        nbits, group_size, residual_length: see `QuantizedKVConfig`.
+        nbits: bits per K/V code, see `QuantizedKVConfig`.
+        group_size: values sharing one scale and minimum, see `QuantizedKVConfig`.
+        residual_length: recent tokens kept in full precision, see `QuantizedKVConfig`.
     """
 
     def __init__(self, config: PreTrainedConfig, nbits: int = 4, group_size: int = 64, residual_length: int = 128):

@@ -22,6 +22,7 @@ import torch
 from transformers import PreTrainedConfig
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer, get_layer_types_and_kwargs
 
+from ..display import CacheDisplay
 from .rope import rope_inverse_frequencies, rotate
 from .sink_config import SinkCacheConfig
 from .sink_window import SinkStep, SinkWindow
@@ -139,7 +140,7 @@ class SinkLayer(CacheLayerMixin):
         return sum(t.nbytes for t in (self.keys, self.values, self.sink_keys, self.sink_values))
 
 
-class SinkCache(Cache):
+class SinkCache(CacheDisplay, Cache):
     """Sliding window of `window_length` tokens per row, the first `num_sink_tokens` of them the row's first real
     tokens (attention sinks), at constant memory: generation can run past `max_position_embeddings`.
 

@@ -44,8 +44,9 @@ class Engine:
         model: a decoder-only causal LM whose attention goes through transformers' `AttentionInterface` (Llama,
             Mistral, Qwen2/3, Gemma2/3, Phi3, ...), in any dtype; hf_accel int8/int4 weights work as they are.
         tokenizer: turns string prompts into ids and outputs into text (optional with token-id prompts).
-        max_num_seqs, max_num_batched_tokens, kv_cache_memory, block_size, enable_prefix_caching, max_model_len:
-            see `EngineConfig`.
+
+    The keyword-only limits (`max_num_seqs`, `max_num_batched_tokens`, `kv_cache_memory`, `block_size`,
+    `enable_prefix_caching`, `max_model_len`) are the fields of `EngineConfig`, documented there.
     """
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None = None, *,

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 from transformers.core_model_loading import ConversionOps
 from transformers.quantizers import HfQuantizer, register_quantization_config, register_quantizer
@@ -114,20 +115,22 @@ def modules_kept_float(model: PreTrainedModel, config: WeightOnlyConfig) -> list
         model, config.modules_to_not_convert, model._keep_in_fp32_modules, add_default_skips=True)
 
 
-def quantize_model(model: PreTrainedModel, config: WeightOnlyConfig) -> PreTrainedModel:
+def quantize_model(model: PreTrainedModel, config: WeightOnlyConfig, progress: bool = True) -> PreTrainedModel:
     """A weight-quantized copy of the float `model` (which is left as it is, and whose float Linear weights are never
     copied): the Linear layers that `from_pretrained(..., quantization_config=config)` converts become `Int8Linear` /
     `Int4Linear` with the codes quantize-on-load gives for the same weights; everything else is deep-copied. The
     copy carries `config` as its `quantization_config`, so `save_pretrained` writes a pre-quantized checkpoint.
-    `ValueError` names a layer whose in_features the int4 group size does not divide."""
+    `progress`: a `tqdm.auto` bar over the layers. `ValueError` names a layer whose in_features the int4 group size
+    does not divide."""
     skip = modules_kept_float(model, config)
+    targets = [(name, module) for name, module in model.named_modules()
+               if isinstance(module, nn.Linear) and should_convert_module(name, skip)]
     memo: dict[int, Any] = {}  # deepcopy takes each converted Linear's quantized module instead of copying it
-    for name, module in model.named_modules():
-        if isinstance(module, nn.Linear) and should_convert_module(name, skip):
-            try:
-                memo[id(module)] = quantize_linear(module, config.bits, config.group_size or 0)
-            except ValueError as error:
-                raise ValueError(f"cannot quantize {name!r}: {error}") from None
+    for name, module in tqdm(targets, desc=f"quantize int{config.bits}", unit="layer", disable=not progress):
+        try:
+            memo[id(module)] = quantize_linear(module, config.bits, config.group_size or 0)
+        except ValueError as error:
+            raise ValueError(f"cannot quantize {name!r}: {error}") from None
     quantized = copy.deepcopy(model, memo)
     quantized.hf_quantizer = WeightOnlyQuantizer(config, pre_quantized=False)
     quantized.hf_quantizer.postprocess_model(quantized)  # sets config.quantization_config, as from_pretrained does

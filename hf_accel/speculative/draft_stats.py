@@ -6,9 +6,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..display import RichDisplay
 
-@dataclass(slots=True)
-class SpeculativeStats:
+
+@dataclass(slots=True, repr=False)
+class SpeculativeStats(RichDisplay):
     """Counters filled in by a speculative `generate` call that is handed this object (`draft_stats=`).
 
     Counts are over rows that were still generating; a call adds to the counters, so one object can sum a run.
@@ -38,6 +40,12 @@ class SpeculativeStats:
     def acceptance_by_position(self) -> list[float]:
         """P(draft j accepted | it was proposed), per draft position j."""
         return [a / p if p else 0.0 for a, p in zip(self.accepted, self.proposed)]
+
+    def summary(self) -> dict[str, object]:
+        """Forwards, tokens per forward and acceptance (what `repr` and the Jupyter table show)."""
+        return {"target_forwards": self.num_target_forwards, "draft_forwards": self.num_draft_forwards,
+                "tokens_emitted": self.num_emitted, "tokens_per_forward": self.tokens_per_forward,
+                "acceptance_rate": self.acceptance_rate, "acceptance_by_position": self.acceptance_by_position}
 
     def record_round(self, k: int, num_accepted: torch.Tensor, num_emitted: torch.Tensor, active: torch.Tensor) -> None:
         """One verification forward: `num_accepted`, `num_emitted` and `active` (rows generating) are `[batch]`."""

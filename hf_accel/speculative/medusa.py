@@ -25,14 +25,15 @@ from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation.streamers import BaseStreamer
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from ..display import RichDisplay
 from .medusa_heads import MedusaHeads
 from .tree import DEFAULT_TREE, MedusaTree, build_tree, root_only_tree, tree_position_ids
 from .tree_cache import LayerGroup, keep_tree_path, layer_groups, prepare_tree_cache, tree_masks
 from .tree_size import TreeSizer, prefix_sizes
 
 
-@dataclass(slots=True)
-class MedusaStats:
+@dataclass(slots=True, repr=False)
+class MedusaStats(RichDisplay):
     """Counters a caller may pass as `medusa_stats=` to see how speculation went (filled in place)."""
 
     num_new_tokens: int = 0
@@ -44,6 +45,18 @@ class MedusaStats:
     def tokens_per_step(self) -> float:
         """New tokens per target forward (the prefill included, as plain decoding makes one token per forward)."""
         return self.num_new_tokens / max(self.num_verify_forwards + 1, 1)
+
+    @property
+    def acceptance_by_depth(self) -> list[float]:
+        """Candidates accepted at depth d per tree forward, d = 1.. (head d-1's hit rate on the accepted path)."""
+        return [n / self.num_verify_forwards if self.num_verify_forwards else 0.0 for n in self.accepted_per_depth]
+
+    def summary(self) -> dict[str, object]:
+        """Tokens, forwards, tokens per step, acceptance per depth (what `repr` and the Jupyter table show)."""
+        candidates = self.candidates_per_step
+        return {"new_tokens": self.num_new_tokens, "verify_forwards": self.num_verify_forwards,
+                "tokens_per_step": self.tokens_per_step, "acceptance_by_depth": self.acceptance_by_depth,
+                "mean_candidates": sum(candidates) / len(candidates) if candidates else 0.0}
 
 
 @dataclass(slots=True)

@@ -19,6 +19,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import PreTrainedModel
 
+from ..display import RichDisplay
+
 CONFIG_NAME = "medusa_config.json"
 WEIGHTS_NAME = "medusa_heads.safetensors"
 
@@ -72,7 +74,7 @@ class ResidualBlock(nn.Module):
         return x
 
 
-class MedusaHeads(nn.Module):
+class MedusaHeads(RichDisplay, nn.Module):
     """K Medusa heads. `forward(hidden)`: `[..., hidden_size]` -> logits `[K, ..., vocab_size]`.
 
     Build them for a model with `MedusaHeads.for_model(model, num_heads=4)` (each head's vocabulary projection starts
@@ -94,6 +96,13 @@ class MedusaHeads(nn.Module):
     @property
     def num_heads(self) -> int:
         return self.config.num_heads
+
+    def summary(self) -> dict[str, object]:
+        """Shape, parameter count, tree and base model (what `repr` and the Jupyter table show)."""
+        config = self.config
+        return {"num_heads": config.num_heads, "num_layers": config.num_layers, "hidden_size": config.hidden_size,
+                "vocab_size": config.vocab_size, "parameters": sum(p.numel() for p in self.parameters()),
+                "tree_paths": len(config.tree) if config.tree else "default", "base_model": config.base_model_name_or_path}
 
     @classmethod
     def for_model(

@@ -1,0 +1,126 @@
+"""How hf_accel objects show themselves: one line in a terminal (`repr`), a compact HTML table in Jupyter.
+
+An object lists what it wants shown in `summary()` (label -> value, in display order); `RichDisplay` turns that
+into both forms, so the two never disagree. `Table` does the same for a comparison (rows under named columns).
+Values are shown as `str(value)`, floats with 3 significant digits (whole from 1000 up), sequences as `[a b c]`.
+"""
+
+from __future__ import annotations
+
+import html
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from dataclasses import fields as dataclass_fields
+
+_TABLE_STYLE = "border-collapse:collapse;font-size:0.9em"
+_CELL_STYLE = "padding:1px 8px;text-align:left"
+
+
+def format_bytes(num_bytes: int) -> str:
+    """`1536` -> `'1.5 KiB'`: binary units, one decimal below 100, none above."""
+    size, unit = float(num_bytes), "B"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(size) < 1024 or unit == "TiB":
+            break
+        size /= 1024
+    return f"{int(size)} B" if unit == "B" else f"{size:.1f} {unit}" if abs(size) < 100 else f"{size:.0f} {unit}"
+
+
+def format_value(value: object) -> str:
+    """A float with 3 significant digits (whole from 1000 up), a sequence as `[a b c]`, anything else as `str`."""
+    if isinstance(value, float):
+        return f"{value:.0f}" if abs(value) >= 1000 else f"{value:.3g}"
+    if isinstance(value, Sequence) and not isinstance(value, str):
+        return "[" + " ".join(format_value(item) for item in value) + "]"
+    return str(value)
+
+
+def one_line(name: str, fields: Mapping[str, object]) -> str:
+    """`Name(label=value, ...)` on one line."""
+    inner = ", ".join(f"{label}={format_value(value)}" for label, value in fields.items())
+    return f"{name}({inner})"
+
+
+def html_table(title: str, fields: Mapping[str, object]) -> str:
+    """A two-column HTML table (label, value) under a bold `title`; every string is HTML-escaped."""
+    rows = "".join(
+        f"<tr><th style='{_CELL_STYLE}'>{html.escape(label)}</th>"
+        f"<td style='{_CELL_STYLE}'>{html.escape(format_value(value))}</td></tr>"
+        for label, value in fields.items()
+    )
+    return f"<table style='{_TABLE_STYLE}'><caption><b>{html.escape(title)}</b></caption>{rows}</table>"
+
+
+def html_grid(title: str, columns: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """An HTML table with a header row of `columns` and one row per item of `rows`, under a bold `title`."""
+    head = "".join(f"<th style='{_CELL_STYLE}'>{html.escape(c)}</th>" for c in columns)
+    body = "".join(
+        "<tr>" + "".join(f"<td style='{_CELL_STYLE}'>{html.escape(format_value(v))}</td>" for v in row) + "</tr>"
+        for row in rows
+    )
+    return f"<table style='{_TABLE_STYLE}'><caption><b>{html.escape(title)}</b></caption><tr>{head}</tr>{body}</table>"
+
+
+@dataclass(slots=True, repr=False)
+class Table:
+    """Rows under named columns: an HTML table in Jupyter, aligned text elsewhere (`str`); for comparisons.
+
+    Example: `Table("decode", ["cache", "tokens/s"], [["DynamicCache", 210.0], ["paged", 205.3]])`.
+    """
+
+    title: str
+    columns: list[str]
+    rows: list[list[object]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        widths = {len(row) for row in self.rows}
+        if widths - {len(self.columns)}:
+            raise ValueError(f"every row of `rows` must have {len(self.columns)} values (one per column), got {widths}")
+
+    def __str__(self) -> str:
+        cells = [list(self.columns)] + [[format_value(v) for v in row] for row in self.rows]
+        widths = [max(len(row[i]) for row in cells) for i in range(len(self.columns))]
+        lines = ["  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip() for row in cells]
+        return "\n".join([self.title, *lines])
+
+    def __repr__(self) -> str:
+        return str(self)
+
+    def _repr_html_(self) -> str:
+        return html_grid(self.title, self.columns, self.rows)
+
+
+class RichDisplay:
+    """Mixin: `repr` and Jupyter's `_repr_html_` from the object's `summary()`.
+
+    Put it first among the bases so it wins over `nn.Module.__repr__` / `Cache.__repr__`; dataclasses using it need
+    `repr=False`.
+    """
+
+    __slots__ = ()
+
+    def summary(self) -> dict[str, object]:
+        """Label -> value of what the object shows, in order."""
+        raise NotImplementedError(f"{type(self).__name__} must define summary()")
+
+    def __repr__(self) -> str:
+        return one_line(type(self).__name__, self.summary())
+
+    def _repr_html_(self) -> str:
+        return html_table(type(self).__name__, self.summary())
+
+
+class CacheDisplay(RichDisplay):
+    """`RichDisplay` for hf_accel's caches: their settings (those not None), layers, tokens seen and bytes held.
+
+    Relies on what every hf_accel cache has: a `settings` dataclass, `layers`, `get_seq_length()`, `memory_bytes()`.
+    """
+
+    __slots__ = ()
+
+    def summary(self) -> dict[str, object]:
+        """Settings, `layers`, `tokens` (seen by layer 0, as generate counts them) and `memory` (bytes held)."""
+        settings = {f.name: getattr(self.settings, f.name) for f in dataclass_fields(self.settings)}
+        shown = {name: value for name, value in settings.items() if value is not None}
+        tokens = self.get_seq_length() if self.layers else 0
+        return {**shown, "layers": len(self.layers), "tokens": tokens, "memory": format_bytes(self.memory_bytes())}
