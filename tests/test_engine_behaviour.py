@@ -127,3 +127,13 @@ def test_weight_quantized_models_run_in_the_engine(bits, group):
     outputs = Engine(quantized, block_size=4).generate(prompts, GREEDY)
     for prompt, out in zip(prompts, outputs):
         assert out.token_ids == greedy_reference(quantized, prompt, 16)
+
+
+def test_engine_shows_a_one_line_repr_and_an_html_table(model):
+    engine = Engine(model, max_num_seqs=4, block_size=4)
+    engine.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    text = repr(engine)
+    assert text.startswith("Engine(model=LlamaForCausalLM, max_num_seqs=4") and "\n" not in text
+    assert "generated_tokens=3" in text and "loop=stopped" in text
+    html = engine._repr_html_()
+    assert html.startswith("<table") and "prefix_hit_rate" in html

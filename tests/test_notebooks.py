@@ -37,7 +37,7 @@ class NotebookRun:
     parameters: dict[str, object] = field(default_factory=dict)
 
 
-# one entry per notebook in notebooks/ (the serving notebook joins when the serving engine lands)
+# one entry per notebook in notebooks/
 NOTEBOOKS = {
     "quickstart.ipynb": NotebookRun(90, "assert set(runs) >= {'DynamicCache', 'paged', 'draft', 'medusa'}"),
     "kv_caches.ipynb": NotebookRun(
@@ -46,6 +46,9 @@ NOTEBOOKS = {
     "speculative.ipynb": NotebookRun(120, "assert trained.last_step == TRAIN_STEPS and medusa_stats.num_verify_forwards"),
     "weight_quantization.ipynb": NotebookRun(90, "assert {'fp32', 'int8', 'int4'} <= set(measured)"),
     "paged_cache.ipynb": NotebookRun(60, "assert isinstance(cache, hf_accel.PagedCache)"),
+    "serving.ipynb": NotebookRun(
+        90, "assert completion.choices[0].text and sum(ttft_counts) >= NUM_REQUESTS + 1 and not engine.is_running",
+        save_plots=True),
 }
 
 

@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from ..display import RichDisplay, format_bytes
 from .config import EngineConfig
 from .engine_core import EngineCore, EngineStats
 from .outputs import RequestOutput, RequestTiming
@@ -37,7 +38,7 @@ class EngineDeadError(RuntimeError):
     """The engine's background loop stopped on an error; the original error is the `__cause__`."""
 
 
-class Engine:
+class Engine(RichDisplay):
     """Continuous-batching generation over a paged KV block pool.
 
     Args:
@@ -184,6 +185,22 @@ class Engine:
 
     def stats(self) -> EngineStats:
         return self.core.stats()
+
+    def summary(self) -> dict[str, object]:
+        """What the engine shows in a repr / Jupyter table: model, limits, pool, queues and counters."""
+        stats, config = self.stats(), self.config
+        return {
+            "model": type(self.core.model).__name__, "max_num_seqs": config.max_num_seqs,
+            "max_num_batched_tokens": config.max_num_batched_tokens, "max_model_len": self.max_model_len,
+            "blocks": f"{stats.num_blocks - stats.num_free_blocks}/{stats.num_blocks} x {config.block_size} tokens",
+            "kv_memory": format_bytes(self.core.kv.nbytes), "running": stats.num_requests_running,
+            "waiting": stats.num_requests_waiting, "steps": stats.num_steps,
+            "generated_tokens": stats.generation_tokens, "preemptions": stats.num_preemptions,
+            "prefix_hit_rate": self.core.blocks.stats.hit_rate, "loop": self._loop_state(),
+        }
+
+    def _loop_state(self) -> str:
+        return "dead" if self._dead is not None else "running" if self.is_running else "stopped"
 
     def start(self) -> None:
         """Start the background loop (idempotent)."""
