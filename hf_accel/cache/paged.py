@@ -128,6 +128,7 @@ class PagedCache(Cache):
     def activate_past_recording(self) -> None:
         """Keep every step whole until the next one starts, so `crop` can take it back in sliding layers too
         (assisted decoding calls this)."""
+        super().activate_past_recording()
         for group in self.groups:
             group.is_recording_past = True
 

@@ -69,6 +69,10 @@ class PagedLayer(CacheLayerMixin):
         """The first token a step after `num_tokens` tokens attends to."""
         return 0
 
+    def first_shown(self) -> int:
+        """The first token `keys` / `values` show."""
+        return 0
+
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
         block_size = self.tables.block_size
@@ -124,7 +128,7 @@ class PagedLayer(CacheLayerMixin):
         tables = self.tables
         if tables.num_rows == 0:
             return pool.new_zeros((0, pool.shape[2], 0, pool.shape[3]))
-        first = self.first_visible(tables.num_tokens)
+        first = self.first_shown()
         blocks = torch.tensor(tables.rows, dtype=torch.long, device=pool.device).reshape(-1)
         read = PoolRead(None, blocks, first - tables.first_block * tables.block_size, tables.num_tokens - first)
         return read_pool(pool, read, tables.num_rows)
@@ -139,9 +143,18 @@ class PagedSlidingLayer(PagedLayer):
     def __init__(self, tables: BlockTables, sliding_window: int):
         super().__init__(tables)
         self.sliding_window = sliding_window
+        self.record_past = False
+
+    def activate_past_recording(self) -> None:
+        """Show every token kept until the next `crop` (the group keeps them), as `DynamicSlidingWindowLayer` does."""
+        self.record_past = True
 
     def first_visible(self, num_tokens: int) -> int:
         return max(num_tokens - self.sliding_window + 1, 0)
+
+    def first_shown(self) -> int:
+        # transformers' sliding layer keeps the last `sliding_window - 1` tokens, or all since the last crop
+        return self.tables.first_token if self.record_past else self.first_visible(self.tables.num_tokens)
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, plan: StepPlan, *args, **kwargs

@@ -148,11 +148,18 @@ class SinkLayer(CacheLayerMixin):
         return keys, values
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._select_rows(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._select_rows(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._select_rows(lambda t: t[indices])
+
+    def _select_rows(self, select) -> None:
         if self.is_initialized:
-            index = beam_idx.to(self.key_buffer.device)
-            self.key_buffer, self.value_buffer = self.key_buffer.index_select(0, index), self.value_buffer.index_select(0, index)
-            self.sink_keys = self.sink_keys.index_select(0, index)
-            self.sink_values = self.sink_values.index_select(0, index)
+            self.key_buffer, self.value_buffer = select(self.key_buffer), select(self.value_buffer)
+            self.sink_keys, self.sink_values = select(self.sink_keys), select(self.sink_values)
 
     def reset(self) -> None:
         self.key_buffer = self.value_buffer = self.sink_keys = self.sink_values = None
@@ -240,10 +247,14 @@ class SinkCache(Cache):
             layer.reorder_cache(beam_idx)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        self.reorder_cache(torch.arange(self.window.num_rows).repeat_interleave(repeats))
+        self.window.repeat_rows(repeats)
+        for layer in self.layers:
+            layer.batch_repeat_interleave(repeats)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self.reorder_cache(torch.as_tensor(indices))
+        self.window.select_rows(torch.as_tensor(indices))
+        for layer in self.layers:
+            layer.batch_select_indices(indices)
 
     def reset(self) -> None:
         """Drop every token (and the padding the cache was built for)."""

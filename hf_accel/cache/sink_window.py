@@ -149,6 +149,11 @@ class SinkWindow:
         if self.pad_counts is not None:
             self.pad_counts = self.pad_counts.index_select(0, index.to(self.pad_counts.device))
 
+    def repeat_rows(self, repeats: int) -> None:
+        """Repeat every row `repeats` times in place (`batch_repeat_interleave`)."""
+        if self.pad_counts is not None:
+            self.pad_counts = self.pad_counts.repeat_interleave(repeats)
+
     def reset(self) -> None:
         """Forget every token and the padding; the next step starts a new request."""
         self.set_pad_counts(None)
