@@ -7,6 +7,7 @@ suite's tiny architectures (full, all-sliding and hybrid):
   long call and a cache that compares equal (`torch.testing.assert_close`) with the long call's;
 - methods: `get_seq_length`, `get_mask_sizes`, `crop`, `reorder_cache`, `batch_repeat_interleave` and
   `batch_select_indices` leave the same tokens as DynamicCache's, and the next forward gives the same logits;
+  `is_sliding`, `is_initialized` and `get_max_length` answer as DynamicCache's;
 - `torch.compile`: a compiled forward over our caches gives eager's logits, as it does over DynamicCache.
 
 The quantized cache (int8, groups of 8, residual 8: most of the history really quantized) is held within its
@@ -171,6 +172,10 @@ class _Pair:
 
     def check(self) -> None:
         assert_same_cache(self.reference, self.ours, self.atol)
+        assert self.ours.is_sliding == self.reference.is_sliding
+        assert self.ours.is_initialized == self.reference.is_initialized
+        assert [self.ours.get_max_length(i) for i in range(len(self.ours))] == [
+            self.reference.get_max_length(i) for i in range(len(self.reference))]
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -51,3 +51,19 @@ def test_crop_into_evicted_tokens_raises():
     with pytest.raises(ValueError, match=r"Cannot crop 2 tokens .* tokens before 13 are evicted"):
         cache.crop(-2)
     assert cache.get_seq_length() == 20 and cache.layers[0].keys.shape[2] == SLIDING_WINDOW - 1
+
+
+def test_decode_reads_full_layers_as_a_view_of_the_pool_and_keys_are_gathered_on_access():
+    model = make_model("gemma2", torch.float32, "eager")  # layer 0 sliding, layer 1 full attention
+    cache = hf_accel.PagedCache(model.config, block_size=4, max_cache_len=64)
+    states = torch.randn(2, 2, 10, 16)
+    for index in range(2):
+        cache.update(states, states, index)
+    step = torch.randn(2, 2, 1, 16)
+    cache.update(step, step, 0)
+    keys, _ = cache.update(step, step, 1)
+    full = cache.layers[1]
+    assert keys.untyped_storage().data_ptr() == full.key_pool.untyped_storage().data_ptr()  # zero-copy
+    assert torch.equal(full.keys, torch.cat([states, step], dim=2))  # standard shape, gathered into new memory
+    assert full.keys.untyped_storage().data_ptr() != full.key_pool.untyped_storage().data_ptr()
+    assert cache.layers[0].keys.shape == (2, 2, SLIDING_WINDOW - 1, 16)
