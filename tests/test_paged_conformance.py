@@ -24,7 +24,8 @@ def assert_prompt_blocks_shared(cache: hf_accel.PagedCache, num_prompts: int, pr
             tables = group.tables
             assert tables.first_token > 0, "the test does not run past the window"
             bound = tables.num_rows * (tables.blocks_for(group.sliding_window) + 1)
-            assert tables.pool.num_used_blocks <= bound, f"{tables.pool.num_used_blocks} blocks: the window is not bounded"
+            used = tables.pool.num_used_blocks
+            assert used <= bound, f"{used} blocks: the window is not bounded"
 
 
 PAGED = CacheSpec("paged", hf_accel.PagedCache, {"cache_implementation": "paged"},

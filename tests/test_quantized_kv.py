@@ -68,7 +68,8 @@ def test_candidates_stay_full_precision_and_their_crop_is_exact():
     layer, states, outputs = _filled_layer([10, 1, 1, 5])  # groups of 4, residual 8: the 5 "candidates" overflow it
     keys, _ = outputs[-1]
     assert torch.equal(keys[:, :, -5:], states[-1])
-    assert torch.equal(layer.residual_keys, states[-1]) and layer.quantized_keys.num_tokens == 12  # older tokens flushed
+    assert torch.equal(layer.residual_keys, states[-1])
+    assert layer.quantized_keys.num_tokens == 12  # older tokens flushed
     layer.crop(-3)  # reject 3 candidates: only full-precision data is touched
     assert layer.get_seq_length() == 14 and torch.equal(layer.residual_keys, states[-1][:, :, :2])
     again_keys, _ = layer.update(states[-1][:, :, 2:], states[-1][:, :, 2:] * 2)

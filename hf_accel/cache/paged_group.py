@@ -143,7 +143,8 @@ class PagedGroup:
             per_block = self.tables.block_size * (key_states[0, :, 0].numel() + value_states[0, :, 0].numel())
             per_block *= key_states.element_size() * self.num_cache_layers
             if self.settings.max_memory < per_block:
-                raise ValueError(f"`max_memory` ({self.settings.max_memory} bytes) is below one block ({per_block} bytes)")
+                raise ValueError(
+                    f"`max_memory` ({self.settings.max_memory} bytes) is below one block ({per_block} bytes)")
             pool.grow(self.settings.max_memory // per_block)
         elif pool.growable:
             need = self.tables.prefill_need(total, group_of, reserve)

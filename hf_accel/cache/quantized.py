@@ -66,7 +66,8 @@ class QuantizedKVLayer(CacheLayerMixin):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append `[rows, kv_heads, q_len, head_dim]` states; return the layer's full K/V (dequantized history first)."""
+        """Append `[rows, kv_heads, q_len, head_dim]` states; return the layer's full K/V (dequantized history
+        first)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self.residual_keys = torch.cat((self.residual_keys, key_states), dim=-2)

@@ -91,9 +91,8 @@ class SinkLayer(CacheLayerMixin):
 
     def grow(self, capacity: int) -> None:
         extra = capacity - self.key_buffer.shape[2]
-        self.key_buffer = torch.cat([self.key_buffer, self.key_buffer.new_zeros((*self.key_buffer.shape[:2], extra, self.key_buffer.shape[3]))], 2)
-        self.value_buffer = torch.cat(
-            [self.value_buffer, self.value_buffer.new_zeros((*self.value_buffer.shape[:2], extra, self.value_buffer.shape[3]))], 2)
+        self.key_buffer = _grown(self.key_buffer, extra)
+        self.value_buffer = _grown(self.value_buffer, extra)
 
     def capture_sinks(self, key_states: torch.Tensor, value_states: torch.Tensor, step: SinkStep) -> None:
         """Keep the new tokens that are some row's sinks: sink i of row r is this step's token `capture_index[r, i]`
@@ -267,6 +266,12 @@ class SinkCache(Cache):
             layer.nbytes() if isinstance(layer, SinkLayer) else layer.keys.nbytes + layer.values.nbytes
             for layer in self.layers if layer.is_initialized
         )
+
+
+def _grown(buffer: torch.Tensor, extra: int) -> torch.Tensor:
+    """`buffer` `[rows, kv_heads, capacity, head_dim]` with `extra` zero slots appended."""
+    rows, heads, _, dim = buffer.shape
+    return torch.cat([buffer, buffer.new_zeros((rows, heads, extra, dim))], dim=2)
 
 
 def leading_pad_counts(attention_mask: torch.Tensor) -> torch.Tensor:
