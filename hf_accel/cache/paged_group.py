@@ -50,6 +50,7 @@ class PagedGroup:
         """The first token a step after `num_tokens` tokens attends to."""
         return 0 if self.sliding_window is None else max(num_tokens - self.sliding_window + 1, 0)
 
+    @torch.compiler.disable  # host-side bookkeeping (plain Python lists): a compiled forward calls it untraced
     def plan_step(self, key_states: torch.Tensor, value_states: torch.Tensor) -> StepPlan:
         """Lay out a step of `[rows, kv_heads, q_len, head_dim]` states (the group's first layer's) in the tables."""
         rows, q_len = key_states.shape[0], key_states.shape[2]
@@ -101,8 +102,8 @@ class PagedGroup:
         if num_remove and self.first_visible(remaining) < tables.first_token:
             raise ValueError(
                 f"Cannot crop {num_remove} tokens from the paged cache's sliding layers (window "
-                f"{self.sliding_window}): tokens before {tables.first_token} are evicted; generate's assisted "
-                "decoding calls `activate_past_recording()`, which keeps each step until the next one")
+                f"{self.sliding_window}): tokens before {tables.first_token} are evicted; call "
+                "`activate_past_recording()` first (assisted decoding does) to keep every token until the next crop")
         tables.crop(num_remove)
         if self.is_recording_past:
             tables.evict_before(self.first_visible(remaining))
