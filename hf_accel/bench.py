@@ -136,14 +136,17 @@ def kv_bytes(cache: Cache) -> int | None:
 
 
 def block_waste(cache: PagedCache) -> float:
-    """1 - tokens stored / (used blocks * block_size); stored tokens include left padding, shared blocks count once."""
-    tables = cache.tables
-    fill = {}  # block id -> tokens it holds (block j of a row holds positions j*block_size ..)
-    for row in tables.rows:
-        for j, block in enumerate(row):
-            fill[block] = min(tables.block_size, tables.num_tokens - j * tables.block_size)
-    stored = sum(fill.values())
-    capacity = cache.pool.num_used_blocks * tables.block_size
+    """1 - tokens stored / (used blocks * block_size) over all block-table groups; stored tokens include left padding
+    (not tokens evicted from a sliding window), shared blocks count once."""
+    stored, capacity = 0, 0
+    for group in cache.groups:
+        tables, size = group.tables, group.tables.block_size
+        fill = {}  # block id -> tokens it holds (block j of a row holds positions j*block_size ..)
+        for row in tables.rows:
+            for j, block in enumerate(row, start=tables.first_block):
+                fill[block] = min(size, tables.num_tokens - j * size) - max(tables.first_token - j * size, 0)
+        stored += sum(fill.values())
+        capacity += tables.pool.num_used_blocks * size
     return 1.0 - stored / capacity if capacity else 0.0
 
 

@@ -90,10 +90,6 @@ class CacheSpec:
 
 
 REFERENCE = CacheSpec("dynamic", DynamicCache)
-# DynamicCache without a config: every layer keeps all tokens and sliding windows come from the mask alone, as in
-# PagedCache. Same math as REFERENCE; in bf16 the SDPA reduction over the longer, masked KV rounds differently.
-UNEVICTED_DYNAMIC = CacheSpec("dynamic-unevicted", DynamicCache, cache_factory=lambda model: DynamicCache())
-
 
 @functools.lru_cache(maxsize=None)
 def make_model(arch: str, dtype: torch.dtype, attn_implementation: str) -> PreTrainedModel:

@@ -98,6 +98,31 @@ def test_prefill_too_big_for_the_pool_changes_nothing():
     assert tables.rows == [[0, 1, 2], [0, 1, 3]]
 
 
+
+# --- eviction (sliding windows) -----------------------------------------------------------------------------------
+
+
+def test_evict_before_frees_only_blocks_wholly_before_the_token():
+    tables = make_tables(16)
+    tables.prefill(10, [0, 1])  # rows [[0, 1, 2], [3, 4, 5]]
+    tables.evict_before(3)  # token 3 is still in block 0
+    assert (tables.rows, tables.first_token, tables.first_block) == ([[0, 1, 2], [3, 4, 5]], 3, 0)
+    tables.evict_before(9)  # blocks 0 and 1 of each row hold tokens 0-7 only
+    assert (tables.rows, tables.first_token, tables.first_block) == ([[2], [5]], 9, 2)
+    assert refcounts(tables)[:6] == [0, 0, 1, 0, 0, 1]
+    tables.append(3)  # 13 tokens: block 3 of each row, right after its block 2 where free
+    assert tables.rows == [[2, 3], [5, 6]]
+
+
+def test_prefill_from_a_first_token_allocates_only_the_kept_blocks():
+    tables = make_tables(16)
+    tables.prefill(20, [0, 1], first_token=13)  # tokens 13-19: blocks 3 and 4
+    assert (tables.rows, tables.first_block, tables.pool.num_used_blocks) == ([[0, 1], [2, 3]], 3, 4)
+    tables.crop(2)  # 18 tokens: still blocks 3 and 4
+    assert tables.rows == [[0, 1], [2, 3]]
+    tables.release()
+    assert (tables.rows, tables.first_token, tables.pool.num_used_blocks) == ([], 0, 0)
+
 # --- append -------------------------------------------------------------------------------------------------------
 
 

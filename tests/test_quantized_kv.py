@@ -55,22 +55,23 @@ def test_history_is_quantized_once_and_appended_never_requantized(monkeypatch):
     monkeypatch.setattr(ops, "quantize", lambda x, *a: quantized_tokens.append(x.shape[-2]) or real_quantize(x, *a))
     layer, _, _ = _filled_layer([10] + [1] * 6)  # groups of 4, residual 8
     assert quantized_tokens == [8, 8, 8, 8]  # keys and values: the prefill's 2 whole groups, then 8 decoded tokens
-    assert layer.quantized_keys.num_tokens == 16 and layer.keys.shape[-2] == 0
+    assert layer.quantized_keys.num_tokens == 16 and layer.residual_keys.shape[-2] == 0
     codes_before = layer.quantized_keys.codes.clone()
     for _ in range(9):
         layer.update(torch.randn(2, 2, 1, 8), torch.randn(2, 2, 1, 8))
     assert quantized_tokens == [8, 8, 8, 8, 8, 8]  # only the new chunk
     assert torch.equal(layer.quantized_keys.codes[:, :, :16], codes_before)
-    assert layer.get_seq_length() == 25 and layer.quantized_keys.num_tokens == 24 and layer.keys.shape[-2] == 1
+    assert layer.get_seq_length() == 25 and layer.quantized_keys.num_tokens == 24 and layer.residual_keys.shape[-2] == 1
 
 
 def test_candidates_stay_full_precision_and_their_crop_is_exact():
     layer, states, outputs = _filled_layer([10, 1, 1, 5])  # groups of 4, residual 8: the 5 "candidates" overflow it
     keys, _ = outputs[-1]
     assert torch.equal(keys[:, :, -5:], states[-1])
-    assert torch.equal(layer.keys, states[-1]) and layer.quantized_keys.num_tokens == 12  # older tokens flushed
+    assert torch.equal(layer.residual_keys, states[-1])
+    assert layer.quantized_keys.num_tokens == 12  # older tokens flushed
     layer.crop(-3)  # reject 3 candidates: only full-precision data is touched
-    assert layer.get_seq_length() == 14 and torch.equal(layer.keys, states[-1][:, :, :2])
+    assert layer.get_seq_length() == 14 and torch.equal(layer.residual_keys, states[-1][:, :, :2])
     again_keys, _ = layer.update(states[-1][:, :, 2:], states[-1][:, :, 2:] * 2)
     assert torch.equal(again_keys[:, :, -5:], states[-1])
     assert torch.equal(again_keys[:, :, :12], ops.dequantize(layer.quantized_keys))
@@ -185,3 +186,21 @@ def test_constructor_validates_too():
     with pytest.raises(TypeError, match="`config`"):
         hf_accel.QuantizedKVCache({"hidden_size": 64})
     assert hf_accel.QuantizedKVCache(config, group_size=16, residual_length=16).memory_bytes() == 0
+
+
+@pytest.mark.parametrize("head_dim, group, residual", [(16, 16, 128), (96, 32, 128), (128, 64, 128), (24, 8, 128)])
+def test_default_group_and_residual_fit_the_head_dimension(head_dim, group, residual):
+    settings = hf_accel.QuantizedKVConfig(nbits=4).for_head_dim(head_dim)
+    assert (settings.group_size, settings.residual_length) == (group, residual)
+    assert hf_accel.QuantizedKVConfig(group_size=48).for_head_dim(96).residual_length == 144  # a multiple of 48
+
+
+def test_default_settings_work_on_a_small_head_dimension_and_explicit_misfits_still_raise():
+    model = tiny_llama()  # head dimension 16: below the 64 of the old fixed default
+    out = model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2, cache_implementation="quantized",
+                         cache_config={"backend": "hf_accel", "nbits": 4}, return_dict_in_generate=True)
+    assert isinstance(out.past_key_values, hf_accel.QuantizedKVCache)
+    assert out.past_key_values.settings.group_size == 16
+    with pytest.raises(ValueError, match=r"`group_size` \(64\) must divide the model's head dimension \(16\)"):
+        model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2, cache_implementation="quantized",
+                       cache_config={"backend": "hf_accel", "nbits": 4, "group_size": 64})

@@ -17,9 +17,9 @@ WINDOW = {"window_length": 64, "num_sink_tokens": 4}
 SINK = CacheSpec("sink", hf_accel.SinkCache, {"cache_implementation": "sink", "cache_config": WINDOW})
 SINK_ZERO_PATCH = CacheSpec("sink-zero-patch", hf_accel.SinkCache,
                             cache_factory=lambda model: hf_accel.SinkCache(model.config, **WINDOW))
-# every architecture of the suite but mistral-with-sliding_window (all layers sliding: SinkCache refuses it, see
-# test_sink_cache.py); mistral without a sliding window instead
-ARCHS = ("llama", "mistral-full", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
+# every architecture of the suite (mistral with sliding_window: all layers are transformers' sliding layers), plus
+# mistral without a sliding window (all layers sink layers)
+ARCHS = ("llama", "mistral", "mistral-full", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,5 +1,5 @@
 """Bad input to the sink cache raises an error naming the argument; models it cannot serve are refused clearly, and
-hybrid models (sliding + full layers) work with the model's own window on the sliding layers."""
+hybrid and all-sliding models work with the model's own window on the sliding layers."""
 
 import pytest
 import torch
@@ -62,10 +62,17 @@ def test_rope_whose_frequencies_change_with_length_is_refused(rope):
         hf_accel.SinkCache(config)
 
 
-def test_all_sliding_model_is_refused():
-    # Mistral with `sliding_window`: every layer is already a bounded sliding window; nothing to put sinks in
-    with pytest.raises(ValueError, match="every layer .* is a sliding window \\(sliding_window=8\\)"):
-        hf_accel.SinkCache(make_model("mistral", torch.float32, "sdpa").config)
+def test_all_sliding_model_keeps_its_own_window_and_stays_bounded():
+    # Mistral with `sliding_window`: every layer is transformers' sliding layer, as the sliding layers of hybrids
+    model = make_model("mistral", torch.float32, "sdpa")
+    kwargs = dict(max_new_tokens=40, min_new_tokens=40, pad_token_id=0, do_sample=False, return_dict_in_generate=True)
+    out = model.generate(**make_prompts([9, 4]), cache_implementation="sink",
+                         cache_config={"window_length": 12, "num_sink_tokens": 2}, **kwargs)
+    reference = model.generate(**make_prompts([9, 4]), **kwargs)
+    assert isinstance(out.past_key_values, hf_accel.SinkCache)
+    assert torch.equal(out.sequences, reference.sequences)
+    assert {type(layer).__name__ for layer in out.past_key_values.layers} == {"DynamicSlidingWindowLayer"}
+    assert all(layer.keys.shape[2] == 7 for layer in out.past_key_values.layers)  # sliding_window - 1
 
 
 def test_padding_mask_rows_must_match_the_batch():
@@ -88,5 +95,5 @@ def test_hybrid_models_keep_their_sliding_window_and_sinks_on_full_layers(arch):
     kinds = {type(layer).__name__ for layer in cache.layers}
     assert kinds == {"SinkLayer", "DynamicSlidingWindowLayer"}
     for layer in cache.layers:
-        stored = layer.keys.shape[2]
-        assert stored <= (12 + 64 if type(layer).__name__ == "SinkLayer" else 8), (type(layer).__name__, stored)
+        stored = layer.keys.shape[2]  # the tokens kept: the window (sinks included), or sliding_window - 1
+        assert stored == (12 if type(layer).__name__ == "SinkLayer" else 7), (type(layer).__name__, stored)

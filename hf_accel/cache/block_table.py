@@ -1,7 +1,9 @@
 """Per-row block tables over a `BlockPool`. Plain Python, no torch.
 
 Every row of a batch holds the same number of tokens (generate pads on the left), so one `num_tokens` describes
-all rows; row `r` stores token `t` in block `rows[r][t // block_size]` at offset `t % block_size`.
+all rows; row `r` stores token `t` in block `rows[r][t // block_size - first_block]` at offset `t % block_size`.
+Tokens before `first_token` are evicted (sliding-window layers): a row's blocks start at `first_block`, the block of
+`first_token`, and every block wholly before it is freed.
 Rules:
 - rows whose prompts are identical share the prompt's full blocks (reference counts), never its partial last block;
 - a row about to write into a block with more than one reference first gets a private copy (copy-on-write);
@@ -45,6 +47,7 @@ class BlockTables:
         self.block_size = block_size
         self.rows: list[list[int]] = []
         self.num_tokens = 0
+        self.first_token = 0  # tokens before it are evicted; rows hold blocks from `first_block` on
         self.version = 0  # bumped on every change of `rows`, so readers can rebuild derived tensors lazily
         self._may_write_shared = False  # some row's last block may be shared: `append` must check copy-on-write
 
@@ -52,17 +55,24 @@ class BlockTables:
     def num_rows(self) -> int:
         return len(self.rows)
 
+    @property
+    def first_block(self) -> int:
+        """Index (in token blocks) of every row's first held block."""
+        return self.first_token // self.block_size
+
     def blocks_for(self, num_tokens: int) -> int:
         return _ceil_div(num_tokens, self.block_size)
 
-    def prefill(self, num_tokens: int, group_of: list[int], reserve_tokens: int = 0) -> None:
-        """Lay out `len(group_of)` empty rows holding `num_tokens` tokens each.
+    def prefill(self, num_tokens: int, group_of: list[int], reserve_tokens: int = 0, first_token: int = 0) -> None:
+        """Lay out `len(group_of)` empty rows holding `num_tokens` tokens each, of which tokens from `first_token` on
+        are stored (earlier ones are evicted at once: a sliding window's long prompt).
 
         `group_of[r]` is the first row whose content equals row `r` (`group_of[r] == r` for a group's leader):
         a group shares its full blocks. `reserve_tokens` is how long rows may grow; a row's private blocks are
         placed at a stride that leaves room for it, so the layout stays strided while rows grow.
         """
         assert not self.rows, "prefill on non-empty tables"
+        self.first_token = first_token
         num_shared, leaders, num_private, stride = self._prefill_shape(num_tokens, group_of, reserve_tokens)
         self._require(len(leaders) * num_shared + len(group_of) * num_private)
         shared = {g: self.pool.allocate(num_shared) for g in leaders}
@@ -81,10 +91,11 @@ class BlockTables:
         return len(leaders) * num_shared + len(group_of) * stride
 
     def _prefill_shape(self, num_tokens: int, group_of: list[int], reserve_tokens: int) -> tuple[int, list[int], int, int]:
-        num_shared = num_tokens // self.block_size if any(g != r for r, g in enumerate(group_of)) else 0
+        shares = any(g != r for r, g in enumerate(group_of))
+        num_shared = max(num_tokens // self.block_size - self.first_block, 0) if shares else 0
         leaders = sorted(set(group_of))
-        num_private = self.blocks_for(num_tokens) - num_shared
-        stride = max(self.blocks_for(max(reserve_tokens, num_tokens)) - num_shared, num_private)
+        num_private = self.blocks_for(num_tokens) - self.first_block - num_shared
+        stride = max(self.blocks_for(max(reserve_tokens, num_tokens)) - self.first_block - num_shared, num_private)
         return num_shared, leaders, num_private, stride
 
     def append(self, num_new: int) -> BlockCopies:
@@ -117,10 +128,23 @@ class BlockTables:
         self.rows = new_rows
         self._changed()
 
+    def evict_before(self, token: int) -> None:
+        """Evict tokens before `token` in every row, freeing the blocks wholly before it."""
+        if token <= self.first_token:
+            return
+        num_freed = token // self.block_size - self.first_block
+        self.first_token = token
+        if num_freed > 0:
+            for row in self.rows:
+                self.pool.free(row[:num_freed])
+                del row[:num_freed]
+            self._changed()
+
     def crop(self, num_remove: int) -> None:
         """Forget the last `num_remove` tokens of every row, freeing blocks that no longer hold any."""
+        assert self.first_token == 0 or self.num_tokens - num_remove >= self.first_token, "crop into evicted tokens"
         self.num_tokens = max(self.num_tokens - num_remove, 0)
-        keep = self.blocks_for(self.num_tokens)
+        keep = self.blocks_for(self.num_tokens) - self.first_block
         for row in self.rows:
             self.pool.free(reversed(row[keep:]))
             del row[keep:]
@@ -144,7 +168,7 @@ class BlockTables:
         """Free every row's blocks."""
         for row in self.rows:
             self.pool.free(reversed(row))
-        self.rows, self.num_tokens = [], 0
+        self.rows, self.num_tokens, self.first_token = [], 0, 0
         self._changed()
 
     def strided_layout(self) -> StridedLayout | None:
@@ -163,7 +187,7 @@ class BlockTables:
 
     def _rows_writing_shared(self, num_tokens: int) -> list[int]:
         # Rows that must copy, in order: each copy drops a reference, so the block's last writer keeps it.
-        last = num_tokens // self.block_size
+        last = num_tokens // self.block_size - self.first_block
         refs_left: dict[int, int] = {}
         rows = []
         for r, row in enumerate(self.rows):

@@ -4,7 +4,10 @@ Per full-attention layer the cache holds
 
     quantized_keys    codes [rows, kv_heads, Tq, D * nbits / 8] uint8; scale, minimum [rows, kv_heads, Tq / G, 1, D]
     quantized_values  codes [rows, kv_heads, Tq, D * nbits / 8] uint8; scale, minimum [rows, kv_heads, Tq, D / G, 1]
-    keys, values      residual [rows, kv_heads, Tr, D] in the model's dtype (the most recent tokens)
+    residual_keys     [rows, kv_heads, Tr, D] in the model's dtype (the most recent tokens); residual_values likewise
+
+and shows, like every transformers layer, `keys` / `values` `[rows, kv_heads, Tq + Tr, D]`: the dequantized history
+then the residual, computed when read (attention gets the same tensors from `update`; nothing else builds them).
 
 Keys are grouped per channel over G tokens and values per token over G channels (KIVI). After an update has been
 attended to in full precision, if the residual holds `residual_length` tokens or more, its whole groups are quantized
@@ -36,32 +39,43 @@ class QuantizedKVLayer(CacheLayerMixin):
     is_croppable = True
 
     def __init__(self, settings: QuantizedKVConfig):
-        super().__init__()
+        # not CacheLayerMixin.__init__: it assigns `keys` / `values`, which are read-only views here
+        self.is_initialized = False
         self.settings = settings
         self.quantized_keys: QuantizedTensor | None = None
         self.quantized_values: QuantizedTensor | None = None
+        self.residual_keys: torch.Tensor | None = None  # [rows, kv_heads, Tr, head_dim], model dtype
+        self.residual_values: torch.Tensor | None = None
         self.cumulative_length = 0
 
+    @property
+    def keys(self) -> torch.Tensor | None:
+        """`[rows, kv_heads, seq_len, head_dim]`: the dequantized history, then the residual (computed on access)."""
+        return _history(self.quantized_keys, self.residual_keys)
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        """`[rows, kv_heads, seq_len, head_dim]`: the dequantized history, then the residual (computed on access)."""
+        return _history(self.quantized_values, self.residual_values)
+
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.settings.check_head_dim(key_states.shape[-1])
+        self.settings = self.settings.for_head_dim(key_states.shape[-1])
         self.dtype, self.device = key_states.dtype, key_states.device
-        self.keys, self.values = key_states[:, :, :0], value_states[:, :, :0]
+        self.residual_keys, self.residual_values = key_states[:, :, :0], value_states[:, :, :0]
         self.is_initialized = True
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append `[rows, kv_heads, q_len, head_dim]` states; return the layer's full K/V (dequantized history first)."""
+        """Append `[rows, kv_heads, q_len, head_dim]` states; return the layer's full K/V (dequantized history
+        first)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        self.keys = torch.cat((self.keys, key_states), dim=-2)
-        self.values = torch.cat((self.values, value_states), dim=-2)
+        self.residual_keys = torch.cat((self.residual_keys, key_states), dim=-2)
+        self.residual_values = torch.cat((self.residual_values, value_states), dim=-2)
         self.cumulative_length += key_states.shape[-2]
-        if self.quantized_keys is None:
-            keys, values = self.keys, self.values
-        else:
-            keys, values = self._dense(self.quantized_keys, self.keys), self._dense(self.quantized_values, self.values)
-        if self.keys.shape[-2] >= self.settings.residual_length:
+        keys, values = self.keys, self.values
+        if self.residual_keys.shape[-2] >= self.settings.residual_length:
             self._flush_residual(key_states.shape[-2])
         return keys, values
 
@@ -81,10 +95,10 @@ class QuantizedKVLayer(CacheLayerMixin):
         remove = min(-tokens_to_remove, self.cumulative_length)
         if remove == 0:
             return
-        if remove > self.keys.shape[-2]:
-            self._restore_groups(remove - self.keys.shape[-2])
-        kept = self.keys.shape[-2] - remove
-        self.keys, self.values = self.keys[:, :, :kept], self.values[:, :, :kept]
+        if remove > self.residual_keys.shape[-2]:
+            self._restore_groups(remove - self.residual_keys.shape[-2])
+        kept = self.residual_keys.shape[-2] - remove
+        self.residual_keys, self.residual_values = self.residual_keys[:, :, :kept], self.residual_values[:, :, :kept]
         self.cumulative_length -= remove
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -97,7 +111,7 @@ class QuantizedKVLayer(CacheLayerMixin):
         self._select_rows(lambda t: t[indices])
 
     def reset(self) -> None:
-        self.keys = self.values = None
+        self.residual_keys = self.residual_values = None
         self.quantized_keys = self.quantized_values = None
         self.cumulative_length = 0
         self.is_initialized = False
@@ -106,7 +120,7 @@ class QuantizedKVLayer(CacheLayerMixin):
         """Bytes held: codes, scales and minima of the quantized part plus the residual."""
         if not self.is_initialized:
             return 0
-        held = [self.keys, self.values]
+        held = [self.residual_keys, self.residual_values]
         quantized = sum(q.nbytes() for q in (self.quantized_keys, self.quantized_values) if q is not None)
         return quantized + sum(t.numel() * t.element_size() for t in held)
 
@@ -116,17 +130,18 @@ class QuantizedKVLayer(CacheLayerMixin):
         # rejected ones is exact; a decode step's token or a long prefill is flushed with the rest.
         size = self.settings.group_size
         keep = latest if 1 < latest < self.settings.residual_length else 0
-        count = (self.keys.shape[-2] - keep) // size * size
+        count = (self.residual_keys.shape[-2] - keep) // size * size
         if count == 0:
             return
         nbits = self.settings.nbits
-        new_keys = ops.quantize(self.keys[:, :, :count], nbits, size, KEY_AXIS)
-        new_values = ops.quantize(self.values[:, :, :count], nbits, size, VALUE_AXIS)
+        new_keys = ops.quantize(self.residual_keys[:, :, :count], nbits, size, KEY_AXIS)
+        new_values = ops.quantize(self.residual_values[:, :, :count], nbits, size, VALUE_AXIS)
         self.quantized_keys = new_keys if self.quantized_keys is None else ops.concat(self.quantized_keys, new_keys)
         self.quantized_values = (
             new_values if self.quantized_values is None else ops.concat(self.quantized_values, new_values)
         )
-        self.keys, self.values = self.keys[:, :, count:].clone(), self.values[:, :, count:].clone()
+        self.residual_keys = self.residual_keys[:, :, count:].clone()
+        self.residual_values = self.residual_values[:, :, count:].clone()
 
     def _restore_groups(self, num_tokens: int) -> None:
         # A crop deeper than the latest update (never done by generate): move the last whole key groups covering
@@ -137,27 +152,31 @@ class QuantizedKVLayer(CacheLayerMixin):
         keep = self.quantized_keys.num_tokens - groups * size
         restored_keys = ops.dequantize(_tokens(self.quantized_keys, slice(keep, None), slice(keep // size, None)))
         restored_values = ops.dequantize(_tokens(self.quantized_values, slice(keep, None), slice(keep, None)))
-        self.keys = torch.cat((restored_keys, self.keys), dim=-2)
-        self.values = torch.cat((restored_values, self.values), dim=-2)
+        self.residual_keys = torch.cat((restored_keys, self.residual_keys), dim=-2)
+        self.residual_values = torch.cat((restored_values, self.residual_values), dim=-2)
         self.quantized_keys = _tokens(self.quantized_keys, slice(keep), slice(keep // size)) if keep else None
         self.quantized_values = _tokens(self.quantized_values, slice(keep), slice(keep)) if keep else None
 
     def _select_rows(self, select) -> None:
         if not self.is_initialized:
             return
-        self.keys, self.values = select(self.keys), select(self.values)
+        self.residual_keys, self.residual_values = select(self.residual_keys), select(self.residual_values)
         if self.quantized_keys is not None:
             self.quantized_keys = self.quantized_keys.map_tensors(select)
             self.quantized_values = self.quantized_values.map_tensors(select)
 
-    def _dense(self, quantized: QuantizedTensor, residual: torch.Tensor) -> torch.Tensor:
-        # out: [rows, kv_heads, Tq + Tr, D]; dequantized history, then the full-precision residual
-        rows, heads, residual_len, head_dim = residual.shape
-        history = quantized.num_tokens
-        out = torch.empty(rows, heads, history + residual_len, head_dim, dtype=residual.dtype, device=residual.device)
-        ops.dequantize(quantized, out[:, :, :history])
-        out[:, :, history:].copy_(residual)
-        return out
+
+def _history(quantized: QuantizedTensor | None, residual: torch.Tensor | None) -> torch.Tensor | None:
+    """`[rows, kv_heads, Tq + Tr, D]`: `quantized` dequantized, then the full-precision `residual` (the residual itself
+    while nothing is quantized)."""
+    if quantized is None or residual is None:
+        return residual
+    rows, heads, residual_len, head_dim = residual.shape
+    history = quantized.num_tokens
+    out = torch.empty(rows, heads, history + residual_len, head_dim, dtype=residual.dtype, device=residual.device)
+    ops.dequantize(quantized, out[:, :, :history])
+    out[:, :, history:].copy_(residual)
+    return out
 
 
 def _tokens(q: QuantizedTensor, tokens: slice, scale_rows: slice) -> QuantizedTensor:
@@ -176,14 +195,17 @@ class QuantizedKVCache(CacheDisplay, Cache):
     Args:
         config: the model's config (its text config is used; encoder-decoder configs are refused).
         nbits: bits per K/V code, see `QuantizedKVConfig`.
-        group_size: values sharing one scale and minimum, see `QuantizedKVConfig`.
-        residual_length: recent tokens kept in full precision, see `QuantizedKVConfig`.
+        group_size: values sharing one scale and minimum, see `QuantizedKVConfig`; by default the largest power of
+            two up to 64 that divides the model's head dimension.
+        residual_length: recent tokens kept in full precision, see `QuantizedKVConfig`; by default the smallest
+            multiple of the group size that is at least 128.
     """
 
-    def __init__(self, config: PreTrainedConfig, nbits: int = 4, group_size: int = 64, residual_length: int = 128):
-        self.settings = QuantizedKVConfig(nbits=nbits, group_size=group_size, residual_length=residual_length)
+    def __init__(self, config: PreTrainedConfig, nbits: int = 4, group_size: int | None = None,
+                 residual_length: int | None = None):
         text_config = _decoder_config(config)
-        self.settings.check_head_dim(_head_dim(text_config))
+        settings = QuantizedKVConfig(nbits=nbits, group_size=group_size, residual_length=residual_length)
+        self.settings = settings.for_head_dim(_head_dim(text_config))
         layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
         layers = [
             QuantizedKVLayer(self.settings) if kind == "full_attention" else DYNAMIC_LAYER_TYPE_MAPPING[kind](**kwargs)

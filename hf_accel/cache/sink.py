@@ -10,10 +10,12 @@ rule transformers builds line up with every slot. Keys stay at the positions RoP
 by `delta = seen - N - pads` (one rotation of S keys per step): the query keeps its own position, and every distance
 query -> key equals StreamingLLM's in-cache distance (docs/caches.md).
 
-Storage per full-attention layer: a buffer `[rows, kv_heads, capacity, head_dim]` of consecutive columns (capacity
-`window_length + slack`, allocated once; `update` returns a view of it) and the sinks as they arrived
-`[rows, kv_heads, S, head_dim]`. Eviction is lazy (at the start of the next step), so `crop` can take back the last
-step, as assisted decoding does. Sliding-window layers of hybrid models keep transformers' own sliding layer.
+Storage per full-attention layer: `key_buffer` / `value_buffer` `[rows, kv_heads, capacity, head_dim]` of consecutive
+columns (capacity `window_length + slack`, allocated once; `update` returns a view of it) and the sinks as they arrived
+`[rows, kv_heads, S, head_dim]`. `keys` / `values` show, as in every transformers layer, `[rows, kv_heads, kept,
+head_dim]`: the tokens the next step will read, built when read. Eviction is lazy (at the start of the next step), so
+`crop` can take back the last step, as assisted decoding does. Sliding-window layers (of hybrid models, or every layer
+of a Mistral-style model) keep transformers' own sliding layer.
 """
 
 from __future__ import annotations
@@ -35,15 +37,30 @@ class SinkLayer(CacheLayerMixin):
     is_sliding = False
 
     def __init__(self, window: SinkWindow):
-        super().__init__()
+        # not CacheLayerMixin.__init__: it assigns `keys` / `values`, which are read-only views here
+        self.is_initialized = False
         self.window = window
+        self.key_buffer: torch.Tensor | None = None  # [rows, kv_heads, capacity, head_dim]: consecutive columns
+        self.value_buffer: torch.Tensor | None = None
+        self.sink_keys: torch.Tensor | None = None  # [rows, kv_heads, S, head_dim]: sinks at their own positions
+        self.sink_values: torch.Tensor | None = None
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        """`[rows, kv_heads, kept, head_dim]`: the tokens kept for the next step, as it will read them (sinks first,
+        moved next to the recent tokens, once the window is full); computed on access."""
+        return self._kept()[0] if self.is_initialized else None
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        """`[rows, kv_heads, kept, head_dim]`: the values of `keys`' tokens; computed on access."""
+        return self._kept()[1] if self.is_initialized else None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
         rows, heads, _, dim = key_states.shape
-        # buffers: [rows, kv_heads, capacity, head_dim]; sinks: [rows, kv_heads, S, head_dim] at their own positions
-        self.keys = key_states.new_zeros((rows, heads, 0, dim))
-        self.values = value_states.new_zeros((rows, heads, 0, value_states.shape[3]))
+        self.key_buffer = key_states.new_zeros((rows, heads, 0, dim))
+        self.value_buffer = value_states.new_zeros((rows, heads, 0, value_states.shape[3]))
         num_sinks = self.window.settings.num_sink_tokens
         self.sink_keys = key_states.new_zeros((rows, heads, num_sinks, dim))
         self.sink_values = value_states.new_zeros((rows, heads, num_sinks, value_states.shape[3]))
@@ -56,28 +73,27 @@ class SinkLayer(CacheLayerMixin):
         columns `get_mask_sizes` reported (new tokens last)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        if self.keys.shape[2] < step.capacity:
+        if self.key_buffer.shape[2] < step.capacity:
             self.grow(step.capacity)
         if step.capture_index is not None:
             self.capture_sinks(key_states, value_states, step)
         if step.compact is not None:
             source, length = step.compact
-            self.keys[:, :, :length] = self.keys[:, :, source : source + length].clone()
-            self.values[:, :, :length] = self.values[:, :, source : source + length].clone()
+            self.key_buffer[:, :, :length] = self.key_buffer[:, :, source : source + length].clone()
+            self.value_buffer[:, :, :length] = self.value_buffer[:, :, source : source + length].clone()
         if step.show_sinks:
             self.show_sinks(step)
         if step.overflow:
             return self.concatenate(key_states, value_states, step)
         end = step.write_slot + step.num_new
-        self.keys[:, :, step.write_slot : end] = key_states
-        self.values[:, :, step.write_slot : end] = value_states
-        return self.keys[:, :, step.read_slot : end], self.values[:, :, step.read_slot : end]
+        self.key_buffer[:, :, step.write_slot : end] = key_states
+        self.value_buffer[:, :, step.write_slot : end] = value_states
+        return self.key_buffer[:, :, step.read_slot : end], self.value_buffer[:, :, step.read_slot : end]
 
     def grow(self, capacity: int) -> None:
-        extra = capacity - self.keys.shape[2]
-        self.keys = torch.cat([self.keys, self.keys.new_zeros((*self.keys.shape[:2], extra, self.keys.shape[3]))], 2)
-        self.values = torch.cat(
-            [self.values, self.values.new_zeros((*self.values.shape[:2], extra, self.values.shape[3]))], 2)
+        extra = capacity - self.key_buffer.shape[2]
+        self.key_buffer = _grown(self.key_buffer, extra)
+        self.value_buffer = _grown(self.value_buffer, extra)
 
     def capture_sinks(self, key_states: torch.Tensor, value_states: torch.Tensor, step: SinkStep) -> None:
         """Keep the new tokens that are some row's sinks: sink i of row r is this step's token `capture_index[r, i]`
@@ -92,14 +108,31 @@ class SinkLayer(CacheLayerMixin):
     def show_sinks(self, step: SinkStep) -> None:
         """Put each row's sinks, moved by its `delta`, into the first S slots it returns (rows in `step.sink_rows`)."""
         region = slice(step.read_slot, step.read_slot + self.sink_keys.shape[2])
-        keys = rotate(self.sink_keys, step.cos.to(self.sink_keys.device), step.sin.to(self.sink_keys.device))
-        values = self.sink_values
-        if step.sink_rows is not None:
-            rows = step.sink_rows[:, None, None, None]
-            keys = torch.where(rows, keys, self.keys[:, :, region])
-            values = torch.where(rows, values, self.values[:, :, region])
-        self.keys[:, :, region] = keys
-        self.values[:, :, region] = values
+        keys, values = self.shown_sinks(step, self.key_buffer[:, :, region], self.value_buffer[:, :, region])
+        self.key_buffer[:, :, region] = keys
+        self.value_buffer[:, :, region] = values
+
+    def shown_sinks(
+        self, step: SinkStep, keys: torch.Tensor, values: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first S slots a step returns, `[rows, kv_heads, S, head_dim]`: the rows in `step.sink_rows` show their
+        sinks moved by their `delta`, the others keep `keys` / `values` (the true columns there)."""
+        sink_keys = rotate(self.sink_keys, step.cos.to(self.sink_keys.device), step.sin.to(self.sink_keys.device))
+        if step.sink_rows is None:
+            return sink_keys, self.sink_values
+        rows = step.sink_rows[:, None, None, None]
+        return torch.where(rows, sink_keys, keys), torch.where(rows, self.sink_values, values)
+
+    def _kept(self) -> tuple[torch.Tensor, torch.Tensor]:
+        step = self.window.kept(self.key_buffer.shape[0], self.key_buffer.device)
+        keys = self.key_buffer[:, :, step.read_slot : step.write_slot]
+        values = self.value_buffer[:, :, step.read_slot : step.write_slot]
+        if not step.show_sinks:
+            return keys, values
+        num_sinks = self.sink_keys.shape[2]
+        sink_keys, sink_values = self.shown_sinks(step, keys[:, :, :num_sinks], values[:, :, :num_sinks])
+        return (torch.cat([sink_keys, keys[:, :, num_sinks:]], dim=2),
+                torch.cat([sink_values, values[:, :, num_sinks:]], dim=2))
 
     def concatenate(
         self, key_states: torch.Tensor, value_states: torch.Tensor, step: SinkStep
@@ -108,21 +141,28 @@ class SinkLayer(CacheLayerMixin):
         cached = slice(step.read_slot, step.write_slot)
         keys, values = key_states, value_states
         if step.write_slot > step.read_slot:
-            keys = torch.cat([self.keys[:, :, cached], key_states], dim=2)
-            values = torch.cat([self.values[:, :, cached], value_states], dim=2)
-        self.keys[:, :, : step.keep] = keys[:, :, -step.keep :]
-        self.values[:, :, : step.keep] = values[:, :, -step.keep :]
+            keys = torch.cat([self.key_buffer[:, :, cached], key_states], dim=2)
+            values = torch.cat([self.value_buffer[:, :, cached], value_states], dim=2)
+        self.key_buffer[:, :, : step.keep] = keys[:, :, -step.keep :]
+        self.value_buffer[:, :, : step.keep] = values[:, :, -step.keep :]
         return keys, values
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._select_rows(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._select_rows(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._select_rows(lambda t: t[indices])
+
+    def _select_rows(self, select) -> None:
         if self.is_initialized:
-            index = beam_idx.to(self.keys.device)
-            self.keys, self.values = self.keys.index_select(0, index), self.values.index_select(0, index)
-            self.sink_keys = self.sink_keys.index_select(0, index)
-            self.sink_values = self.sink_values.index_select(0, index)
+            self.key_buffer, self.value_buffer = select(self.key_buffer), select(self.value_buffer)
+            self.sink_keys, self.sink_values = select(self.sink_keys), select(self.sink_values)
 
     def reset(self) -> None:
-        self.keys = self.values = None
+        self.key_buffer = self.value_buffer = self.sink_keys = self.sink_values = None
         self.is_initialized = False
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -137,7 +177,7 @@ class SinkLayer(CacheLayerMixin):
     def nbytes(self) -> int:
         if not self.is_initialized:
             return 0
-        return sum(t.nbytes for t in (self.keys, self.values, self.sink_keys, self.sink_values))
+        return sum(t.nbytes for t in (self.key_buffer, self.value_buffer, self.sink_keys, self.sink_values))
 
 
 class SinkCache(CacheDisplay, Cache):
@@ -145,8 +185,9 @@ class SinkCache(CacheDisplay, Cache):
     tokens (attention sinks), at constant memory: generation can run past `max_position_embeddings`.
 
     Args:
-        config: the model config: decoder-only, with RoPE of fixed frequencies and at least one full-attention layer
-            (sliding-window layers of hybrid models keep the model's own window).
+        config: the model config: decoder-only, with RoPE of fixed frequencies where it has full-attention layers
+            (sliding-window layers keep the model's own window: on a model whose every layer slides, the cache is
+            transformers' sliding layers, bounded by the model's window).
         window_length: tokens kept per row, sinks included.
         num_sink_tokens: first real tokens of each row kept forever (0: a plain sliding window).
         attention_mask: the prompts' 2-D padding mask `[rows, prompt_len]`, so that pad tokens never become sinks.
@@ -168,13 +209,14 @@ class SinkCache(CacheDisplay, Cache):
         self.settings = SinkCacheConfig(window_length=window_length, num_sink_tokens=num_sink_tokens)
         layer_types, layer_kwargs = _checked_layer_types(config)
         pad_counts = None if attention_mask is None else leading_pad_counts(attention_mask)
-        inv_freq = rope_inverse_frequencies(config, "full_attention")
+        has_full = "full_attention" in layer_types
+        inv_freq = rope_inverse_frequencies(config, "full_attention") if has_full else torch.empty(0)
         self.window = SinkWindow(self.settings, inv_freq, pad_counts, max_cache_len)
         super().__init__(layers=[
             SinkLayer(self.window) if kind == "full_attention" else DynamicSlidingWindowLayer(**kwargs)
             for kind, kwargs in zip(layer_types, layer_kwargs)
         ])
-        self.first_sink_layer = layer_types.index("full_attention")
+        self.first_sink_layer = layer_types.index("full_attention") if has_full else None
         self._step: SinkStep | None = None
 
     def update(
@@ -193,7 +235,8 @@ class SinkCache(CacheDisplay, Cache):
         `ValueError` when that would need evicted tokens back."""
         if tokens_to_remove > 0:
             raise ValueError(f"`crop` takes a non-positive number of tokens to remove, got {tokens_to_remove}")
-        self.window.crop(-tokens_to_remove)  # sink layers keep their tensors: only the column count moves back
+        if self.first_sink_layer is not None:
+            self.window.crop(-tokens_to_remove)  # sink layers keep their tensors: only the column count moves back
         for layer in self.layers:
             if not isinstance(layer, SinkLayer):
                 layer.crop(tokens_to_remove)
@@ -204,10 +247,14 @@ class SinkCache(CacheDisplay, Cache):
             layer.reorder_cache(beam_idx)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        self.reorder_cache(torch.arange(self.window.num_rows).repeat_interleave(repeats))
+        self.window.repeat_rows(repeats)
+        for layer in self.layers:
+            layer.batch_repeat_interleave(repeats)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self.reorder_cache(torch.as_tensor(indices))
+        self.window.select_rows(torch.as_tensor(indices))
+        for layer in self.layers:
+            layer.batch_select_indices(indices)
 
     def reset(self) -> None:
         """Drop every token (and the padding the cache was built for)."""
@@ -220,6 +267,12 @@ class SinkCache(CacheDisplay, Cache):
             layer.nbytes() if isinstance(layer, SinkLayer) else layer.keys.nbytes + layer.values.nbytes
             for layer in self.layers if layer.is_initialized
         )
+
+
+def _grown(buffer: torch.Tensor, extra: int) -> torch.Tensor:
+    """`buffer` `[rows, kv_heads, capacity, head_dim]` with `extra` zero slots appended."""
+    rows, heads, _, dim = buffer.shape
+    return torch.cat([buffer, buffer.new_zeros((rows, heads, extra, dim))], dim=2)
 
 
 def leading_pad_counts(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -238,10 +291,4 @@ def _checked_layer_types(config: PreTrainedConfig) -> tuple[list[str], list[dict
     if unsupported:
         raise ValueError(
             f"SinkCache supports full and sliding attention layers; this model's `config` has {unsupported}")
-    if "full_attention" not in layer_types:
-        raise ValueError(
-            "SinkCache keeps sinks in full-attention layers, and every layer of this model's `config` is a sliding "
-            f"window (sliding_window={getattr(text_config, 'sliding_window', None)}): its own cache already stays "
-            "bounded; use the default cache"
-        )
     return layer_types, layer_kwargs

@@ -79,6 +79,16 @@ class SinkWindow:
         self.num_seen = seen + num_new
         return step
 
+    def kept(self, num_rows: int, device: torch.device) -> SinkStep:
+        """The columns a next step would read before its new tokens (`read_slot .. write_slot - 1`), with the sinks it
+        would show; changes nothing (`SinkLayer.keys` reads through it)."""
+        seen = self.num_seen
+        kv_offset = max(seen - self.settings.window_length, 0)
+        step = SinkStep(0, self.capacity, kv_offset - self.slot_column, seen - self.slot_column)
+        pads = self.pad_counts if self.pad_counts is not None else torch.zeros(num_rows, dtype=torch.long)
+        self._add_sinks(step, kv_offset, pads.to(device))
+        return step
+
     def _layout(self, num_new: int, seen: int, kv_offset: int) -> SinkStep:
         total, length = seen + num_new, seen + num_new - kv_offset
         read, write = kv_offset - self.slot_column, seen - self.slot_column
@@ -138,6 +148,11 @@ class SinkWindow:
         """Keep rows `index` (`[new_rows]`, e.g. beam search's `beam_idx`)."""
         if self.pad_counts is not None:
             self.pad_counts = self.pad_counts.index_select(0, index.to(self.pad_counts.device))
+
+    def repeat_rows(self, repeats: int) -> None:
+        """Repeat every row `repeats` times in place (`batch_repeat_interleave`)."""
+        if self.pad_counts is not None:
+            self.pad_counts = self.pad_counts.repeat_interleave(repeats)
 
     def reset(self) -> None:
         """Forget every token and the padding; the next step starts a new request."""

@@ -46,6 +46,7 @@ def prepare_tree_cache(cache: Cache) -> None:
     """Check that tree verification can prune `cache` (else `ValueError` naming `past_key_values`) and make its
     sliding-window layers keep rejected nodes until `keep_tree_path` drops them."""
     if isinstance(cache, PagedCache):
+        cache.activate_past_recording()  # its sliding layers keep rejected nodes until `keep_tokens` crops them
         return
     if type(cache) is not DynamicCache or not all(isinstance(layer, DynamicLayer) for layer in cache.layers):
         raise ValueError("medusa_generate supports `past_key_values` of type DynamicCache (the default) or "
