@@ -3,7 +3,8 @@
 `hf-accel bench`: decode speed, KV memory and greedy agreement of every strategy in `hf_accel.bench.STRATEGIES`
 against transformers' DynamicCache, measured in one process, on hf_accel's reference target by default.
 `hf-accel train-reference`: train the reference models from scratch (see `hf_accel.reference.train`).
-`hf-accel train-medusa`: train Medusa heads for a model (see `hf_accel.speculative.medusa_command`)."""
+`hf-accel train-medusa`: train Medusa heads for a model (see `hf_accel.speculative.medusa_command`).
+`hf-accel export`: write a model for vLLM (see `hf_accel.export.command`)."""
 
 from __future__ import annotations
 
@@ -57,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     medusa = commands.add_parser("train-medusa", add_help=False,
                                  help="train Medusa heads for a model (default: the reference target; --help)")
     medusa.set_defaults(handler=train_medusa_command)
+    export = commands.add_parser("export", add_help=False,
+                                 help="write a model (default: the reference target) for vLLM (--help for options)")
+    export.set_defaults(handler=export_command)
     return parser
 
 
@@ -72,6 +76,18 @@ def train_medusa_command(args: argparse.Namespace, extra: Sequence[str]) -> int:
     from .speculative import medusa_command  # imported on demand, like train-reference
 
     return medusa_command.main(list(extra))
+
+
+def export_command(args: argparse.Namespace, extra: Sequence[str]) -> int:
+    """`hf-accel export [options] OUT`: the options are `hf_accel.export.command`'s."""
+    try:
+        from .export import command  # imported on demand: needs the `export` extra (compressed-tensors)
+    except ModuleNotFoundError as error:
+        if error.name != "compressed_tensors":
+            raise
+        print("hf-accel export: error: needs compressed-tensors: pip install 'hf_accel[export]'", file=sys.stderr)
+        return 2
+    return command.main(list(extra))
 
 
 def prompt_lengths(longest: int, batch_size: int) -> list[int]:
@@ -142,7 +158,7 @@ def render_report(report: dict[str, Any], results: Sequence[bench.StrategyResult
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `hf-accel` console script."""
     args, extra = build_parser().parse_known_args(argv)
-    if extra and args.command not in ("train-reference", "train-medusa"):
+    if extra and args.command not in ("train-reference", "train-medusa", "export"):
         build_parser().parse_args(argv)  # reports the unknown options and exits
     result = args.handler(args, extra)
     return result if isinstance(result, int) else 0
