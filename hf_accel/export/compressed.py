@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 from compressed_tensors.compressors import ModelCompressor
+from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
 from compressed_tensors.config import CompressionFormat
 from compressed_tensors.quantization import (
     QuantizationArgs,
@@ -117,6 +118,9 @@ def compress(model: PreTrainedModel, quant: ExportQuant) -> ModelCompressor:
         for module in converted_linears(model).values():
             scale = weight_scale(module.weight.detach(), args)
             update_offload_parameter(module, "weight_scale", scale.to(module.weight_scale.dtype))
+            # the library divides in the weight's dtype: bf16 has a 0.5 spacing above 64, so codes could be off
+            # by more than half a step; in fp32 they are round-to-nearest with the stored (bf16) scale
+            module.weight = nn.Parameter(module.weight.detach().float(), requires_grad=False)
     compressor = ModelCompressor.from_pretrained_model(model, quantization_format=FORMAT)
     compressor.compress_model(model)
     return compressor
@@ -128,3 +132,8 @@ def save_compressed(model: PreTrainedModel, quant: ExportQuant, folder: Path) ->
     compressor = compress(model, quant)
     model.save_pretrained(folder)
     compressor.update_config(str(folder))
+
+
+def unpack_codes(weight_packed: torch.Tensor, bits: int, weight_shape: torch.Tensor) -> torch.Tensor:
+    """The signed codes `[out, in]` (int8 tensor) of a checkpoint's `weight_packed`, by the library's unpacking."""
+    return unpack_from_int32(weight_packed, bits, torch.Size(weight_shape.tolist()))

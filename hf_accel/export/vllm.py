@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from .. import reference
 from ..speculative.medusa_export import export_vllm as export_medusa
@@ -108,6 +108,14 @@ def load_heads(medusa: Path, model: PreTrainedModel) -> MedusaHeads:
     return heads
 
 
+def load_tokenizer(model_path: Path) -> PreTrainedTokenizerBase:
+    """The tokenizer saved with the model; `ValueError` naming `model` when the folder has none (vLLM needs one)."""
+    try:
+        return AutoTokenizer.from_pretrained(model_path, local_files_only=True)
+    except (OSError, ValueError) as error:
+        raise ValueError(f"model {str(model_path)!r} has no tokenizer files vLLM could load: {error}") from None
+
+
 def max_model_len(model: PreTrainedModel) -> int:
     """The context length vLLM should serve: the config's `max_position_embeddings`."""
     text_config = model.config.get_text_config(decoder=True)
@@ -147,6 +155,7 @@ def export_vllm(out: str | Path, model: str | Path | None = None, quant: str | N
     check_model_folder(model_path)
     out = Path(out)
     check_output(out, overwrite)
+    tokenizer = load_tokenizer(model_path)
     loaded = AutoModelForCausalLM.from_pretrained(model_path, dtype=EXPORT_DTYPE, local_files_only=True).eval()
     medusa_path = resolve_medusa(model_path, None if medusa is None else Path(medusa))
     heads = None if medusa_path is None else load_heads(medusa_path, loaded)
@@ -157,7 +166,7 @@ def export_vllm(out: str | Path, model: str | Path | None = None, quant: str | N
         loaded.save_pretrained(out)
     else:
         save_compressed(loaded, scheme, out)
-    AutoTokenizer.from_pretrained(model_path, local_files_only=True).save_pretrained(out)
+    tokenizer.save_pretrained(out)
     if heads is not None:
         export_medusa(heads, out / MEDUSA_SUBDIR, EXPORT_DTYPE)
     script = out / "serve.sh"
