@@ -73,7 +73,7 @@ def test_unknown_quant_names_the_argument(tiny, tmp_path):
 def test_config_is_what_vllm_reads_as_weight_only_wna16(tiny, tmp_path, quant):
     out = export_vllm(tmp_path / quant, model=tiny, quant=quant)
     config = json.loads((out / "config.json").read_text())["quantization_config"]
-    # compressed_tensors.py:235-268 (from_config), :328-340 (config_groups -> QuantizationArgs.model_validate)
+    # compressed_tensors.py:235-270 (from_config), :328-340 (config_groups -> QuantizationArgs.model_validate)
     assert config["quant_method"] == "compressed-tensors" and config["format"] == "pack-quantized"
     assert config["ignore"] == ["lm_head"] and config["kv_cache_scheme"] is None
     (group,) = config["config_groups"].values()
@@ -81,7 +81,7 @@ def test_config_is_what_vllm_reads_as_weight_only_wna16(tiny, tmp_path, quant):
     args = QuantizationArgs.model_validate(group["weights"])
     # compressed_tensors.py:698-708 (_is_wNa16_group_channel) and :865-873 (pack-quantized -> CompressedTensorsWNA16)
     assert args.strategy in ("channel", "group") and not args.dynamic and args.actorder is None
-    assert args.type == "int" and args.symmetric  # uint8b128 / uint4b8 (compressed_tensors_wNa16.py:41-49)
+    assert args.type == "int" and args.symmetric  # uint8b128 / uint4b8 (compressed_tensors_wNa16.py:36-43)
     assert (args.num_bits, args.strategy, args.group_size) == ((8, "channel", None) if quant == "int8" else
                                                                 (4, "group", 64))
     assert (args.group_size or -1) in MARLIN_GROUP_SIZES
@@ -94,7 +94,7 @@ def test_tensors_have_the_names_and_shapes_vllm_creates(tiny, tmp_path, quant):
     bits, groups = (8, lambda n: 1) if quant == "int8" else (4, lambda n: n // 64)
     for name, linear in compressed.converted_linears(float_model(tiny)).items():
         n_out, n_in = linear.out_features, linear.in_features
-        # compressed_tensors_wNa16.py:176-240: weight_packed int32 [out, in*bits/32], weight_scale [out, groups]
+        # compressed_tensors_wNa16.py:161-228: weight_packed int32 [out, in*bits/32], weight_scale [out, groups]
         assert tensors[f"{name}.weight_packed"].dtype == torch.int32
         assert tensors[f"{name}.weight_packed"].shape == (n_out, n_in * bits // 32)
         assert tensors[f"{name}.weight_scale"].shape == (n_out, groups(n_in))
