@@ -69,6 +69,13 @@ def test_unknown_quant_names_the_argument(tiny, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_int4_refuses_a_model_no_vllm_group_size_divides_before_writing(tmp_path):
+    model = tiny_folder(tmp_path / "odd", intermediate_size=100)  # down_proj has in_features 100
+    with pytest.raises(ValueError, match=r"multiple of one of \(128, 64, 32\).*100"):
+        export_vllm(tmp_path / "out", model=model, quant="int4")
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("quant", ["int8", "int4"])
 def test_config_is_what_vllm_reads_as_weight_only_wna16(tiny, tmp_path, quant):
     out = export_vllm(tmp_path / quant, model=tiny, quant=quant)

@@ -108,10 +108,10 @@ def weight_scale(weight: torch.Tensor, args: QuantizationArgs) -> torch.Tensor:
     return scale
 
 
-def compress(model: PreTrainedModel, quant: ExportQuant) -> ModelCompressor:
+def compress(model: PreTrainedModel, config: QuantizationConfig) -> ModelCompressor:
     """Quantize `model` in place into the packed compressed-tensors layout (`weight_packed`, `weight_scale`,
-    `weight_shape` per converted Linear) and return the compressor whose `update_config` writes its config."""
-    config = quantization_config(model, quant)
+    `weight_shape` per converted Linear) under `config` (from `quantization_config`) and return the compressor
+    whose `update_config` writes `config` into a saved folder's config.json."""
     apply_quantization_config(model, config)
     args = config.config_groups["group_0"].weights
     with torch.no_grad():
@@ -126,10 +126,11 @@ def compress(model: PreTrainedModel, quant: ExportQuant) -> ModelCompressor:
     return compressor
 
 
-def save_compressed(model: PreTrainedModel, quant: ExportQuant, folder: Path) -> None:
-    """Write `model` (bf16 or fp16 weights) to `folder` as a compressed-tensors checkpoint: safetensors plus a
-    `config.json` carrying the `quantization_config` transformers and vLLM read. `model` is modified in place."""
-    compressor = compress(model, quant)
+def save_compressed(model: PreTrainedModel, config: QuantizationConfig, folder: Path) -> None:
+    """Write `model` (bf16 or fp16 weights) to `folder` as a compressed-tensors checkpoint under `config`:
+    safetensors plus a `config.json` carrying the `quantization_config` transformers and vLLM read. `model` is
+    modified in place."""
+    compressor = compress(model, config)
     model.save_pretrained(folder)
     compressor.update_config(str(folder))
 

@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 from .. import reference
 from ..speculative.medusa_export import export_vllm as export_medusa
 from ..speculative.medusa_heads import MedusaHeads
-from .compressed import export_quant, save_compressed
+from .compressed import export_quant, quantization_config, save_compressed
 
 VLLM_VERSION = "0.32.0"
 REFERENCE_MODEL_DIR = reference.ASSETS_DIR / "target"
@@ -157,15 +157,16 @@ def export_vllm(out: str | Path, model: str | Path | None = None, quant: str | N
     check_output(out, overwrite)
     tokenizer = load_tokenizer(model_path)
     loaded = AutoModelForCausalLM.from_pretrained(model_path, dtype=EXPORT_DTYPE, local_files_only=True).eval()
+    config = None if scheme is None else quantization_config(loaded, scheme)  # checks the group size first
     medusa_path = resolve_medusa(model_path, None if medusa is None else Path(medusa))
     heads = None if medusa_path is None else load_heads(medusa_path, loaded)
-    out.mkdir(parents=True, exist_ok=True)
     command = ServeCommand(served_model_name or out.resolve().name, max_model_len(loaded), scheme is not None,
                            None if heads is None else heads.num_heads)
-    if scheme is None:
+    out.mkdir(parents=True, exist_ok=True)
+    if config is None:
         loaded.save_pretrained(out)
     else:
-        save_compressed(loaded, scheme, out)
+        save_compressed(loaded, config, out)
     tokenizer.save_pretrained(out)
     if heads is not None:
         export_medusa(heads, out / MEDUSA_SUBDIR, EXPORT_DTYPE)
