@@ -80,13 +80,8 @@ def train_medusa_command(args: argparse.Namespace, extra: Sequence[str]) -> int:
 
 def export_command(args: argparse.Namespace, extra: Sequence[str]) -> int:
     """`hf-accel export [options] OUT`: the options are `hf_accel.export.command`'s."""
-    try:
-        from .export import command  # imported on demand: needs the `export` extra (compressed-tensors)
-    except ModuleNotFoundError as error:
-        if error.name != "compressed_tensors":
-            raise
-        print("hf-accel export: error: needs compressed-tensors: pip install 'hf_accel[export]'", file=sys.stderr)
-        return 2
+    from .export import command  # imported on demand, like train-reference
+
     return command.main(list(extra))
 
 

@@ -47,6 +47,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as error:
         print(f"hf-accel export: error: {error}", file=sys.stderr)
         return 2
+    except ModuleNotFoundError as error:
+        if error.name != "compressed_tensors":
+            raise
+        print("hf-accel export: error: --quant needs compressed-tensors: pip install 'hf_accel[export]'",
+              file=sys.stderr)
+        return 2
     print(f"wrote {out}; serve it with: bash {out / 'serve.sh'}")
     return 0
 

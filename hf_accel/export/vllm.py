@@ -23,7 +23,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 from .. import reference
 from ..speculative.medusa_export import export_vllm as export_medusa
 from ..speculative.medusa_heads import MedusaHeads
-from .compressed import export_quant, quantization_config, save_compressed
 
 VLLM_VERSION = "0.32.0"
 REFERENCE_MODEL_DIR = reference.ASSETS_DIR / "target"
@@ -148,8 +147,10 @@ def export_vllm(out: str | Path, model: str | Path | None = None, quant: str | N
     `model`: a local model folder (default: hf_accel's reference target). `quant`: None (bf16), "int8" or "int4".
     `medusa`: a Medusa heads folder (`MedusaHeads.save_pretrained`; default: the reference heads when exporting the
     reference target). `served_model_name` defaults to `out`'s folder name. Bad input raises `ValueError` naming
-    the argument before anything is written.
+    the argument before anything is written; a `quant` without compressed-tensors installed, `ModuleNotFoundError`.
     """
+    if quant is not None:  # compressed-tensors (the `export` extra) is needed for quantized exports only
+        from .compressed import export_quant, quantization_config, save_compressed
     scheme = None if quant is None else export_quant(quant)
     model_path = REFERENCE_MODEL_DIR if model is None else Path(model)
     check_model_folder(model_path)
