@@ -4,7 +4,8 @@
 against transformers' DynamicCache, measured in one process, on hf_accel's reference target by default.
 `hf-accel train-reference`: train the reference models from scratch (see `hf_accel.reference.train`).
 `hf-accel train-medusa`: train Medusa heads for a model (see `hf_accel.speculative.medusa_command`).
-`hf-accel serve`: the OpenAI-compatible HTTP server (extra `serve`; see `hf_accel.server.command`)."""
+`hf-accel serve`: the OpenAI-compatible HTTP server (extra `serve`; see `hf_accel.server.command`).
+`hf-accel export`: write a model for vLLM (see `hf_accel.export.command`)."""
 
 from __future__ import annotations
 
@@ -60,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", add_help=False,
                                 help="OpenAI-compatible HTTP server (default: the reference target; --help)")
     serve.set_defaults(handler=serve_command)
+    export = commands.add_parser("export", add_help=False,
+                                 help="write a model (default: the reference target) for vLLM (--help for options)")
+    export.set_defaults(handler=export_command)
     return parser
 
 
@@ -80,6 +84,13 @@ def train_medusa_command(args: argparse.Namespace, extra: Sequence[str]) -> int:
 def serve_command(args: argparse.Namespace, extra: Sequence[str]) -> int:
     """`hf-accel serve [options]`: the options are `hf_accel.server.command`'s."""
     from .server import command  # imported on demand: the server needs the `serve` extra
+
+    return command.main(list(extra))
+
+
+def export_command(args: argparse.Namespace, extra: Sequence[str]) -> int:
+    """`hf-accel export [options] OUT`: the options are `hf_accel.export.command`'s."""
+    from .export import command  # imported on demand, like train-reference
 
     return command.main(list(extra))
 
@@ -149,7 +160,7 @@ def render_report(report: dict[str, Any], results: Sequence[bench.StrategyResult
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `hf-accel` console script."""
     args, extra = build_parser().parse_known_args(argv)
-    if extra and args.command not in ("train-reference", "train-medusa", "serve"):
+    if extra and args.command not in ("train-reference", "train-medusa", "serve", "export"):
         build_parser().parse_args(argv)  # reports the unknown options and exits
     result = args.handler(args, extra)
     return result if isinstance(result, int) else 0

@@ -1,0 +1,61 @@
+"""`hf-accel export`: write a model for another runtime.
+
+    hf-accel export --format vllm out/target-bf16                 # the reference target + its Medusa heads, bf16
+    hf-accel export --format vllm --quant int4 out/target-int4    # int4 weight-only (compressed-tensors)
+    hf-accel export --format vllm --model ./my-model --quant int8 --medusa ./my-heads out/my-model-int8
+
+The folder gets `serve.sh` with the exact `vllm serve` command line (see docs/export.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+FORMATS = ("vllm",)
+QUANTS = ("int8", "int4")
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    """Options of `hf-accel export`; unknown `--format` / `--quant` values exit with an error naming the option."""
+    parser = argparse.ArgumentParser(prog="hf-accel export", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("out", type=Path, help="folder to write (must be absent or empty unless --overwrite)")
+    parser.add_argument("--format", required=True, choices=FORMATS, help="target runtime")
+    parser.add_argument("--model", type=Path, default=None,
+                        help="local model folder (default: hf_accel's reference target)")
+    parser.add_argument("--quant", choices=QUANTS, default=None,
+                        help="weight-only quantization in the compressed-tensors format (default: bf16 weights)")
+    parser.add_argument("--medusa", type=Path, default=None,
+                        help="Medusa heads folder to export under OUT/medusa (default: the reference heads when "
+                             "exporting the reference target, else none)")
+    parser.add_argument("--served-model-name", default=None, help="name vLLM serves (default: OUT's folder name)")
+    parser.add_argument("--overwrite", action="store_true", help="write into a non-empty OUT")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the export; bad paths print `hf-accel export: error: ...` and return 2."""
+    args = parse_args(argv)
+    from .vllm import export_vllm  # imported after parsing: --help stays fast
+
+    try:
+        out = export_vllm(args.out, model=args.model, quant=args.quant, medusa=args.medusa,
+                          served_model_name=args.served_model_name, overwrite=args.overwrite)
+    except ValueError as error:
+        print(f"hf-accel export: error: {error}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as error:
+        if error.name != "compressed_tensors":
+            raise
+        print("hf-accel export: error: --quant needs compressed-tensors: pip install 'hf_accel[export]'",
+              file=sys.stderr)
+        return 2
+    print(f"wrote {out}; serve it with: bash {out / 'serve.sh'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
