@@ -237,7 +237,8 @@ def markdown(report: dict[str, Any]) -> str:
         "bits, group and residual", f"- method: {report['method']}", "",
         "## Targets", "", bench.format_table(["target", "measured", "met"], target_rows(report), markdown=True), "",
         f"## KV memory, {memory['context']}-token prompt + {memory['new_tokens']} generated tokens, 16-bit model", "",
-        "Model in bf16: the same bytes as fp16 (2 per element); codes, scales, minima, sinks and residual all counted.", "",
+        "Model in bf16: the same bytes as fp16 (2 per element); codes, scales, minima, sinks and residual all "
+        "counted.", "",
         bench.format_table(["cache", "bytes at the end", "x 16-bit DynamicCache (end)", "mean over decode", "max"],
                            [[r["name"], bench.format_bytes(r["end_bytes"]), f"{r['end_ratio']:.3f}x",
                              f"{r['mean_ratio']:.3f}x", f"{r['max_ratio']:.3f}x"] for r in memory["results"]], True),

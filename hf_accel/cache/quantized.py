@@ -2,13 +2,14 @@
 
 Per full-attention layer the cache holds
 
-    sink_keys         [rows, kv_heads, Ts, D] in the model's dtype: the first `num_sink_columns` columns, never quantized
+    sink_keys         [rows, kv_heads, Ts, D] in the model's dtype: the first `num_sink_columns` columns, unquantized
     quantized_keys    codes [rows, kv_heads, Tq, D * nbits / 8] uint8; scale, minimum [rows, kv_heads, Tq / G, 1, D]
     quantized_values  codes [rows, kv_heads, Tq, D * nbits / 8] uint8; scale, minimum [rows, kv_heads, Tq, D / G, 1]
     residual_keys     [rows, kv_heads, Tr, D] in the model's dtype (the most recent tokens); residual_values likewise
 
 and shows, like every transformers layer, `keys` / `values` `[rows, kv_heads, Ts + Tq + Tr, D]`: the sinks, the
-dequantized history, then the residual, computed when read (attention gets the same tensors from `update`; nothing else builds them).
+dequantized history, then the residual, computed when read (attention gets the same tensors from `update`; nothing
+else builds them).
 
 Sinks: each row's first `num_fp_sink_tokens` real tokens stay in full precision. Columns are shared by all rows (the
 attention mask indexes them), so the cache keeps the first `num_fp_sink_tokens + largest left padding` columns of every
@@ -51,7 +52,7 @@ class QuantizedKVLayer(CacheLayerMixin):
         self.settings = settings
         # leading columns kept in full precision: the sinks plus the batch's largest left padding
         self.num_sink_columns = settings.num_fp_sink_tokens if num_sink_columns is None else num_sink_columns
-        self.sink_keys: torch.Tensor | None = None  # [rows, kv_heads, Ts, head_dim], model dtype, Ts <= num_sink_columns
+        self.sink_keys: torch.Tensor | None = None  # [rows, kv_heads, Ts <= num_sink_columns, head_dim], model dtype
         self.sink_values: torch.Tensor | None = None
         self.quantized_keys: QuantizedTensor | None = None
         self.quantized_values: QuantizedTensor | None = None
@@ -245,7 +246,8 @@ class QuantizedKVCache(CacheDisplay, Cache):
         self.num_sink_columns = _sink_columns(num_fp_sink_tokens, attention_mask)
         layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
         layers = [
-            QuantizedKVLayer(self.settings, self.num_sink_columns) if kind == "full_attention" else DYNAMIC_LAYER_TYPE_MAPPING[kind](**kwargs)
+            QuantizedKVLayer(self.settings, self.num_sink_columns) if kind == "full_attention"
+            else DYNAMIC_LAYER_TYPE_MAPPING[kind](**kwargs)
             for kind, kwargs in zip(layer_types, layer_kwargs)
         ]
         super().__init__(layers=layers)
