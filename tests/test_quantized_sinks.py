@@ -38,6 +38,15 @@ def test_sink_columns_are_kept_exactly_and_never_quantized(monkeypatch):
     assert layer.nbytes() == held + layer.quantized_keys.nbytes() + layer.quantized_values.nbytes()
 
 
+def test_no_sinks_hold_no_reference_to_the_prompts_states():
+    layer = _layer(0)
+    prompt = torch.randn(1, 2, 16, 8)
+    layer.update(prompt, prompt.clone())
+    held = (layer.sink_keys, layer.sink_values, layer.residual_keys, layer.residual_values)
+    assert all(t.untyped_storage().data_ptr() != prompt.untyped_storage().data_ptr() for t in held)
+    assert layer.sink_keys.shape == (1, 2, 0, 8)
+
+
 def test_crop_into_the_sinks_refills_them_first():
     layer = _layer(4)
     states = torch.randn(1, 2, 10, 8, generator=torch.Generator().manual_seed(1))

@@ -75,8 +75,9 @@ class QuantizedKVLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.settings = self.settings.for_head_dim(key_states.shape[-1])
         self.dtype, self.device = key_states.dtype, key_states.device
-        self.residual_keys, self.residual_values = key_states[:, :, :0], value_states[:, :, :0]
-        self.sink_keys, self.sink_values = key_states[:, :, :0], value_states[:, :, :0]
+        # new empty tensors, not views: an empty view would keep the whole first update's storage alive
+        self.residual_keys, self.residual_values = _empty_like(key_states), _empty_like(value_states)
+        self.sink_keys, self.sink_values = _empty_like(key_states), _empty_like(value_states)
         self.is_initialized = True
 
     def update(
@@ -207,6 +208,11 @@ def _history(sinks: torch.Tensor | None, quantized: QuantizedTensor | None,
     ops.dequantize(quantized, out[:, :, start:end])
     out[:, :, end:].copy_(residual)
     return out
+
+
+def _empty_like(states: torch.Tensor) -> torch.Tensor:
+    """`[rows, kv_heads, 0, head_dim]` of `states`' dtype and device."""
+    return states.new_empty((*states.shape[:2], 0, states.shape[3]))
 
 
 def _tokens(q: QuantizedTensor, tokens: slice, scale_rows: slice) -> QuantizedTensor:
