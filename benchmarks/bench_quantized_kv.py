@@ -4,6 +4,8 @@ Measures (a) KV bytes vs a 16-bit DynamicCache at a 2,048-token context, scales,
 and worst over the decode steps, and at the end); (b) decode tok/s at 256 and 2,048 context, batch 1, vs DynamicCache
 and vs quanto at the same bits (interleaved, paired ratios); (c) held-out perplexity of the reference target when
 every next-token prediction is decoded through the cache (teacher forcing), and greedy agreement with the fp cache.
+hf_accel rows keep the default 4 full-precision sinks (each row's first tokens); "no fp sinks" rows set
+`num_fp_sink_tokens=0` and quantize them too (int4 in (a) and (b), int4 and int2 in (c)).
 Method (hf_accel.bench): seed, one warm-up round, strategies interleaved, median of repeats, paired ratios;
 decode time = time(N new tokens) - time(1 new token).
 
@@ -58,19 +60,30 @@ FULL = Plan(64, 128, 2048, 128, (256, 2048), 192, 3, 8, 512, 64, 256, 128)  # 19
 QUICK = Plan(16, 32, 128, 16, (32, 128), 8, 1, 2, 64, 16, 32, 8)
 
 
-def quantized_kwargs(plan: Plan, nbits: int) -> dict[str, Any]:
+NO_SINKS = " no fp sinks"  # name suffix of the rows with num_fp_sink_tokens=0
+NO_SINKS_BITS = {"memory": (4,), "speed": (4,), "quality": (4, 2)}  # where the no-sink rows are measured
+
+
+def quantized_kwargs(plan: Plan, nbits: int, num_fp_sink_tokens: int = 4) -> dict[str, Any]:
     config = {"backend": "hf_accel", "nbits": nbits, "group_size": plan.group_size,
-              "residual_length": plan.residual_length}
+              "residual_length": plan.residual_length, "num_fp_sink_tokens": num_fp_sink_tokens}
     return {"cache_implementation": "quantized", "cache_config": config}
+
+
+def quantized_variants(part: str) -> list[tuple[str, int, int]]:
+    """(row name, bits, num_fp_sink_tokens) of the hf_accel rows of one part: every bit width with the default 4
+    sinks, then the no-sink rows of `NO_SINKS_BITS[part]`."""
+    return [(f"hf_accel int{n}", n, 4) for n in BITS] + [
+        (f"hf_accel int{n}{NO_SINKS}", n, 0) for n in NO_SINKS_BITS[part]]
 
 
 def strategies(plan: Plan) -> list[bench.Strategy]:
     """DynamicCache, hf_accel at each bit width, then quanto at 4 and 2 bits when optimum-quanto is installed (not in
     the quick plan: quanto builds its kernels on first use)."""
     rows = [bench.Strategy("DynamicCache", "transformers default (baseline)", lambda model, max_len: {})]
-    for nbits in BITS:
-        rows.append(bench.Strategy(f"hf_accel int{nbits}", f"group {plan.group_size}, residual {plan.residual_length}",
-                                   lambda model, max_len, n=nbits: quantized_kwargs(plan, n)))
+    for name, nbits, sinks in quantized_variants("speed"):
+        rows.append(bench.Strategy(name, f"group {plan.group_size}, residual {plan.residual_length}, {sinks} fp sinks",
+                                   lambda model, max_len, n=nbits, s=sinks: quantized_kwargs(plan, n, s)))
     for nbits in (4, 2) if HAS_QUANTO and plan is not QUICK else ():
         config = {"backend": "quanto", "nbits": nbits, "q_group_size": plan.group_size,
                   "residual_length": plan.residual_length}
@@ -97,7 +110,8 @@ def measure_memory(model: LlamaForCausalLM, plan: Plan) -> dict[str, Any]:
     half = model.to(torch.bfloat16)
     inputs = bench.make_prompts([plan.memory_context], model.config.vocab_size, seed=3)
     caches = {"DynamicCache 16-bit": DynamicCache(config=half.config)}
-    caches |= {f"hf_accel int{n}": QuantizedKVCache(half.config, n, plan.group_size, plan.residual_length) for n in BITS}
+    caches |= {name: QuantizedKVCache(half.config, n, plan.group_size, plan.residual_length, sinks)
+               for name, n, sinks in quantized_variants("memory")}
     samples = {}
     for name, cache in caches.items():
         recorder = _RecordBytes(cache)
@@ -142,16 +156,17 @@ def decoded_perplexity(model: LlamaForCausalLM, rows: torch.Tensor, prompt_len: 
 def measure_quality(model: LlamaForCausalLM, rows: torch.Tensor, plan: Plan) -> dict[str, Any]:
     """Teacher-forced decode perplexity per cache, and greedy agreement with DynamicCache on held-out prompts."""
     ppl = {"DynamicCache": decoded_perplexity(model, rows, plan.ppl_prompt_len, DynamicCache(config=model.config))}
-    for nbits in BITS:
-        cache = QuantizedKVCache(model.config, nbits, plan.group_size, plan.residual_length)
-        ppl[f"hf_accel int{nbits}"] = decoded_perplexity(model, rows, plan.ppl_prompt_len, cache)
+    variants = quantized_variants("quality")
+    for name, nbits, sinks in variants:
+        cache = QuantizedKVCache(model.config, nbits, plan.group_size, plan.residual_length, sinks)
+        ppl[name] = decoded_perplexity(model, rows, plan.ppl_prompt_len, cache)
     prompts = {"input_ids": rows[:, : plan.agreement_prompt_len]}
     options = dict(max_new_tokens=plan.agreement_new_tokens, min_new_tokens=plan.agreement_new_tokens, do_sample=False)
     with torch.inference_mode():
         base = model.generate(**prompts, **options)[:, plan.agreement_prompt_len :]
-        agreement = {f"hf_accel int{n}": bench.token_agreement(
-            model.generate(**prompts, **options, **quantized_kwargs(plan, n))[:, plan.agreement_prompt_len :], base)
-            for n in BITS}
+        agreement = {name: bench.token_agreement(
+            model.generate(**prompts, **options, **quantized_kwargs(plan, n, s))[:, plan.agreement_prompt_len :], base)
+            for name, n, s in variants}
     return {"rows": rows.shape[0], "seq_len": rows.shape[1], "prompt_len": plan.ppl_prompt_len, "perplexity": ppl,
             "agreement_prompt_len": plan.agreement_prompt_len, "agreement_new_tokens": plan.agreement_new_tokens,
             "greedy_agreement": agreement}
@@ -216,12 +231,14 @@ def markdown(report: dict[str, Any]) -> str:
         f"- hardware: {hw['cpu']}, {hw['torch_threads']} torch thread(s), torch {hw['torch']}, "
         f"transformers {hw['transformers']}; a shared machine, so compare ratios, not absolutes",
         f"- model: {report['model']}; speed in fp32, memory in bf16, batch 1, greedy",
-        f"- hf_accel settings: group {report['group_size']}, residual {report['residual_length']}; quanto: "
+        f"- hf_accel settings: group {report['group_size']}, residual {report['residual_length']}, 4 full-precision "
+        f"sinks (rows '{NO_SINKS.strip()}': `num_fp_sink_tokens=0`); quanto: "
         f"{'optimum-quanto ' + report['quanto_version'] if report['quanto_version'] else 'not installed'}, same "
         "bits, group and residual", f"- method: {report['method']}", "",
         "## Targets", "", bench.format_table(["target", "measured", "met"], target_rows(report), markdown=True), "",
         f"## KV memory, {memory['context']}-token prompt + {memory['new_tokens']} generated tokens, 16-bit model", "",
-        "Model in bf16: the same bytes as fp16 (2 per element); codes, scales, minima and the residual all counted.", "",
+        "Model in bf16: the same bytes as fp16 (2 per element); codes, scales, minima, sinks and residual all "
+        "counted.", "",
         bench.format_table(["cache", "bytes at the end", "x 16-bit DynamicCache (end)", "mean over decode", "max"],
                            [[r["name"], bench.format_bytes(r["end_bytes"]), f"{r['end_ratio']:.3f}x",
                              f"{r['mean_ratio']:.3f}x", f"{r['max_ratio']:.3f}x"] for r in memory["results"]], True),

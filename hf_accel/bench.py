@@ -37,7 +37,8 @@ from .speculative.draft import draft_generate
 from .speculative.medusa import medusa_generate
 
 def quantized_int4(model: PreTrainedModel) -> dict[str, Any]:
-    """generate kwargs for hf_accel's int4 KV cache: groups of 64 (or the head dimension when smaller), residual 128."""
+    """generate kwargs for hf_accel's int4 KV cache: groups of 64 (or the head dimension when smaller), residual 128,
+    the default 4 full-precision sinks."""
     config = model.config.get_text_config(decoder=True)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     settings = {"backend": "hf_accel", "nbits": 4, "group_size": math.gcd(64, head_dim), "residual_length": 128}
@@ -85,7 +86,8 @@ STRATEGIES: tuple[Strategy, ...] = (
     ),
     Strategy(
         "hf_accel quantized int4",
-        'cache_implementation="quantized", backend "hf_accel", 4 bits, group 64 (or the head dim), residual 128',
+        'cache_implementation="quantized", backend "hf_accel", 4 bits, group 64 (or the head dim), residual 128, '
+        '4 full-precision sinks',
         lambda model, max_len: quantized_int4(model),
     ),
     Strategy(

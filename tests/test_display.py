@@ -26,7 +26,8 @@ def test_one_line_and_html_table_show_the_same_fields():
 @pytest.mark.parametrize("implementation, config, expected", [
     ("paged", {"block_size": 4}, "PagedCache(block_size=4, layers=2, tokens=14, memory={}, blocks_used=4/4)"),
     ("quantized", {"backend": "hf_accel", "nbits": 4, "group_size": 16, "residual_length": 16},
-     "QuantizedKVCache(nbits=4, group_size=16, residual_length=16, layers=2, tokens=14, memory={})"),
+     "QuantizedKVCache(nbits=4, group_size=16, residual_length=16, num_fp_sink_tokens=4, layers=2, tokens=14, "
+     "memory={})"),
     ("sink", {"window_length": 8, "num_sink_tokens": 2},
      "SinkCache(window_length=8, num_sink_tokens=2, layers=2, tokens=14, memory={})"),
 ])

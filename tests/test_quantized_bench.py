@@ -13,6 +13,10 @@ def test_quick_run_writes_json_markdown_and_target_rows(tmp_path, load_benchmark
     assert memory["hf_accel int2"]["end_bytes"] < memory["hf_accel int4"]["end_bytes"] < memory["hf_accel int8"]["end_bytes"]
     assert memory["hf_accel int8"]["end_ratio"] < 1.0
     assert [s["context"] for s in report["speed"]] == list(script.QUICK.speed_contexts)
-    assert set(report["quality"]["perplexity"]) == {"DynamicCache", "hf_accel int8", "hf_accel int4", "hf_accel int2"}
+    assert set(report["quality"]["perplexity"]) == {"DynamicCache", "hf_accel int8", "hf_accel int4", "hf_accel int2",
+                                                    "hf_accel int4 no fp sinks", "hf_accel int2 no fp sinks"}
+    assert set(report["quality"]["greedy_agreement"]) == set(report["quality"]["perplexity"]) - {"DynamicCache"}
+    assert "hf_accel int4 no fp sinks" in memory
+    assert {r["name"] for r in report["speed"][0]["results"]} >= {"hf_accel int4", "hf_accel int4 no fp sinks"}
     assert "| hf_accel int4 |" in (tmp_path / "docs/bench_quantized_kv.md").read_text()
     assert "perplexity increase" in (tmp_path / "docs/caches.md").read_text()

@@ -41,8 +41,10 @@ def test_constant_groups_are_exact_and_dequantize_writes_into_a_view():
     assert torch.equal(out[:, :, :16], x) and (out[:, :, 16:] == 0).all()
 
 
-def _filled_layer(tokens_per_update, nbits=4, group=4, residual=8, seed=0):
-    layer = QuantizedKVLayer(hf_accel.QuantizedKVConfig(nbits=nbits, group_size=group, residual_length=residual))
+def _filled_layer(tokens_per_update, nbits=4, group=4, residual=8, seed=0, sinks=0):
+    settings = hf_accel.QuantizedKVConfig(nbits=nbits, group_size=group, residual_length=residual,
+                                          num_fp_sink_tokens=sinks)
+    layer = QuantizedKVLayer(settings)
     gen = torch.Generator().manual_seed(seed)
     states = [torch.randn(2, 2, n, 8, generator=gen) for n in tokens_per_update]
     outputs = [layer.update(s, s * 2) for s in states]

@@ -27,11 +27,13 @@ def build_paged_cache(model: PreTrainedModel, request: CacheRequest) -> PagedCac
 
 
 def build_quantized_cache(model: PreTrainedModel, request: CacheRequest) -> QuantizedKVCache:
-    """hf_accel's `QuantizedKVCache`, for `cache_implementation="quantized"` with `cache_config["backend"]="hf_accel"`."""
+    """hf_accel's `QuantizedKVCache`, for `cache_implementation="quantized"` with `cache_config["backend"]="hf_accel"`,
+    told the prompts' left padding (each row's first real tokens are its full-precision sinks)."""
     _require_cache_support(model, "quantized")
     settings = QuantizedKVConfig.from_dict(request.generation_config.cache_config)
     return QuantizedKVCache(
-        model.config, nbits=settings.nbits, group_size=settings.group_size, residual_length=settings.residual_length
+        model.config, nbits=settings.nbits, group_size=settings.group_size, residual_length=settings.residual_length,
+        num_fp_sink_tokens=settings.num_fp_sink_tokens, attention_mask=request.attention_mask,
     )
 
 

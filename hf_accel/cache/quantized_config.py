@@ -13,6 +13,7 @@ from .settings import check_int, settings_from_dict
 BACKEND = "hf_accel"  # the `cache_config["backend"]` that selects this cache under cache_implementation="quantized"
 MAX_DEFAULT_GROUP_SIZE = 64  # default group: the largest power of two up to this that divides the head dimension
 DEFAULT_RESIDUAL_TOKENS = 128  # default residual: the smallest multiple of the group size at least this long
+DEFAULT_FP_SINK_TOKENS = 4  # each row's first real tokens kept in full precision (StreamingLLM's 4 attention sinks)
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,13 +25,17 @@ class QuantizedKVConfig:
     must divide the head dimension); None: the largest power of two up to 64 that divides the head dimension
     (64 for head dimension 128, 16 for 16). residual_length: the most recent tokens are kept in full precision; once
     that many have accumulated, the oldest whole groups of them are quantized and appended (a positive multiple of
-    `group_size`); None: the smallest multiple of `group_size` that is at least 128.
+    `group_size`); None: the smallest multiple of `group_size` that is at least 128. num_fp_sink_tokens: each row's
+    first real tokens (after its left padding) are kept in full precision and never quantized (default 4, as
+    StreamingLLM's attention sinks; 0 quantizes them like any token): models park attention on their first tokens,
+    whose K/V are often huge outliers, so quantizing them costs far more quality than their bytes save.
     Defaults left as None are settled by `for_head_dim` once the model is known.
     """
 
     nbits: int = 4
     group_size: int | None = None
     residual_length: int | None = None
+    num_fp_sink_tokens: int = DEFAULT_FP_SINK_TOKENS
 
     def __post_init__(self) -> None:
         check_int("nbits", self.nbits, 0, f"an int, one of {SUPPORTED_NBITS}")
@@ -40,6 +45,7 @@ class QuantizedKVConfig:
             check_int("group_size", self.group_size, 1, "a positive int or None (fit the head dimension)")
         if self.residual_length is not None:
             check_int("residual_length", self.residual_length, 1, "a positive multiple of `group_size` or None")
+        check_int("num_fp_sink_tokens", self.num_fp_sink_tokens, 0, "a non-negative int")
         if self.group_size is not None and self.residual_length is not None and (
                 self.residual_length < self.group_size or self.residual_length % self.group_size):
             raise ValueError(
