@@ -1,6 +1,8 @@
 """Engine outputs against plain `generate`: greedy equality on tiny models of every conformance architecture,
 with and without chunked prefill, and the request-level behaviours (stops, lengths, n, seeds, logprobs, errors)."""
 
+import copy
+
 import pytest
 import torch
 
@@ -56,7 +58,7 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch():
 
 
 def test_stop_strings_stop_tokens_and_eos():
-    model = make_model("llama", torch.float32, "sdpa")
+    model = copy.deepcopy(make_model("llama", torch.float32, "sdpa"))  # its generation config changes below
     tokenizer = make_tokenizer()
     prompt = random_prompts([8], seed=6)[0]
     free = Engine(model, tokenizer, block_size=4).generate([prompt], GREEDY)[0]
