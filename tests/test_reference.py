@@ -73,6 +73,20 @@ def test_tokenizer_round_trips_held_out_text_and_loads_from_folder(small_tokeniz
         assert ids == small_tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+def test_chat_template_renders_role_lines_and_round_trips_exactly(small_tokenizer, tmp_path):
+    save_tokenizer(small_tokenizer, tmp_path)
+    loaded = AutoTokenizer.from_pretrained(tmp_path, local_files_only=True)
+    messages = [{"role": "system", "content": "You write Python."},
+                {"role": "user", "content": "Sort a list:\n  xs = [3, 1]  # é 🙂"}]
+    text = loaded.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text == ("<|system|>\nYou write Python.<|endoftext|>\n<|user|>\nSort a list:\n  xs = [3, 1]  # é 🙂"
+                    "<|endoftext|>\n<|assistant|>\n")
+    ids = loaded.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
+    assert loaded.decode(ids) == text
+    assert ids.count(loaded.eos_token_id) == 2  # one end-of-turn token per message
+    assert not loaded.apply_chat_template(messages, tokenize=False).endswith("<|assistant|>\n")
+
+
 def test_tokenizer_training_is_deterministic(train, small_tokenizer):
     again = train_tokenizer(train.texts[:40], vocab_size=512)
     assert again.get_vocab() == small_tokenizer.get_vocab()
@@ -149,6 +163,11 @@ def test_checkpoint_resume_continues_exactly_like_an_uninterrupted_run(train, sm
     assert resumed.steps_done == recipe.steps and resumed.losses == expected.losses
     for a, b in zip(resumed_model.parameters(), whole.parameters()):
         assert torch.equal(a, b)
+    cut_short = train_model(build_model(MODEL_PRESETS["tiny"], small_tokenizer, seed=0), rows, recipe, 0.0, False,
+                            Checkpointing(tmp_path / "short", every=7, resume=True))
+    again = train_model(resumed_model, rows, recipe, time_budget_s=0.0, progress=False,
+                        checkpointing=Checkpointing(tmp_path / "short", every=7, resume=True))
+    assert again.losses == cut_short.losses  # resumed with its budget spent: no further step
     with pytest.raises(ValueError, match="every"):
         Checkpointing(tmp_path, every=0)
 

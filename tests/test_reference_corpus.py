@@ -123,3 +123,15 @@ def test_pack_sequences_separates_documents_and_drops_the_tail():
     assert rows.tolist() == [[1, 2, 3, 0], [4, 0, 5, 6]]  # stream 1 2 3 0 4 0 5 6 0; the tail "0" is dropped
     assert corpus.pack_sequences([[1, 2]], 0, 4).shape == (0, 4)
     assert corpus.pack_sequences([], 0, 4).shape == (0, 4)
+
+
+def test_measure_only_run_reuses_the_train_token_count_of_the_same_corpus_only():
+    from hf_accel.reference.build import _known_token_counts
+
+    train = corpus.Corpus(["lib/x.py"], ["x = 1\n"])
+    built = corpus.SplitCorpus({"train": train, "held_out": corpus.Corpus(), "held_out_packages": corpus.Corpus()}, [])
+    report = {"corpus": {"splits": {"train": {"fingerprint": train.fingerprint, "tokens": 7}}}}
+    assert _known_token_counts(report, built) == {"train": 7}
+    report["corpus"]["splits"]["train"]["fingerprint"] = "0" * 64
+    assert _known_token_counts(report, built) == {}
+    assert _known_token_counts({}, built) == {}

@@ -47,12 +47,12 @@ def has_assets(assets_dir: Path = ASSETS_DIR) -> bool:
 
 def held_out_sequences(
     tokenizer: PreTrainedTokenizerBase, seq_len: int = 512, max_rows: int | None = None,
-    split: Split = "held_out_packages",
+    split: Split = "held_out",
 ) -> torch.Tensor:
     """A held-out split (never trained on) as ``[rows, seq_len]`` token ids: files in corpus order, each followed by
-    the end-of-text token, cut into rows; at most ``max_rows`` rows (all by default). ``split`` is
-    "held_out_packages" (whole packages never trained on, the default) or "held_out" (files of the trained
-    packages)."""
+    the end-of-text token, cut into rows; at most ``max_rows`` rows (all by default). ``split`` is "held_out" (files
+    of the trained sources, the standard library's first: the benchmarks' prompts) or "held_out_packages" (whole
+    packages never trained on)."""
     if split not in ("held_out", "held_out_packages"):
         raise ValueError(f"split must be 'held_out' or 'held_out_packages', got {split!r}")
     held_out = load_split(split)

@@ -22,15 +22,16 @@ from .corpus import (
     HELD_OUT_PERCENT, NEAR_DUP_LINE_CHARS, NEAR_DUP_MIN_LINES, NEAR_DUP_SHARE, Corpus, SplitCorpus, default_corpus,
     pack_sequences, tokenize,
 )
-from .evaluate import greedy_agreement, perplexity
+from .evaluate import greedy_agreement, perplexity, token_forward_seconds
 from .loop import Checkpointing, build_model, num_parameters, save_model, train_model
 from .presets import MODEL_PRESETS, TrainRecipe
 from .sources import MAX_FILE_BYTES
-from .tokenizer import DEFAULT_VOCAB_SIZE, save_tokenizer, train_tokenizer
+from .tokenizer import CHAT_TEMPLATE, DEFAULT_VOCAB_SIZE, save_tokenizer, train_tokenizer
 
 EVAL_SEQ_LEN = 512
 EVAL_ROWS = 128  # per held-out split, evenly spaced over its packed rows
 HELD_OUT_SPLITS = ("held_out", "held_out_packages")
+COST_CONTEXT = 128  # tokens of KV cache behind the timed single-token forwards
 
 
 def prepare_tokenizer(
@@ -40,7 +41,11 @@ def prepare_tokenizer(
     its training time in seconds (``None`` when reused)."""
     folder = out / "tokenizer"
     if (folder / "tokenizer.json").is_file() and not retrain:
-        return AutoTokenizer.from_pretrained(folder, local_files_only=True), None
+        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        if tokenizer.chat_template != CHAT_TEMPLATE:  # a tokenizer saved before the template existed
+            tokenizer.chat_template = CHAT_TEMPLATE
+            save_tokenizer(tokenizer, folder)
+        return tokenizer, None
     start = time.perf_counter()
     tokenizer = train_tokenizer(train_texts, vocab_size)
     seconds = time.perf_counter() - start
@@ -56,16 +61,15 @@ def evaluation_rows(token_ids: list[list[int]], separator_id: int, max_rows: int
     return rows[torch.linspace(0, len(rows) - 1, max_rows).round().long()]
 
 
-def _corpus_record(corpus: SplitCorpus, token_ids: dict[str, list[list[int]]]) -> dict:
-    def split_record(split: Corpus, ids: list[list[int]]) -> dict:
-        return {"files": split.num_files, "bytes": split.num_bytes, "tokens": sum(len(x) for x in ids),
-                "fingerprint": split.fingerprint}
+def _corpus_record(corpus: SplitCorpus, token_counts: dict[str, int]) -> dict:
+    def split_record(split: Corpus, tokens: int) -> dict:
+        return {"files": split.num_files, "bytes": split.num_bytes, "tokens": tokens, "fingerprint": split.fingerprint}
 
     return {
         "rules": {"held_out_percent": HELD_OUT_PERCENT, "near_dup_share": NEAR_DUP_SHARE,
                   "near_dup_min_lines": NEAR_DUP_MIN_LINES, "near_dup_line_chars": NEAR_DUP_LINE_CHARS,
                   "max_file_bytes": MAX_FILE_BYTES, "eval_rows": EVAL_ROWS, "eval_seq_len": EVAL_SEQ_LEN},
-        "splits": {name: split_record(split, token_ids[name]) for name, split in corpus.splits.items()},
+        "splits": {name: split_record(split, token_counts[name]) for name, split in corpus.splits.items()},
         "sources": [asdict(record) for record in corpus.sources],
     }
 
@@ -107,6 +111,9 @@ def measure(out: Path, eval_rows: dict[str, torch.Tensor], baseline: Path | None
     if len(found) == len(MODEL_NAMES):
         rows = eval_rows["held_out_packages"]
         measured["greedy_agreement"] = round(greedy_agreement(found["draft"], found["target"], rows), 4)
+        target_s, draft_s = token_forward_seconds(found["target"], found["draft"], rows[:1, :COST_CONTEXT])
+        measured["token_forward_ms"] = {"target": round(1e3 * target_s, 3), "draft": round(1e3 * draft_s, 3),
+                                        "context": COST_CONTEXT, "threads": torch.get_num_threads()}
     return measured
 
 
@@ -125,15 +132,22 @@ def build_reference(
     out = ASSETS_DIR if out is None else Path(out)
     corpus = default_corpus()
     tokenizer, tokenizer_seconds = prepare_tokenizer(out, corpus.splits["train"].texts, retrain_tokenizer)
-    token_ids = {split: tokenize(c.texts, tokenizer) for split, c in corpus.splits.items()}
+    known = _known_token_counts(_previous_report(out), corpus) if not names and tokenizer_seconds is None else {}
+    token_ids = {split: tokenize(c.texts, tokenizer) for split, c in corpus.splits.items() if split not in known}
+    token_counts = {**known, **{split: sum(len(ids) for ids in token_ids[split]) for split in token_ids}}
     eval_rows = {split: evaluation_rows(token_ids[split], tokenizer.eos_token_id) for split in HELD_OUT_SPLITS}
     trained = {name: train_one(name, recipes[name], tokenizer, token_ids["train"], out, time_budget_s, progress,
                                (checkpointing or {}).get(name)) for name in names}
+    for record in trained.values():  # which corpus a model saw: the card tells models of an earlier corpus apart
+        record["train_fingerprint"] = corpus.splits["train"].fingerprint
+    for name in MODEL_NAMES:  # every saved model carries the current tokenizer files (chat template included)
+        if (out / name / "config.json").is_file():
+            save_tokenizer(tokenizer, out / name)
     measured = measure(out, eval_rows, baseline)
     report = _previous_report(out)
     report.update(python=platform.python_version(), torch={"version": torch.__version__,
                                                            "threads": torch.get_num_threads()})
-    report["corpus"] = _corpus_record(corpus, token_ids)
+    report["corpus"] = _corpus_record(corpus, token_counts)
     report.setdefault("tokenizer", {})["vocab_size"] = len(tokenizer)
     if tokenizer_seconds is not None:
         report["tokenizer"]["train_seconds"] = round(tokenizer_seconds, 1)
@@ -141,12 +155,21 @@ def build_reference(
     models.update(trained)
     for name, perplexities in measured["perplexity"].items():
         models.setdefault(name, {})["held_out_perplexity"] = perplexities
-    for key in ("baseline_target", "greedy_agreement"):
+    for key in ("baseline_target", "greedy_agreement", "token_forward_ms"):
         if key in measured:
             report[key] = measured[key]
     path = out / "report.json"
     path.write_text(json.dumps(report, indent=2) + "\n")
     return path
+
+
+def _known_token_counts(report: dict, corpus: SplitCorpus) -> dict[str, int]:
+    """The train split's token count from an earlier report of the same corpus (equal fingerprint), for a
+    measure-only run that did not retrain the tokenizer: it need not tokenize text it does not evaluate."""
+    previous = report.get("corpus", {}).get("splits", {}).get("train", {})
+    if previous.get("fingerprint") == corpus.splits["train"].fingerprint and "tokens" in previous:
+        return {"train": previous["tokens"]}
+    return {}
 
 
 def _previous_report(out: Path) -> dict:

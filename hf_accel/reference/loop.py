@@ -163,7 +163,10 @@ def train_model(
     for _ in losses:  # replay the seeded order up to the resumed step
         next(batches)
     start = time.perf_counter() - spent
-    bar = tqdm(range(len(losses), recipe.steps), desc="train", unit="step", disable=not progress)
+    steps = range(len(losses), recipe.steps)
+    if losses and time_budget_s is not None and spent >= time_budget_s:
+        steps = range(0)  # resumed after the budget was spent: nothing left but saving and measuring
+    bar = tqdm(steps, desc="train", unit="step", disable=not progress)
     for step in bar:
         lr = lr_at(step, recipe, _time_fraction(time.perf_counter() - start, time_budget_s))
         losses.append(_step(model, optimizer, next(batches), recipe, lr))
