@@ -124,9 +124,29 @@ def _corpus_text(corpus: dict[str, Any]) -> list[str]:
     ]
 
 
+def _details(report: dict[str, Any]) -> list[str]:
+    torch_info, rules, target = report["torch"], report["corpus"]["rules"], report["models"]["target"]
+    return [
+        _cost(report),
+        *_provenance(report),
+        f"- greedy next-token agreement of the draft with the target on the held-out package rows: "
+        f"**{100 * report['greedy_agreement']:.1f}%** (the acceptance rate of one greedy speculative token)",
+        f"- held-out perplexity: every position but the first of {rules['eval_rows']} rows of "
+        f"{rules['eval_seq_len']} tokens per split (files joined by the end-of-text token, rows evenly spaced over "
+        "the split), the models loaded back from their saved bf16 weights and run in fp32"
+        + ("; the v1 target (the previous release, trained on the stdlib only) measured on the same rows"
+           if "baseline_target" in report else ""),
+        "- weights stored as bf16 safetensors with tied embeddings; `reference.load` upcasts to fp32 by default",
+        "- trained with AdamW (weight decay 0.1, grad clip 1.0), linear warmup then cosine decay to 10%, "
+        f"{'CPU bf16 autocast' if target['recipe']['bf16_autocast'] else 'fp32'}, seed 0, one torch thread; the "
+        f"target saw {target['epochs']:.2f} epochs {_corpus_of(report, target)} "
+        f"({target['tokens_seen'] / max(1.0, target['train_seconds']):.0f} tokens/s, on a 2-core machine shared "
+        f"with other jobs); measured with torch {torch_info['version']}, Python {report['python']}",
+    ]
+
+
 def render(report: dict[str, Any]) -> str:
     """The model card's markdown."""
-    torch_info, rules = report["torch"], report["corpus"]["rules"]
     target, draft = report["models"]["target"], report["models"]["draft"]
     minutes = (target["train_seconds"] + draft["train_seconds"]) / 60
     models = format_table(["model", "parameters", "shape", "context", "training", "train time",
@@ -143,22 +163,7 @@ def render(report: dict[str, Any]) -> str:
         "text real. Your own model goes in with `--model <path or hub id>`.", "",
         "## Models", "", models, "",
         format_table(["target (issue 14)", "measured", "met"], _targets(report), markdown=True), "",
-        _cost(report),
-        *_provenance(report),
-        f"- greedy next-token agreement of the draft with the target on the held-out package rows: "
-        f"**{100 * report['greedy_agreement']:.1f}%** (the acceptance rate of one greedy speculative token)",
-        f"- held-out perplexity: every position but the first of {rules['eval_rows']} rows of "
-        f"{rules['eval_seq_len']} tokens per split (files joined by the end-of-text token, rows evenly spaced over "
-        "the split), the models loaded back from their saved bf16 weights and run in fp32"
-        + ("; the v1 target (the previous release, trained on the stdlib only) measured on the same rows"
-           if "baseline_target" in report else ""),
-        "- weights stored as bf16 safetensors with tied embeddings; `reference.load` upcasts to fp32 by default",
-        "- trained with AdamW (weight decay 0.1, grad clip 1.0), linear warmup then cosine decay to 10%, "
-        f"{'CPU bf16 autocast' if target['recipe']['bf16_autocast'] else 'fp32'}, seed 0, one torch thread; the "
-        f"target saw {target['epochs']:.2f} epochs {_corpus_of(report, target)} "
-        f"({target['tokens_seen'] / max(1.0, target['train_seconds']):.0f} tokens/s, on a 2-core machine shared "
-        f"with other jobs); measured with torch {torch_info['version']}, Python {report['python']}",
-        "",
+        *_details(report), "",
         *_corpus_text(report["corpus"]),
         "## Tokenizer", "",
         f"Byte-level BPE (`tokenizers`), {report['tokenizer']['vocab_size']} tokens, trained on the stdlib (the v1 "

@@ -190,3 +190,17 @@ def test_steps_override_scales_warmup():
     assert short.steps == TRAIN_RECIPES["target"].steps // 10
     assert short.warmup_steps == max(1, round(TRAIN_RECIPES["target"].warmup_steps / 10))
     assert recipe_for("draft", 1).warmup_steps == 1
+
+
+def test_report_update_keeps_other_models_and_replaces_what_was_measured():
+    from hf_accel.reference.build import _updated_report
+
+    earlier = {"models": {"draft": {"steps_done": 5, "held_out_perplexity": 9.0}}, "greedy_agreement": 0.4,
+               "baseline_target": {"parameters": 1}}
+    trained = {"target": {"steps_done": 7}}
+    measured = {"perplexity": {"target": {"held_out": 3.0}, "draft": {"held_out": 4.0}}, "greedy_agreement": 0.5}
+    report = _updated_report(earlier, {"splits": {}}, trained, measured)
+    assert report["models"] == {"draft": {"steps_done": 5, "held_out_perplexity": {"held_out": 4.0}},
+                                "target": {"steps_done": 7, "held_out_perplexity": {"held_out": 3.0}}}
+    assert report["greedy_agreement"] == 0.5 and report["baseline_target"] == {"parameters": 1}
+    assert report["corpus"] == {"splits": {}} and "torch" in report and "python" in report

@@ -144,13 +144,19 @@ def build_reference(
         if (out / name / "config.json").is_file():
             save_tokenizer(tokenizer, out / name)
     measured = measure(out, eval_rows, baseline)
-    report = _previous_report(out)
-    report.update(python=platform.python_version(), torch={"version": torch.__version__,
-                                                           "threads": torch.get_num_threads()})
-    report["corpus"] = _corpus_record(corpus, token_counts)
+    report = _updated_report(_previous_report(out), _corpus_record(corpus, token_counts), trained, measured)
     report.setdefault("tokenizer", {})["vocab_size"] = len(tokenizer)
     if tokenizer_seconds is not None:
         report["tokenizer"]["train_seconds"] = round(tokenizer_seconds, 1)
+    path = out / "report.json"
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    return path
+
+
+def _updated_report(report: dict, corpus_record: dict, trained: dict, measured: dict) -> dict:
+    """The earlier report with this run's corpus, training records and measurements in place."""
+    report.update(python=platform.python_version(), corpus=corpus_record,
+                  torch={"version": torch.__version__, "threads": torch.get_num_threads()})
     models = report.setdefault("models", {})
     models.update(trained)
     for name, perplexities in measured["perplexity"].items():
@@ -158,9 +164,7 @@ def build_reference(
     for key in ("baseline_target", "greedy_agreement", "token_forward_ms"):
         if key in measured:
             report[key] = measured[key]
-    path = out / "report.json"
-    path.write_text(json.dumps(report, indent=2) + "\n")
-    return path
+    return report
 
 
 def _known_token_counts(report: dict, corpus: SplitCorpus) -> dict[str, int]:
