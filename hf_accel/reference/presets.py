@@ -86,8 +86,9 @@ MODEL_PRESETS: dict[str, ModelPreset] = {
 }
 
 # measured on this project's 2-core CPU (AMD EPYC, AVX2 only: bf16 autocast is far slower than fp32 there), one
-# contended thread: ~830 target / ~9500 draft training tokens/s. The target's steps are an upper bound: under
-# `--time-budget` its learning rate decays on time, and ~1 hour sees ~3M tokens, well under one epoch.
+# thread: ~830 target / ~9500 draft training tokens/s at moderate load, but only ~270 / ~690 over a whole run on a
+# machine shared with several other jobs. The target's steps are an upper bound: under `--time-budget` its learning
+# rate decays on time; without one, 3000 steps see 6.1M tokens, about a fifth of an epoch.
 TRAIN_RECIPES: dict[str, TrainRecipe] = {
     "target": TrainRecipe(steps=3000, batch_size=4, seq_len=512, lr=2e-3, warmup_steps=40),
     "draft": TrainRecipe(steps=1300, batch_size=4, seq_len=512, lr=3e-3, warmup_steps=40),
