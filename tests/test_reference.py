@@ -9,18 +9,13 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_accel import reference
-from hf_accel.reference import corpus
+from hf_accel.reference import corpus, sources
 from hf_accel.reference.evaluate import greedy_agreement, perplexity
 from hf_accel.reference.presets import MODEL_PRESETS, TRAIN_RECIPES, ModelPreset, TrainRecipe
 from hf_accel.reference.tokenizer import END_OF_TEXT, save_tokenizer, train_tokenizer
-from hf_accel.reference.loop import SAVE_DTYPE, build_model, lr_at, save_model, train_model
+from hf_accel.reference.loop import SAVE_DTYPE, Checkpointing, build_model, lr_at, save_model, train_model
 from hf_accel.reference.train import main, recipe_for
 
-
-
-@pytest.fixture(scope="module")
-def files() -> list[str]:
-    return corpus.list_source_files()
 
 
 @pytest.fixture(scope="module")
@@ -39,29 +34,28 @@ def held_out() -> corpus.Corpus:
     return corpus.load_split("held_out")
 
 
-def test_corpus_is_sorted_filtered_and_split_by_path(files):
-    assert files == sorted(files) and len(set(files)) == len(files)
-    assert "os.py" in files and "json/decoder.py" in files
-    excluded = ("/test/", "/tests/", "/site-packages/", "/idlelib/", "/encodings/", "/pydoc_data/", "/_sysconfigdata_")
-    assert not [path for path in files if any(part in "/" + path for part in excluded)]
-    held = [path for path in files if corpus.split_of(path) == "held_out"]
-    assert 0.02 < len(held) / len(files) < 0.10
-    assert corpus.split_of("a/b.py") == corpus.split_of("a/b.py")
+def test_default_corpus_takes_the_stdlib_and_the_fixed_packages(train, held_out):
+    built = corpus.default_corpus()
+    assert [record.name for record in built.sources] == ["stdlib", *sources.TRAIN_PACKAGES, *sources.HELD_OUT_PACKAGES]
+    assert "stdlib/os.py" in train.paths and "stdlib/json/decoder.py" in train.paths
+    assert any(path.startswith("transformers/transformers/models/") for path in train.paths)
+    excluded = ("/test/", "/tests/", "/testing/", "/site-packages/", "/idlelib/", "/encodings/", "/_sysconfigdata_")
+    every = train.paths + held_out.paths + built.splits["held_out_packages"].paths
+    assert not [path for path in every if any(part in "/" + path for part in excluded)]
+    assert len(set(every)) == len(every)
+    assert all(record.licence and record.licence != "unknown" for record in built.sources)
+    transformers = next(record for record in built.sources if record.name == "transformers")
+    assert transformers.near_duplicates > 500  # the copied modeling files
 
 
-def test_is_included_rule():
-    assert corpus.is_included("asyncio/tasks.py")
-    assert not corpus.is_included("unittest/test/test_case.py")
-    assert not corpus.is_included("config-3.11-x86_64-linux-gnu/python-config.py")
-    assert not corpus.is_included("_sysconfigdata__linux_x86_64-linux-gnu.py")
-    assert not corpus.is_included("README.txt")
-
-
-def test_splits_are_disjoint_and_cover_the_corpus(files, train, held_out):
+def test_splits_are_disjoint_by_file_and_by_package(train, held_out):
+    packages = corpus.load_split("held_out_packages")
+    held_out_sources = {path.split("/")[0] for path in packages.paths}
+    assert held_out_sources == set(sources.HELD_OUT_PACKAGES)
+    assert not {path.split("/")[0] for path in train.paths + held_out.paths} & held_out_sources
     assert set(train.paths).isdisjoint(held_out.paths)
-    assert sorted(train.paths + held_out.paths) == files
-    assert train.paths == sorted(train.paths)
-    assert len(corpus.load_split("held_out").fingerprint) == 64
+    assert 0.02 < held_out.num_files / (train.num_files + held_out.num_files) < 0.10
+    assert all(corpus.split_of(path.split("/", 1)[1]) == "held_out" for path in held_out.paths)
     assert corpus.load_split("held_out").fingerprint == held_out.fingerprint
     with pytest.raises(ValueError, match="split"):
         corpus.load_split("validation")
@@ -79,15 +73,23 @@ def test_tokenizer_round_trips_held_out_text_and_loads_from_folder(small_tokeniz
         assert ids == small_tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+def test_chat_template_renders_role_lines_and_round_trips_exactly(small_tokenizer, tmp_path):
+    save_tokenizer(small_tokenizer, tmp_path)
+    loaded = AutoTokenizer.from_pretrained(tmp_path, local_files_only=True)
+    messages = [{"role": "system", "content": "You write Python."},
+                {"role": "user", "content": "Sort a list:\n  xs = [3, 1]  # é 🙂"}]
+    text = loaded.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text == ("<|system|>\nYou write Python.<|endoftext|>\n<|user|>\nSort a list:\n  xs = [3, 1]  # é 🙂"
+                    "<|endoftext|>\n<|assistant|>\n")
+    ids = loaded.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
+    assert loaded.decode(ids) == text
+    assert ids.count(loaded.eos_token_id) == 2  # one end-of-turn token per message
+    assert not loaded.apply_chat_template(messages, tokenize=False).endswith("<|assistant|>\n")
+
+
 def test_tokenizer_training_is_deterministic(train, small_tokenizer):
     again = train_tokenizer(train.texts[:40], vocab_size=512)
     assert again.get_vocab() == small_tokenizer.get_vocab()
-
-
-def test_pack_sequences_separates_documents_and_drops_the_tail():
-    rows = corpus.pack_sequences([[1, 2, 3], [4], [5, 6]], separator_id=0, seq_len=4)
-    assert rows.tolist() == [[1, 2, 3, 0], [4, 0, 5, 6]]  # stream 1 2 3 0 4 0 5 6 0; the tail "0" is dropped
-    assert corpus.pack_sequences([[1, 2]], 0, 4).shape == (0, 4)
 
 
 def test_lr_schedule_warms_up_then_decays_to_the_floor():
@@ -96,6 +98,8 @@ def test_lr_schedule_warms_up_then_decays_to_the_floor():
     assert lrs[0] == 0.5 and lrs[1] == 1.0
     assert all(a >= b for a, b in zip(lrs[1:], lrs[2:]))
     assert lr_at(10, recipe) == pytest.approx(0.1)
+    assert lr_at(2, recipe, time_fraction=1.0) == pytest.approx(0.1)  # a budgeted run decays on time too
+    assert lr_at(0, recipe, time_fraction=1.0) == 0.5  # warmup stays on steps
 
 
 def test_presets_validate_and_have_the_promised_sizes():
@@ -109,8 +113,9 @@ def test_presets_validate_and_have_the_promised_sizes():
         with torch.device("meta"):
             sizes[name] = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
         assert config.max_position_embeddings >= 512 and TRAIN_RECIPES[name].seq_len >= 512
-    assert 5e6 <= sizes["target"] <= 15e6
-    assert 7 <= sizes["target"] / sizes["draft"] <= 13
+    assert 3e6 <= sizes["target"] <= 15e6
+    assert 4 <= sizes["target"] / sizes["draft"] <= 13
+    assert MODEL_PRESETS["target"].num_layers >= 4 * MODEL_PRESETS["draft"].num_layers  # per-token cost ratio
 
 
 def test_tiny_training_lowers_loss_and_save_load_round_trips(train, small_tokenizer, tmp_path):
@@ -143,6 +148,30 @@ def test_time_budget_stops_training_early(train, small_tokenizer):
     assert result.steps_done == 1 and math.isfinite(result.losses[0])
 
 
+def test_checkpoint_resume_continues_exactly_like_an_uninterrupted_run(train, small_tokenizer, tmp_path):
+    ids = corpus.tokenize(train.texts[:3], small_tokenizer)
+    recipe = TRAIN_RECIPES["tiny"]
+    rows = corpus.pack_sequences(ids, small_tokenizer.eos_token_id, recipe.seq_len)
+    whole = build_model(MODEL_PRESETS["tiny"], small_tokenizer, seed=0)
+    expected = train_model(whole, rows, recipe, progress=False)
+    checkpointing = Checkpointing(tmp_path / "ckpt", every=7, resume=True)
+    cut = build_model(MODEL_PRESETS["tiny"], small_tokenizer, seed=0)
+    first = train_model(cut, rows, recipe, time_budget_s=0.0, progress=False, checkpointing=checkpointing)
+    assert first.steps_done == 1 and checkpointing.path.is_file()  # step 0 is warmup: same lr as the whole run
+    resumed_model = build_model(MODEL_PRESETS["tiny"], small_tokenizer, seed=1)  # weights come from the checkpoint
+    resumed = train_model(resumed_model, rows, recipe, progress=False, checkpointing=checkpointing)
+    assert resumed.steps_done == recipe.steps and resumed.losses == expected.losses
+    for a, b in zip(resumed_model.parameters(), whole.parameters()):
+        assert torch.equal(a, b)
+    cut_short = train_model(build_model(MODEL_PRESETS["tiny"], small_tokenizer, seed=0), rows, recipe, 0.0, False,
+                            Checkpointing(tmp_path / "short", every=7, resume=True))
+    again = train_model(resumed_model, rows, recipe, time_budget_s=0.0, progress=False,
+                        checkpointing=Checkpointing(tmp_path / "short", every=7, resume=True))
+    assert again.losses == cut_short.losses  # resumed with its budget spent: no further step
+    with pytest.raises(ValueError, match="every"):
+        Checkpointing(tmp_path, every=0)
+
+
 def test_load_names_the_missing_assets_and_the_command(tmp_path):
     with pytest.raises(FileNotFoundError, match="train-reference"):
         reference.load("draft", assets_dir=tmp_path)
@@ -161,3 +190,17 @@ def test_steps_override_scales_warmup():
     assert short.steps == TRAIN_RECIPES["target"].steps // 10
     assert short.warmup_steps == max(1, round(TRAIN_RECIPES["target"].warmup_steps / 10))
     assert recipe_for("draft", 1).warmup_steps == 1
+
+
+def test_report_update_keeps_other_models_and_replaces_what_was_measured():
+    from hf_accel.reference.build import _updated_report
+
+    earlier = {"models": {"draft": {"steps_done": 5, "held_out_perplexity": 9.0}}, "greedy_agreement": 0.4,
+               "baseline_target": {"parameters": 1}}
+    trained = {"target": {"steps_done": 7}}
+    measured = {"perplexity": {"target": {"held_out": 3.0}, "draft": {"held_out": 4.0}}, "greedy_agreement": 0.5}
+    report = _updated_report(earlier, {"splits": {}}, trained, measured)
+    assert report["models"] == {"draft": {"steps_done": 5, "held_out_perplexity": {"held_out": 4.0}},
+                                "target": {"steps_done": 7, "held_out_perplexity": {"held_out": 3.0}}}
+    assert report["greedy_agreement"] == 0.5 and report["baseline_target"] == {"parameters": 1}
+    assert report["corpus"] == {"splits": {}} and "torch" in report and "python" in report

@@ -7,10 +7,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoTokenizer
 
 from hf_accel import reference
 from hf_accel.reference import corpus
 from hf_accel.reference.evaluate import perplexity
+from hf_accel.reference.tokenizer import CHAT_TEMPLATE
 
 ROOT = Path(__file__).resolve().parents[1]
 # Held-out perplexity on the first 16 rows of 512 tokens: measured 49.1 for the target and 43.1 for the draft (all
@@ -43,10 +45,16 @@ def test_models_load_offline_and_share_the_tokenizer(monkeypatch, models):
     assert torch.equal(out, plain)
 
 
-def test_tokenizer_round_trips_held_out_text(models):
+def test_tokenizer_round_trips_held_out_text_and_has_the_chat_template(models):
     tokenizer = models["target"][1]
-    for text in corpus.load_split("held_out").texts:
+    for text in corpus.load_split("held_out_packages").texts:
         assert tokenizer.decode(tokenizer(text, add_special_tokens=False)["input_ids"]) == text
+    for name in ("target", "draft", "tokenizer"):
+        saved = AutoTokenizer.from_pretrained(reference.ASSETS_DIR / name, local_files_only=True)
+        assert saved.chat_template == CHAT_TEMPLATE, name
+    messages = [{"role": "user", "content": "def add(a, b):"}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+    assert tokenizer.decode(ids) == "<|user|>\ndef add(a, b):<|endoftext|>\n<|assistant|>\n"
 
 
 @pytest.mark.parametrize("name", reference.MODEL_NAMES)

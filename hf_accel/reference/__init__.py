@@ -1,4 +1,4 @@
-"""hf_accel's own small reference models: a Llama target and a ~10x smaller draft, trained on Python source.
+"""hf_accel's own small reference models: a Llama target and a smaller draft, trained on Python source.
 
     from hf_accel import reference
     model, tokenizer = reference.load("target")   # or "draft"; plain from_pretrained on a local folder
@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from .corpus import load_split, pack_sequences, tokenize
+from .corpus import Split, load_split, pack_sequences, tokenize
 
 ASSETS_DIR = Path(__file__).resolve().parent / "assets"
 MODEL_NAMES = ("target", "draft")
@@ -45,11 +45,17 @@ def has_assets(assets_dir: Path = ASSETS_DIR) -> bool:
     return all((Path(assets_dir) / name / "config.json").is_file() for name in MODEL_NAMES)
 
 
-def held_out_sequences(tokenizer: PreTrainedTokenizerBase, seq_len: int = 512, max_rows: int | None = None) -> torch.Tensor:
-    """The held-out split (never trained on) as ``[rows, seq_len]`` token ids: files in corpus order, each followed by
-    the end-of-text token, cut into rows; at most ``max_rows`` rows (all by default). The model card's perplexities
-    use ``seq_len=512``."""
-    held_out = load_split("held_out")
+def held_out_sequences(
+    tokenizer: PreTrainedTokenizerBase, seq_len: int = 512, max_rows: int | None = None,
+    split: Split = "held_out",
+) -> torch.Tensor:
+    """A held-out split (never trained on) as ``[rows, seq_len]`` token ids: files in corpus order, each followed by
+    the end-of-text token, cut into rows; at most ``max_rows`` rows (all by default). ``split`` is "held_out" (files
+    of the trained sources, the standard library's first: the benchmarks' prompts) or "held_out_packages" (whole
+    packages never trained on)."""
+    if split not in ("held_out", "held_out_packages"):
+        raise ValueError(f"split must be 'held_out' or 'held_out_packages', got {split!r}")
+    held_out = load_split(split)
     rows = pack_sequences(tokenize(held_out.texts, tokenizer), tokenizer.eos_token_id, seq_len)
     return rows if max_rows is None else rows[:max_rows]
 

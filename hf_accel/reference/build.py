@@ -1,7 +1,8 @@
 """The reference-model pipeline: corpus -> tokenizer -> packed rows -> train, save, reload, measure -> report.json.
 
-``report.json`` in the assets folder holds every number the model card states; a run that trains one model keeps
-the other model's record from the previous report.
+``report.json`` in the assets folder holds every number the model card states. It is re-read just before it is
+written, so a run that trains one model keeps the other model's record, and two runs training different models into
+the same folder (the draft beside the target) do not undo each other.
 """
 
 from __future__ import annotations
@@ -17,13 +18,20 @@ import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from . import ASSETS_DIR, MODEL_NAMES, load
-from .corpus import HELD_OUT_PERCENT, Corpus, load_split, pack_sequences, tokenize
-from .evaluate import greedy_agreement, perplexity
-from .loop import build_model, num_parameters, save_model, train_model
+from .corpus import (
+    HELD_OUT_PERCENT, NEAR_DUP_LINE_CHARS, NEAR_DUP_MIN_LINES, NEAR_DUP_SHARE, Corpus, SplitCorpus, default_corpus,
+    pack_sequences, tokenize,
+)
+from .evaluate import greedy_agreement, perplexity, token_forward_seconds
+from .loop import Checkpointing, build_model, num_parameters, save_model, train_model
 from .presets import MODEL_PRESETS, TrainRecipe
-from .tokenizer import DEFAULT_VOCAB_SIZE, save_tokenizer, train_tokenizer
+from .sources import MAX_FILE_BYTES
+from .tokenizer import CHAT_TEMPLATE, DEFAULT_VOCAB_SIZE, save_tokenizer, train_tokenizer
 
 EVAL_SEQ_LEN = 512
+EVAL_ROWS = 128  # per held-out split, evenly spaced over its packed rows
+HELD_OUT_SPLITS = ("held_out", "held_out_packages")
+COST_CONTEXT = 128  # tokens of KV cache behind the timed single-token forwards
 
 
 def prepare_tokenizer(
@@ -33,7 +41,11 @@ def prepare_tokenizer(
     its training time in seconds (``None`` when reused)."""
     folder = out / "tokenizer"
     if (folder / "tokenizer.json").is_file() and not retrain:
-        return AutoTokenizer.from_pretrained(folder, local_files_only=True), None
+        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        if tokenizer.chat_template != CHAT_TEMPLATE:  # a tokenizer saved before the template existed
+            tokenizer.chat_template = CHAT_TEMPLATE
+            save_tokenizer(tokenizer, folder)
+        return tokenizer, None
     start = time.perf_counter()
     tokenizer = train_tokenizer(train_texts, vocab_size)
     seconds = time.perf_counter() - start
@@ -41,35 +53,42 @@ def prepare_tokenizer(
     return tokenizer, seconds
 
 
-def _corpus_record(corpus: Corpus, token_ids: list[list[int]]) -> dict:
+def evaluation_rows(token_ids: list[list[int]], separator_id: int, max_rows: int = EVAL_ROWS) -> torch.Tensor:
+    """``[<= max_rows, EVAL_SEQ_LEN]`` rows of a packed split, evenly spaced over it (all rows if fewer)."""
+    rows = pack_sequences(token_ids, separator_id, EVAL_SEQ_LEN)
+    if len(rows) <= max_rows:
+        return rows
+    return rows[torch.linspace(0, len(rows) - 1, max_rows).round().long()]
+
+
+def _corpus_record(corpus: SplitCorpus, token_counts: dict[str, int]) -> dict:
+    def split_record(split: Corpus, tokens: int) -> dict:
+        return {"files": split.num_files, "bytes": split.num_bytes, "tokens": tokens, "fingerprint": split.fingerprint}
+
     return {
-        "files": corpus.num_files,
-        "bytes": corpus.num_bytes,
-        "tokens": sum(len(ids) for ids in token_ids),
-        "fingerprint": corpus.fingerprint,
+        "rules": {"held_out_percent": HELD_OUT_PERCENT, "near_dup_share": NEAR_DUP_SHARE,
+                  "near_dup_min_lines": NEAR_DUP_MIN_LINES, "near_dup_line_chars": NEAR_DUP_LINE_CHARS,
+                  "max_file_bytes": MAX_FILE_BYTES, "eval_rows": EVAL_ROWS, "eval_seq_len": EVAL_SEQ_LEN},
+        "splits": {name: split_record(split, token_counts[name]) for name, split in corpus.splits.items()},
+        "sources": [asdict(record) for record in corpus.sources],
     }
 
 
-def train_one(
-    name: str,
-    recipe: TrainRecipe,
-    tokenizer: PreTrainedTokenizerBase,
-    token_ids: tuple[list[list[int]], list[list[int]]],
-    out: Path,
-    time_budget_s: float | None,
-    progress: bool,
-) -> dict:
-    """Train ``name`` on the train ids, save it to ``out/name``, reload the saved files and measure held-out
-    perplexity; returns the model's report record."""
-    train_ids, held_out_ids = token_ids
+def held_out_perplexities(model: torch.nn.Module, eval_rows: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Perplexity of ``model`` on each held-out split's evaluation rows."""
+    return {split: round(perplexity(model, rows), 3) for split, rows in eval_rows.items()}
+
+
+def train_one(name: str, recipe: TrainRecipe, tokenizer: PreTrainedTokenizerBase, train_ids: list[list[int]],
+              out: Path, time_budget_s: float | None, progress: bool, checkpointing: Checkpointing | None) -> dict:
+    """Train ``name`` on the train ids and save it to ``out/name``; returns its training record (no perplexity
+    yet: ``measure`` adds it from the saved files)."""
     rows = pack_sequences(train_ids, tokenizer.eos_token_id, recipe.seq_len)
     model = build_model(MODEL_PRESETS[name], tokenizer, recipe.seed)
-    result = train_model(model, rows, recipe, time_budget_s, progress)
+    result = train_model(model, rows, recipe, time_budget_s, progress, checkpointing)
     save_model(model, tokenizer, out / name)
-    saved, _ = load(name, assets_dir=out)
-    held_out_rows = pack_sequences(held_out_ids, tokenizer.eos_token_id, EVAL_SEQ_LEN)
     return {
-        "parameters": num_parameters(saved),
+        "parameters": num_parameters(model),
         "preset": asdict(MODEL_PRESETS[name]),
         "recipe": asdict(recipe),
         "steps_done": result.steps_done,
@@ -77,18 +96,25 @@ def train_one(
         "tokens_seen": result.tokens_seen,
         "epochs": round(result.tokens_seen / rows.numel(), 3),
         "final_train_loss": round(result.final_loss(), 4),
-        "held_out_perplexity": round(perplexity(saved, held_out_rows), 3),
     }
 
 
-def measure_agreement(out: Path, held_out_ids: list[list[int]], separator_id: int) -> float | None:
-    """Greedy next-token agreement of the saved draft with the saved target on held-out rows; ``None`` unless
-    both are in ``out``."""
-    if not all((out / name / "config.json").is_file() for name in MODEL_NAMES):
-        return None
-    draft, _ = load("draft", assets_dir=out)
-    target, _ = load("target", assets_dir=out)
-    return round(greedy_agreement(draft, target, pack_sequences(held_out_ids, separator_id, EVAL_SEQ_LEN)), 4)
+def measure(out: Path, eval_rows: dict[str, torch.Tensor], baseline: Path | None) -> dict:
+    """Held-out perplexities of the saved models in ``out`` (reloaded from their bf16 files), of the baseline target
+    in ``baseline`` if given, and the draft's greedy agreement with the target on the by-package split."""
+    found = {name: load(name, assets_dir=out)[0] for name in MODEL_NAMES if (out / name / "config.json").is_file()}
+    measured: dict = {"perplexity": {name: held_out_perplexities(m, eval_rows) for name, m in found.items()}}
+    if baseline is not None:
+        old, _ = load("target", assets_dir=baseline)
+        measured["baseline_target"] = {"parameters": num_parameters(old), "folder": str(baseline),
+                                       "held_out_perplexity": held_out_perplexities(old, eval_rows)}
+    if len(found) == len(MODEL_NAMES):
+        rows = eval_rows["held_out_packages"]
+        measured["greedy_agreement"] = round(greedy_agreement(found["draft"], found["target"], rows), 4)
+        target_s, draft_s = token_forward_seconds(found["target"], found["draft"], rows[:1, :COST_CONTEXT])
+        measured["token_forward_ms"] = {"target": round(1e3 * target_s, 3), "draft": round(1e3 * draft_s, 3),
+                                        "context": COST_CONTEXT, "threads": torch.get_num_threads()}
+    return measured
 
 
 def build_reference(
@@ -98,31 +124,56 @@ def build_reference(
     time_budget_s: float | None = None,
     retrain_tokenizer: bool = False,
     progress: bool = True,
+    checkpointing: dict[str, Checkpointing] | None = None,
+    baseline: Path | None = None,
 ) -> Path:
-    """Run the pipeline for ``names`` (a subset of "target", "draft") into ``out`` (default: the package's
-    assets); returns the path of the written ``report.json``."""
+    """Run the pipeline for ``names`` (a subset of "target", "draft"; empty: only measure what is in ``out``) into
+    ``out`` (default: the package's assets); returns the path of the written ``report.json``."""
     out = ASSETS_DIR if out is None else Path(out)
-    train, held_out = load_split("train"), load_split("held_out")
-    tokenizer, tokenizer_seconds = prepare_tokenizer(out, train.texts, retrain_tokenizer)
-    token_ids = (tokenize(train.texts, tokenizer), tokenize(held_out.texts, tokenizer))
-    report = _previous_report(out)
-    report["python"] = platform.python_version()
-    report["torch"] = {"version": torch.__version__, "threads": torch.get_num_threads()}
-    report["corpus"] = {
-        "held_out_percent": HELD_OUT_PERCENT,
-        "train": _corpus_record(train, token_ids[0]),
-        "held_out": _corpus_record(held_out, token_ids[1]),
-    }
+    corpus = default_corpus()
+    tokenizer, tokenizer_seconds = prepare_tokenizer(out, corpus.splits["train"].texts, retrain_tokenizer)
+    known = _known_token_counts(_previous_report(out), corpus) if not names and tokenizer_seconds is None else {}
+    token_ids = {split: tokenize(c.texts, tokenizer) for split, c in corpus.splits.items() if split not in known}
+    token_counts = {**known, **{split: sum(len(ids) for ids in token_ids[split]) for split in token_ids}}
+    eval_rows = {split: evaluation_rows(token_ids[split], tokenizer.eos_token_id) for split in HELD_OUT_SPLITS}
+    trained = {name: train_one(name, recipes[name], tokenizer, token_ids["train"], out, time_budget_s, progress,
+                               (checkpointing or {}).get(name)) for name in names}
+    for record in trained.values():  # which corpus a model saw: the card tells models of an earlier corpus apart
+        record["train_fingerprint"] = corpus.splits["train"].fingerprint
+    for name in MODEL_NAMES:  # every saved model carries the current tokenizer files (chat template included)
+        if (out / name / "config.json").is_file():
+            save_tokenizer(tokenizer, out / name)
+    measured = measure(out, eval_rows, baseline)
+    report = _updated_report(_previous_report(out), _corpus_record(corpus, token_counts), trained, measured)
     report.setdefault("tokenizer", {})["vocab_size"] = len(tokenizer)
     if tokenizer_seconds is not None:
         report["tokenizer"]["train_seconds"] = round(tokenizer_seconds, 1)
-    models = report.setdefault("models", {})
-    for name in names:
-        models[name] = train_one(name, recipes[name], tokenizer, token_ids, out, time_budget_s, progress)
-    report["greedy_agreement"] = measure_agreement(out, token_ids[1], tokenizer.eos_token_id)
     path = out / "report.json"
     path.write_text(json.dumps(report, indent=2) + "\n")
     return path
+
+
+def _updated_report(report: dict, corpus_record: dict, trained: dict, measured: dict) -> dict:
+    """The earlier report with this run's corpus, training records and measurements in place."""
+    report.update(python=platform.python_version(), corpus=corpus_record,
+                  torch={"version": torch.__version__, "threads": torch.get_num_threads()})
+    models = report.setdefault("models", {})
+    models.update(trained)
+    for name, perplexities in measured["perplexity"].items():
+        models.setdefault(name, {})["held_out_perplexity"] = perplexities
+    for key in ("baseline_target", "greedy_agreement", "token_forward_ms"):
+        if key in measured:
+            report[key] = measured[key]
+    return report
+
+
+def _known_token_counts(report: dict, corpus: SplitCorpus) -> dict[str, int]:
+    """The train split's token count from an earlier report of the same corpus (equal fingerprint), for a
+    measure-only run that did not retrain the tokenizer: it need not tokenize text it does not evaluate."""
+    previous = report.get("corpus", {}).get("splits", {}).get("train", {})
+    if previous.get("fingerprint") == corpus.splits["train"].fingerprint and "tokens" in previous:
+        return {"train": previous["tokens"]}
+    return {}
 
 
 def _previous_report(out: Path) -> dict:

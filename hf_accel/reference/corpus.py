@@ -1,53 +1,50 @@
-"""The reference models' corpus: the Python standard library's own source files.
+"""The reference models' corpus: de-duplicated Python source of the stdlib and a fixed set of packages, in 3 splits.
 
-Rule (documented in docs/reference-models.md):
-- every ``*.py`` file under ``sysconfig.get_paths()["stdlib"]``, listed by relative POSIX path in sorted order;
-- minus test suites (any folder named ``test``, ``tests`` or ``idle_test``) and installed third-party code
-  (``site-packages``);
-- minus the folders that distributors often ship separately or that are generated data rather than code, so that
-  every CPython 3.11 install yields the same file list: ``idlelib``, ``turtledemo``, ``tkinter``, ``lib2to3``,
-  ``distutils``, ``ensurepip``, ``encodings`` (codec tables), ``pydoc_data`` (one generated 750 kB string), and
-  the build-specific ``config-*`` folder and ``_sysconfigdata_*.py`` files.
+Rules (documented in docs/reference-models.md); the files of each source come from ``sources.py``:
+- **corpus order**: sources in order (stdlib, train packages, held-out packages), each source's files sorted by path;
+  a file's corpus path is ``<source>/<relative path>``;
+- **exact duplicates**: a file whose text (after newline normalisation) equals an earlier file's is dropped;
+- **near duplicates**: a file with at least ``NEAR_DUP_MIN_LINES`` distinct code lines (stripped, at least
+  ``NEAR_DUP_LINE_CHARS`` characters) of which at least ``NEAR_DUP_SHARE`` already occurred in earlier kept files
+  is dropped (transformers' "Copied from" modeling files, vendored copies, generated twins);
+- **splits**: every file of a held-out package is ``held_out_packages`` (whole packages never trained on); any
+  other file is ``held_out`` when the first 8 bytes of the SHA-256 of its relative path (without the source name,
+  so the stdlib's held-out files are the same as in the stdlib-only v1 corpus), read as an integer, are below
+  ``HELD_OUT_PERCENT`` percent of 2**64, else ``train``.
 
-Files are read as UTF-8 with universal newlines. Each file lands in the held-out split when the first 8 bytes of the
-SHA-256 of its relative path, read as an integer, are below ``HELD_OUT_PERCENT`` percent of 2**64; a file's split
-therefore depends on its path alone, not on which other files exist. ``Corpus.fingerprint`` hashes paths and
-contents, so a different install (another patch release) is detectable in the model card.
+``Corpus.fingerprint`` hashes paths and contents, so a different install is detectable in the model card.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
-import os
-import sysconfig
-from collections.abc import Iterable
-from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 import torch
 
+from .sources import HELD_OUT_PACKAGES, Source, default_sources
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-Split = Literal["train", "held_out"]
+Split = Literal["train", "held_out", "held_out_packages"]
+SPLITS: tuple[Split, ...] = ("train", "held_out", "held_out_packages")
 
 HELD_OUT_PERCENT = 5
-EXCLUDED_FOLDERS = frozenset(
-    {
-        "site-packages", "__pycache__", "lib-dynload", "test", "tests", "idle_test",
-        "idlelib", "turtledemo", "tkinter", "lib2to3", "distutils", "ensurepip", "encodings", "pydoc_data",
-    }
-)
-EXCLUDED_PREFIXES = ("config-", "_sysconfigdata_")
+NEAR_DUP_SHARE = 0.7
+NEAR_DUP_MIN_LINES = 10
+NEAR_DUP_LINE_CHARS = 16
 
 
 @dataclass(slots=True)
 class Corpus:
-    """Files of one split, in corpus order: ``paths[i]`` (relative POSIX path) holds ``texts[i]``."""
+    """Files of one split, in corpus order: ``paths[i]`` (``<source>/<relative path>``) holds ``texts[i]``."""
 
-    paths: list[str]
-    texts: list[str]
+    paths: list[str] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
 
     @property
     def num_files(self) -> int:
@@ -67,45 +64,94 @@ class Corpus:
         return digest.hexdigest()
 
 
-def stdlib_root() -> Path:
-    """The folder this interpreter's standard library lives in."""
-    return Path(sysconfig.get_paths()["stdlib"])
+@dataclass(slots=True)
+class SourceRecord:
+    """What the corpus took from one source: files kept per split and files dropped per rule (model card rows)."""
+
+    name: str
+    version: str
+    licence: str
+    files: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SPLITS, 0))
+    exact_duplicates: int = 0
+    near_duplicates: int = 0
 
 
-def is_included(relative_path: str) -> bool:
-    """Whether a relative POSIX path of a ``.py`` file belongs to the corpus (see the module docstring)."""
-    parts = PurePosixPath(relative_path).parts
-    if not relative_path.endswith(".py"):
-        return False
-    if any(part in EXCLUDED_FOLDERS for part in parts[:-1]):
-        return False
-    return not any(part.startswith(EXCLUDED_PREFIXES) for part in parts)
+@dataclass(slots=True)
+class SplitCorpus:
+    """The three splits and one record per source."""
+
+    splits: dict[str, Corpus]
+    sources: list[SourceRecord]
 
 
-def split_of(relative_path: str) -> Split:
-    """The split a file belongs to, from the hash of its relative path alone."""
+def split_of(relative_path: str, held_out_package: bool = False) -> Split:
+    """The split of a file from its source's kind and the hash of its path inside the source alone."""
+    if held_out_package:
+        return "held_out_packages"
     value = int.from_bytes(hashlib.sha256(relative_path.encode("utf-8")).digest()[:8], "big")
     return "held_out" if value * 100 < HELD_OUT_PERCENT * 2**64 else "train"
 
 
-def list_source_files(root: Path | None = None) -> list[str]:
-    """Relative POSIX paths of the corpus files under ``root`` (default: the stdlib), sorted."""
-    root = stdlib_root() if root is None else root
-    paths = []
-    for folder, subfolders, names in os.walk(root):
-        subfolders[:] = [name for name in subfolders if name not in EXCLUDED_FOLDERS]  # prune; is_included decides
-        relative = Path(folder).relative_to(root)
-        paths.extend((relative / name).as_posix() for name in names)
-    return sorted(path for path in paths if is_included(path))
+def _line_keys(text: str) -> set[bytes]:
+    lines = {line.strip() for line in text.splitlines()}
+    return {hashlib.blake2b(line.encode("utf-8"), digest_size=8).digest() for line in lines
+            if len(line) >= NEAR_DUP_LINE_CHARS}
 
 
-def load_split(split: Split, root: Path | None = None) -> Corpus:
-    """The files of one split, in corpus order, read from ``root`` (default: the stdlib)."""
-    if split not in ("train", "held_out"):
-        raise ValueError(f"split must be 'train' or 'held_out', got {split!r}")
-    root = stdlib_root() if root is None else root
-    paths = [path for path in list_source_files(root) if split_of(path) == split]
-    return Corpus(paths=paths, texts=[(root / path).read_text(encoding="utf-8") for path in paths])
+class _Deduplicator:
+    """Remembers kept files' content hashes and line keys; ``verdict`` says why a new file is dropped, or None."""
+
+    def __init__(self) -> None:
+        self.contents: set[bytes] = set()
+        self.lines: set[bytes] = set()
+
+    def verdict(self, text: str) -> str | None:
+        content = hashlib.sha256(text.encode("utf-8")).digest()
+        if content in self.contents:
+            return "exact"
+        keys = _line_keys(text)
+        seen = len(keys & self.lines)
+        if len(keys) >= NEAR_DUP_MIN_LINES and seen >= NEAR_DUP_SHARE * len(keys):
+            return "near"
+        self.contents.add(content)
+        self.lines |= keys
+        return None
+
+
+def build_corpus(sources: Sequence[Source], held_out_packages: Iterable[str] = HELD_OUT_PACKAGES) -> SplitCorpus:
+    """De-duplicate the sources' files in corpus order and split them (see the module docstring)."""
+    held_out_names = set(held_out_packages)
+    result = SplitCorpus({split: Corpus() for split in SPLITS}, [])
+    dedup = _Deduplicator()
+    for source in sources:
+        record = SourceRecord(source.name, source.version, source.licence)
+        for path in source.paths:
+            text = source.read(path)
+            verdict = dedup.verdict(text)
+            if verdict == "exact":
+                record.exact_duplicates += 1
+            elif verdict == "near":
+                record.near_duplicates += 1
+            else:
+                split = split_of(path, source.name in held_out_names)
+                record.files[split] += 1
+                result.splits[split].paths.append(f"{source.name}/{path}")
+                result.splits[split].texts.append(text)
+        result.sources.append(record)
+    return result
+
+
+@functools.cache
+def default_corpus() -> SplitCorpus:
+    """The corpus of ``sources.default_sources()``, built once per process (a pure function of the install)."""
+    return build_corpus(default_sources())
+
+
+def load_split(split: Split) -> Corpus:
+    """The files of one split of the default corpus, in corpus order."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    return default_corpus().splits[split]
 
 
 def tokenize(texts: Iterable[str], tokenizer: PreTrainedTokenizerBase) -> list[list[int]]:
@@ -126,6 +172,8 @@ def pack_sequences(token_ids: list[list[int]], separator_id: int, seq_len: int) 
     """
     if seq_len < 2:
         raise ValueError(f"seq_len must be at least 2, got {seq_len}")
-    stream = [token for ids in token_ids for token in (*ids, separator_id)]
+    separator = torch.tensor([separator_id], dtype=torch.long)
+    pieces = [piece for ids in token_ids for piece in (torch.tensor(ids, dtype=torch.long), separator)]
+    stream = torch.cat(pieces) if pieces else separator[:0]
     num_rows = len(stream) // seq_len
-    return torch.tensor(stream[: num_rows * seq_len], dtype=torch.long).view(num_rows, seq_len)
+    return stream[: num_rows * seq_len].view(num_rows, seq_len)

@@ -1,8 +1,11 @@
-"""Held-out metrics for the reference models: perplexity, and the draft's greedy agreement with the target."""
+"""Held-out metrics for the reference models: perplexity, the draft's greedy agreement with the target, and the
+time of one decoding step of each."""
 
 from __future__ import annotations
 
 import math
+import statistics
+import time
 
 import torch
 from torch import nn
@@ -37,3 +40,19 @@ def greedy_agreement(draft: nn.Module, target: nn.Module, sequences: torch.Tenso
         matches += (draft_tokens == target_tokens).sum().item()
         total += batch.numel()
     return matches / total
+
+
+@torch.no_grad()
+def token_forward_seconds(target: nn.Module, draft: nn.Module, context: torch.Tensor, steps: int = 48) -> tuple[float, float]:
+    """Median seconds of one single-token forward (batch 1, a KV cache of ``context`` ``[1, len]`` tokens) of the
+    target and of the draft, the two timed alternately so that load on a shared machine hits both alike."""
+    caches = [model(input_ids=context, use_cache=True).past_key_values for model in (target, draft)]
+    token = context[:, -1:]
+    times: list[list[float]] = [[], []]
+    for _ in range(steps):
+        for i, model in enumerate((target, draft)):
+            start = time.perf_counter()
+            model(input_ids=token, past_key_values=caches[i], use_cache=True)
+            times[i].append(time.perf_counter() - start)
+            caches[i].crop(-1)  # drop the new token: the same context length at every step
+    return statistics.median(times[0]), statistics.median(times[1])

@@ -1,9 +1,16 @@
-"""The reference models' training loop: seeded init, AdamW with warmup + cosine, bf16 autocast, tqdm progress."""
+"""The reference models' training loop: seeded init, AdamW with warmup + cosine, optional bf16 autocast, tqdm
+progress, and resumable checkpoints.
+
+A checkpoint (``<checkpoint_dir>/checkpoint.pt``, replaced atomically every ``checkpoint_every`` steps) holds the
+model and optimizer states, the step, the losses so far and the seconds spent; resuming from it replays the seeded
+batch order up to that step, so a resumed run sees the same batches as an uninterrupted one.
+"""
 
 from __future__ import annotations
 
 import copy
 import math
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -37,11 +44,15 @@ class TrainResult:
         return sum(tail) / len(tail) if tail else math.nan
 
 
-def lr_at(step: int, recipe: TrainRecipe) -> float:
-    """Learning rate at 0-based ``step``: linear warmup to ``lr``, then cosine decay to ``min_lr_ratio * lr``."""
+def lr_at(step: int, recipe: TrainRecipe, time_fraction: float = 0.0) -> float:
+    """Learning rate at 0-based ``step``: linear warmup to ``lr``, then cosine decay to ``min_lr_ratio * lr``.
+
+    ``time_fraction`` (elapsed / time budget) lets a budgeted run decay on time: the decay follows whichever of
+    steps and time is further along, so a run cut by its budget still ends at the floor learning rate."""
     if step < recipe.warmup_steps:
         return recipe.lr * (step + 1) / recipe.warmup_steps
     progress = (step - recipe.warmup_steps) / max(1, recipe.steps - recipe.warmup_steps)
+    progress = max(progress, time_fraction)
     cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
     return recipe.lr * (recipe.min_lr_ratio + (1 - recipe.min_lr_ratio) * cosine)
 
@@ -75,42 +86,99 @@ def _batches(sequences: torch.Tensor, batch_size: int, seed: int) -> Iterator[to
             yield sequences[order[start : start + batch_size]]
 
 
+@dataclass(frozen=True, slots=True)
+class Checkpointing:
+    """Where ``train_model`` keeps its resumable state, how often (in steps) it saves, and whether to resume."""
+
+    folder: Path
+    every: int = 100
+    resume: bool = False
+
+    def __post_init__(self) -> None:
+        if self.every < 1:
+            raise ValueError(f"every must be a positive number of steps, got {self.every}")
+
+    @property
+    def path(self) -> Path:
+        return Path(self.folder) / "checkpoint.pt"
+
+
+def save_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, losses: list[float],
+                    seconds: float) -> None:
+    """Write the resumable state to ``path`` atomically (a temporary file, then a rename)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "losses": losses, "seconds": seconds}
+    temporary = path.with_suffix(".tmp")
+    torch.save(state, temporary)
+    os.replace(temporary, path)
+
+
+def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[list[float], float]:
+    """Restore model and optimizer from ``path``; returns the losses so far and the seconds already spent."""
+    state = torch.load(path, weights_only=True)
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    return list(state["losses"]), float(state["seconds"])
+
+
+def _time_fraction(elapsed: float, budget: float | None) -> float:
+    if budget is None:
+        return 0.0
+    return min(1.0, elapsed / budget) if budget > 0 else 1.0
+
+
+def _step(model: LlamaForCausalLM, optimizer: torch.optim.Optimizer, batch: torch.Tensor, recipe: TrainRecipe,
+          lr: float) -> float:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=recipe.bf16_autocast):
+        loss = model(input_ids=batch, labels=batch).loss
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.item()
+
+
 def train_model(
     model: LlamaForCausalLM,
     sequences: torch.Tensor,
     recipe: TrainRecipe,
     time_budget_s: float | None = None,
     progress: bool = True,
+    checkpointing: Checkpointing | None = None,
 ) -> TrainResult:
     """Train on packed ``sequences`` ``[rows, seq_len]`` for ``recipe.steps`` steps, or until ``time_budget_s``
-    seconds have passed (the schedule stays the one of ``recipe.steps``; the result says where it stopped)."""
+    seconds have passed (counting the time before a resume); with a budget the learning rate decays on time too
+    (see ``lr_at``). ``checkpointing`` saves resumable state and, with ``resume``, continues from it."""
     if sequences.shape[1] != recipe.seq_len or len(sequences) < recipe.batch_size:
         shape = tuple(sequences.shape)
         raise ValueError(f"sequences must hold >= {recipe.batch_size} rows of {recipe.seq_len} tokens, got {shape}")
     model.train()
     optimizer = _optimizer(model, recipe)
+    losses, spent = [], 0.0
+    if checkpointing is not None and checkpointing.resume and checkpointing.path.is_file():
+        losses, spent = load_checkpoint(checkpointing.path, model, optimizer)
     batches = _batches(sequences, recipe.batch_size, recipe.seed)
-    losses: list[float] = []
-    start = time.perf_counter()
-    bar = tqdm(range(recipe.steps), desc="train", unit="step", disable=not progress)
+    for _ in losses:  # replay the seeded order up to the resumed step
+        next(batches)
+    start = time.perf_counter() - spent
+    steps = range(len(losses), recipe.steps)
+    if losses and time_budget_s is not None and spent >= time_budget_s:
+        steps = range(0)  # resumed after the budget was spent: nothing left but saving and measuring
+    bar = tqdm(steps, desc="train", unit="step", disable=not progress)
     for step in bar:
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, recipe)
-        batch = next(batches)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=recipe.bf16_autocast):
-            loss = model(input_ids=batch, labels=batch).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-        bar.set_postfix(loss=f"{losses[-1]:.3f}", lr=f"{lr_at(step, recipe):.2e}", refresh=False)
-        if time_budget_s is not None and time.perf_counter() - start > time_budget_s:
+        lr = lr_at(step, recipe, _time_fraction(time.perf_counter() - start, time_budget_s))
+        losses.append(_step(model, optimizer, next(batches), recipe, lr))
+        bar.set_postfix(loss=f"{losses[-1]:.3f}", lr=f"{lr:.2e}", refresh=False)
+        out_of_time = time_budget_s is not None and time.perf_counter() - start > time_budget_s
+        if checkpointing is not None and ((step + 1) % checkpointing.every == 0 or out_of_time):
+            save_checkpoint(checkpointing.path, model, optimizer, losses, time.perf_counter() - start)
+        if out_of_time:
             break
     bar.close()
     steps_done = len(losses)
-    seconds = time.perf_counter() - start
-    return TrainResult(steps_done, seconds, steps_done * recipe.batch_size * recipe.seq_len, losses)
+    return TrainResult(steps_done, time.perf_counter() - start, steps_done * recipe.batch_size * recipe.seq_len, losses)
 
 
 def save_model(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerBase, folder: Path) -> Path:

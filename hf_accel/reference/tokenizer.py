@@ -4,6 +4,13 @@ Byte-level pre-tokenization without an added prefix space and a byte-level decod
 return ``text`` exactly for any string. One special token, ``<|endoftext|>``, is bos, eos and pad: it separates
 files when the corpus is packed into training sequences. The tokenizer is wrapped in ``PreTrainedTokenizerFast`` so
 ``save_pretrained`` writes the standard ``tokenizer.json`` that ``AutoTokenizer.from_pretrained(folder)`` loads.
+
+Chat template (``CHAT_TEMPLATE``, used by ``apply_chat_template`` and the server's chat endpoint): each message is a
+role tag line ``<|role|>`` followed by its content and ``<|endoftext|>`` (the end of a turn is the eos token, so
+generation stops there), then a newline; ``add_generation_prompt`` appends ``<|assistant|>`` and a newline. The
+tags are plain text, so the template adds no tokens to the vocabulary::
+
+    <|system|>\nYou write Python.<|endoftext|>\n<|user|>\nSort a list.<|endoftext|>\n<|assistant|>\n
 """
 
 from __future__ import annotations
@@ -17,6 +24,10 @@ from transformers import PreTrainedTokenizerFast
 END_OF_TEXT = "<|endoftext|>"
 DEFAULT_VOCAB_SIZE = 4096
 MIN_VOCAB_SIZE = 256 + 1  # every byte plus the special token
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}" + END_OF_TEXT + "\n"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
 
 
 def train_tokenizer(
@@ -52,6 +63,7 @@ def wrap_tokenizer(backend: Tokenizer) -> PreTrainedTokenizerFast:
         pad_token=END_OF_TEXT,
         clean_up_tokenization_spaces=False,
         model_max_length=1_000_000,
+        chat_template=CHAT_TEMPLATE,
     )
 
 

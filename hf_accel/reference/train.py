@@ -6,6 +6,8 @@ was saved and measures held-out perplexity, then writes ``<out>/report.json`` (t
 
     python -m hf_accel.reference.train --which both            # default recipe, into hf_accel/reference/assets
     python -m hf_accel.reference.train --which draft --steps 50 --out /tmp/ref
+    python -m hf_accel.reference.train --which target --out /tmp/ref --checkpoint-dir /tmp/ref-ckpt --resume
+    python -m hf_accel.reference.train --which none --out /tmp/ref --baseline ./old-assets   # measure only
 """
 
 from __future__ import annotations
@@ -18,17 +20,25 @@ from pathlib import Path
 import torch
 
 from .build import build_reference
+from .loop import Checkpointing
 from .presets import TRAIN_RECIPES, TrainRecipe
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """Options of ``hf-accel train-reference``."""
     parser = argparse.ArgumentParser(prog="hf-accel train-reference", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--which", choices=("target", "draft", "both"), default="both")
+    parser.add_argument("--which", choices=("target", "draft", "both", "none"), default="both",
+                        help="models to train ('none': only re-measure the models in --out)")
     parser.add_argument("--out", type=Path, default=None, help="assets folder (default: the package's)")
     parser.add_argument("--steps", type=int, default=None, help="override the recipe's step count")
     parser.add_argument("--time-budget", type=float, default=None, help="stop each model after this many seconds")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--checkpoint-dir", type=Path, default=None,
+                        help="save resumable state to <dir>/<model>/checkpoint.pt (default: no checkpoints)")
+    parser.add_argument("--checkpoint-every", type=int, default=50, help="steps between checkpoints")
+    parser.add_argument("--resume", action="store_true", help="continue from the checkpoint in --checkpoint-dir")
+    parser.add_argument("--baseline", type=Path, default=None,
+                        help="assets folder of an earlier target to measure on the same held-out rows")
     parser.add_argument("--retrain-tokenizer", action="store_true", help="ignore <out>/tokenizer if present")
     parser.add_argument("--no-progress", action="store_true")
     return parser.parse_args(argv)
@@ -48,7 +58,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    names = ("target", "draft") if args.which == "both" else (args.which,)
+    names = {"both": ("target", "draft"), "none": ()}.get(args.which, (args.which,))
+    if args.resume and args.checkpoint_dir is None:
+        raise ValueError("--resume needs --checkpoint-dir")
+    checkpointing = None if args.checkpoint_dir is None else {
+        name: Checkpointing(args.checkpoint_dir / name, args.checkpoint_every, args.resume) for name in names}
     report_path = build_reference(
         names=names,
         out=args.out,
@@ -56,6 +70,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         time_budget_s=args.time_budget,
         retrain_tokenizer=args.retrain_tokenizer,
         progress=not args.no_progress,
+        checkpointing=checkpointing,
+        baseline=args.baseline,
     )
     print(f"wrote {report_path}")
     return 0
