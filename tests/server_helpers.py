@@ -12,13 +12,6 @@ from hf_accel import Engine, reference
 from hf_accel.server import create_app, serve_in_thread
 
 MODEL_NAME = "reference-target"
-# until the reference tokenizer ships its template
-FALLBACK_CHAT_TEMPLATE = (
-    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}assistant:{% endif %}"
-)
-
-
 @dataclass(slots=True)
 class LiveServer:
     """A running server: its base URL (`http://127.0.0.1:port`) and the engine behind it."""
@@ -32,11 +25,10 @@ class LiveServer:
         return f"{self.url}/v1"
 
 
-def load_target(chat_template: bool = True) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """The reference target and tokenizer; with `chat_template`, a simple template if the tokenizer has none."""
+def load_target() -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The reference target and its tokenizer (which ships a chat template)."""
     model, tokenizer = reference.load("target")
-    if chat_template and not tokenizer.chat_template:
-        tokenizer.chat_template = FALLBACK_CHAT_TEMPLATE  # until the reference tokenizer ships its template
+    assert tokenizer.chat_template, "the reference tokenizer ships a chat template"
     return model, tokenizer
 
 
