@@ -83,10 +83,15 @@ def execute(name: str, run: NotebookRun, folder: Path) -> tuple[nbformat.Noteboo
     parameters = dict(run.parameters, **({"SAVE_PLOTS_TO": str(folder / "plots")} if run.save_plots else {}))
     notebook = with_parameters(notebook, parameters)
     notebook.cells.append(nbformat.v4.new_code_cell("import hf_accel\n" + run.check))
-    client = NotebookClient(notebook, km=kernel_manager(folder / "kernels"), timeout=run.limit_s,
+    manager = kernel_manager(folder / "kernels")
+    client = NotebookClient(notebook, km=manager, timeout=run.limit_s,
                             startup_timeout=120, resources={"metadata": {"path": str(NOTEBOOK_DIR)}})
     started = time.perf_counter()
-    client.execute()
+    try:
+        client.execute()
+    finally:  # nbclient leaves a kernel it was handed running: stop it, or every notebook's kernel lives on
+        if manager.has_kernel:
+            manager.shutdown_kernel(now=True)
     return notebook, time.perf_counter() - started
 
 
