@@ -7,6 +7,7 @@ Values are shown as `str(value)`, floats with 3 significant digits (whole from 1
 
 from __future__ import annotations
 
+import abc
 import html
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -90,8 +91,9 @@ class Table:
         return html_grid(self.title, self.columns, self.rows)
 
 
-class RichDisplay:
-    """Mixin: `repr` and Jupyter's `_repr_html_` from the object's `summary()`.
+class RichDisplay(abc.ABC):
+    """Mixin: `repr` and Jupyter's `_repr_html_` from the object's `summary()` (abstract: a class cannot be
+    instantiated without it).
 
     Put it first among the bases so it wins over `nn.Module.__repr__` / `Cache.__repr__`; dataclasses using it need
     `repr=False`.
@@ -99,9 +101,9 @@ class RichDisplay:
 
     __slots__ = ()
 
+    @abc.abstractmethod
     def summary(self) -> dict[str, object]:
         """Label -> value of what the object shows, in order."""
-        raise NotImplementedError(f"{type(self).__name__} must define summary()")
 
     def __repr__(self) -> str:
         return one_line(type(self).__name__, self.summary())

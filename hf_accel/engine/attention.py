@@ -60,12 +60,14 @@ class StepAttention:
             self._masks[key] = mask[:, None, None, :]
         return self._masks[key]
 
-    def prefill_mask(self, i: int, window: int | None) -> torch.Tensor | None:
-        """`[num_tokens, kv_len]` True where chunk `i`'s queries may attend; None for a plain causal chunk."""
+    def prefill_mask(self, i: int, window: int | None, groups: int, softcap: float | None) -> torch.Tensor | None:
+        """`[groups * num_tokens, kv_len]` True where chunk `i`'s queries may attend, rows repeated for the `groups`
+        query heads folded onto each K/V head (see `_attend`); None when sdpa's own causal mask is exact (a chunk from
+        position 0, no window, no folding, no soft-capping). Built once per step, shared by every layer."""
         row = self.prefills[i]
-        if row.first_position == 0 and window is None:
+        if row.first_position == 0 and window is None and groups == 1 and softcap is None:
             return None
-        key = ("prefill", i, window)
+        key = ("prefill", i, window, groups)
         if key not in self._masks:
             device = row.kv_blocks.device
             queries = torch.arange(row.first_position, row.kv_length, device=device)[:, None]
@@ -73,7 +75,7 @@ class StepAttention:
             mask = columns <= queries
             if window is not None:
                 mask &= columns > queries - window
-            self._masks[key] = mask
+            self._masks[key] = mask.repeat(groups, 1)  # folded query rows are (group, position)
         return self._masks[key]
 
 
@@ -107,7 +109,7 @@ def paged_attention(
     for i, row in enumerate(step.prefills):
         q = query[:, :, row.start : row.start + row.num_tokens]  # [1, heads, num_tokens, head_dim]
         k, v = (_gather(pool, row.kv_blocks[None])[:, :, : row.kv_length] for pool in (keys, values))
-        mask = step.prefill_mask(i, sliding_window)
+        mask = step.prefill_mask(i, sliding_window, query.shape[1] // keys.shape[0], softcap)
         out[row.start : row.start + row.num_tokens] = _attend(q, k, v, mask, scaling, softcap)[0].transpose(0, 1)
     return out[None], None
 
@@ -122,27 +124,18 @@ def _gather(pool: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float | None,
             softcap: float | None) -> torch.Tensor:
-    """`q` `[b, heads, q_len, d]`, `k` / `v` `[b, kv_heads, kv_len, d]`, `mask` broadcastable to `[b, 1, q_len,
-    kv_len]` (None: causal) -> `[b, heads, q_len, d]`. Query heads sharing a K/V head are folded into the query axis."""
+    """`q` `[b, heads, q_len, d]`, `k` / `v` `[b, kv_heads, kv_len, d]` -> `[b, heads, q_len, d]`. Query heads sharing
+    a K/V head are folded into the query axis (no K/V repeat), so `mask` is given for the folded rows: broadcastable to
+    `[b, 1, groups * q_len, kv_len]`, or None for plain causal attention."""
     batch, heads, q_len, dim = q.shape
-    groups = heads // k.shape[1]
-    q = q.reshape(batch, k.shape[1], groups * q_len, dim)  # head h uses kv head h // groups
-    if mask is None and groups == 1 and softcap is None:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-        return out.reshape(batch, heads, q_len, dim)
+    q = q.reshape(batch, k.shape[1], heads // k.shape[1] * q_len, dim)  # head h uses kv head h // groups
     if mask is None:
-        mask = _causal(q_len, k.shape[2], q.device)
-    if q_len > 1 and groups > 1:  # folded query rows are (group, position): repeat the rows per group
-        mask = mask.repeat(groups, 1) if mask.dim() == 2 else mask.repeat(1, 1, groups, 1)
-    if softcap is None:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    elif softcap is None:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     else:
         out = _eager(q, k, v, mask, scale, softcap)
     return out.reshape(batch, heads, q_len, dim)
-
-
-def _causal(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
-    return torch.ones(q_len, kv_len, dtype=torch.bool, device=device).tril(kv_len - q_len)
 
 
 def _eager(q, k, v, mask, scale, softcap) -> torch.Tensor:

@@ -125,13 +125,16 @@ class Engine(RichDisplay):
         if len(per_prompt) != len(prompts):
             raise ValueError(f"`params` has {len(per_prompt)} entries for {len(prompts)} prompts")
         finished: dict[str, RequestOutput] = {}
+        errors: list[BaseException] = []  # what killed the engine loop, if it died
         done = threading.Event()
 
         def collect(out: RequestOutput | BaseException) -> None:
-            if isinstance(out, BaseException) or out.finished:
-                finished[out.request_id if isinstance(out, RequestOutput) else "error"] = out
-                if len(finished) == len(ids) or "error" in finished:
-                    done.set()
+            if isinstance(out, BaseException):
+                errors.append(out)
+            elif out.finished:
+                finished[out.request_id] = out
+            if errors or len(finished) == len(ids):
+                done.set()
 
         ids: list[str] = []
         try:
@@ -148,8 +151,8 @@ class Engine(RichDisplay):
                     self._step()
                     if not done.is_set() and not self.has_unfinished_requests():
                         raise RuntimeError("the engine has no work left but requests did not finish")
-        if "error" in finished:
-            raise EngineDeadError("the engine loop died") from finished["error"]
+        if errors:
+            raise EngineDeadError("the engine loop died") from errors[0]
         return [finished[i] for i in ids]
 
     async def stream(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -286,8 +289,10 @@ class Engine(RichDisplay):
 
 
 def _is_token_ids(value: object) -> bool:
-    return isinstance(value, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool) for v in value) \
-        and len(value) > 0
+    """A non-empty list or tuple of ints (bools excluded)."""
+    if not isinstance(value, (list, tuple)) or not value:
+        return False
+    return all(isinstance(v, int) and not isinstance(v, bool) for v in value)
 
 
 def _ignore(out: RequestOutput | BaseException) -> None:

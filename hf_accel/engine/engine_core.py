@@ -18,7 +18,7 @@ from .model_runner import ModelRunner
 from .sampler import sample, token_logprobs
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig
-from .sequence import Request, Sequence, SequenceStatus, make_sequences
+from .sequence import Request, Sequence, make_sequences
 
 
 class ContextLengthExceededError(ValueError):
@@ -47,7 +47,7 @@ class EngineCore:
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, config: EngineConfig):
         self.model, self.tokenizer, self.config = model, tokenizer, config
-        self.max_model_len = config.max_model_len or _context_length(model)
+        self.max_model_len = config.max_model_len or context_length(model)
         shape = KVShape.from_config(model.config)
         dtype, device = model.dtype, next(model.parameters()).device
         num_blocks = config.num_blocks(shape.bytes_per_token(dtype), self.max_model_len)
@@ -158,11 +158,12 @@ class EngineCore:
         return None if self.tokenizer is None else Detokenizer(self.tokenizer, params.stop)
 
 
-def _context_length(model: PreTrainedModel) -> int:
+def context_length(model: PreTrainedModel) -> int:
+    """The model's context length: its (text) config's `max_position_embeddings`; ValueError when it has none."""
     text = model.config.get_text_config(decoder=True)
     length = getattr(text, "max_position_embeddings", None)
     if not isinstance(length, int):
-        raise ValueError("the model config has no `max_position_embeddings`; pass `max_model_len` to the Engine")
+        raise ValueError("the model config has no `max_position_embeddings`; pass `max_model_len` explicitly")
     return length
 
 

@@ -21,6 +21,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from .. import reference
+from ..engine.engine_core import context_length
 from ..speculative.medusa_export import export_vllm as export_medusa
 from ..speculative.medusa_heads import MedusaHeads
 
@@ -115,15 +116,6 @@ def load_tokenizer(model_path: Path) -> PreTrainedTokenizerBase:
         raise ValueError(f"model {str(model_path)!r} has no tokenizer files vLLM could load: {error}") from None
 
 
-def max_model_len(model: PreTrainedModel) -> int:
-    """The context length vLLM should serve: the config's `max_position_embeddings`."""
-    text_config = model.config.get_text_config(decoder=True)
-    length = getattr(text_config, "max_position_embeddings", None)
-    if not isinstance(length, int):
-        raise ValueError("the model config has no max_position_embeddings to derive --max-model-len from")
-    return length
-
-
 def write_readme(out: Path, command: ServeCommand, quant: str | None, source: str) -> None:
     weights_line = {None: "bf16 safetensors (a standard transformers folder)",
                     "int8": "int8 weight-only, compressed-tensors `pack-quantized`, one scale per output channel",
@@ -161,7 +153,7 @@ def export_vllm(out: str | Path, model: str | Path | None = None, quant: str | N
     config = None if scheme is None else quantization_config(loaded, scheme)  # checks the group size first
     medusa_path = resolve_medusa(model_path, None if medusa is None else Path(medusa))
     heads = None if medusa_path is None else load_heads(medusa_path, loaded)
-    command = ServeCommand(served_model_name or out.resolve().name, max_model_len(loaded), scheme is not None,
+    command = ServeCommand(served_model_name or out.resolve().name, context_length(loaded), scheme is not None,
                            None if heads is None else heads.num_heads)
     out.mkdir(parents=True, exist_ok=True)
     if config is None:

@@ -17,6 +17,7 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from transformers import PreTrainedTokenizerBase
 
+from ..cache.settings import check_int
 from ..engine.engine import Engine
 from . import chat, completions, tokenization
 from .errors import APIError, engine_dead, install_error_handlers
@@ -79,8 +80,7 @@ def create_app(engine: Engine, tokenizer: PreTrainedTokenizerBase, model_name: s
         raise ValueError(f"`model_name` must be a non-empty string, got {model_name!r}")
     if api_key is not None and (not isinstance(api_key, str) or not api_key):
         raise ValueError("`api_key` must be a non-empty string or None")
-    if not isinstance(max_queue_len, int) or isinstance(max_queue_len, bool) or max_queue_len < 1:
-        raise ValueError(f"`max_queue_len` must be a positive int, got {max_queue_len!r}")
+    check_int("max_queue_len", max_queue_len, 1, "a positive int")
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
