@@ -27,6 +27,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from ..display import RichDisplay, format_bytes
 from .config import EngineConfig
 from .engine_core import EngineCore, EngineStats
+from .model_runner import paged_attention_implementation
 from .outputs import RequestOutput, RequestTiming
 from .sampling_params import SamplingParams
 from .sequence import Request
@@ -146,7 +147,7 @@ class Engine(RichDisplay):
         if self.is_running:
             done.wait()
         else:
-            with self._drive_lock:
+            with self._drive_lock, paged_attention_implementation(self.core.model):  # switched once per call
                 while not done.is_set():
                     self._step()
                     if not done.is_set() and not self.has_unfinished_requests():
@@ -238,7 +239,9 @@ class Engine(RichDisplay):
                         self._drive_lock.acquire()
                     continue
                 try:
-                    self._step()
+                    with paged_attention_implementation(self.core.model):  # once per busy spell, restored when idle
+                        while not self._stopping and self.has_unfinished_requests():
+                            self._step()
                 except BaseException as error:  # the loop is dead: tell every waiting request, refuse new ones
                     self._dead = error
                     for listener in list(self._listeners.values()):

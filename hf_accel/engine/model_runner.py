@@ -21,7 +21,8 @@ from .sequence import Sequence
 
 @contextlib.contextmanager
 def paged_attention_implementation(model: PreTrainedModel) -> Iterator[None]:
-    """Run `model` with hf_accel's paged attention inside the block, its own implementation after."""
+    """Run `model` with hf_accel's paged attention inside the block, its own implementation after (a no-op when
+    already inside one: `Engine` switches once per run of steps, so single steps pay nothing)."""
     saved = model.config._attn_implementation
     if saved == ATTENTION_NAME:
         yield
