@@ -6,7 +6,7 @@
 
 Threads: the core (scheduler, blocks, model) is driven by one thread at a time. `generate` drives it in the calling
 thread, unless the background loop is running (`start`, or the first `stream`), which then owns it (and the model:
-during a step the model's attention implementation is the engine's, so do not call `model.generate` from another
+while it steps, the model's attention implementation is the engine's, so do not call `model.generate` from another
 thread while the loop runs); requests and
 aborts from other threads go through a queue the stepping thread drains before each step, so callers never wait for
 a model forward. If the loop dies, `is_healthy` turns False, every open request gets `EngineDeadError`, and no new
