@@ -175,20 +175,20 @@ class PrefixStore(RichDisplay):
 
     def _copy_blocks(self, cache: object, starts: list[tuple[int, int]], device: torch.device) -> list[torch.Tensor]:
         """`[num_layers, 2, block_size, kv_heads, head_dim]` copies of the blocks of row `r` from column `c`."""
-        columns = torch.arange(self.block_size, device=device)
+        rows = torch.tensor([r for r, _ in starts], device=device)[:, None]
+        cols = torch.tensor([c for _, c in starts], device=device)[:, None] + torch.arange(self.block_size, device=device)
+        positions = list(range(cache.get_seq_length()))
+        slots_of_group: dict[int, torch.Tensor] = {}  # id(group) -> [blocks * block_size] slots to read
         per_layer = []
-        for layer in range(self.shape.num_layers):
-            group = cache.group_of_layer[layer]
-            slot_table = group.slots_of(list(range(cache.get_seq_length())), device)  # [rows, tokens]
-            rows = torch.tensor([r for r, _ in starts], device=device)[:, None]
-            cols = torch.tensor([c for _, c in starts], device=device)[:, None] + columns
-            slots = slot_table[rows, cols].reshape(-1)
+        for layer, group in enumerate(cache.group_of_layer):
+            if id(group) not in slots_of_group:
+                slots_of_group[id(group)] = group.slots_of(positions, device)[rows, cols].reshape(-1)
+            slots = slots_of_group[id(group)]
             pools = (cache.layers[layer].key_pool, cache.layers[layer].value_pool)
             per_layer.append(torch.stack([p.view(-1, *p.shape[2:]).index_select(0, slots) for p in pools]))
         stacked = torch.stack(per_layer).view(self.shape.num_layers, 2, len(starts), self.block_size,
                                               self.shape.kv_heads, self.shape.head_dim)
         return [stacked[:, :, i].clone() for i in range(len(starts))]
-
 
 def left_padding(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[int] | None:
     """Left-pad columns of each row (`attention_mask` None: no padding); None when some row's mask is not
