@@ -9,9 +9,9 @@ What it changes (all undone by `unregister`):
   that already holds a cache, `cache_implementation` is ignored (stock raises "Passing both ..." in round 2).
 - `GenerationMixin.generate`, for callable `custom_generate`s: `streamer` is handed to callables that declare
   `hf_accel_streamer`, and `stop_strings` + `tokenizer` become a stopping criterion (stock drops both).
-- `GenerationMixin._prefill`: a cache that is a `PrefillHooks` is handed the prompt rows (`input_ids`, the 2-D mask) just
-  before and after the prefill forward, so it can fill columns it already holds (a prefix store) and generate computes
-  only the rest (it starts at the cache's `get_seq_length()`). Other caches see no change.
+- `GenerationMixin._prefill`: a cache that is a `PrefillHooks` is handed the prompt rows (`input_ids`, the 2-D mask)
+  just before and after the prefill forward, so it can fill columns it already holds (a prefix store) and generate
+  computes only the rest (it starts at the cache's `get_seq_length()`). Other caches see no change.
 - `generation.configuration_utils.ALL_CACHE_IMPLEMENTATIONS`: our names are added so validation accepts them.
 The pristine functions are kept on the wrappers (never in a module global), so `importlib.reload` cannot stack them.
 """

@@ -142,9 +142,9 @@ def test_sliding_layers_evict_again_after_the_prefill():
     store = PrefixStore(model, max_memory="1MiB", block_size=4)
     prompt = batch(tokens(20, 9) % 150 + 4)
     for _ in range(2):
-        out = model.generate(**prompt, cache_implementation="paged", cache_config={"block_size": 4, "prefix_store": store},
-                             max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0,
-                             return_dict_in_generate=True)
+        out = model.generate(**prompt, cache_implementation="paged",
+                             cache_config={"block_size": 4, "prefix_store": store}, max_new_tokens=6,
+                             min_new_tokens=6, do_sample=False, pad_token_id=0, return_dict_in_generate=True)
         group = out.past_key_values.groups[0]
         assert group.tables.first_token > 0 and not group.is_recording_past
         assert group.tables.pool.num_used_blocks <= group.tables.blocks_for(8) + 1

@@ -21,9 +21,10 @@ from __future__ import annotations
 import threading
 import weakref
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import PreTrainedModel
+from transformers import PreTrainedConfig, PreTrainedModel
 
 from ..display import RichDisplay, format_bytes
 from ..engine.block_manager import block_key
@@ -31,6 +32,9 @@ from ..engine.kv_pool import KVShape
 from .paged_config import parse_bytes
 from .prefix_index import PrefixEntry, PrefixIndex
 from .settings import check_int
+
+if TYPE_CHECKING:  # paged.py imports this module
+    from .paged import PagedCache
 
 
 @dataclass(slots=True)
@@ -82,7 +86,7 @@ class PrefixStore(RichDisplay):
     def __deepcopy__(self, memo: dict) -> PrefixStore:
         return self  # generate may copy its config (cache_config included); the store is shared state, never copied
 
-    def check_cache(self, config: object, block_size: int) -> None:
+    def check_cache(self, config: PreTrainedConfig, block_size: int) -> None:
         """ValueError unless a paged cache for `config` with `block_size` tokens per block can use this store."""
         if config is not self.config:
             raise ValueError("`prefix_store` was built for another model; build one PrefixStore per model")
@@ -113,7 +117,7 @@ class PrefixStore(RichDisplay):
                 "memory": f"{format_bytes(stats.bytes)} / {format_bytes(stats.max_bytes)}", "hits": stats.hits,
                 "misses": stats.misses, "tokens_saved": stats.tokens_saved, "evictions": stats.evictions}
 
-    def load(self, cache: object, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
+    def load(self, cache: PagedCache, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
         """Fill an empty paged `cache` with the stored columns every row of `input_ids` `[rows, width]` starts with
         (see the module docstring); nothing when no row hits."""
         pads = left_padding(input_ids, attention_mask)
@@ -130,7 +134,7 @@ class PrefixStore(RichDisplay):
         if skip > min(pads):  # some row skips real tokens
             self._fill(cache, hits, pads, skip, input_ids.device)
 
-    def save(self, cache: object, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
+    def save(self, cache: PagedCache, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
         """Store every row's full blocks of real tokens that the store lacks, copied from `cache` (all layers), which
         holds the prompt `input_ids` `[rows, width]` in full."""
         pads = left_padding(input_ids, attention_mask)
@@ -159,7 +163,7 @@ class PrefixStore(RichDisplay):
             keys.append(parent)
         return keys
 
-    def _fill(self, cache: object, hits: list[list[PrefixEntry]], pads: list[int], skip: int,
+    def _fill(self, cache: PagedCache, hits: list[list[PrefixEntry]], pads: list[int], skip: int,
               device: torch.device) -> None:
         # dense: [num_layers, 2, rows, skip, kv_heads, head_dim], zeros in pad columns
         shape = self.shape
@@ -173,10 +177,12 @@ class PrefixStore(RichDisplay):
             for layer in range(shape.num_layers):
                 cache.update(dense[layer, 0].transpose(1, 2), dense[layer, 1].transpose(1, 2), layer)
 
-    def _copy_blocks(self, cache: object, starts: list[tuple[int, int]], device: torch.device) -> list[torch.Tensor]:
+    def _copy_blocks(self, cache: PagedCache, starts: list[tuple[int, int]],
+                     device: torch.device) -> list[torch.Tensor]:
         """`[num_layers, 2, block_size, kv_heads, head_dim]` copies of the blocks of row `r` from column `c`."""
         rows = torch.tensor([r for r, _ in starts], device=device)[:, None]
-        cols = torch.tensor([c for _, c in starts], device=device)[:, None] + torch.arange(self.block_size, device=device)
+        offsets = torch.arange(self.block_size, device=device)
+        cols = torch.tensor([c for _, c in starts], device=device)[:, None] + offsets
         positions = list(range(cache.get_seq_length()))
         slots_of_group: dict[int, torch.Tensor] = {}  # id(group) -> [blocks * block_size] slots to read
         per_layer = []
