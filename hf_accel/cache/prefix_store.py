@@ -194,7 +194,8 @@ class PrefixStore(RichDisplay):
             per_layer.append(torch.stack([p.view(-1, *p.shape[2:]).index_select(0, slots) for p in pools]))
         stacked = torch.stack(per_layer).view(self.shape.num_layers, 2, len(starts), self.block_size,
                                               self.shape.kv_heads, self.shape.head_dim)
-        return [stacked[:, :, i].clone() for i in range(len(starts))]
+        return [stacked[:, :, i].clone() for i in range(len(starts))]  # own storage: evicting one frees its bytes
+
 
 def left_padding(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[int] | None:
     """Left-pad columns of each row (`attention_mask` None: no padding); None when some row's mask is not
