@@ -50,7 +50,7 @@ class Plan:
     warmup_calls: int
 
 
-FULL = Plan("target", header_len=384, num_calls=32, suffix_lens=(16, 31), new_tokens=16, repeats=3, warmup_calls=3)
+FULL = Plan("target", header_len=384, num_calls=32, suffix_lens=(16, 31), new_tokens=16, repeats=5, warmup_calls=3)
 QUICK = Plan("draft", header_len=48, num_calls=4, suffix_lens=(8, 11), new_tokens=4, repeats=1, warmup_calls=1)
 
 
