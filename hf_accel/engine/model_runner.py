@@ -2,13 +2,16 @@
 
 The model runs its own, unmodified forward with `attn_implementation` switched to hf_accel's paged attention for
 the call (restored after), `use_cache=False` (K/V live in the engine's pool, written by the attention function),
-per-token `position_ids`, and `logits_to_keep` set to the last token of each sequence that samples this step.
+per-token `position_ids`, and `logits_to_keep` set to the last token of each sequence that samples this step, plus
+its candidates when it speculates. With Medusa heads the same forward also returns the final (normed) hidden
+states at those positions (`output_hidden_states`: transformers ties the last entry to the normed output).
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedModel
@@ -34,41 +37,54 @@ def paged_attention_implementation(model: PreTrainedModel) -> Iterator[None]:
         model.set_attn_implementation(saved)
 
 
-class ModelRunner:
-    """Runs scheduled batches of `model` over the block pool `kv`."""
+@dataclass(slots=True)
+class StepOutput:
+    """The kept positions of one step: `logits` `[rows, vocab]` fp32 and, when asked, `hidden` `[rows, hidden]`.
+    `sampling[i]` owns `num_rows[i]` consecutive rows (1 plus its candidates), in order."""
 
-    def __init__(self, model: PreTrainedModel, kv: KVPool):
+    logits: torch.Tensor
+    hidden: torch.Tensor | None
+    sampling: list[Sequence]
+    num_rows: list[int]
+
+
+class ModelRunner:
+    """Runs scheduled batches of `model` over the block pool `kv` (`keep_hidden`: also return hidden states)."""
+
+    def __init__(self, model: PreTrainedModel, kv: KVPool, keep_hidden: bool = False):
         if not getattr(model, "_supports_attention_backend", False):
             raise ValueError(f"`model` ({type(model).__name__}) does not use transformers' AttentionInterface, "
                              "which the engine needs")
         register_attention()
-        self.model, self.kv = model, kv
+        self.model, self.kv, self.keep_hidden = model, kv, keep_hidden
         self.device = next(model.parameters()).device
 
-    def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
-        """Run one step; returns `[num_sampling, vocab]` fp32 logits and the sequences they belong to (those whose
-        last token this step computes)."""
-        tokens, positions, slots, keep, sampling = [], [], [], [], []
+    def execute(self, batch: ScheduledBatch) -> StepOutput:
+        """Run one step; keeps the rows of the sequences whose last token this step computes (and their
+        candidates, `seq.draft_token_ids`, which the batch's `num_draft_tokens` counts)."""
+        tokens, positions, slots, keep, sampling, num_rows = [], [], [], [], [], []
         decodes, prefills = [], []
-        for seq, num in zip(batch.seqs, batch.num_new_tokens):
+        for seq, num, drafts in zip(batch.seqs, batch.num_new_tokens, batch.num_draft_tokens):
             start, first = len(tokens), seq.num_computed_tokens
-            tokens += seq.token_ids[first : first + num]
+            tokens += seq.token_ids[first : first + num - drafts] + seq.draft_token_ids[:drafts]
             positions += range(first, first + num)
             slots += self._slots(seq, first, first + num)
             (decodes if num == 1 else prefills).append((seq, start, num))
-            if first + num == seq.num_tokens:
-                keep.append(start + num - 1)
+            if first + num - drafts == seq.num_tokens:
+                keep += range(start + num - 1 - drafts, start + num)
                 sampling.append(seq)
+                num_rows.append(1 + drafts)
         step = self._step_attention(torch.tensor(slots, device=self.device), decodes, prefills)
+        keep_index = torch.tensor(keep, device=self.device)
         with torch.inference_mode(), paged_attention_implementation(self.model):
             out = self.model(
                 input_ids=torch.tensor([tokens], device=self.device),
                 position_ids=torch.tensor([positions], device=self.device),
-                use_cache=False,
-                logits_to_keep=torch.tensor(keep, device=self.device),
-                hf_accel_step=step,
+                use_cache=False, logits_to_keep=keep_index, hf_accel_step=step,
+                output_hidden_states=self.keep_hidden,
             )
-        return out.logits[0].float(), sampling
+        hidden = out.hidden_states[-1][0, keep_index] if self.keep_hidden else None
+        return StepOutput(out.logits[0].float(), hidden, sampling, num_rows)
 
     def _slots(self, seq: Sequence, start: int, stop: int) -> list[int]:
         size, blocks = self.kv.block_size, seq.block_ids
