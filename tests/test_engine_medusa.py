@@ -2,6 +2,7 @@
 random heads, where nearly every candidate is rejected, and the reference target with its trained heads), stops
 exact, prefix cache and preemption correct, sampled requests unaffected, counters plausible, the pool free after."""
 
+import copy
 import functools
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 from conformance import make_model, make_tokenizer
 from engine_helpers import assert_greedy_equal, greedy_reference, random_prompts
 from hf_accel import Engine, MedusaHeads, SamplingParams, reference
-from hf_accel.engine.medusa_proposer import accepted_prefix
+from hf_accel.engine.medusa_proposer import MedusaProposer, accepted_prefix
 from hf_accel.engine.scheduler import draft_width
 from hf_accel.reference import ASSETS_DIR
 
@@ -90,3 +91,21 @@ def test_reference_heads_match_plain_engine_and_accept():
     assert stats.spec_decode_num_accepted_tokens / stats.spec_decode_num_drafts > 0.5  # trained heads help
     assert stats.num_steps < sum(p.max_tokens for p in params) / len(params)
     assert_pool_free(engine)
+
+
+def test_proposer_matches_the_heads():
+    model, heads = tiny_with_heads()
+    heads = copy.deepcopy(heads)  # the cached heads stay as they are for the other tests
+    with torch.no_grad():
+        for block in heads.blocks:  # non-zero residual layers, so they matter
+            block.layers[0].weight.normal_(std=0.3)
+    proposer = MedusaProposer(heads, num_speculative_tokens=2)
+    hidden = torch.randn(5, heads.config.hidden_size)
+    with torch.no_grad():
+        expected = heads(hidden).argmax(dim=-1)[:2].T.tolist()
+    assert proposer.propose(hidden, 2) == expected
+    assert proposer.propose(hidden, 1) == [row[:1] for row in expected]
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        MedusaProposer(heads, num_speculative_tokens=4)
+    with pytest.raises(TypeError, match="medusa_heads"):
+        Engine(model, medusa_heads=model)

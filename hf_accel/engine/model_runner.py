@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from .attention import ATTENTION_NAME, PrefillRow, StepAttention, register_attention
+from .attention import ATTENTION_NAME, DecodeGroup, PrefillRow, StepAttention, register_attention
 from .kv_pool import KVPool
 from .scheduler import ScheduledBatch
 from .sequence import Sequence
@@ -63,13 +63,17 @@ class ModelRunner:
         """Run one step; keeps the rows of the sequences whose last token this step computes (and their
         candidates, `seq.draft_token_ids`, which the batch's `num_draft_tokens` counts)."""
         tokens, positions, slots, keep, sampling, num_rows = [], [], [], [], [], []
-        decodes, prefills = [], []
+        decodes: dict[int, list] = {}  # queries per sequence -> (seq, packed start) of the sequences computing them
+        prefills = []
         for seq, num, drafts in zip(batch.seqs, batch.num_new_tokens, batch.num_draft_tokens):
             start, first = len(tokens), seq.num_computed_tokens
             tokens += seq.token_ids[first : first + num - drafts] + seq.draft_token_ids[:drafts]
             positions += range(first, first + num)
             slots += self._slots(seq, first, first + num)
-            (decodes if num == 1 else prefills).append((seq, start, num))
+            if num == 1 or drafts:
+                decodes.setdefault(num, []).append((seq, start))
+            else:
+                prefills.append((seq, start, num))
             if first + num - drafts == seq.num_tokens:
                 keep += range(start + num - 1 - drafts, start + num)
                 sampling.append(seq)
@@ -90,24 +94,21 @@ class ModelRunner:
         size, blocks = self.kv.block_size, seq.block_ids
         return [blocks[p // size] * size + p % size for p in range(start, stop)]
 
-    def _step_attention(self, write_slots: torch.Tensor, decodes: list, prefills: list) -> StepAttention:
+    def _step_attention(self, write_slots: torch.Tensor, decodes: dict[int, list], prefills: list) -> StepAttention:
         size = self.kv.block_size
         rows = [PrefillRow(start, num, seq.num_computed_tokens,
                            torch.tensor(seq.block_ids[: -(-(seq.num_computed_tokens + num) // size)], device=self.device))
                 for seq, start, num in prefills]
-        if not decodes:
-            return StepAttention(self.kv, write_slots, None, None, None, rows)
-        lengths = [seq.num_computed_tokens + 1 for seq, _, _ in decodes]
-        return StepAttention(
-            self.kv, write_slots,
-            decode_index=torch.tensor([start for _, start, _ in decodes], device=self.device),
-            decode_blocks=self._block_table([seq for seq, _, _ in decodes]),
-            decode_lengths=torch.tensor(lengths, device=self.device),
-            prefills=rows,
-        )
+        groups = [self._decode_group(num, members) for num, members in decodes.items()]
+        return StepAttention(self.kv, write_slots, groups, rows)
 
-    def _block_table(self, seqs: list[Sequence]) -> torch.Tensor:
-        # [num_seqs, max_blocks] block ids of the tokens each attends over, padded with block 0 (masked by lengths)
-        size = self.kv.block_size
-        width = max(-(-(seq.num_computed_tokens + 1) // size) for seq in seqs)
-        return torch.tensor([(seq.block_ids + [0] * width)[:width] for seq in seqs], device=self.device)
+    def _decode_group(self, num: int, members: list) -> DecodeGroup:
+        # block table [rows, max_blocks] of the tokens each attends over, padded with block 0 (masked by lengths)
+        lengths = [seq.num_computed_tokens + num for seq, _ in members]
+        width = -(-max(lengths) // self.kv.block_size)
+        table = [(seq.block_ids + [0] * width)[:width] for seq, _ in members]
+        return DecodeGroup(
+            index=torch.tensor([range(start, start + num) for _, start in members], device=self.device),
+            blocks=torch.tensor(table, device=self.device),
+            lengths=torch.tensor(lengths, device=self.device),
+        )
