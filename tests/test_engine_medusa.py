@@ -254,3 +254,8 @@ def test_serve_with_medusa_heads_through_the_openai_client():
             if proc.poll() is None:
                 proc.kill()
             proc.communicate()
+
+
+def test_serve_refuses_speculation_options_without_heads():
+    with pytest.raises(SystemExit):
+        command.main(["--num-speculative-tokens", "2"])
