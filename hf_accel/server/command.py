@@ -2,6 +2,7 @@
 
     hf-accel serve                                   # reference target on http://127.0.0.1:8000/v1
     hf-accel serve --model ./my-llama --quant int8 --api-key "$KEY" --port 9000
+    hf-accel serve --medusa-heads PATH               # greedy requests speculate with Medusa heads from PATH
 
 Ctrl-C (SIGINT) or SIGTERM shuts down gracefully: no new connections, open requests get `--graceful-timeout`
 seconds to finish, then the engine stops.
@@ -19,6 +20,7 @@ from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from ..engine.engine import Engine
 from ..quant.presets import list_quantization_presets, load_model
+from ..speculative.medusa_heads import MedusaHeads
 from ..reference import ASSETS_DIR
 from .app import DEFAULT_MAX_QUEUE_LEN, create_app
 
@@ -51,6 +53,14 @@ def build_parser() -> argparse.ArgumentParser:
                         help="longest prompt plus output (default: the model's max_position_embeddings)")
     parser.add_argument("--kv-cache-memory", default=None,
                         help="KV pool size, bytes or e.g. 2GiB (default: room for max-num-seqs full sequences)")
+    parser.add_argument("--medusa-heads", default=None, metavar="PATH",
+                        help="folder with medusa_config.json + medusa_heads.safetensors (MedusaHeads.save_pretrained) "
+                             "for --model: greedy requests verify the heads' candidates (default: no speculation)")
+    parser.add_argument("--num-speculative-tokens", type=int, default=None,
+                        help="candidates per speculating step, at most the heads' count (default: every head)")
+    parser.add_argument("--max-speculative-batch-tokens", type=int, default=24,
+                        help="speculate while decoding sequences x (1 + candidates) stays within this "
+                             "(default: %(default)s)")
     parser.add_argument("--max-queue-len", type=int, default=DEFAULT_MAX_QUEUE_LEN,
                         help="requests waiting for their first token before new ones get 429 (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
@@ -70,13 +80,21 @@ def load_served_model(path: str | None, quant: str | None,
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of `hf-accel serve`; returns once the server has shut down."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.medusa_heads is None and args.num_speculative_tokens is not None:
+        parser.error("--num-speculative-tokens needs --medusa-heads")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     model, tokenizer = load_served_model(args.model, args.quant, DTYPES[args.dtype])
+    heads = None
+    if args.medusa_heads is not None:
+        heads = MedusaHeads.from_pretrained(args.medusa_heads, dtype=DTYPES[args.dtype])
     engine = Engine(model, tokenizer, max_num_seqs=args.max_num_seqs,
                     max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
-                    max_model_len=args.max_model_len)
+                    max_model_len=args.max_model_len, medusa_heads=heads,
+                    num_speculative_tokens=args.num_speculative_tokens,
+                    max_speculative_batch_tokens=args.max_speculative_batch_tokens)
     name = args.served_model_name or args.model or REFERENCE_NAME
     app = create_app(engine, tokenizer, name, api_key=args.api_key or None, max_queue_len=args.max_queue_len)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
