@@ -5,7 +5,7 @@ from .data import DomainSplits, DomainTexts, domain_splits, text_rows
 from .lora import LoraResult, LoraSettings, merge_adapter, train_lora
 from .quality import Side, SpeedResult, compare_speed, held_out_perplexity
 from .report import report_markdown, report_tables
-from .serving_config import ServingConfig, read_serving_config, write_serving_config
+from ..serving_config import ServingConfig, read_serving_config, write_serving_config
 from .stages import FinetuneConfig, run_finetune
 
 __all__ = [

@@ -28,7 +28,7 @@ from ..speculative.medusa_train import self_distilled_rows, train_medusa
 from .data import DomainSplits, text_rows
 from .lora import LoraSettings, merge_adapter, train_lora
 from .quality import Side, compare_speed, held_out_perplexity
-from .serving_config import ServingConfig, write_serving_config
+from ..serving_config import ServingConfig, write_serving_config
 
 HEADS_DIR = "medusa"
 REPORT_NAME = "report.json"

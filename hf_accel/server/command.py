@@ -2,6 +2,10 @@
 
     hf-accel serve                                   # reference target on http://127.0.0.1:8000/v1
     hf-accel serve --model ./my-llama --quant int8 --api-key "$KEY" --port 9000
+    hf-accel serve --model ./docs-model              # a `hf-accel finetune` folder: its hf_accel.json is applied
+
+A model folder with an `hf_accel.json` (written by `hf-accel finetune`) is served with the weight preset it names
+unless `--quant` is given.
 
 Ctrl-C (SIGINT) or SIGTERM shuts down gracefully: no new connections, open requests get `--graceful-timeout`
 seconds to finish, then the engine stops.
@@ -20,6 +24,7 @@ from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from ..engine.engine import Engine
 from ..quant.presets import list_quantization_presets, load_model
 from ..reference import ASSETS_DIR
+from ..serving_config import ServingConfig, read_serving_config
 from .app import DEFAULT_MAX_QUEUE_LEN, create_app
 
 REFERENCE_NAME = "hf_accel-reference-target"
@@ -34,7 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="local path or hub id of a causal LM (default: hf_accel's reference target)")
     parser.add_argument("--quant", default=None, metavar="PRESET",
                         choices=[preset.name for preset in list_quantization_presets()],
-                        help="weight quantization preset, one of %(choices)s (default: none)")
+                        help="weight quantization preset, one of %(choices)s (default: the model folder's "
+                             "hf_accel.json, else none)")
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES),
                         help="compute dtype (default: %(default)s)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, loopback only)")
@@ -68,12 +74,20 @@ def load_served_model(path: str | None, quant: str | None,
     return model.eval(), AutoTokenizer.from_pretrained(source)
 
 
+def folder_config(path: str | None, quant: str | None) -> ServingConfig:
+    """What to apply to the model at `path`: its `hf_accel.json` (if any) with `quant` (if given) taking precedence."""
+    found = read_serving_config(path) if path is not None else None
+    found = found or ServingConfig()
+    return ServingConfig(quant or found.quant, found.medusa_heads)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of `hf-accel serve`; returns once the server has shut down."""
     args = build_parser().parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    model, tokenizer = load_served_model(args.model, args.quant, DTYPES[args.dtype])
+    served = folder_config(args.model, args.quant)
+    model, tokenizer = load_served_model(args.model, served.quant, DTYPES[args.dtype])
     engine = Engine(model, tokenizer, max_num_seqs=args.max_num_seqs,
                     max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
                     max_model_len=args.max_model_len)

@@ -13,7 +13,7 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ..quant.presets import PRESETS
+from .quant.presets import PRESETS
 
 CONFIG_NAME = "hf_accel.json"
 
