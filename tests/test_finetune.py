@@ -19,7 +19,7 @@ from hf_accel.finetune import (
 )
 from hf_accel.reference import ASSETS_DIR
 from hf_accel.server import create_app, serve_in_thread
-from hf_accel.server.command import folder_config, load_served_model
+from hf_accel.server.command import load_served_model, resolve_serving
 
 SEQ_LEN = 48
 PROMPT = "Install the package with pip and"
@@ -116,17 +116,19 @@ def test_report_has_every_stage(finetuned):
     assert len(report_tables(report)) == 3 and "| stage |" in report_markdown(report)
 
 
-def test_the_folder_serves_through_openai_with_its_quantization(finetuned):
+def test_the_folder_serves_through_openai_with_its_quantization_and_heads(finetuned):
     out, _ = finetuned
-    served = folder_config(str(out), None)
-    assert served.quant == "int8" and folder_config(str(out), "int4").quant == "int4"
-    model, tokenizer = load_served_model(str(out), served.quant, torch.float32)
+    quant, heads_path = resolve_serving(str(out), None, None)
+    assert (quant, heads_path) == ("int8", out / "medusa")
+    model, tokenizer = load_served_model(str(out), quant, torch.float32)
     assert any(isinstance(module, Int8Linear) for module in model.modules())
-    engine = Engine(model, tokenizer, max_num_seqs=2, max_model_len=128)
+    heads = MedusaHeads.from_pretrained(heads_path, dtype=torch.float32)
+    engine = Engine(model, tokenizer, max_num_seqs=2, max_model_len=128, medusa_heads=heads)
     with serve_in_thread(create_app(engine, tokenizer, "finetuned")) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
         completion = client.completions.create(model="finetuned", prompt=PROMPT, max_tokens=8, temperature=0,
                                                extra_body={"ignore_eos": True, "return_token_ids": True})
+    assert engine.stats().spec_decode_num_drafts > 0, "greedy requests speculated with the folder's heads"
     ids = prompt_ids(tokenizer, PROMPT)
     choice = completion.choices[0]
     assert_greedy_equal(model, ids, choice.token_ids, greedy_reference(model, ids, 8))

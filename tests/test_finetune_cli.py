@@ -2,6 +2,7 @@
 reads it (no training here: the path itself runs in test_finetune.py and in the notebook test)."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -9,7 +10,7 @@ from hf_accel import cli
 from hf_accel.finetune import ServingConfig, read_serving_config, write_serving_config
 from hf_accel.finetune.command import build_parser, config_from_args, init_heads
 from hf_accel.finetune.data import is_held_out, package_descriptions, split_descriptions, text_rows, DomainTexts
-from hf_accel.server.command import folder_config
+from hf_accel.server.command import resolve_serving
 
 
 def run_cli(argv, capsys) -> tuple[int, str]:
@@ -102,9 +103,9 @@ def test_serving_config_round_trip_and_errors(tmp_path):
         read_serving_config(tmp_path)
 
 
-def test_serve_applies_the_folder_config_unless_quant_is_given(tmp_path):
+def test_serve_applies_the_folder_config_unless_options_are_given(tmp_path):
     write_serving_config(tmp_path, ServingConfig("int8", "medusa"))
-    assert folder_config(str(tmp_path), None) == ServingConfig("int8", "medusa")
-    assert folder_config(str(tmp_path), "int4") == ServingConfig("int4", "medusa")
-    assert folder_config(None, None) == ServingConfig()
-    assert folder_config(str(tmp_path / "plain"), "int8") == ServingConfig("int8", None)
+    assert resolve_serving(str(tmp_path), None, None) == ("int8", tmp_path / "medusa")
+    assert resolve_serving(str(tmp_path), "int4", "other") == ("int4", Path("other"))
+    assert resolve_serving(None, None, None) == (None, None)
+    assert resolve_serving(str(tmp_path / "plain"), "int8", None) == ("int8", None)

@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ..display import RichDisplay, format_bytes
+from ..speculative.medusa_heads import MedusaHeads
 from .config import EngineConfig
 from .engine_core import EngineCore, EngineStats
 from .model_runner import paged_attention_implementation
@@ -46,18 +47,25 @@ class Engine(RichDisplay):
         model: a decoder-only causal LM whose attention goes through transformers' `AttentionInterface` (Llama,
             Mistral, Qwen2/3, Gemma2/3, Phi3, ...), in any dtype; hf_accel int8/int4 weights work as they are.
         tokenizer: turns string prompts into ids and outputs into text (optional with token-id prompts).
+        medusa_heads: `MedusaHeads` trained for `model`: plain-greedy requests (temperature 0, no repetition
+            penalty) then verify the heads' candidates each step while the decoding batch is small (Medusa
+            speculation, same outputs as without); other requests decode plainly.
 
     The keyword-only limits (`max_num_seqs`, `max_num_batched_tokens`, `kv_cache_memory`, `block_size`,
-    `enable_prefix_caching`, `max_model_len`) are the fields of `EngineConfig`, documented there.
+    `enable_prefix_caching`, `max_model_len`, `num_speculative_tokens`, `max_speculative_batch_tokens`) are the
+    fields of `EngineConfig`, documented there.
     """
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None = None, *,
                  max_num_seqs: int = 32, max_num_batched_tokens: int = 512, kv_cache_memory: int | str | None = None,
-                 block_size: int = 16, enable_prefix_caching: bool = True, max_model_len: int | None = None):
+                 block_size: int = 16, enable_prefix_caching: bool = True, max_model_len: int | None = None,
+                 medusa_heads: MedusaHeads | None = None, num_speculative_tokens: int | None = None,
+                 max_speculative_batch_tokens: int = 16):
         self.config = EngineConfig(max_num_seqs, max_num_batched_tokens, kv_cache_memory, block_size,
-                                   enable_prefix_caching, max_model_len)
+                                   enable_prefix_caching, max_model_len, num_speculative_tokens,
+                                   max_speculative_batch_tokens)
         self.tokenizer = tokenizer
-        self.core = EngineCore(model, tokenizer, self.config)
+        self.core = EngineCore(model, tokenizer, self.config, medusa_heads)
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._listeners: dict[str, Listener] = {}
         self._finish_observers: list[Callable[[RequestOutput], None]] = []
