@@ -48,8 +48,8 @@ class SpeedResult:
 
     def as_row(self) -> dict[str, object]:
         """The side's numbers for a table (no raw timings)."""
-        return {"side": self.name, "tokens_per_s": round(self.tokens_per_s, 1), "speed_ratio": round(self.speed_ratio, 3),
-                "greedy_agreement": round(self.agreement, 4),
+        return {"side": self.name, "tokens_per_s": round(self.tokens_per_s, 1),
+                "speed_ratio": round(self.speed_ratio, 3), "greedy_agreement": round(self.agreement, 4),
                 "tokens_per_step": None if self.tokens_per_step is None else round(self.tokens_per_step, 2)}
 
 
@@ -64,7 +64,8 @@ def greedy_tokens(side: Side, prompt: torch.Tensor, new_tokens: int, stats: Medu
     return out[:, prompt.shape[1]:].cpu()
 
 
-def compare_speed(sides: list[Side], prompts: torch.Tensor, new_tokens: int = 64, repeats: int = 2) -> list[SpeedResult]:
+def compare_speed(sides: list[Side], prompts: torch.Tensor, new_tokens: int = 64,
+                  repeats: int = 2) -> list[SpeedResult]:
     """Time every side on every prompt (see the module docstring); the first side is the baseline."""
     if not sides or prompts.dim() != 2 or prompts.shape[0] == 0:
         raise ValueError("need at least one side and a non-empty [n, prompt_len] `prompts`")

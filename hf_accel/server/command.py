@@ -61,9 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--kv-cache-memory", default=None,
                         help="KV pool size, bytes or e.g. 2GiB (default: room for max-num-seqs full sequences)")
     parser.add_argument("--medusa-heads", default=None, metavar="PATH",
-                        help="folder with medusa_config.json + medusa_heads.safetensors (MedusaHeads.save_pretrained) "
-                             "for --model: greedy requests verify the heads' candidates (default: the model "
-                             "folder's hf_accel.json, else no speculation)")
+                        help="MedusaHeads.save_pretrained folder for --model: greedy requests verify the heads' "
+                             "candidates (default: the model folder's hf_accel.json, else no speculation)")
     parser.add_argument("--num-speculative-tokens", type=int, default=None,
                         help="candidates per speculating step, at most the heads' count (default: every head)")
     parser.add_argument("--max-speculative-batch-tokens", type=int, default=16,
