@@ -113,6 +113,7 @@ def test_report_has_every_stage(finetuned):
     assert medusa["tokens_per_step"] >= 1.0
     assert {"data", "lora", "medusa", "quantize", "speed", "total"} <= set(report["times_s"])
     assert report["data"]["held_out_distributions"] and report["medusa"]["steps"] == 3
+    assert 0.5 < report["top1_agreement_with_float"] <= 1.0
     assert len(report_tables(report)) == 3 and "| stage |" in report_markdown(report)
 
 

@@ -13,15 +13,20 @@ from ..display import Table, format_value
 
 STAGE_NAMES = {"base": "base model", "finetuned": "fine-tuned (LoRA merged)", "quantized": "fine-tuned, quantized"}
 EVAL_NAMES = {"domain": "held-out domain text", "original": "base model's own held-out domain"}
-SPEED_COLUMNS = ["side", "tokens/s", "speed vs plain float", "greedy agreement", "tokens per forward"]
+SPEED_COLUMNS = ["side", "tokens/s", "speed vs plain float", "tokens equal to plain float", "tokens per forward"]
+AGREEMENT_COLUMN = "top-1 agreement with float (same prefix)"
 
 
 def perplexity_table(report: dict[str, Any]) -> Table:
-    """One row per stage (base, fine-tuned, quantized), one column per evaluation set."""
+    """One row per stage (base, fine-tuned, quantized), one column per evaluation set, and the share of held-out
+    domain positions where the stage's next-token argmax equals the float fine-tuned model's."""
     stages = report["perplexity"]
     sets = list(next(iter(stages.values())))
-    rows = [[STAGE_NAMES.get(stage, stage), *(values[name] for name in sets)] for stage, values in stages.items()]
-    return Table("held-out perplexity (lower is better)", ["stage", *(EVAL_NAMES.get(s, s) for s in sets)], rows)
+    agreement = {"finetuned": "100%", "quantized": f"{100 * report['top1_agreement_with_float']:.1f}%"}
+    rows = [[STAGE_NAMES.get(stage, stage), *(values[name] for name in sets), agreement.get(stage, "-")]
+            for stage, values in stages.items()]
+    columns = ["stage", *(EVAL_NAMES.get(s, s) for s in sets), AGREEMENT_COLUMN]
+    return Table("held-out perplexity (lower is better)", columns, rows)
 
 
 def speed_table(report: dict[str, Any]) -> Table:

@@ -23,6 +23,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ..bench import hardware
 from ..quant.presets import PRESETS, load_model
+from ..reference.evaluate import greedy_agreement
 from ..speculative.medusa_heads import MedusaHeads
 from ..speculative.medusa_train import self_distilled_rows, train_medusa
 from .data import DomainSplits, text_rows
@@ -83,7 +84,7 @@ class StageClock:
     def stage(self, name: str) -> Iterator[None]:
         started = time.perf_counter()
         yield
-        self.seconds[name] = round(time.perf_counter() - started, 1)
+        self.seconds[name] = round(self.seconds.get(name, 0.0) + time.perf_counter() - started, 1)
 
 
 def run_finetune(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, splits: DomainSplits,
@@ -111,18 +112,19 @@ def run_finetune(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, spl
     with clock.stage("medusa"):
         heads, medusa = _train_heads(merged, train_rows, config, init_heads, description, progress)
         heads.save_pretrained(out / HEADS_DIR)
-    served = merged
+    served, agreement = merged, 1.0
     if config.quant is not None:
         with clock.stage("quantize"):
             served = load_model(str(out), quant=config.quant, dtype=torch.float32).eval()
         perplexities["quantized"] = _perplexities(served, eval_sets, clock, "evaluate quantized")
+        agreement = _agreement(served, merged, held_out, clock)
     with clock.stage("speed"):
         speed = _speed(merged, served, heads, held_out, config)
     write_serving_config(out, ServingConfig(config.quant, HEADS_DIR))
     report = _report(description, splits, train_rows, held_out, config, perplexities, speed, clock)
-    report["lora"] = {"trainable_parameters": trained.num_trainable_parameters, "losses": trained.losses,
-                      "train_seconds": round(trained.train_seconds, 1)}
-    report["medusa"] = medusa
+    report |= {"top1_agreement_with_float": agreement, "medusa": medusa,
+               "lora": {"trainable_parameters": trained.num_trainable_parameters, "losses": trained.losses,
+                        "train_seconds": round(trained.train_seconds, 1)}}
     (out / REPORT_NAME).write_text(json.dumps(report, indent=2) + "\n")
     return report
 
@@ -131,6 +133,12 @@ def _perplexities(model: PreTrainedModel, eval_sets: dict[str, torch.Tensor], cl
                   stage: str) -> dict[str, float]:
     with clock.stage(stage):
         return {name: round(held_out_perplexity(model, rows), 3) for name, rows in eval_sets.items()}
+
+
+def _agreement(quantized: PreTrainedModel, merged: PreTrainedModel, rows: torch.Tensor, clock: StageClock) -> float:
+    """Share of held-out positions where the quantized model's argmax equals the float model's (same prefix)."""
+    with clock.stage("evaluate quantized"):
+        return round(greedy_agreement(quantized, merged, rows), 4)
 
 
 def _train_heads(model: PreTrainedModel, train_rows: torch.Tensor, config: FinetuneConfig,
