@@ -4,16 +4,26 @@ exact, prefix cache and preemption correct, sampled requests unaffected, counter
 
 import copy
 import functools
+import os
+import re
+import signal
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
 
+import httpx
+import openai
 import pytest
 import torch
 
-from conformance import make_model, make_tokenizer
+from conformance import make_model
 from engine_helpers import assert_greedy_equal, greedy_reference, random_prompts
 from hf_accel import Engine, MedusaHeads, SamplingParams, reference
 from hf_accel.engine.medusa_proposer import MedusaProposer, accepted_prefix
 from hf_accel.engine.scheduler import draft_width
 from hf_accel.reference import ASSETS_DIR
+from hf_accel.server import command
+from test_server_cli import ROOT, free_port, wait_for_health
 
 LENGTHS = [5, 23, 9, 40, 17, 3, 12, 30]
 
@@ -109,3 +119,143 @@ def test_proposer_matches_the_heads():
         MedusaProposer(heads, num_speculative_tokens=4)
     with pytest.raises(TypeError, match="medusa_heads"):
         Engine(model, medusa_heads=model)
+
+
+def test_stops_and_max_tokens_are_exact():
+    """Accepted candidates are appended one at a time: no stop rule is overshot inside a verified chain."""
+    model, tokenizer, heads = reference_with_heads()
+    prompt = reference_prompts([40])[0]
+    free = Engine(model, tokenizer).generate([prompt], greedy(40))[0]
+    engine = Engine(model, tokenizer, medusa_heads=heads)
+    for max_tokens in (1, 2, 3, 7, 19):
+        out = engine.generate([prompt], greedy(max_tokens))[0]
+        assert out.token_ids == free.token_ids[:max_tokens] and out.finish_reason == "length"
+    for index in (3, 11, 25):
+        token = free.token_ids[index]
+        out = engine.generate([prompt], greedy(40, stop_token_ids=[token]))[0]
+        assert out.token_ids == free.token_ids[: free.token_ids.index(token) + 1]
+        assert out.outputs[0].stop_reason == token
+    stop_text = free.text[len(free.text) // 2:][:4]
+    assert stop_text.strip(), "the reference output should hold text to stop at"
+    out = engine.generate([prompt], greedy(40, stop=[stop_text]))[0]
+    assert out.finish_reason == "stop" and out.text == free.text[: free.text.index(stop_text)]
+    assert engine.stats().spec_decode_num_accepted_tokens > 0  # chains were accepted, and cut where they must be
+    assert_pool_free(engine)
+
+
+def test_logprobs_come_from_the_target_at_each_position():
+    model, tokenizer, heads = reference_with_heads()
+    prompts = reference_prompts([20, 33])
+    params = greedy(16, logprobs=2)
+    plain = Engine(model, tokenizer).generate(prompts, params)
+    spec = Engine(model, tokenizer, medusa_heads=heads).generate(prompts, params)
+    for a, b in zip(plain, spec):
+        assert a.token_ids == b.token_ids
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert x.token_id == y.token_id and x.logprob == pytest.approx(y.logprob, abs=1e-4)
+            assert [t for t, _ in x.top] == [t for t, _ in y.top]
+
+
+def test_prefix_cache_holds_only_committed_blocks():
+    """A speculating request's blocks enter the prefix cache; a later prompt that extends its output reuses them and
+    still decodes exactly as plain generate (garbage K/V from rejected candidates never reaches a cached block)."""
+    model, heads = tiny_with_heads()
+    prompts = random_prompts([9, 14], seed=8)
+    engine = Engine(model, block_size=4, medusa_heads=heads, max_speculative_batch_tokens=64)
+    first = engine.generate(prompts, greedy(20))
+    assert engine.stats().spec_decode_num_drafts > 0
+    extended = [p + out.token_ids[:15] for p, out in zip(prompts, first)]
+    hits_before = engine.stats().prefix_cache_hits
+    second = engine.generate(extended, greedy(10))
+    assert engine.stats().prefix_cache_hits - hits_before >= sum(len(p) // 4 * 4 - 4 for p in extended)
+    for prompt, out in zip(extended, second):
+        assert_greedy_equal(model, prompt, out.token_ids, greedy_reference(model, prompt, 10))
+    assert_pool_free(engine)
+
+
+def test_preemption_under_a_tiny_pool():
+    model, heads = tiny_with_heads()
+    prompts = random_prompts([20, 18, 22, 16, 19, 21], seed=9)
+    per_token = 2 * 2 * 2 * 16 * 4  # K and V, 2 layers, 2 kv heads, head_dim 16, fp32
+    engine = Engine(model, block_size=4, max_num_seqs=6, kv_cache_memory=per_token * 4 * 24, max_model_len=60,
+                    medusa_heads=heads, max_speculative_batch_tokens=64)
+    outputs = engine.generate(prompts, greedy(24))
+    stats = engine.stats()
+    assert stats.num_preemptions > 0 and stats.spec_decode_num_drafts > 0
+    for prompt, out in zip(prompts, outputs):
+        assert_greedy_equal(model, prompt, out.token_ids, greedy_reference(model, prompt, 24))
+    assert_pool_free(engine)
+
+
+def test_sampled_and_penalised_requests_decode_plainly():
+    model, heads = tiny_with_heads()
+    prompts = random_prompts([6, 11, 8, 13], seed=2)
+    params = [greedy(9), SamplingParams(max_tokens=9, temperature=0.8, top_k=20, seed=3, n=2, ignore_eos=True),
+              greedy(9, repetition_penalty=1.3), greedy(9)]
+    plain = Engine(model, block_size=4).generate(prompts, params)
+    engine = Engine(model, block_size=4, medusa_heads=heads, max_speculative_batch_tokens=64)
+    spec = engine.generate(prompts, params)
+    for a, b in zip(plain, spec):
+        assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
+    # only the two plain-greedy requests speculate: at most one round per step each
+    assert 0 < engine.stats().spec_decode_num_drafts <= 2 * 9
+    assert_pool_free(engine)
+
+
+def test_no_speculation_once_the_batch_is_past_the_threshold():
+    model, heads = tiny_with_heads()
+    prompts = random_prompts([5, 6, 7, 8, 9], seed=3)
+    engine = Engine(model, block_size=4, medusa_heads=heads, max_speculative_batch_tokens=9)  # 5 x (1 + 1) > 9
+    engine.generate(prompts, greedy(6))
+    assert engine.stats().spec_decode_num_drafts == 0
+    engine.generate(prompts[:2], greedy(6))  # 2 x (1 + 3) <= 9: every head, fewer only near max_tokens
+    stats = engine.stats()
+    assert stats.spec_decode_num_draft_tokens > 2 * stats.spec_decode_num_drafts > 0
+
+
+def test_serve_with_medusa_heads_through_the_openai_client():
+    """`hf-accel serve --medusa-heads` in a subprocess: greedy completions (plain and streamed, concurrent) equal
+    plain greedy generate, and /metrics counts the speculation."""
+    model, tokenizer, _ = reference_with_heads()
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "hf_accel.cli", "serve", "--port", str(port), "--medusa-heads",
+                             str(ASSETS_DIR / "medusa"), "--num-speculative-tokens", "3", "--max-num-seqs", "4",
+                             "--threads", "1"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for_health(url, proc)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+        prompts = ["def fibonacci(n):", "import os\nimport sys\n", "class Stack:\n    def"]
+
+        def complete(prompt: str) -> str:
+            return client.completions.create(model=command.REFERENCE_NAME, prompt=prompt, max_tokens=24,
+                                             temperature=0, extra_body={"ignore_eos": True}).choices[0].text
+
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            texts = list(pool.map(complete, prompts))
+        stream = client.completions.create(model=command.REFERENCE_NAME, prompt=prompts[0], max_tokens=24,
+                                           temperature=0, stream=True, extra_body={"ignore_eos": True})
+        assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == texts[0]
+        for prompt, text in zip(prompts, texts):
+            ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            assert text == tokenizer.decode(greedy_reference(model, ids, 24), skip_special_tokens=True)
+        metrics = httpx.get(f"{url}/metrics").text
+        drafts = float(re.search(r"^hf_accel:spec_decode_num_drafts_total\{.*\} (\S+)$", metrics, re.M).group(1))
+        proposed = float(re.search(r"^hf_accel:spec_decode_num_draft_tokens_total\{.*\} (\S+)$", metrics, re.M)[1])
+        accepted = float(re.search(r"^hf_accel:spec_decode_num_accepted_tokens_total\{.*\} (\S+)$", metrics, re.M)[1])
+        assert 0 < accepted <= proposed <= 3 * drafts
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            proc.communicate()
+
+
+def test_serve_refuses_speculation_options_without_heads():
+    with pytest.raises(SystemExit):
+        command.main(["--num-speculative-tokens", "2"])

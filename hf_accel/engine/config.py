@@ -33,7 +33,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     max_model_len: int | None = None
     num_speculative_tokens: int | None = None
-    max_speculative_batch_tokens: int = 16
+    max_speculative_batch_tokens: int = 24
 
     def __post_init__(self) -> None:
         check_int("max_num_seqs", self.max_num_seqs, 1, "a positive int")

@@ -61,7 +61,8 @@ class MedusaProposer:
             # per residual layer: weights [k, hidden, hidden] (input-major, for x @ W), biases [k, 1, hidden]
             self.block_weights = [torch.stack([b[i].weight.T for b in blocks]).contiguous()
                                   for i in range(heads.config.num_layers)]
-            self.block_biases = [torch.stack([b[i].bias for b in blocks])[:, None] for i in range(heads.config.num_layers)]
+            self.block_biases = [torch.stack([b[i].bias for b in blocks])[:, None]
+                                 for i in range(heads.config.num_layers)]
             self.vocab_weights = torch.stack([heads.lm_heads[j].weight.T for j in range(k)]).contiguous()  # [k, h, V]
 
     def propose(self, hidden: torch.Tensor, width: int) -> list[list[int]]:

@@ -96,8 +96,8 @@ class ModelRunner:
 
     def _step_attention(self, write_slots: torch.Tensor, decodes: dict[int, list], prefills: list) -> StepAttention:
         size = self.kv.block_size
-        rows = [PrefillRow(start, num, seq.num_computed_tokens,
-                           torch.tensor(seq.block_ids[: -(-(seq.num_computed_tokens + num) // size)], device=self.device))
+        rows = [PrefillRow(start, num, seq.num_computed_tokens, torch.tensor(
+                    seq.block_ids[: -(-(seq.num_computed_tokens + num) // size)], device=self.device))
                 for seq, start, num in prefills]
         groups = [self._decode_group(num, members) for num, members in decodes.items()]
         return StepAttention(self.kv, write_slots, groups, rows)

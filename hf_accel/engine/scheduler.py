@@ -29,7 +29,7 @@ class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     num_speculative_tokens: int = 0
-    max_speculative_batch_tokens: int = 16
+    max_speculative_batch_tokens: int = 24
 
 
 def draft_width(num_decodes: int, num_speculative_tokens: int, max_speculative_batch_tokens: int) -> int:

@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "candidates (default: the model folder's hf_accel.json, else no speculation)")
     parser.add_argument("--num-speculative-tokens", type=int, default=None,
                         help="candidates per speculating step, at most the heads' count (default: every head)")
-    parser.add_argument("--max-speculative-batch-tokens", type=int, default=16,
+    parser.add_argument("--max-speculative-batch-tokens", type=int, default=24,
                         help="speculate while decoding sequences x (1 + candidates) stays within this "
                              "(default: %(default)s)")
     parser.add_argument("--max-queue-len", type=int, default=DEFAULT_MAX_QUEUE_LEN,
@@ -95,7 +95,10 @@ def resolve_serving(path: str | None, quant: str | None, medusa_heads: str | Non
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of `hf-accel serve`; returns once the server has shut down."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.medusa_heads is None and args.num_speculative_tokens is not None:
+        parser.error("--num-speculative-tokens needs --medusa-heads")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     quant, heads_path = resolve_serving(args.model, args.quant, args.medusa_heads)
