@@ -97,11 +97,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of `hf-accel serve`; returns once the server has shut down."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.medusa_heads is None and args.num_speculative_tokens is not None:
-        parser.error("--num-speculative-tokens needs --medusa-heads")
+    quant, heads_path = resolve_serving(args.model, args.quant, args.medusa_heads)
+    if heads_path is None and args.num_speculative_tokens is not None:
+        parser.error("--num-speculative-tokens needs --medusa-heads (or a model folder whose hf_accel.json names heads)")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    quant, heads_path = resolve_serving(args.model, args.quant, args.medusa_heads)
     model, tokenizer = load_served_model(args.model, quant, DTYPES[args.dtype])
     heads = None if heads_path is None else MedusaHeads.from_pretrained(heads_path, dtype=DTYPES[args.dtype])
     engine = Engine(model, tokenizer, max_num_seqs=args.max_num_seqs,
