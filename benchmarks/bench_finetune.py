@@ -2,7 +2,7 @@
 distributions' descriptions, merge, Medusa heads by self-distillation, int8 weights), each stage's held-out
 perplexity, greedy agreement with the float model and decode speed against plain `generate`, in one process.
 
-Regenerate benchmarks/results/bench_finetune.json and docs/bench_finetune.md (20 minutes on one core of the loaded shared machine):
+Regenerate benchmarks/results/bench_finetune.json and docs/bench_finetune.md (22 minutes on one core of the loaded shared machine):
     .venv/bin/python benchmarks/bench_finetune.py
 Smoke run (a few steps of each stage, prints only unless --out is given):
     .venv/bin/python benchmarks/bench_finetune.py --quick

@@ -32,7 +32,7 @@ QUANT_CHOICES = ("none", *(preset.name for preset in PRESETS))
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """Options of `hf-accel finetune`; the defaults took 20 minutes on one core of the loaded shared CPU."""
+    """Options of `hf-accel finetune`; the defaults took 22 minutes on one core of the loaded shared CPU."""
     parser = argparse.ArgumentParser(prog="hf-accel finetune", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="folder to write (must not hold a model yet)")
