@@ -10,11 +10,9 @@ import time
 from dataclasses import dataclass
 
 import torch
-
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ..speculative.medusa_heads import MedusaHeads
-
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .detokenizer import Detokenizer
