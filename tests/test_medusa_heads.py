@@ -140,7 +140,7 @@ def test_keep_tree_path_dynamic_and_paged_exact(model):
     tree = [(torch.randn(1, 2, 5, 16, generator=gen), torch.randn(1, 2, 5, 16, generator=gen)) for _ in range(2)]
     for cache in (DynamicCache(), PagedCache(model.config, block_size=4)):
         _filled(_filled(cache, prefix), tree)
-        keep_tree_path(cache, num_nodes=5, kept=[0, 2, 3])
+        keep_tree_path(cache, num_nodes=5, kept=torch.tensor([[0, 2, 3]]))
         assert cache.get_seq_length() == 9
         probe = [(torch.zeros(1, 2, 1, 16), torch.zeros(1, 2, 1, 16))] * 2
         for layer_idx in range(2):

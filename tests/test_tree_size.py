@@ -20,15 +20,15 @@ def timed(sizer: TreeSizer, seconds_of, accepted_ranks, steps: int) -> list[int]
     for _ in range(steps):
         index = sizer.choose()
         chosen.append(sizer.sizes[index])
-        sizer.record(index, accepted_ranks, seconds_of(sizer.sizes[index]))
+        sizer.record(index, [accepted_ranks], seconds_of(sizer.sizes[index]))
     return chosen
 
 
 def test_counterfactual_acceptance_per_size():
     sizer = TreeSizer((0, 1, 2, 4, 8))
-    sizer.record(4, [0, 3, 5], 1.0)  # ranks of the accepted chain: size 1 keeps 1, 4 keeps 2, 8 keeps 3
+    sizer.record(4, [[0, 3, 5]], 1.0)  # ranks of the accepted chain: size 1 keeps 1, 4 keeps 2, 8 keeps 3
     assert [sizer.mean_accepted(i) for i in range(5)] == [0, 1, 1, 2, 3]
-    sizer.record(1, [], 1.0)  # a later step at size 1 accepted nothing: sizes <= 1 average it in
+    sizer.record(1, [[]], 1.0)  # a later step at size 1 accepted nothing: sizes <= 1 average it in
     assert [sizer.mean_accepted(i) for i in range(5)] == [0, 0.5, 0.5, 1.5, 2.5]
 
 

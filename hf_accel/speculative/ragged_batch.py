@@ -133,3 +133,13 @@ class RaggedBatch:
         self.columns = torch.cat([self.columns, new_tokens], dim=1)
         self.mask = torch.cat([self.mask, real.to(self.mask.dtype)], dim=1)
         self.positions = torch.cat([self.positions, new_positions], dim=1)
+
+
+def stack_steps(per_row: list[list[torch.Tensor]] | None, num_steps: int) -> tuple[torch.Tensor, ...] | None:
+    """Per-row lists of `[vocab]` tensors (scores or logits, one per generated token) -> one `[batch, vocab]` tensor
+    per step, as `generate` returns them (zeros after a row finished); None stays None."""
+    if per_row is None:
+        return None
+    template = next(row[0] for row in per_row if row)
+    return tuple(torch.stack([row[s] if s < len(row) else torch.zeros_like(template) for row in per_row])
+                 for s in range(num_steps))

@@ -77,17 +77,17 @@ class TreeSizer:
         """Expected tokens per second of size `index`: the root's token plus the mean accepted, over its time."""
         return (1.0 + self.mean_accepted(index)) / max(self.step_seconds(index), 1e-9)
 
-    def record(self, index: int, accepted_ranks: Sequence[int], seconds: float) -> None:
-        """A step that verified size `index` took `seconds` and accepted the candidates whose best-first ranks are
-        `accepted_ranks`, in path order (root excluded)."""
-        previous_count = 0
+    def record(self, index: int, accepted_ranks: Sequence[Sequence[int]], seconds: float) -> None:
+        """A step that verified size `index` took `seconds`; `accepted_ranks[r]`: the best-first ranks of the
+        candidates row r accepted, in path order (root excluded), one entry per row still generating."""
+        previous = [0] * len(accepted_ranks)
         for smaller in range(index + 1):
-            limit = self.sizes[smaller]  # the accepted chain cut at its first candidate outside the prefix
-            count = next((i for i, rank in enumerate(accepted_ranks) if rank >= limit), len(accepted_ranks))
-            self.gains[smaller] += count - previous_count
+            limit = self.sizes[smaller]  # each accepted chain cut at its first candidate outside the prefix
+            counts = [next((i for i, rank in enumerate(ranks) if rank >= limit), len(ranks)) for ranks in accepted_ranks]
+            self.gains[smaller] += sum(c - p for c, p in zip(counts, previous)) / max(len(counts), 1)
             self.observed[smaller] += 1
-            previous_count = count
-        previous = self.seconds[index]
+            previous = counts
+        timed = self.seconds[index]
         if self.num_steps > 0:  # the first step of a call pays for cold caches: its time says little
-            self.seconds[index] = seconds if previous is None else previous + SECONDS_EMA * (seconds - previous)
+            self.seconds[index] = seconds if timed is None else timed + SECONDS_EMA * (seconds - timed)
         self.num_steps += 1
