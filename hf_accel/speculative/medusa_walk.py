@@ -89,8 +89,9 @@ def walk_tree(rules: TokenRules, batch: RaggedBatch, tree: MedusaTree, tokens: t
 
 def _process(processors: LogitsProcessorList, batch: RaggedBatch, decided: torch.Tensor, depth: int,
              raw: torch.Tensor, walkers: torch.Tensor) -> torch.Tensor:
-    """Processed scores `[batch, vocab]` of the walking rows (the others keep `raw`). Rows are processed in groups
-    of equal length, so each group's `input_ids` look exactly as plain decoding's (no extra padding)."""
+    """Processed scores `[batch, vocab]` of the walking rows (the others keep `raw`). Processors see the whole batch
+    (some keep per-row state), once per distinct row length, cut to that length: the rows of that length then look
+    exactly as in plain decoding (no extra padding), and only their scores are kept."""
     if len(processors) == 0:
         return raw
     history = batch.with_candidates(decided[:, :depth])
@@ -98,10 +99,11 @@ def _process(processors: LogitsProcessorList, batch: RaggedBatch, decided: torch
     scores = raw.clone()
     for length in lengths[walkers].unique().tolist():
         group = walkers[lengths[walkers] == length]
-        group_scores = raw[group]
+        group_scores = raw.clone()
+        view = batch.view(history, torch.full_like(lengths, length))
         for processor in processors:  # LogitsProcessorList.__call__ minus its per-call signature inspection
-            group_scores = processor(batch.view(history[group], lengths[group]), group_scores)
-        scores[group] = group_scores
+            group_scores = processor(view, group_scores)
+        scores[group] = group_scores[group]
     return scores
 
 
