@@ -173,8 +173,8 @@ def test_adaptive_tree_sizes(model):
     assert set(fixed.candidates_per_step) == {len(WIDE)}  # an explicit tree is verified whole by default
     got = run(model, inputs, medusa_stats=adaptive, medusa_adaptive=True, max_new_tokens=40)
     assert torch.equal(got, run(model, inputs, medusa=False, max_new_tokens=40))
-    sizes = set(adaptive.candidates_per_step)
-    assert {0, 1, len(WIDE)} <= sizes, sizes  # explored from the whole tree down to a plain step
+    sizes = adaptive.candidates_per_step
+    assert sizes[:2] == [len(WIDE), 0] and len(set(sizes)) > 2, sizes  # whole tree, plain step, then others
 
 
 def test_bad_input(model):

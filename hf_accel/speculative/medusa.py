@@ -212,11 +212,11 @@ def _step(run: _Run, hidden: torch.Tensor) -> torch.Tensor:
     out = run.model(input_ids=tokens, attention_mask=_step_mask(run, tree), past_key_values=run.cache,
                     position_ids=batch.positions[:, -1:] + tree.depths.to(tokens.device), use_cache=True,
                     output_hidden_states=True)
-    active = batch.unfinished.clone()
+    active, remaining = batch.unfinished.clone(), batch.remaining.clone()
     walk = walk_tree(run.rules, batch, tree, tokens, out.logits)
     most = _commit(run, walk)
     keep_tree_path(run.cache, tree.num_nodes, walk.nodes[:, : most + 1])
-    _record(run, index, walk, active, time.perf_counter() - started)
+    _record(run, index, walk, active, remaining == remaining.max(), time.perf_counter() - started)
     last = walk.nodes.gather(1, (walk.num_emitted - 1).clamp_min(0)[:, None])  # [batch, 1]
     return out.hidden_states[-1].gather(1, last[..., None].expand(-1, -1, hidden.shape[-1]))[:, 0]
 
@@ -236,7 +236,9 @@ def _commit(run: _Run, walk: Walk) -> int:
     return run.batch.commit(walk.tokens, walk.num_emitted, walk.fired, walk.num_to_stop)
 
 
-def _record(run: _Run, index: int, walk: Walk, active: torch.Tensor, seconds: float) -> None:
+def _record(run: _Run, index: int, walk: Walk, active: torch.Tensor, behind: torch.Tensor, seconds: float) -> None:
+    """Count the step in the stats; time it for the sizer with the acceptance of the rows furthest `behind` (most
+    tokens left): the call ends when they do, so their pace is the batch's."""
     stats, trees = run.stats, run.trees
     stats.num_verify_forwards += 1
     stats.num_verify_rows += int(active.sum())
@@ -244,6 +246,6 @@ def _record(run: _Run, index: int, walk: Walk, active: torch.Tensor, seconds: fl
     walk.record(stats, active)
     if trees.sizer is not None:  # the walk synchronised with the device, so the time is real
         ranks = trees.ranks[index]
-        kept = [nodes[1:count] for nodes, count, alive in
-                zip(walk.nodes.tolist(), walk.num_emitted.tolist(), active.tolist()) if alive]
+        kept = [nodes[1:count] for nodes, count, slow in
+                zip(walk.nodes.tolist(), walk.num_emitted.tolist(), (behind & active).tolist()) if slow]
         trees.sizer.record(index, [[ranks[node] for node in nodes] for nodes in kept], seconds)

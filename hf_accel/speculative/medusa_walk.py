@@ -76,14 +76,15 @@ def walk_tree(rules: TokenRules, batch: RaggedBatch, tree: MedusaTree, tokens: t
         stop = _stops(rules, batch, decided, depth, scores, walking & ~batch.stopped & ~fired)
         fired |= stop
         num_to_stop = torch.where(stop, depth + 1, num_to_stop)
+        if depth == tree.depth:  # the deepest nodes have no children
+            break
         candidates = children[node]  # [batch, max_children]
         match = (candidates >= 0) & (tokens.gather(1, candidates.clamp_min(0)) == token[:, None])
         child = candidates.gather(1, match.long().argmax(dim=1, keepdim=True)).squeeze(1)
         ended = (stop & batch.pad_finished) | (num_emitted >= budget) | ~match.any(dim=1)
         walking &= ~ended
         node = torch.where(walking, child, node)
-        if depth < tree.depth:
-            nodes[:, depth + 1] = torch.where(walking, child, 0)
+        nodes[:, depth + 1] = torch.where(walking, child, 0)
     return Walk(decided, nodes, num_emitted, fired, num_to_stop)
 
 

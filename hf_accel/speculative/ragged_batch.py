@@ -123,6 +123,11 @@ class RaggedBatch:
 
     def _append_columns(self, emitted: torch.Tensor, num_emitted: torch.Tensor, active: torch.Tensor, most: int) -> None:
         # new columns j = 0..most: kept drafts at j < n - 1, holes at n - 1 <= j < most, the newest token at `most`
+        if most == 0:  # one token per row (a plain step): the common case, in a few ops
+            self.columns = torch.cat([self.columns, emitted[:, :1].masked_fill(~active[:, None], self.pad_token_id)], 1)
+            self.mask = torch.cat([self.mask, active[:, None].to(self.mask.dtype)], dim=1)
+            self.positions = torch.cat([self.positions, self.positions[:, -1:] + 1], dim=1)
+            return
         slots = torch.arange(most + 1, device=emitted.device)
         last = (num_emitted - 1).clamp_min(0)
         source = torch.where(slots[None, :] == most, last[:, None], slots[None, :].clamp_max(emitted.shape[1] - 1))
