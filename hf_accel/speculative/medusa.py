@@ -90,11 +90,10 @@ def medusa_generate(
             second (`hf_accel.speculative.tree_size`) rather than the whole tree. Default: True for the default
             tree, False for an explicit `medusa_tree`. Output is the same either way.
         hf_accel_streamer: set by hf_accel's generate hook from `streamer=` (stock generate drops it for callables).
-    Any batch size (left-padded rows, `num_return_sequences`), no beams. Batch size > 1 needs a `DynamicCache` and
-    full-attention layers (no sliding windows), and a streamer only takes batch size 1, as in plain `generate`.
-    Returns what `_sample` returns: `sequences` `[batch, prompt + new]` (finished rows padded with `pad_token_id`),
-    or a `GenerateDecoderOnlyOutput` with `scores` / `logits` / `past_key_values` when asked; at batch size > 1 the
-    returned cache holds holes (see `RaggedBatch`) and cannot be continued from.
+    Any batch size (left-padded rows, `num_return_sequences`), no beams; batch size > 1 needs an empty DynamicCache,
+    full-attention layers and no streamer. Returns what `_sample` returns: `sequences` `[batch, prompt + new]`
+    (finished rows padded with `pad_token_id`), or a `GenerateDecoderOnlyOutput` with `scores` / `logits` /
+    `past_key_values` (at batch size > 1 holding holes, see `RaggedBatch`: not to be continued from).
     """
     trees = _trees(medusa_heads, medusa_tree, medusa_adaptive)
     run = _start(model, input_ids.to(model.device), generation_config, medusa_heads, medusa_stats,
@@ -106,12 +105,11 @@ def medusa_generate(
     finally:
         if run.streamer is not None:
             run.streamer.end()
-    batch = run.batch
-    run.stats.num_new_tokens += int(torch.minimum(batch.num_generated, batch.limit).sum())
     return _output(run, generation_config)
 
 
 def _output(run: _Run, generation_config: GenerationConfig) -> GenerateDecoderOnlyOutput | torch.LongTensor:
+    run.stats.num_new_tokens += int(torch.minimum(run.batch.num_generated, run.batch.limit).sum())
     num_steps = run.batch.num_output_tokens
     sequences = run.batch.tokens[:, : run.batch.prompt_width + num_steps]
     if not generation_config.return_dict_in_generate:

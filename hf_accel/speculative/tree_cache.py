@@ -3,7 +3,9 @@
 The tree's nodes are appended to the cache by the verification forward like any other tokens; afterwards
 `keep_tree_path` moves the accepted nodes' K/V next to the prefix and drops the rest. Supported caches:
 `DynamicCache` (full and sliding-window layers; sliding layers record their past so rejected nodes can be dropped)
-and hf_accel's `PagedCache` (through `PagedCache.keep_tokens`).
+and hf_accel's `PagedCache` (through `PagedCache.keep_tokens`). In a batch every row keeps its own path, in as many
+slots as the longest one; what a shorter path leaves are holes the caller masks out (`RaggedBatch`): per-row paths
+need a `DynamicCache` of full-attention layers.
 """
 
 from __future__ import annotations
