@@ -44,7 +44,7 @@ class TreeSizer:
     """Running acceptance and timing per candidate prefix size; `choose` picks the size index for the next step."""
 
     sizes: tuple[int, ...]  # increasing candidate counts; the last is the whole list
-    probe_share: float = 0.05  # most of the decoding time spent re-trying the size above the best
+    probe_share: float = 0.02  # most of the decoding time spent re-trying the size above the best
     gains: list[float] = field(default_factory=list)  # per size: accepted tokens over the next smaller size, summed
     observed: list[int] = field(default_factory=list)  # per size: steps that measured its acceptance
     seconds: list[float | None] = field(default_factory=list)  # per size: running seconds per step (None: untimed)
