@@ -11,6 +11,7 @@ from .cache.block_pool import BlockPool, OutOfBlocksError
 from .cache.builders import build_paged_cache, build_quantized_cache, build_sink_cache
 from .cache.paged import PagedCache
 from .cache.paged_config import PagedCacheConfig
+from .cache.prefix_store import PrefixStore, PrefixStoreStats
 from .cache.quantized import QuantizedKVCache
 from .cache.quantized_config import QuantizedKVConfig
 from .cache.sink import SinkCache
@@ -69,6 +70,8 @@ __all__ = [
     "OutOfBlocksError",
     "PagedCache",
     "PagedCacheConfig",
+    "PrefixStore",
+    "PrefixStoreStats",
     "QuantizedKVCache",
     "QuantizedKVConfig",
     "RequestOutput",

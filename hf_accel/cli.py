@@ -5,7 +5,8 @@ against transformers' DynamicCache, measured in one process, on hf_accel's refer
 `hf-accel train-reference`: train the reference models from scratch (see `hf_accel.reference.train`).
 `hf-accel train-medusa`: train Medusa heads for a model (see `hf_accel.speculative.medusa_command`).
 `hf-accel serve`: the OpenAI-compatible HTTP server (extra `serve`; see `hf_accel.server.command`).
-`hf-accel export`: write a model for vLLM (see `hf_accel.export.command`)."""
+`hf-accel export`: write a model for vLLM (see `hf_accel.export.command`).
+`hf-accel finetune`: LoRA fine-tune, Medusa heads, quantize, check; a folder to serve (see `hf_accel.finetune.command`)."""
 
 from __future__ import annotations
 
@@ -64,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     export = commands.add_parser("export", add_help=False,
                                  help="write a model (default: the reference target) for vLLM (--help for options)")
     export.set_defaults(handler=export_command)
+    finetune = commands.add_parser("finetune", add_help=False,
+                                   help="LoRA fine-tune, Medusa heads, quantize, check: a folder to serve (--help)")
+    finetune.set_defaults(handler=finetune_command)
     return parser
 
 
@@ -91,6 +95,13 @@ def serve_command(args: argparse.Namespace, extra: Sequence[str]) -> int:
 def export_command(args: argparse.Namespace, extra: Sequence[str]) -> int:
     """`hf-accel export [options] OUT`: the options are `hf_accel.export.command`'s."""
     from .export import command  # imported on demand, like train-reference
+
+    return command.main(list(extra))
+
+
+def finetune_command(args: argparse.Namespace, extra: Sequence[str]) -> int:
+    """`hf-accel finetune --out OUT [options]`: the options are `hf_accel.finetune.command`'s."""
+    from .finetune import command  # imported on demand: fine-tuning needs the `finetune` extra
 
     return command.main(list(extra))
 
@@ -160,7 +171,7 @@ def render_report(report: dict[str, Any], results: Sequence[bench.StrategyResult
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `hf-accel` console script."""
     args, extra = build_parser().parse_known_args(argv)
-    if extra and args.command not in ("train-reference", "train-medusa", "serve", "export"):
+    if extra and args.command not in ("train-reference", "train-medusa", "serve", "export", "finetune"):
         build_parser().parse_args(argv)  # reports the unknown options and exits
     result = args.handler(args, extra)
     return result if isinstance(result, int) else 0

@@ -9,12 +9,16 @@ What it changes (all undone by `unregister`):
   that already holds a cache, `cache_implementation` is ignored (stock raises "Passing both ..." in round 2).
 - `GenerationMixin.generate`, for callable `custom_generate`s: `streamer` is handed to callables that declare
   `hf_accel_streamer`, and `stop_strings` + `tokenizer` become a stopping criterion (stock drops both).
+- `GenerationMixin._prefill`: a cache that is a `PrefillHooks` is handed the prompt rows (`input_ids`, the 2-D mask)
+  just before and after the prefill forward, so it can fill columns it already holds (a prefix store) and generate
+  computes only the rest (it starts at the cache's `get_seq_length()`). Other caches see no change.
 - `generation.configuration_utils.ALL_CACHE_IMPLEMENTATIONS`: our names are added so validation accepts them.
 The pristine functions are kept on the wrappers (never in a module global), so `importlib.reload` cannot stack them.
 """
 
 from __future__ import annotations
 
+import abc
 import functools
 import inspect
 from collections.abc import Callable, Mapping
@@ -48,6 +52,22 @@ class CacheRequest:
     attention_mask: torch.Tensor | None
 
 
+class PrefillHooks(abc.ABC):
+    """A cache that wants the prompt around generate's prefill forward (`_sample` and `_beam_search` call it once).
+
+    `input_ids`: `[rows, width]` prompt rows, already expanded for beams / num_return_sequences; `attention_mask`:
+    their 2-D padding mask, or None for no padding. `before_prefill` may fill the cache with leading columns; generate
+    then computes only the columns after the cache's `get_seq_length()`."""
+
+    @abc.abstractmethod
+    def before_prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
+        """Called before the prefill forward."""
+
+    @abc.abstractmethod
+    def after_prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
+        """Called after the prefill forward, which stored the whole prompt."""
+
+
 # builder(model, request) -> Cache
 CacheBuilder = Callable[..., object]
 
@@ -58,6 +78,7 @@ def register(cache_builders: Mapping[str, CacheBuilder]) -> None:
     builders = dict(cache_builders)
     _install(GenerationMixin, "generate", _wrap_generate)
     _install(GenerationMixin, "_prepare_cache_for_generation", functools.partial(_wrap_prepare_cache, builders))
+    _install(GenerationMixin, "_prefill", _wrap_prefill)
     names = tuple(builders)
     configuration_utils.ALL_CACHE_IMPLEMENTATIONS = configuration_utils.ALL_CACHE_IMPLEMENTATIONS + names
     setattr(GenerationMixin._prepare_cache_for_generation, _NAMES_ATTR, names)
@@ -70,7 +91,7 @@ def unregister() -> None:
     configuration_utils.ALL_CACHE_IMPLEMENTATIONS = tuple(
         name for name in configuration_utils.ALL_CACHE_IMPLEMENTATIONS if name not in names
     )
-    for attr in ("generate", "_prepare_cache_for_generation"):
+    for attr in ("generate", "_prepare_cache_for_generation", "_prefill"):
         current = GenerationMixin.__dict__.get(attr)
         if hasattr(current, _ORIGINAL_ATTR):
             setattr(GenerationMixin, attr, getattr(current, _ORIGINAL_ATTR))
@@ -116,6 +137,7 @@ def _wrap_prepare_cache(builders: dict[str, CacheBuilder], original: Callable) -
         self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
     ):
         name = internal_cache_name(generation_config.cache_implementation, generation_config.cache_config)
+        _check_prefix_store_target(name, generation_config.cache_config)
         has_cache = model_kwargs.get("past_key_values") is not None
         if generation_config.is_assistant and has_cache and name is not None:
             return _without_cache_implementation(original, self, generation_config, model_kwargs,
@@ -136,6 +158,25 @@ def _wrap_prepare_cache(builders: dict[str, CacheBuilder], original: Callable) -
         return None
 
     return _prepare_cache_for_generation
+
+
+def _check_prefix_store_target(name: object, cache_config: object) -> None:
+    if isinstance(cache_config, Mapping) and "prefix_store" in cache_config and name != PAGED_ALIAS:
+        raise ValueError(f"`cache_config['prefix_store']` needs cache_implementation='paged', got {name!r}")
+
+
+def _wrap_prefill(original: Callable) -> Callable:
+    def _prefill(self, input_ids, generation_config, model_kwargs, *args, **kwargs):
+        cache = model_kwargs.get("past_key_values")
+        if not isinstance(cache, PrefillHooks) or model_kwargs.get("inputs_embeds") is not None:
+            return original(self, input_ids, generation_config, model_kwargs, *args, **kwargs)
+        mask = model_kwargs.get("attention_mask")
+        cache.before_prefill(input_ids, mask)
+        outputs = original(self, input_ids, generation_config, model_kwargs, *args, **kwargs)
+        cache.after_prefill(input_ids, mask)
+        return outputs
+
+    return _prefill
 
 
 def _request(generation_config, model_kwargs, batch_size: int, max_cache_len: int) -> CacheRequest:

@@ -55,7 +55,8 @@ def test_speculative_stats_display():
 
 
 def test_medusa_stats_display():
-    stats = hf_accel.MedusaStats(num_new_tokens=9, num_verify_forwards=4, accepted_per_depth=[2, 1],
+    stats = hf_accel.MedusaStats(num_new_tokens=9, num_verify_forwards=4, num_verify_rows=4, num_sequences=1,
+                                 accepted_per_depth=[2, 1],
                                  candidates_per_step=[5, 5, 3, 3])
     assert stats.acceptance_by_depth == [0.5, 0.25]
     assert repr(stats) == ("MedusaStats(new_tokens=9, verify_forwards=4, tokens_per_step=1.8, "

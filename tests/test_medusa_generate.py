@@ -173,17 +173,21 @@ def test_adaptive_tree_sizes(model):
     assert set(fixed.candidates_per_step) == {len(WIDE)}  # an explicit tree is verified whole by default
     got = run(model, inputs, medusa_stats=adaptive, medusa_adaptive=True, max_new_tokens=40)
     assert torch.equal(got, run(model, inputs, medusa=False, max_new_tokens=40))
-    sizes = set(adaptive.candidates_per_step)
-    assert {0, 1, len(WIDE)} <= sizes, sizes  # explored from the whole tree down to a plain step
+    sizes = adaptive.candidates_per_step
+    assert sizes[:2] == [len(WIDE), 0] and len(set(sizes)) > 2, sizes  # whole tree, plain step, then others
 
 
 def test_bad_input(model):
     inputs = make_prompts([6, 6], seed=12)
-    with pytest.raises(ValueError, match="batch size"):
-        run(model, inputs)
+    with pytest.raises(ValueError, match="streamer.*batch size 1"):
+        run(model, inputs, streamer=RecordingStreamer())
+    if model.config.model_type == "qwen2":  # one sliding-window layer: holes would count toward its window
+        with pytest.raises(ValueError, match="full-attention"):
+            run(model, inputs)
+    else:
+        with pytest.raises(ValueError, match="past_key_values"):
+            run(model, inputs, cache_implementation="paged")
     one = make_prompts([6], seed=12)
-    with pytest.raises(ValueError, match="batch size"):
-        run(model, one, num_return_sequences=2, do_sample=True)
     with pytest.raises(ValueError, match="num_beams"):
         run(model, one, num_beams=2)
     with pytest.raises(ValueError, match="medusa_tree"):

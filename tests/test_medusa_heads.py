@@ -140,7 +140,7 @@ def test_keep_tree_path_dynamic_and_paged_exact(model):
     tree = [(torch.randn(1, 2, 5, 16, generator=gen), torch.randn(1, 2, 5, 16, generator=gen)) for _ in range(2)]
     for cache in (DynamicCache(), PagedCache(model.config, block_size=4)):
         _filled(_filled(cache, prefix), tree)
-        keep_tree_path(cache, num_nodes=5, kept=[0, 2, 3])
+        keep_tree_path(cache, num_nodes=5, kept=torch.tensor([[0, 2, 3]]))
         assert cache.get_seq_length() == 9
         probe = [(torch.zeros(1, 2, 1, 16), torch.zeros(1, 2, 1, 16))] * 2
         for layer_idx in range(2):
@@ -149,6 +149,36 @@ def test_keep_tree_path_dynamic_and_paged_exact(model):
                                    (values, prefix[layer_idx][1], tree[layer_idx][1])):
                 expected = torch.cat([ours, new[:, :, [0, 2, 3]], torch.zeros(1, 2, 1, 16)], dim=2)
                 assert torch.equal(got, expected), type(cache).__name__
+
+
+def test_keep_tree_path_per_row():
+    # 2 rows, 3 prefix tokens, then a 5-node tree; row 0 keeps nodes 0, 2, 3; row 1 keeps 0, 1 and a hole (node 0)
+    gen = torch.Generator().manual_seed(1)
+    prefix = [(torch.randn(2, 2, 3, 8, generator=gen), torch.randn(2, 2, 3, 8, generator=gen))]
+    tree = [(torch.randn(2, 2, 5, 8, generator=gen), torch.randn(2, 2, 5, 8, generator=gen))]
+    cache = _filled(_filled(DynamicCache(), prefix), tree)
+    kept = torch.tensor([[0, 2, 3], [0, 1, 0]])
+    keep_tree_path(cache, num_nodes=5, kept=kept)
+    for got, ours, new in ((cache.layers[0].keys, *[t[0] for t in (prefix[0], tree[0])]),
+                           (cache.layers[0].values, *[t[1] for t in (prefix[0], tree[0])])):
+        assert got.shape == (2, 2, 6, 8)
+        for row in range(2):
+            assert torch.equal(got[row], torch.cat([ours[row], new[row][:, kept[row]]], dim=1))
+
+
+def test_tree_mask_per_row_prefix():
+    tree = build_tree([(0,), (1,)], num_heads=1)
+    prefix = torch.tensor([[0, 1, 2], [-1, 1, -1]])  # row 1: left padding, then a real token, then a hole
+    allowed = tree_attention_mask(tree, prefix, root_position=3)
+    assert allowed.shape == (2, 3, 6)
+    assert allowed[0].int().tolist() == [[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 0, 1]]
+    assert allowed[1].int().tolist() == [[0, 1, 0, 1, 0, 0], [0, 1, 0, 1, 1, 0], [0, 1, 0, 1, 0, 1]]
+
+
+def test_candidate_tokens_per_row():
+    tree = build_tree([(0,), (1,), (0, 0)], num_heads=2)
+    logits = torch.tensor([[[0.0, 5, 1, 3], [9, 0, 2, 1]], [[4, 0, 2, 1], [0, 0, 8, 9]]])  # [heads, rows, vocab]
+    assert tree.candidate_tokens(logits).tolist() == [[1, 3, 0], [0, 2, 3]]  # (0,), (1,), (0, 0) per row
 
 
 class VllmResidualBlock(nn.Module):

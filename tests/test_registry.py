@@ -14,7 +14,7 @@ import hf_accel
 from tiny_llama import tiny_llama
 from hf_accel import PagedCache, registry
 
-PATCHED = ("generate", "_prepare_cache_for_generation")
+PATCHED = ("generate", "_prepare_cache_for_generation", "_prefill")
 STOCK_CACHE_NAMES = configuration_utils.ALL_STATIC_CACHE_IMPLEMENTATIONS + configuration_utils.DYNAMIC_CACHE_IMPLEMENTATIONS
 
 

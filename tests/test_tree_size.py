@@ -20,40 +20,71 @@ def timed(sizer: TreeSizer, seconds_of, accepted_ranks, steps: int) -> list[int]
     for _ in range(steps):
         index = sizer.choose()
         chosen.append(sizer.sizes[index])
-        sizer.record(index, accepted_ranks, seconds_of(sizer.sizes[index]))
+        sizer.record(index, [accepted_ranks], seconds_of(sizer.sizes[index]))
     return chosen
 
 
 def test_counterfactual_acceptance_per_size():
     sizer = TreeSizer((0, 1, 2, 4, 8))
-    sizer.record(4, [0, 3, 5], 1.0)  # ranks of the accepted chain: size 1 keeps 1, 4 keeps 2, 8 keeps 3
+    sizer.record(4, [[0, 3, 5]], 1.0)  # ranks of the accepted chain: size 1 keeps 1, 4 keeps 2, 8 keeps 3
     assert [sizer.mean_accepted(i) for i in range(5)] == [0, 1, 1, 2, 3]
-    sizer.record(1, [], 1.0)  # a later step at size 1 accepted nothing: sizes <= 1 average it in
+    sizer.record(1, [[]], 1.0)  # a later step at size 1 accepted nothing: sizes <= 1 average it in
     assert [sizer.mean_accepted(i) for i in range(5)] == [0, 0.5, 0.5, 1.5, 2.5]
 
 
-def test_explores_largest_first_then_every_size():
-    sizer = TreeSizer((0, 2, 8))
-    chosen = timed(sizer, lambda size: 1.0, [0, 1], steps=4)
-    assert chosen[:4] == [8, 8, 2, 0]  # the first step's time is not kept (cold caches), so 8 runs again
+def test_explores_whole_tree_then_plain_then_prices_untimed_sizes_by_interpolation():
+    sizer = TreeSizer((0, 2, 4, 8), probe_share=0)
+    # size 2 gains 1 token, 4 gains 2, 8 the same 2: costs 1 s + 0.1 s per candidate
+    chosen = timed(sizer, lambda size: 1.0 + 0.1 * size, [0, 3, 9], steps=6)
+    # whole tree (acceptance of every size), plain step, then size 4: priced 1.4 s between 1.0 and 1.8, the best
+    assert chosen == [8, 0, 4, 4, 4, 4]
+    assert sizer.seconds == [1.0, None, 1.4, 1.8] and sizer.step_seconds(1) == pytest.approx(1.2)
+
+
+def test_first_step_time_stands_only_until_the_size_runs_again():
+    sizer = TreeSizer((0, 4))
+    sizer.record(1, [[0]], 5.0)  # cold caches
+    sizer.record(1, [[0]], 1.0)
+    assert sizer.seconds[1] == 1.0
+    sizer.record(1, [[0]], 2.0)
+    assert sizer.seconds[1] == pytest.approx(1.25)  # running average from then on
 
 
 def test_flat_cost_picks_whole_tree_and_steep_cost_with_no_acceptance_picks_plain_steps():
     gpu = TreeSizer((0, 1, 4, 16))
     assert timed(gpu, lambda size: 1.0, [0, 1, 9], steps=40)[-10:].count(16) == 10
-    cpu = TreeSizer((0, 1, 4, 16), refresh=0)
-    assert set(timed(cpu, lambda size: 1.0 + 0.1 * size, [], steps=40)[-10:]) == {0}
+    cpu = TreeSizer((0, 1, 4, 16), probe_share=0)
+    assert timed(cpu, lambda size: 1.0 + 0.1 * size, [], steps=40) == [16] + [0] * 39
 
 
-def test_balances_tokens_against_time_and_refreshes_the_whole_tree():
-    sizer = TreeSizer((0, 1, 4, 16), refresh=16)
-    # size 4 gains 2 tokens for 1.4 s (2.1 tok/s-units); 16 gains 3 for 2.6 s; 1 gains 1 for 1.1 s; plain 1 for 1
-    chosen = timed(sizer, lambda size: 1.0 + 0.1 * size, [0, 2, 20], steps=48)
-    assert chosen[16] == chosen[32] == 16  # the refresh steps
-    assert {chosen[i] for i in range(6, 48) if i % 16} == {4}
+def test_probes_the_size_above_the_best_within_its_share_of_time():
+    sizer = TreeSizer((0, 1, 4, 16), probe_share=0.05)
+    # size 1 gains 1 token for 2 s, plain 1 token for 1 s: plain steps win; probing size 1 costs 1 s more
+    chosen = timed(sizer, lambda size: 1.0 + size, [0, 2], steps=100)
+    probes = [i for i in range(2, 100) if chosen[i] != 0]
+    assert chosen[:2] == [16, 0] and {chosen[i] for i in probes} == {1}
+    assert 3 <= len(probes) <= 6  # one per ~20 s of plain steps
+
+
+def test_a_probe_that_wins_resumes_exploring_upward():
+    sizer = TreeSizer((0, 1, 4, 16), probe_share=0.5)
+    costs = {0: 1.0, 1: 3.0, 4: 1.5, 16: 9.0}
+    chosen = timed(sizer, costs.get, [0, 2], steps=4)
+    assert chosen == [16, 0, 1, 0]  # size 1 priced 1.5 s, ran, cost 3 s
+    costs[1] = 1.1  # size 1 got cheaper (say the machine got less busy): probes see it, then size 4 is found
+    chosen = timed(sizer, costs.get, [0, 2], steps=60)
+    assert chosen[-10:].count(4) >= 8 and set(chosen[-10:]) <= {4, 16}  # and a probe of 16 now and then
+
+
+def test_rows_of_a_batch_average_their_acceptance():
+    sizer = TreeSizer((0, 1, 4))
+    sizer.record(2, [[0, 3], [], [0]], 1.0)  # size 1 keeps 1, 0, 1; size 4 keeps 2, 0, 1
+    assert [sizer.mean_accepted(i) for i in range(3)] == [0, pytest.approx(2 / 3), 1]
 
 
 def test_bad_sizes():
     for sizes in [(), (2, 1), (1, 1), (-1, 2)]:
         with pytest.raises(ValueError, match="sizes"):
             TreeSizer(sizes)
+    with pytest.raises(ValueError, match="probe_share"):
+        TreeSizer((0, 1), probe_share=1.5)

@@ -14,15 +14,18 @@ from .quantized_config import QuantizedKVConfig
 
 
 def build_paged_cache(model: PreTrainedModel, request: CacheRequest) -> PagedCache:
-    """A `PagedCache` for the request's rows, from `generation_config.cache_config`."""
+    """A `PagedCache` for the request's rows, from `generation_config.cache_config` (`prefix_store`: a
+    `PrefixStore` of this model)."""
     _require_cache_support(model, "paged")
-    settings = PagedCacheConfig.from_dict(request.generation_config.cache_config)
+    options = request.generation_config.cache_config
+    settings = PagedCacheConfig.from_dict(options)
     return PagedCache(
         model.config,
         block_size=settings.block_size,
         num_blocks=settings.num_blocks,
         max_memory=settings.max_memory,
         max_cache_len=request.max_cache_len,
+        prefix_store=options.get("prefix_store") if options else None,
     )
 
 

@@ -15,16 +15,18 @@ from transformers import PreTrainedConfig
 from transformers.cache_utils import Cache, get_layer_types_and_kwargs
 
 from ..display import CacheDisplay
+from ..registry import PrefillHooks
 from .block_pool import BlockPool
 from .block_table import BlockTables
 from .paged_config import PagedCacheConfig
 from .paged_group import PagedGroup
 from .paged_layer import PagedLayer, PagedSlidingLayer
+from .prefix_store import PrefixStore
 
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 
 
-class PagedCache(CacheDisplay, Cache):
+class PagedCache(CacheDisplay, PrefillHooks, Cache):
     """KV cache in fixed-size blocks with reference-counted sharing, for the ordinary `generate` loop.
 
     Rows with identical prompts (beams, `num_return_sequences`, repeated prompts) share the prompt's full blocks;
@@ -37,13 +39,22 @@ class PagedCache(CacheDisplay, Cache):
         num_blocks: fixed pool size in blocks, per layer (exceeding it raises `OutOfBlocksError`, a `ValueError`).
         max_memory: fixed pool size in bytes (int or e.g. `"2GiB"`), for K and V of all layers.
         max_cache_len: tokens a row may reach; used to size the pool up front when neither limit is set.
+        prefix_store: a `PrefixStore` of this model: the prompt columns it holds are loaded instead of computed, and
+            the prompt's full blocks are added to it after the prefill (`prefix_store.py`).
 
     Example: `model.generate(**inputs, past_key_values=PagedCache(model.config, max_cache_len=512))`.
     """
 
     def __init__(self, config: PreTrainedConfig, block_size: int = 16, num_blocks: int | None = None,
-                 max_memory: int | str | None = None, max_cache_len: int | None = None):
+                 max_memory: int | str | None = None, max_cache_len: int | None = None,
+                 prefix_store: PrefixStore | None = None):
         self.settings = PagedCacheConfig(block_size=block_size, num_blocks=num_blocks, max_memory=max_memory)
+        if prefix_store is not None and not isinstance(prefix_store, PrefixStore):
+            raise TypeError(f"`prefix_store` must be a hf_accel.PrefixStore or None, got {type(prefix_store).__name__}")
+        if prefix_store is not None:
+            prefix_store.check_cache(config, block_size)
+        self.prefix_store = prefix_store
+        self._saved_recording: list[bool] | None = None  # set between before_prefill and after_prefill with a store
         self.max_cache_len = max_cache_len
         windows = _layer_windows(config)
         fixed = self.settings.num_blocks is not None or self.settings.max_memory is not None
@@ -84,6 +95,27 @@ class PagedCache(CacheDisplay, Cache):
         elif group.shared_rows:
             group.verify_shared_rows(key_states, value_states, layer)
         return layer.update(key_states, value_states, group.plan)
+
+    def before_prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
+        """With a prefix store and no tokens yet: load the stored prompt columns, and keep every prompt token in the
+        sliding layers until `after_prefill` has stored them."""
+        if self.prefix_store is None or self.get_seq_length() != 0:
+            return
+        self._saved_recording = [group.is_recording_past for group in self.groups]
+        for group in self.groups:
+            group.is_recording_past = True
+        self.prefix_store.load(self, input_ids, attention_mask)
+
+    def after_prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
+        """Add the prompt's full blocks to the prefix store; sliding layers evict as usual from the next step."""
+        if self._saved_recording is None:
+            return
+        try:
+            self.prefix_store.save(self, input_ids, attention_mask)
+        finally:
+            for group, recording in zip(self.groups, self._saved_recording):
+                group.is_recording_past = recording
+            self._saved_recording = None
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last `-tokens_to_remove` tokens (a non-positive count, as assisted decoding passes)."""

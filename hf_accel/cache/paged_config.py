@@ -46,5 +46,8 @@ class PagedCacheConfig:
 
     @classmethod
     def from_dict(cls, options: dict[str, Any] | None) -> PagedCacheConfig:
-        """Build from a `cache_config` dict, rejecting unknown keys by name."""
-        return cls(**settings_from_dict(cls, options, "paged"))
+        """Build from a `cache_config` dict, rejecting unknown keys by name (`prefix_store` is allowed and left out:
+        it is an object, not a setting)."""
+        settings = settings_from_dict(cls, options, "paged", extra_keys=("prefix_store",))
+        settings.pop("prefix_store", None)
+        return cls(**settings)

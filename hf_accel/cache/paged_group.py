@@ -122,7 +122,7 @@ class PagedGroup:
     def _prefill(self, key_states: torch.Tensor, value_states: torch.Tensor, total: int, first_token: int) -> None:
         rows, _, q_len, _ = key_states.shape
         group_of = list(range(rows))
-        if q_len >= self.tables.block_size and total == q_len:  # a fresh prompt: identical rows share its blocks
+        if rows > 1 and q_len >= self.tables.block_size and total == q_len:  # a fresh prompt: identical rows share
             group_of = _identical_rows(key_states, value_states)
         self.shared_rows = [(r, g) for r, g in enumerate(group_of) if g != r]
         reserve = self._reserve_tokens(first_token)

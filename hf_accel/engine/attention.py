@@ -2,7 +2,8 @@
 
 One engine step runs the model once on all scheduled tokens packed into one row (`[1, num_tokens]`, per-token
 `position_ids`). For each layer, the registered function writes the step's new K/V into their slots, then attends
-per sequence: every decoding sequence at once (one query each, K/V gathered from its slots, padded and masked),
+per sequence: decoding sequences in groups of equal query count, each group at once (one query each for plain
+decodes, the last token plus its candidates for speculating ones; K/V gathered from their slots, padded and masked),
 then each prefill chunk on its own (causal from its first position). The metadata travels in the forward's
 kwargs as `hf_accel_step` (the way transformers' own continuous batching passes `cu_seq_lens`), so no model code
 is forked and no state hides in globals. Grouped-query heads are folded into the query axis (no K/V repeat).
@@ -37,28 +38,45 @@ class PrefillRow:
 
 
 @dataclass(slots=True)
+class DecodeGroup:
+    """Sequences that each compute their last `num_queries` tokens this step, attended in one batched call: queries
+    `index` `[rows, num_queries]` (packed indices), blocks `blocks` `[rows, max_blocks]` (padded), and `lengths`
+    `[rows]` tokens each row attends over (its queries included), so query i of row r sits at position
+    `lengths[r] - num_queries + i`."""
+
+    index: torch.Tensor
+    blocks: torch.Tensor
+    lengths: torch.Tensor
+    _masks: dict[tuple, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def num_queries(self) -> int:
+        return self.index.shape[1]
+
+    def mask(self, block_size: int, window: int | None, groups: int) -> torch.Tensor:
+        """`[rows, 1, groups * num_queries, max_blocks * block_size]` (one query: `[rows, 1, 1, ...]`, broadcast over
+        the folded heads) True where a query may attend: causal, within `window` if any. Built once per step."""
+        key = (window, groups)
+        if key not in self._masks:
+            columns = torch.arange(self.blocks.shape[1] * block_size, device=self.blocks.device)
+            offsets = torch.arange(self.num_queries, device=self.blocks.device) - self.num_queries + 1
+            positions = (self.lengths[:, None] - 1 + offsets)[:, :, None]  # [rows, num_queries, 1]
+            mask = columns <= positions
+            if window is not None:  # transformers' sliding rule: key position > query position - window
+                mask &= columns > positions - window
+            self._masks[key] = mask[:, None] if self.num_queries == 1 else mask.repeat(1, groups, 1)[:, None]
+        return self._masks[key]
+
+
+@dataclass(slots=True)
 class StepAttention:
     """What every layer needs to know about one engine step (the `hf_accel_step` forward kwarg)."""
 
     kv: KVPool
     write_slots: torch.Tensor  # [num_tokens] slot of each packed token
-    decode_index: torch.Tensor | None  # [num_decodes] packed index of each decoding sequence's query
-    decode_blocks: torch.Tensor | None  # [num_decodes, max_blocks] block ids of each decoding sequence (padded)
-    decode_lengths: torch.Tensor | None  # [num_decodes] tokens each decoding sequence attends over
+    decodes: list[DecodeGroup]
     prefills: list[PrefillRow]
     _masks: dict[tuple, torch.Tensor] = field(default_factory=dict)
-
-    def decode_mask(self, window: int | None) -> torch.Tensor:
-        """`[num_decodes, 1, 1, max_blocks * block_size]` True where a decoding query may attend."""
-        key = ("decode", window)
-        if key not in self._masks:
-            width = self.decode_blocks.shape[1] * self.kv.block_size
-            columns = torch.arange(width, device=self.decode_blocks.device)
-            mask = columns < self.decode_lengths[:, None]
-            if window is not None:  # transformers' sliding rule: key position > query position - window
-                mask &= columns > (self.decode_lengths[:, None] - 1 - window)
-            self._masks[key] = mask[:, None, None, :]
-        return self._masks[key]
 
     def prefill_mask(self, i: int, window: int | None, groups: int, softcap: float | None) -> torch.Tensor | None:
         """`[groups * num_tokens, kv_len]` True where chunk `i`'s queries may attend, rows repeated for the `groups`
@@ -102,10 +120,13 @@ def paged_attention(
     keys.view(heads, -1, dim).index_copy_(1, step.write_slots, key[0].to(keys.dtype))
     values.view(heads, -1, dim).index_copy_(1, step.write_slots, value[0].to(values.dtype))
     out = query.new_empty(query.shape[2], query.shape[1], query.shape[3])  # [num_tokens, heads, head_dim]
-    if step.decode_index is not None:
-        q = query[0][:, step.decode_index].transpose(0, 1)[:, :, None]  # [num_decodes, heads, 1, head_dim]
-        k, v = (_gather(pool, step.decode_blocks) for pool in (keys, values))  # [num_decodes, kv_heads, len, dim]
-        out[step.decode_index] = _attend(q, k, v, step.decode_mask(sliding_window), scaling, softcap)[:, :, 0]
+    for group in step.decodes:
+        rows, num = group.index.shape
+        flat = group.index.reshape(-1)
+        q = query[0][:, flat].view(query.shape[1], rows, num, dim).transpose(0, 1)  # [rows, heads, num, head_dim]
+        k, v = (_gather(pool, group.blocks) for pool in (keys, values))  # [rows, kv_heads, len, dim]
+        mask = group.mask(size, sliding_window, query.shape[1] // heads)
+        out[flat] = _attend(q, k, v, mask, scaling, softcap).transpose(1, 2).reshape(rows * num, -1, dim)
     for i, row in enumerate(step.prefills):
         q = query[:, :, row.start : row.start + row.num_tokens]  # [1, heads, num_tokens, head_dim]
         k, v = (_gather(pool, row.kv_blocks[None])[:, :, : row.kv_length] for pool in (keys, values))

@@ -20,6 +20,10 @@ class EngineConfig:
         block_size: tokens per KV block.
         enable_prefix_caching: reuse the K/V of full blocks of earlier prompts.
         max_model_len: longest sequence (prompt plus output); default: the model's `max_position_embeddings`.
+        num_speculative_tokens: with Medusa heads, most candidate tokens a decoding sequence verifies per step
+            (one per head, a top-1 chain); default: every head.
+        max_speculative_batch_tokens: speculate in a step only while (decoding sequences) x (1 + candidates) stays
+            within this many tokens; the candidates per sequence shrink to fit, and below one nothing is proposed.
     """
 
     max_num_seqs: int = 32
@@ -28,6 +32,8 @@ class EngineConfig:
     block_size: int = 16
     enable_prefix_caching: bool = True
     max_model_len: int | None = None
+    num_speculative_tokens: int | None = None
+    max_speculative_batch_tokens: int = 24
 
     def __post_init__(self) -> None:
         check_int("max_num_seqs", self.max_num_seqs, 1, "a positive int")
@@ -37,6 +43,9 @@ class EngineConfig:
             self.kv_cache_memory = parse_bytes(self.kv_cache_memory, "kv_cache_memory")
         if self.max_model_len is not None:
             check_int("max_model_len", self.max_model_len, 1, "a positive int or None")
+        if self.num_speculative_tokens is not None:
+            check_int("num_speculative_tokens", self.num_speculative_tokens, 1, "a positive int or None")
+        check_int("max_speculative_batch_tokens", self.max_speculative_batch_tokens, 1, "a positive int")
         if not isinstance(self.enable_prefix_caching, bool):
             raise TypeError(f"`enable_prefix_caching` must be a bool, got {self.enable_prefix_caching!r}")
 

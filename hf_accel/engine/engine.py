@@ -7,10 +7,9 @@
 Threads: the core (scheduler, blocks, model) is driven by one thread at a time. `generate` drives it in the calling
 thread, unless the background loop is running (`start`, or the first `stream`), which then owns it (and the model:
 while it steps, the model's attention implementation is the engine's, so do not call `model.generate` from another
-thread while the loop runs); requests and
-aborts from other threads go through a queue the stepping thread drains before each step, so callers never wait for
-a model forward. If the loop dies, `is_healthy` turns False, every open request gets `EngineDeadError`, and no new
-request is accepted.
+thread while the loop runs); requests and aborts from other threads go through a queue the stepping thread drains
+before each step, so callers never wait for a model forward. If the loop dies, `is_healthy` turns False, every open
+request gets `EngineDeadError`, and no new request is accepted.
 """
 
 from __future__ import annotations
@@ -25,6 +24,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ..display import RichDisplay, format_bytes
+from ..speculative.medusa_heads import MedusaHeads
 from .config import EngineConfig
 from .engine_core import EngineCore, EngineStats
 from .model_runner import paged_attention_implementation
@@ -46,18 +46,24 @@ class Engine(RichDisplay):
         model: a decoder-only causal LM whose attention goes through transformers' `AttentionInterface` (Llama,
             Mistral, Qwen2/3, Gemma2/3, Phi3, ...), in any dtype; hf_accel int8/int4 weights work as they are.
         tokenizer: turns string prompts into ids and outputs into text (optional with token-id prompts).
+        medusa_heads: `MedusaHeads` for `model`: plain-greedy requests verify the heads' candidates while the decoding
+            batch is small (same outputs; docs/serving.md, "Medusa speculation"); other requests decode plainly.
 
     The keyword-only limits (`max_num_seqs`, `max_num_batched_tokens`, `kv_cache_memory`, `block_size`,
-    `enable_prefix_caching`, `max_model_len`) are the fields of `EngineConfig`, documented there.
+    `enable_prefix_caching`, `max_model_len`, `num_speculative_tokens`, `max_speculative_batch_tokens`) are the
+    fields of `EngineConfig`, documented there.
     """
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None = None, *,
                  max_num_seqs: int = 32, max_num_batched_tokens: int = 512, kv_cache_memory: int | str | None = None,
-                 block_size: int = 16, enable_prefix_caching: bool = True, max_model_len: int | None = None):
+                 block_size: int = 16, enable_prefix_caching: bool = True, max_model_len: int | None = None,
+                 medusa_heads: MedusaHeads | None = None, num_speculative_tokens: int | None = None,
+                 max_speculative_batch_tokens: int = 24):
         self.config = EngineConfig(max_num_seqs, max_num_batched_tokens, kv_cache_memory, block_size,
-                                   enable_prefix_caching, max_model_len)
+                                   enable_prefix_caching, max_model_len, num_speculative_tokens,
+                                   max_speculative_batch_tokens)
         self.tokenizer = tokenizer
-        self.core = EngineCore(model, tokenizer, self.config)
+        self.core = EngineCore(model, tokenizer, self.config, medusa_heads)
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._listeners: dict[str, Listener] = {}
         self._finish_observers: list[Callable[[RequestOutput], None]] = []
@@ -97,7 +103,7 @@ class Engine(RichDisplay):
         if request_id in self._listeners:
             raise ValueError(f"`request_id` {request_id!r} is already in use")
         request = Request(request_id, text, ids, params, next(self._arrivals), RequestTiming(time.perf_counter()))
-        self._listeners[request_id] = listener or _ignore
+        self._listeners[request_id] = listener or (lambda out: None)
         self._inbox.put(lambda: self.core.add(request))
         self._wakeup.set()
         return request_id
@@ -296,7 +302,3 @@ def _is_token_ids(value: object) -> bool:
     if not isinstance(value, (list, tuple)) or not value:
         return False
     return all(isinstance(v, int) and not isinstance(v, bool) for v in value)
-
-
-def _ignore(out: RequestOutput | BaseException) -> None:
-    return None

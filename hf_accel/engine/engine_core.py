@@ -1,4 +1,5 @@
-"""The engine's step, single-threaded: schedule, run the model once, sample, detect stops, free finished blocks.
+"""The engine's step, single-threaded: schedule, propose candidates (Medusa heads), run the model once, sample or
+verify, detect stops, free finished blocks.
 
 `EngineCore` is driven by one thread at a time (`Engine` owns the threading); it never blocks and never sleeps.
 """
@@ -8,16 +9,19 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from ..speculative.medusa_heads import MedusaHeads
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .detokenizer import Detokenizer
 from .kv_pool import KVPool, KVShape
-from .model_runner import ModelRunner
+from .medusa_proposer import MedusaProposer, SpecDecodeStats, accepted_prefix
+from .model_runner import ModelRunner, StepOutput
 from .sampler import sample, token_logprobs
 from .sampling_params import SamplingParams
-from .scheduler import Scheduler, SchedulerConfig
+from .scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from .sequence import Request, Sequence, make_sequences
 
 
@@ -40,21 +44,32 @@ class EngineStats:
     num_steps: int
     num_free_blocks: int
     num_blocks: int
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
 
 
 class EngineCore:
-    """Scheduler, block manager, model runner and sampler of one model."""
+    """Scheduler, block manager, model runner, sampler and (with `medusa_heads`) proposer of one model."""
 
-    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, config: EngineConfig):
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, config: EngineConfig,
+                 medusa_heads: MedusaHeads | None = None):
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.max_model_len = config.max_model_len or context_length(model)
+        self.proposer = None
+        if medusa_heads is not None:
+            self.proposer = MedusaProposer(medusa_heads, config.num_speculative_tokens)
+            medusa_heads.check_compatible(model)
         shape = KVShape.from_config(model.config)
         dtype, device = model.dtype, next(model.parameters()).device
         num_blocks = config.num_blocks(shape.bytes_per_token(dtype), self.max_model_len)
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.blocks)
+        k = self.proposer.num_speculative_tokens if self.proposer is not None else 0
+        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, k,
+                                                   config.max_speculative_batch_tokens), self.blocks)
         self.kv = KVPool(shape, num_blocks, config.block_size, dtype, device)
-        self.runner = ModelRunner(model, self.kv)
+        self.runner = ModelRunner(model, self.kv, keep_hidden=self.proposer is not None)
+        self.spec_stats = SpecDecodeStats()
         self.requests: dict[str, Request] = {}
         self.eos_token_ids = _eos_token_ids(model, tokenizer)
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
@@ -108,21 +123,18 @@ class EngineCore:
             if id(seq.request) in starting:  # its prefix-cache hits are its computed tokens now
                 seq.request.timing.first_scheduled = now
                 seq.request.num_cached_tokens = max(seq.request.num_cached_tokens, seq.num_computed_tokens)
-        logits, sampling = self.runner.execute(batch)
-        for seq, num in zip(batch.seqs, batch.num_new_tokens):
-            seq.num_computed_tokens += num
-            self.blocks.cache_full_blocks(seq)
-        tokens = sample(logits, sampling)
-        logprobs = token_logprobs(logits, tokens, [seq.params.logprobs for seq in sampling])
-        now = time.perf_counter()
-        changed = {}
-        for seq, token, logprob in zip(sampling, tokens, logprobs):
-            self._append(seq, token, logprob, now)
-            changed[seq.request.request_id] = seq.request
+        self._propose(batch)
+        out = self.runner.execute(batch)
+        for seq, num, drafts in zip(batch.seqs, batch.num_new_tokens, batch.num_draft_tokens):
+            if not drafts:  # a speculating sequence's computed length waits for its verdict
+                seq.num_computed_tokens += num
+                self.blocks.cache_full_blocks(seq)
+        changed = {seq.request.request_id: seq.request for seq in out.sampling}
+        self._commit(out, time.perf_counter())
         self.num_steps += 1
         for request in changed.values():
             if request.is_finished:
-                request.timing.finished = now
+                request.timing.finished = time.perf_counter()
                 del self.requests[request.request_id]
         return list(changed.values())
 
@@ -132,8 +144,59 @@ class EngineCore:
         return EngineStats(
             len(running), len(waiting), self.blocks.usage, self.scheduler.num_preemptions,
             self.blocks.stats.queries, self.blocks.stats.hits, self.prompt_tokens, self.generation_tokens,
-            self.num_steps, self.blocks.num_free_blocks, self.blocks.num_blocks,
+            self.num_steps, self.blocks.num_free_blocks, self.blocks.num_blocks, self.spec_stats.num_drafts,
+            self.spec_stats.num_draft_tokens, self.spec_stats.num_accepted_tokens,
         )
+
+    def _propose(self, batch: ScheduledBatch) -> None:
+        """Fill `draft_token_ids` of the sequences the scheduler lets speculate this step."""
+        speculating = [(seq, n) for seq, n in zip(batch.seqs, batch.num_draft_tokens) if n]
+        if not speculating:
+            return
+        hidden = torch.stack([seq.hidden for seq, _ in speculating])
+        proposals = self.proposer.propose(hidden, max(n for _, n in speculating))
+        for (seq, n), proposal in zip(speculating, proposals):
+            seq.draft_token_ids = proposal[:n]
+
+    def _commit(self, out: StepOutput, now: float) -> None:
+        """Append each sampling sequence's new tokens (sampled, or verified candidates), keep its hidden state for
+        the heads, roll back the computed length of speculating ones, and free the finished."""
+        starts = [0]
+        for n in out.num_rows[:-1]:
+            starts.append(starts[-1] + n)
+        plain = [i for i, seq in enumerate(out.sampling) if not seq.draft_token_ids]
+        emitted = {}
+        if plain:
+            tokens = sample(out.logits[[starts[i] for i in plain]], [out.sampling[i] for i in plain])
+            emitted = {i: [token] for i, token in zip(plain, tokens)}
+        targets = out.logits.argmax(dim=-1).tolist() if len(plain) < len(out.sampling) else []
+        for i, seq in enumerate(out.sampling):
+            if seq.draft_token_ids:
+                target = targets[starts[i] : starts[i] + out.num_rows[i]]
+                accepted = accepted_prefix(seq.draft_token_ids, target)
+                self.spec_stats.record(len(seq.draft_token_ids), accepted)
+                emitted[i] = seq.draft_token_ids[:accepted] + [target[accepted]]
+        for i, seq in enumerate(out.sampling):
+            rows = out.logits[starts[i] : starts[i] + len(emitted[i])]
+            logprobs = token_logprobs(rows, emitted[i], [seq.params.logprobs] * len(emitted[i]))
+            num_appended = self._append_all(seq, emitted[i], logprobs, now)
+            if seq.draft_token_ids:  # K/V is valid for the last token and the accepted candidates
+                accepted = len(emitted[i]) - 1
+                seq.num_computed_tokens += 1 + min(accepted, num_appended)
+                seq.draft_token_ids = []
+                self.blocks.cache_full_blocks(seq)
+            if seq.is_finished:
+                self.scheduler.remove(seq)
+            elif self.proposer is not None and not seq.params.needs_processing:
+                seq.hidden = out.hidden[starts[i] + num_appended - 1]
+
+    def _append_all(self, seq: Sequence, tokens: list[int], logprobs: list, now: float) -> int:
+        """Append `tokens` one at a time until a stop rule ends the sequence; returns how many were appended."""
+        for n, (token, logprob) in enumerate(zip(tokens, logprobs), start=1):
+            self._append(seq, token, logprob, now)
+            if seq.is_finished:
+                return n
+        return len(tokens)
 
     def _append(self, seq: Sequence, token: int, logprob, now: float) -> None:
         request = seq.request
@@ -151,8 +214,6 @@ class EngineCore:
             seq.finish("stop")
         elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             seq.finish("length")
-        if seq.is_finished:
-            self.scheduler.remove(seq)
 
     def _detokenizer_for(self, params: SamplingParams) -> Detokenizer | None:
         return None if self.tokenizer is None else Detokenizer(self.tokenizer, params.stop)

@@ -2,18 +2,21 @@
 
 The model runs its own, unmodified forward with `attn_implementation` switched to hf_accel's paged attention for
 the call (restored after), `use_cache=False` (K/V live in the engine's pool, written by the attention function),
-per-token `position_ids`, and `logits_to_keep` set to the last token of each sequence that samples this step.
+per-token `position_ids`, and `logits_to_keep` set to the last token of each sequence that samples this step, plus
+its candidates when it speculates. With Medusa heads the same forward also returns the final (normed) hidden
+states at those positions (`output_hidden_states`: transformers ties the last entry to the normed output).
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedModel
 
-from .attention import ATTENTION_NAME, PrefillRow, StepAttention, register_attention
+from .attention import ATTENTION_NAME, DecodeGroup, PrefillRow, StepAttention, register_attention
 from .kv_pool import KVPool
 from .scheduler import ScheduledBatch
 from .sequence import Sequence
@@ -34,64 +37,78 @@ def paged_attention_implementation(model: PreTrainedModel) -> Iterator[None]:
         model.set_attn_implementation(saved)
 
 
-class ModelRunner:
-    """Runs scheduled batches of `model` over the block pool `kv`."""
+@dataclass(slots=True)
+class StepOutput:
+    """The kept positions of one step: `logits` `[rows, vocab]` fp32 and, when asked, `hidden` `[rows, hidden]`.
+    `sampling[i]` owns `num_rows[i]` consecutive rows (1 plus its candidates), in order."""
 
-    def __init__(self, model: PreTrainedModel, kv: KVPool):
+    logits: torch.Tensor
+    hidden: torch.Tensor | None
+    sampling: list[Sequence]
+    num_rows: list[int]
+
+
+class ModelRunner:
+    """Runs scheduled batches of `model` over the block pool `kv` (`keep_hidden`: also return hidden states)."""
+
+    def __init__(self, model: PreTrainedModel, kv: KVPool, keep_hidden: bool = False):
         if not getattr(model, "_supports_attention_backend", False):
             raise ValueError(f"`model` ({type(model).__name__}) does not use transformers' AttentionInterface, "
                              "which the engine needs")
         register_attention()
-        self.model, self.kv = model, kv
+        self.model, self.kv, self.keep_hidden = model, kv, keep_hidden
         self.device = next(model.parameters()).device
 
-    def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
-        """Run one step; returns `[num_sampling, vocab]` fp32 logits and the sequences they belong to (those whose
-        last token this step computes)."""
-        tokens, positions, slots, keep, sampling = [], [], [], [], []
-        decodes, prefills = [], []
-        for seq, num in zip(batch.seqs, batch.num_new_tokens):
+    def execute(self, batch: ScheduledBatch) -> StepOutput:
+        """Run one step; keeps the rows of the sequences whose last token this step computes (and their
+        candidates, `seq.draft_token_ids`, which the batch's `num_draft_tokens` counts)."""
+        tokens, positions, slots, keep, sampling, num_rows = [], [], [], [], [], []
+        decodes: dict[int, list] = {}  # queries per sequence -> (seq, packed start) of the sequences computing them
+        prefills = []
+        for seq, num, drafts in zip(batch.seqs, batch.num_new_tokens, batch.num_draft_tokens):
             start, first = len(tokens), seq.num_computed_tokens
-            tokens += seq.token_ids[first : first + num]
+            tokens += seq.token_ids[first : first + num - drafts] + seq.draft_token_ids[:drafts]
             positions += range(first, first + num)
             slots += self._slots(seq, first, first + num)
-            (decodes if num == 1 else prefills).append((seq, start, num))
-            if first + num == seq.num_tokens:
-                keep.append(start + num - 1)
+            if num == 1 or drafts:
+                decodes.setdefault(num, []).append((seq, start))
+            else:
+                prefills.append((seq, start, num))
+            if first + num - drafts == seq.num_tokens:
+                keep += range(start + num - 1 - drafts, start + num)
                 sampling.append(seq)
+                num_rows.append(1 + drafts)
         step = self._step_attention(torch.tensor(slots, device=self.device), decodes, prefills)
+        keep_index = torch.tensor(keep, device=self.device)
         with torch.inference_mode(), paged_attention_implementation(self.model):
             out = self.model(
                 input_ids=torch.tensor([tokens], device=self.device),
                 position_ids=torch.tensor([positions], device=self.device),
-                use_cache=False,
-                logits_to_keep=torch.tensor(keep, device=self.device),
-                hf_accel_step=step,
+                use_cache=False, logits_to_keep=keep_index, hf_accel_step=step,
+                output_hidden_states=self.keep_hidden,
             )
-        return out.logits[0].float(), sampling
+        hidden = out.hidden_states[-1][0, keep_index] if self.keep_hidden else None
+        return StepOutput(out.logits[0].float(), hidden, sampling, num_rows)
 
     def _slots(self, seq: Sequence, start: int, stop: int) -> list[int]:
         size, blocks = self.kv.block_size, seq.block_ids
         return [blocks[p // size] * size + p % size for p in range(start, stop)]
 
-    def _step_attention(self, write_slots: torch.Tensor, decodes: list, prefills: list) -> StepAttention:
+    def _step_attention(self, write_slots: torch.Tensor, decodes: dict[int, list], prefills: list) -> StepAttention:
         size = self.kv.block_size
-        rows = [PrefillRow(start, num, seq.num_computed_tokens,
-                           torch.tensor(seq.block_ids[: -(-(seq.num_computed_tokens + num) // size)], device=self.device))
+        rows = [PrefillRow(start, num, seq.num_computed_tokens, torch.tensor(
+                    seq.block_ids[: -(-(seq.num_computed_tokens + num) // size)], device=self.device))
                 for seq, start, num in prefills]
-        if not decodes:
-            return StepAttention(self.kv, write_slots, None, None, None, rows)
-        lengths = [seq.num_computed_tokens + 1 for seq, _, _ in decodes]
-        return StepAttention(
-            self.kv, write_slots,
-            decode_index=torch.tensor([start for _, start, _ in decodes], device=self.device),
-            decode_blocks=self._block_table([seq for seq, _, _ in decodes]),
-            decode_lengths=torch.tensor(lengths, device=self.device),
-            prefills=rows,
-        )
+        groups = [self._decode_group(num, members) for num, members in decodes.items()]
+        return StepAttention(self.kv, write_slots, groups, rows)
 
-    def _block_table(self, seqs: list[Sequence]) -> torch.Tensor:
-        # [num_seqs, max_blocks] block ids of the tokens each attends over, padded with block 0 (masked by lengths)
-        size = self.kv.block_size
-        width = max(-(-(seq.num_computed_tokens + 1) // size) for seq in seqs)
-        return torch.tensor([(seq.block_ids + [0] * width)[:width] for seq in seqs], device=self.device)
+    def _decode_group(self, num: int, members: list) -> DecodeGroup:
+        # block table [rows, max_blocks] of the tokens each attends over, padded with block 0 (masked by lengths)
+        lengths = [seq.num_computed_tokens + num for seq, _ in members]
+        width = -(-max(lengths) // self.kv.block_size)
+        table = [(seq.block_ids + [0] * width)[:width] for seq, _ in members]
+        return DecodeGroup(
+            index=torch.tensor([range(start, start + num) for _, start in members], device=self.device),
+            blocks=torch.tensor(table, device=self.device),
+            lengths=torch.tensor(lengths, device=self.device),
+        )

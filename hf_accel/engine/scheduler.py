@@ -7,7 +7,10 @@ Rules:
 - at most `max_num_seqs` sequences run at once; a new one is admitted only when its blocks (minus prefix-cache
   hits) are free, and only in order: the head of the queue is never overtaken;
 - when a running sequence cannot get a block, the last running sequence in order is preempted by recompute: its
-  blocks are freed and it waits again with its tokens so far, to be prefilled anew (outputs are unchanged).
+  blocks are freed and it waits again with its tokens so far, to be prefilled anew (outputs are unchanged);
+- speculation (Medusa heads): a decode that `can_speculate` also computes `k` candidates, `k` from `draft_width`
+  (decodes x (1 + k) within `max_speculative_batch_tokens`), capped by its tokens left and the step's budget; the
+  candidates count in the budget and get blocks, but never preempt: without free blocks it decodes plainly.
 """
 
 from __future__ import annotations
@@ -25,23 +28,40 @@ class SchedulerConfig:
 
     max_num_seqs: int
     max_num_batched_tokens: int
+    num_speculative_tokens: int = 0
+    max_speculative_batch_tokens: int = 24
+
+
+def draft_width(num_decodes: int, num_speculative_tokens: int, max_speculative_batch_tokens: int) -> int:
+    """Candidates per decoding sequence this step: the most, up to `num_speculative_tokens`, that keep
+    `num_decodes * (1 + k)` within `max_speculative_batch_tokens` (0: decode plainly)."""
+    if num_decodes == 0:
+        return 0
+    return max(min(num_speculative_tokens, max_speculative_batch_tokens // num_decodes - 1), 0)
 
 
 @dataclass(slots=True)
 class ScheduledBatch:
-    """One step's work: `num_new_tokens[i]` tokens of `seqs[i]`, starting at its `num_computed_tokens`."""
+    """One step's work: `num_new_tokens[i]` tokens of `seqs[i]`, starting at its `num_computed_tokens`; the last
+    `num_draft_tokens[i]` of them are candidates proposed after its last token (0 unless it speculates)."""
 
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
+    num_draft_tokens: list[int] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
         return sum(self.num_new_tokens)
 
-    def add(self, seq: Sequence, num: int) -> None:
+    def add(self, seq: Sequence, num: int, num_drafts: int = 0) -> None:
         self.seqs.append(seq)
         self.num_new_tokens.append(num)
+        self.num_draft_tokens.append(num_drafts)
+
+    def drop(self, seq: Sequence) -> None:
+        i = self.seqs.index(seq)
+        del self.seqs[i], self.num_new_tokens[i], self.num_draft_tokens[i]
 
 
 class Scheduler:
@@ -75,10 +95,16 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
         prefills = [s for s in self.running if s.num_uncomputed_tokens > 1]
+        width = draft_width(len(decodes), self.config.num_speculative_tokens, self.config.max_speculative_batch_tokens)
         for seq in decodes + prefills:
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            drafts = min(width, seq.num_tokens_left - 1, budget - 1) if width and seq.can_speculate else 0
+            if drafts > 0 and self.blocks.allocate(seq, 1 + drafts):  # candidates never preempt anyone
+                batch.add(seq, 1 + drafts, drafts)
+                budget -= 1 + drafts
                 continue
             num = min(seq.num_uncomputed_tokens, budget)
             if self._reserve(seq, num, batch):
@@ -100,8 +126,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
         self.running.remove(seq)
         if seq in batch.seqs:  # scheduled earlier in this step: undo that
-            i = batch.seqs.index(seq)
-            del batch.seqs[i], batch.num_new_tokens[i]
+            batch.drop(seq)
         self.blocks.free(seq)
         seq.num_preemptions += 1
         self.num_preemptions += 1

@@ -3,7 +3,8 @@
 A `Request` holds `n` `Sequence`s (its samples). A sequence's tokens are its prompt followed by its output; the
 first `num_computed_tokens` of them have K/V in the sequence's blocks. The sequence samples a token in a step
 exactly when that step computes its last token (`num_computed_tokens` reaches `num_tokens`); a fresh request and
-one resumed after preemption run the same rule.
+one resumed after preemption run the same rule. With Medusa heads, a decoding sequence may also compute
+`draft_token_ids` after its last token in the same step (candidates, never part of `token_ids` until accepted).
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ class Sequence:
     block_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_preemptions: int = 0
+    hidden: torch.Tensor | None = None  # [hidden_size] final hidden state that produced the last token (Medusa)
+    draft_token_ids: list[int] = field(default_factory=list)  # candidates verified in the current step
     output: CompletionOutput = field(init=False)
 
     def __post_init__(self) -> None:
@@ -66,8 +69,20 @@ class Sequence:
         return self.num_tokens - self.num_computed_tokens
 
     @property
+    def num_tokens_left(self) -> int:
+        """Output tokens it may still produce under `max_tokens`."""
+        return self.params.max_tokens - self.num_output_tokens
+
+    @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    @property
+    def can_speculate(self) -> bool:
+        """Whether heads can propose for it now: decoding, plain greedy, with a hidden state and room for a
+        candidate (the step's last verified position also yields a token)."""
+        return (self.hidden is not None and self.num_uncomputed_tokens == 1 and not self.params.needs_processing
+                and self.num_tokens_left > 1)
 
     @property
     def sort_key(self) -> tuple[int, int, int]:

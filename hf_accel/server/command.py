@@ -2,6 +2,11 @@
 
     hf-accel serve                                   # reference target on http://127.0.0.1:8000/v1
     hf-accel serve --model ./my-llama --quant int8 --api-key "$KEY" --port 9000
+    hf-accel serve --medusa-heads PATH               # greedy requests speculate with Medusa heads from PATH
+    hf-accel serve --model ./docs-model              # a `hf-accel finetune` folder: its hf_accel.json is applied
+
+A model folder with an `hf_accel.json` (written by `hf-accel finetune`) is served with the weight preset and the
+Medusa heads it names, unless `--quant` / `--medusa-heads` are given.
 
 Ctrl-C (SIGINT) or SIGTERM shuts down gracefully: no new connections, open requests get `--graceful-timeout`
 seconds to finish, then the engine stops.
@@ -12,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 import uvicorn
@@ -19,7 +25,9 @@ from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from ..engine.engine import Engine
 from ..quant.presets import list_quantization_presets, load_model
+from ..speculative.medusa_heads import MedusaHeads
 from ..reference import ASSETS_DIR
+from ..serving_config import ServingConfig, read_serving_config
 from .app import DEFAULT_MAX_QUEUE_LEN, create_app
 
 REFERENCE_NAME = "hf_accel-reference-target"
@@ -34,7 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="local path or hub id of a causal LM (default: hf_accel's reference target)")
     parser.add_argument("--quant", default=None, metavar="PRESET",
                         choices=[preset.name for preset in list_quantization_presets()],
-                        help="weight quantization preset, one of %(choices)s (default: none)")
+                        help="weight quantization preset, one of %(choices)s (default: the model folder's "
+                             "hf_accel.json, else none)")
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES),
                         help="compute dtype (default: %(default)s)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, loopback only)")
@@ -51,6 +60,14 @@ def build_parser() -> argparse.ArgumentParser:
                         help="longest prompt plus output (default: the model's max_position_embeddings)")
     parser.add_argument("--kv-cache-memory", default=None,
                         help="KV pool size, bytes or e.g. 2GiB (default: room for max-num-seqs full sequences)")
+    parser.add_argument("--medusa-heads", default=None, metavar="PATH",
+                        help="MedusaHeads.save_pretrained folder for --model: greedy requests verify the heads' "
+                             "candidates (default: the model folder's hf_accel.json, else no speculation)")
+    parser.add_argument("--num-speculative-tokens", type=int, default=None,
+                        help="candidates per speculating step, at most the heads' count (default: every head)")
+    parser.add_argument("--max-speculative-batch-tokens", type=int, default=24,
+                        help="speculate while decoding sequences x (1 + candidates) stays within this "
+                             "(default: %(default)s)")
     parser.add_argument("--max-queue-len", type=int, default=DEFAULT_MAX_QUEUE_LEN,
                         help="requests waiting for their first token before new ones get 429 (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
@@ -68,15 +85,30 @@ def load_served_model(path: str | None, quant: str | None,
     return model.eval(), AutoTokenizer.from_pretrained(source)
 
 
+def resolve_serving(path: str | None, quant: str | None, medusa_heads: str | None) -> tuple[str | None, Path | None]:
+    """The weight preset and the Medusa heads folder to serve the model at `path` with: `quant` / `medusa_heads`
+    where given, else what the folder's `hf_accel.json` names, else none."""
+    found = (read_serving_config(path) if path is not None else None) or ServingConfig()
+    heads = Path(medusa_heads) if medusa_heads is not None else found.heads_path(path) if path is not None else None
+    return quant or found.quant, heads
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of `hf-accel serve`; returns once the server has shut down."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    quant, heads_path = resolve_serving(args.model, args.quant, args.medusa_heads)
+    if heads_path is None and args.num_speculative_tokens is not None:
+        parser.error("--num-speculative-tokens needs --medusa-heads (or a model folder whose hf_accel.json names heads)")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    model, tokenizer = load_served_model(args.model, args.quant, DTYPES[args.dtype])
+    model, tokenizer = load_served_model(args.model, quant, DTYPES[args.dtype])
+    heads = None if heads_path is None else MedusaHeads.from_pretrained(heads_path, dtype=DTYPES[args.dtype])
     engine = Engine(model, tokenizer, max_num_seqs=args.max_num_seqs,
                     max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
-                    max_model_len=args.max_model_len)
+                    max_model_len=args.max_model_len, medusa_heads=heads,
+                    num_speculative_tokens=args.num_speculative_tokens,
+                    max_speculative_batch_tokens=args.max_speculative_batch_tokens)
     name = args.served_model_name or args.model or REFERENCE_NAME
     app = create_app(engine, tokenizer, name, api_key=args.api_key or None, max_queue_len=args.max_queue_len)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,

@@ -14,6 +14,9 @@ are fed by the engine's finish observer from each finished request's timing. Eve
 | hf_accel:prefix_cache_hits_total           | vllm:prefix_cache_hits_total           | counter   |
 | hf_accel:prompt_tokens_total               | vllm:prompt_tokens_total               | counter   |
 | hf_accel:generation_tokens_total           | vllm:generation_tokens_total           | counter   |
+| hf_accel:spec_decode_num_drafts_total     | vllm:spec_decode_num_drafts_total      | counter   |
+| hf_accel:spec_decode_num_draft_tokens_total | vllm:spec_decode_num_draft_tokens_total | counter  |
+| hf_accel:spec_decode_num_accepted_tokens_total | vllm:spec_decode_num_accepted_tokens_total | counter |
 | hf_accel:request_success_total             | vllm:request_success_total             | counter   |
 | hf_accel:time_to_first_token_seconds       | vllm:time_to_first_token_seconds       | histogram |
 | hf_accel:inter_token_latency_seconds       | vllm:inter_token_latency_seconds       | histogram |
@@ -46,6 +49,9 @@ COUNTERS = {
     "prefix_cache_hits": "Prompt tokens found in the prefix cache.",
     "prompt_tokens": "Prompt tokens admitted.",
     "generation_tokens": "Tokens generated.",
+    "spec_decode_num_drafts": "Speculation rounds: a sequence verifying Medusa candidates in a step.",
+    "spec_decode_num_draft_tokens": "Medusa candidate tokens verified.",
+    "spec_decode_num_accepted_tokens": "Medusa candidate tokens accepted (bonus tokens not counted).",
 }
 # vLLM's buckets, in seconds
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,

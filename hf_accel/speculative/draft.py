@@ -22,7 +22,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from .draft_checks import check_inputs
 from .draft_length import DraftLength
 from .draft_stats import SpeculativeStats
-from .ragged_batch import RaggedBatch
+from .ragged_batch import RaggedBatch, stack_steps
 from .verify import Verdict, greedy_accept, speculative_sample
 
 @dataclass(slots=True)
@@ -260,14 +260,6 @@ def _output(run: DraftRun, config: GenerationConfig) -> GenerateDecoderOnlyOutpu
     sequences = batch.tokens[:, : batch.prompt_width + num_steps]
     if not config.return_dict_in_generate:
         return sequences
-    return GenerateDecoderOnlyOutput(sequences=sequences, scores=_steps(run.scores, num_steps),
-                                     logits=_steps(run.logits, num_steps), past_key_values=run.target_cache)
+    return GenerateDecoderOnlyOutput(sequences=sequences, scores=stack_steps(run.scores, num_steps),
+                                     logits=stack_steps(run.logits, num_steps), past_key_values=run.target_cache)
 
-
-def _steps(per_row: list[list[torch.Tensor]] | None, num_steps: int) -> tuple[torch.Tensor, ...] | None:
-    """Per-row lists of `[vocab]` tensors -> one `[batch, vocab]` tensor per step (zeros after a row finished)."""
-    if per_row is None:
-        return None
-    template = next(row[0] for row in per_row if row)
-    return tuple(torch.stack([row[s] if s < len(row) else torch.zeros_like(template) for row in per_row])
-                 for s in range(num_steps))

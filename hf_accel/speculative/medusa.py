@@ -2,72 +2,39 @@
 
     out = model.generate(**inputs, custom_generate=hf_accel.medusa_generate, medusa_heads=heads, max_new_tokens=64)
 
-Each step: the heads read the base model's last hidden state and propose a tree of candidates (top-k per head,
-`medusa_tree` paths); ONE forward verifies the root token and all candidates with a 4-D tree mask and depth-based
-positions; the walk from the root then decides tokens one at a time exactly as plain decoding would (logits
-processors on each position's logits with the tokens decided so far, argmax or one multinomial draw), descending
-into the child that holds the decided token, and checks the stopping criteria after every token. So greedy output
-equals plain greedy output, sampling draws from exactly the plain distribution (the candidates are deterministic:
-following a child whose token was drawn from the model's own distribution is lossless), and nothing overshoots a
-stop. The cache then keeps the accepted path only. By default the tree verified is the prefix of the best-first
-candidate list with the best measured tokens per second (`tree_size.TreeSizer`; size 0 is a plain step).
+Each step: the heads read each row's last hidden state and propose a tree of candidates (top-k per head,
+`medusa_tree` paths); ONE forward verifies every row's root token and candidates with a 4-D tree mask and
+depth-based positions; the walk (`medusa_walk`) then decides each row's tokens exactly as plain decoding would, so
+greedy output equals plain greedy output, sampling draws from exactly the plain distribution, and nothing overshoots
+a stop. The cache then keeps each row's accepted path. Rows accept different numbers of tokens: as in
+`draft_generate`, a row that accepted fewer than the most gets holes (`RaggedBatch`). By default the tree verified
+is the prefix of the best-first candidate list with the best measured tokens per second for the whole batch
+(`tree_size.TreeSizer`; size 0 is a plain step).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel, StoppingCriteriaList
 from transformers.cache_utils import Cache, DynamicCache
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 from transformers.generation.streamers import BaseStreamer
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from ..display import RichDisplay
+from ..cache.paged import PagedCache
 from .medusa_heads import MedusaHeads
-from .tree import DEFAULT_TREE, MedusaTree, build_tree, root_only_tree, tree_position_ids
+from .medusa_stats import MedusaStats
+from .medusa_walk import TokenRules, Walk, walk_tree
+from .ragged_batch import RaggedBatch, stack_steps
+from .tree import DEFAULT_TREE, MedusaTree, build_tree, root_only_tree
 from .tree_cache import LayerGroup, keep_tree_path, layer_groups, prepare_tree_cache, tree_masks
 from .tree_size import TreeSizer, prefix_sizes
 
-
-@dataclass(slots=True, repr=False)
-class MedusaStats(RichDisplay):
-    """Counters a caller may pass as `medusa_stats=` to see how speculation went (filled in place)."""
-
-    num_new_tokens: int = 0
-    num_verify_forwards: int = 0  # tree forwards after the prefill
-    accepted_per_depth: list[int] = field(default_factory=list)  # [depth-1] times a depth-d candidate was accepted
-    candidates_per_step: list[int] = field(default_factory=list)  # candidates verified by each tree forward
-
-    @property
-    def tokens_per_step(self) -> float:
-        """New tokens per target forward (the prefill included, as plain decoding makes one token per forward)."""
-        return self.num_new_tokens / max(self.num_verify_forwards + 1, 1)
-
-    @property
-    def acceptance_by_depth(self) -> list[float]:
-        """Candidates accepted at depth d per tree forward, d = 1.. (head d-1's hit rate on the accepted path)."""
-        return [n / self.num_verify_forwards if self.num_verify_forwards else 0.0 for n in self.accepted_per_depth]
-
-    def summary(self) -> dict[str, object]:
-        """Tokens, forwards, tokens per step, acceptance per depth (what `repr` and the Jupyter table show)."""
-        candidates = self.candidates_per_step
-        return {"new_tokens": self.num_new_tokens, "verify_forwards": self.num_verify_forwards,
-                "tokens_per_step": self.tokens_per_step, "acceptance_by_depth": self.acceptance_by_depth,
-                "mean_candidates": sum(candidates) / len(candidates) if candidates else 0.0}
-
-
-@dataclass(slots=True)
-class _Decoding:
-    """One request's state: committed tokens (the last one, the root, not yet in the cache) and what to return."""
-
-    sequence: torch.Tensor  # [1, seq_len]
-    valid: torch.Tensor  # [seq_len] bool, False at padding
-    scores: list[torch.Tensor]  # [1, vocab] per new token, only when asked for
-    raw_logits: list[torch.Tensor]
-    finished: bool = False
+__all__ = ["MedusaStats", "medusa_generate"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,17 +51,17 @@ class _Trees:
         return self.trees[-1]
 
 
-@dataclass(frozen=True, slots=True)
-class _Setup:
+@dataclass(slots=True)
+class _Run:
+    """Everything one `medusa_generate` call works on."""
+
     model: PreTrainedModel
     heads: MedusaHeads
     trees: _Trees
     cache: Cache
     groups: list[LayerGroup]
-    logits_processor: LogitsProcessorList
-    stopping_criteria: StoppingCriteriaList
-    do_sample: bool
-    keep_scores: tuple[bool, bool]  # (processed scores, raw logits) asked for by output_scores / output_logits
+    batch: RaggedBatch
+    rules: TokenRules
     streamer: BaseStreamer | None
     stats: MedusaStats
 
@@ -123,32 +90,34 @@ def medusa_generate(
             second (`hf_accel.speculative.tree_size`) rather than the whole tree. Default: True for the default
             tree, False for an explicit `medusa_tree`. Output is the same either way.
         hf_accel_streamer: set by hf_accel's generate hook from `streamer=` (stock generate drops it for callables).
-    Batch size 1 only (`input_ids` rows x `num_return_sequences`), no beams. Returns what `_sample` returns.
+    Any batch size (left-padded rows, `num_return_sequences`), no beams; batch size > 1 needs an empty DynamicCache,
+    full-attention layers and no streamer. Returns what `_sample` returns: `sequences` `[batch, prompt + new]`
+    (finished rows padded with `pad_token_id`), or a `GenerateDecoderOnlyOutput` with `scores` / `logits` /
+    `past_key_values` (at batch size > 1 holding holes, see `RaggedBatch`: not to be continued from).
     """
-    setup = _setup(model, input_ids, generation_config, medusa_heads, medusa_stats, hf_accel_streamer,
-                   logits_processor, stopping_criteria, model_kwargs,
-                   _trees(medusa_heads, medusa_tree, medusa_adaptive))
-    input_ids = input_ids.to(model.device)  # generate leaves inputs where the user put them
-    state = _Decoding(input_ids, _valid_tokens(input_ids, model_kwargs.get("attention_mask")), [], [])
+    trees = _trees(medusa_heads, medusa_tree, medusa_adaptive)
+    run = _start(model, input_ids.to(model.device), generation_config, medusa_heads, medusa_stats,
+                 hf_accel_streamer, logits_processor, stopping_criteria, model_kwargs, trees)
     try:
-        hidden = _prefill(setup, state)
-        while not state.finished:
-            hidden = _step(setup, state, hidden)
+        hidden = _prefill(run)
+        while bool(run.batch.unfinished.any()):
+            hidden = _step(run, hidden)
     finally:
-        if setup.streamer is not None:
-            setup.streamer.end()
-    setup.stats.num_new_tokens += state.sequence.shape[1] - input_ids.shape[1]
-    return _output(setup, state, generation_config)
+        if run.streamer is not None:
+            run.streamer.end()
+    return _output(run, generation_config)
 
 
-def _output(setup: _Setup, state: _Decoding, generation_config: GenerationConfig):
+def _output(run: _Run, generation_config: GenerationConfig) -> GenerateDecoderOnlyOutput | torch.LongTensor:
+    run.stats.num_new_tokens += int(torch.minimum(run.batch.num_generated, run.batch.limit).sum())
+    num_steps = run.batch.num_output_tokens
+    sequences = run.batch.tokens[:, : run.batch.prompt_width + num_steps]
     if not generation_config.return_dict_in_generate:
-        return state.sequence
+        return sequences
     return GenerateDecoderOnlyOutput(
-        sequences=state.sequence,
-        scores=tuple(state.scores) if setup.keep_scores[0] else None,
-        logits=tuple(state.raw_logits) if setup.keep_scores[1] else None,
-        past_key_values=setup.cache if generation_config.use_cache else None,
+        sequences=sequences, scores=stack_steps(run.rules.scores, num_steps),
+        logits=stack_steps(run.rules.logits, num_steps),
+        past_key_values=run.cache if generation_config.use_cache else None,
     )
 
 
@@ -168,117 +137,113 @@ def _trees(heads: MedusaHeads | None, paths: Sequence[Sequence[int]] | None, ada
     return _Trees(trees, ranks, TreeSizer(sizes) if len(sizes) > 1 else None)
 
 
-def _setup(model, input_ids, generation_config, heads, stats, streamer, processors, criteria, model_kwargs, trees):
+def _start(model, input_ids, config, heads, stats, streamer, processors, criteria, model_kwargs, trees) -> _Run:
     heads.check_compatible(model)
-    if generation_config.num_beams > 1:
-        raise ValueError(f"medusa_generate does not support beam search: `num_beams` is {generation_config.num_beams}")
-    if input_ids.shape[0] != 1:
-        raise ValueError(f"medusa_generate decodes one sequence at a time: `input_ids` has batch size "
-                         f"{input_ids.shape[0]} (rows x num_return_sequences); batch size > 1 is not supported")
     cache = model_kwargs.get("past_key_values")
     cache = DynamicCache(config=model.config) if cache is None else cache
+    groups = layer_groups(model.config)
+    _check_batch(config, input_ids, cache, groups, streamer)
     prepare_tree_cache(cache)
+    mask = model_kwargs.get("attention_mask")
+    mask = torch.ones_like(input_ids) if mask is None else mask.to(input_ids.device)
+    pad = config._pad_token_tensor
+    pad = 0 if pad is None else int(pad.reshape(-1)[0])
+    eos = [c.eos_token_id.reshape(-1) for c in criteria if isinstance(c, EosTokenCriteria)]
+    eos = torch.cat(eos).to(input_ids.device) if eos else None  # stock generate pads finished rows only with EOS
+    batch = RaggedBatch.from_prompt(input_ids, mask, config.max_length - input_ids.shape[1], pad, eos is not None)
+    criteria = StoppingCriteriaList([c for c in criteria if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))])
+    record, rows = config.return_dict_in_generate, input_ids.shape[0]
+    rules = TokenRules(processors, criteria, eos, bool(config.do_sample),
+                       [[] for _ in range(rows)] if record and config.output_scores else None,
+                       [[] for _ in range(rows)] if record and config.output_logits else None)
     stats = stats if stats is not None else MedusaStats()
     stats.accepted_per_depth.extend([0] * (trees.whole.depth - len(stats.accepted_per_depth)))
     if streamer is not None:
         streamer.put(input_ids.cpu())
-    return _Setup(model, heads, trees, cache, layer_groups(model.config), processors, criteria,
-                  bool(generation_config.do_sample),
-                  (bool(generation_config.output_scores), bool(generation_config.output_logits)), streamer, stats)
+    return _Run(model, heads, trees, cache, groups, batch, rules, streamer, stats)
 
 
-def _valid_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
-    if attention_mask is None:
-        return torch.ones(input_ids.shape[1], dtype=torch.bool, device=input_ids.device)
-    return attention_mask[0].bool().to(input_ids.device)
+def _check_batch(config: GenerationConfig, input_ids: torch.Tensor, cache: Cache, groups: list[LayerGroup],
+                 streamer: BaseStreamer | None) -> None:
+    """Refuse by name what medusa_generate does not support (beams; at batch size > 1 what holes would break)."""
+    if config.num_beams > 1:
+        raise ValueError(f"medusa_generate does not support beam search: `num_beams` is {config.num_beams}")
+    rows = input_ids.shape[0]
+    if rows == 1:
+        return
+    if streamer is not None:
+        raise ValueError(f"`streamer` supports batch size 1 only; `input_ids` has batch size {rows}")
+    if any(group.sliding_window is not None for group in groups):
+        # holes in the cache layout would count toward a window kept over cache slots
+        raise ValueError(f"medusa_generate at batch size > 1 (here {rows}) needs full-attention layers; the model "
+                         f"has layer types {[group.layer_type for group in groups]} (use batch size 1)")
+    if isinstance(cache, PagedCache) or cache.get_seq_length() > 0:
+        raise ValueError(f"medusa_generate at batch size > 1 (here {rows}) needs `past_key_values` to be an empty "
+                         f"DynamicCache (the default), got a {type(cache).__name__} holding "
+                         f"{cache.get_seq_length()} tokens")
 
 
-def _positions(valid: torch.Tensor) -> torch.Tensor:
-    # as generate computes them: index among non-padding tokens (padding gets 1, never attended)
-    return (valid.long().cumsum(-1) - 1).masked_fill(~valid, 1)
+def _prefill(run: _Run) -> torch.Tensor:
+    """Run the uncached part of the prompt, decide each row's first token; returns the hidden states `[batch,
+    hidden]` that produced them (what the heads read next)."""
+    batch, past = run.batch, run.cache.get_seq_length()
+    out = run.model(input_ids=batch.columns[:, past:], attention_mask=None if batch.is_dense else batch.mask,
+                    position_ids=batch.positions[:, past:], past_key_values=run.cache, use_cache=True,
+                    output_hidden_states=True, logits_to_keep=1)
+    prepare_tree_cache(run.cache)  # trims sliding-window layers that recorded the whole prompt
+    run.stats.num_sequences += batch.columns.shape[0]
+    walk = walk_tree(run.rules, batch, root_only_tree(), batch.columns[:, -1:], out.logits[:, -1:])
+    _commit(run, walk)
+    return out.hidden_states[-1][:, -1]
 
 
-def _prefill(setup: _Setup, state: _Decoding) -> torch.Tensor:
-    """Run the uncached part of the prompt, decide the first token; returns the hidden state `[hidden]` that
-    produced it (what the heads read next)."""
-    past = setup.cache.get_seq_length()
-    fresh = state.sequence[:, past:]
-    mask = None if bool(state.valid.all()) else state.valid.long()[None]
-    out = setup.model(input_ids=fresh, attention_mask=mask, position_ids=_positions(state.valid)[None, past:],
-                      past_key_values=setup.cache, use_cache=True, output_hidden_states=True, logits_to_keep=1)
-    prepare_tree_cache(setup.cache)  # trims sliding-window layers that recorded the whole prompt
-    _decide(setup, state, out.logits[0, -1])
-    return out.hidden_states[-1][0, -1]
-
-
-def _step(setup: _Setup, state: _Decoding, hidden: torch.Tensor) -> torch.Tensor:
-    """Verify one tree rooted at the last committed token, decide tokens along it; returns the new hidden state."""
-    started, cache, trees = time.perf_counter(), setup.cache, setup.trees
+def _step(run: _Run, hidden: torch.Tensor) -> torch.Tensor:
+    """Verify one tree per row rooted at its last committed token, walk it, keep the accepted paths; returns the
+    hidden states `[batch, hidden]` at each row's last kept node."""
+    started, batch, trees = time.perf_counter(), run.batch, run.trees
     index = trees.sizer.choose() if trees.sizer is not None else len(trees.trees) - 1
     tree = trees.trees[index]
-    tokens = state.sequence[0, -1:]  # [num_nodes]: the root, then the candidates
+    tokens = batch.columns[:, -1:]  # [batch, num_nodes]: the root, then the candidates
     if tree.num_nodes > 1:  # generate runs under no_grad
-        candidates = tree.candidate_tokens(setup.heads(hidden.to(_heads_dtype(setup.heads))))
-        tokens = torch.cat([tokens, candidates.to(tokens.device)])
-    root_position = int(_positions(state.valid)[-1])
-    out = setup.model(
-        input_ids=tokens[None], attention_mask=_step_mask(setup, state, tree),
-        position_ids=tree_position_ids(tree, root_position).to(tokens.device), past_key_values=cache, use_cache=True,
-        output_hidden_states=True,
-    )
-    kept = _walk(setup, state, tree, tokens.tolist(), out.logits[0])
-    keep_tree_path(cache, tree.num_nodes, kept)
-    setup.stats.num_verify_forwards += 1
-    setup.stats.candidates_per_step.append(tree.num_nodes - 1)
-    if trees.sizer is not None:  # the walk synchronised with the device (tolist), so the time is real
-        trees.sizer.record(index, [trees.ranks[index][node] for node in kept[1:]], time.perf_counter() - started)
-    return out.hidden_states[-1][0, kept[-1]]
+        candidates = tree.candidate_tokens(run.heads(hidden.to(run.heads.lm_heads[0].weight.dtype)))
+        tokens = torch.cat([tokens, candidates.to(tokens.device)], dim=1)
+    out = run.model(input_ids=tokens, attention_mask=_step_mask(run, tree), past_key_values=run.cache,
+                    position_ids=batch.positions[:, -1:] + tree.depths.to(tokens.device), use_cache=True,
+                    output_hidden_states=True)
+    active, remaining = batch.unfinished.clone(), batch.remaining.clone()
+    walk = walk_tree(run.rules, batch, tree, tokens, out.logits)
+    most = _commit(run, walk)
+    keep_tree_path(run.cache, tree.num_nodes, walk.nodes[:, : most + 1])
+    _record(run, index, walk, active, remaining == remaining.max(), time.perf_counter() - started)
+    last = walk.nodes.gather(1, (walk.num_emitted - 1).clamp_min(0)[:, None])  # [batch, 1]
+    return out.hidden_states[-1].gather(1, last[..., None].expand(-1, -1, hidden.shape[-1]))[:, 0]
 
 
-def _step_mask(setup: _Setup, state: _Decoding, tree: MedusaTree) -> torch.Tensor | dict[str, torch.Tensor] | None:
+def _step_mask(run: _Run, tree: MedusaTree) -> torch.Tensor | dict[str, torch.Tensor] | None:
+    batch = run.batch
     if tree.num_nodes > 1:
-        return tree_masks(setup.cache, setup.groups, tree, state.valid, setup.model.dtype)
+        return tree_masks(run.cache, run.groups, tree, batch.mask.bool(), run.model.dtype)
     # the root alone is a plain decoding step: the model builds its own masks (and takes its fast one-query path)
-    return None if bool(state.valid.all()) else state.valid.long()[None]
+    return None if batch.is_dense else batch.mask
 
 
-def _walk(setup: _Setup, state: _Decoding, tree: MedusaTree, tokens: list[int], logits: torch.Tensor) -> list[int]:
-    """Decide tokens from the root down while the decided token is a child's; returns the kept nodes (root first),
-    i.e. every node whose token is now committed except the last committed token."""
-    kept = [0]
-    while True:
-        token = _decide(setup, state, logits[kept[-1]])
-        if state.finished:
-            return kept
-        child = next((c for c in tree.children[kept[-1]] if tokens[c] == token), None)
-        if child is None:
-            return kept
-        kept.append(child)
-        setup.stats.accepted_per_depth[len(kept) - 2] += 1
+def _commit(run: _Run, walk: Walk) -> int:
+    """Stream and commit the walk's tokens; returns M, the most tokens a row kept minus one."""
+    if run.streamer is not None:
+        run.streamer.put(walk.tokens[0, : int(walk.num_emitted[0])].cpu())
+    return run.batch.commit(walk.tokens, walk.num_emitted, walk.fired, walk.num_to_stop)
 
 
-def _decide(setup: _Setup, state: _Decoding, raw_logits: torch.Tensor) -> int:
-    """Commit one token from `raw_logits` `[vocab]` exactly as `_sample` would: processors, then argmax or one
-    multinomial draw; streams it and checks the stopping criteria after it."""
-    raw = raw_logits[None].to(copy=True, dtype=torch.float32)  # [1, vocab]
-    scores = raw
-    for processor in setup.logits_processor:  # LogitsProcessorList.__call__ minus its per-call signature inspection
-        scores = processor(state.sequence, scores)
-    if setup.do_sample:
-        token = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
-    else:
-        token = torch.argmax(scores, dim=-1)
-    state.sequence = torch.cat([state.sequence, token[:, None]], dim=-1)
-    state.valid = torch.cat([state.valid, state.valid.new_ones(1)])
-    if setup.keep_scores[0]:
-        state.scores.append(scores)
-    if setup.keep_scores[1]:
-        state.raw_logits.append(raw)
-    if setup.streamer is not None:
-        setup.streamer.put(token.cpu())
-    state.finished = bool(setup.stopping_criteria(state.sequence, scores).any())
-    return int(token)
-
-
-def _heads_dtype(heads: MedusaHeads) -> torch.dtype:
-    return heads.lm_heads[0].weight.dtype
+def _record(run: _Run, index: int, walk: Walk, active: torch.Tensor, behind: torch.Tensor, seconds: float) -> None:
+    """Count the step in the stats; time it for the sizer with the acceptance of the rows furthest `behind` (most
+    tokens left): the call ends when they do, so their pace is the batch's."""
+    stats, trees = run.stats, run.trees
+    stats.num_verify_forwards += 1
+    stats.num_verify_rows += int(active.sum())
+    stats.candidates_per_step.append(trees.trees[index].num_nodes - 1)
+    walk.record(stats, active)
+    if trees.sizer is not None:  # the walk synchronised with the device, so the time is real
+        ranks = trees.ranks[index]
+        kept = [nodes[1:count] for nodes, count, slow in
+                zip(walk.nodes.tolist(), walk.num_emitted.tolist(), (behind & active).tolist()) if slow]
+        trees.sizer.record(index, [[ranks[node] for node in nodes] for nodes in kept], seconds)

@@ -123,6 +123,11 @@ class RaggedBatch:
 
     def _append_columns(self, emitted: torch.Tensor, num_emitted: torch.Tensor, active: torch.Tensor, most: int) -> None:
         # new columns j = 0..most: kept drafts at j < n - 1, holes at n - 1 <= j < most, the newest token at `most`
+        if most == 0:  # one token per row (a plain step): the common case, in a few ops
+            self.columns = torch.cat([self.columns, emitted[:, :1].masked_fill(~active[:, None], self.pad_token_id)], 1)
+            self.mask = torch.cat([self.mask, active[:, None].to(self.mask.dtype)], dim=1)
+            self.positions = torch.cat([self.positions, self.positions[:, -1:] + 1], dim=1)
+            return
         slots = torch.arange(most + 1, device=emitted.device)
         last = (num_emitted - 1).clamp_min(0)
         source = torch.where(slots[None, :] == most, last[:, None], slots[None, :].clamp_max(emitted.shape[1] - 1))
@@ -133,3 +138,13 @@ class RaggedBatch:
         self.columns = torch.cat([self.columns, new_tokens], dim=1)
         self.mask = torch.cat([self.mask, real.to(self.mask.dtype)], dim=1)
         self.positions = torch.cat([self.positions, new_positions], dim=1)
+
+
+def stack_steps(per_row: list[list[torch.Tensor]] | None, num_steps: int) -> tuple[torch.Tensor, ...] | None:
+    """Per-row lists of `[vocab]` tensors (scores or logits, one per generated token) -> one `[batch, vocab]` tensor
+    per step, as `generate` returns them (zeros after a row finished); None stays None."""
+    if per_row is None:
+        return None
+    template = next(row[0] for row in per_row if row)
+    return tuple(torch.stack([row[s] if s < len(row) else torch.zeros_like(template) for row in per_row])
+                 for s in range(num_steps))

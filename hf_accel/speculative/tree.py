@@ -29,7 +29,8 @@ class MedusaTree:
     """A validated candidate tree with its derived index tensors (built by `build_tree`).
 
     `paths[j - 1]` is node j; `depths`: `[num_nodes]` (root 0); `parents[j]`: node j's parent (-1 for the root);
-    `children[j]`: node j's children in node order; `ancestors`: `[num_nodes, num_nodes]` bool, row j true at j's
+    `children[j]`: node j's children in node order; `child_table`: the same as a tensor
+    `[num_nodes, max_children]` padded with -1; `ancestors`: `[num_nodes, num_nodes]` bool, row j true at j's
     ancestors and j itself; node j >= 1 is the `candidate_ranks[j - 1]`-th best token of head
     `candidate_heads[j - 1]` (its depth minus one).
     """
@@ -38,6 +39,7 @@ class MedusaTree:
     depths: torch.Tensor  # [num_nodes] long
     parents: tuple[int, ...]
     children: tuple[tuple[int, ...], ...]
+    child_table: torch.Tensor  # [num_nodes, max(1, most children)] long, -1 past a node's children
     ancestors: torch.Tensor  # [num_nodes, num_nodes] bool
     candidate_heads: torch.Tensor  # [num_nodes - 1] head that proposes node j + 1
     candidate_ranks: torch.Tensor  # [num_nodes - 1] its rank in that head's top-k
@@ -57,9 +59,9 @@ class MedusaTree:
         return int(self.candidate_ranks.max()) + 1
 
     def candidate_tokens(self, head_logits: torch.Tensor) -> torch.Tensor:
-        """`head_logits`: `[num_heads, vocab]` -> token ids of nodes 1.. `[num_nodes - 1]`."""
-        top = head_logits[: self.depth].topk(self.max_rank, dim=-1).indices  # [depth, max_rank]
-        return top[self.candidate_heads, self.candidate_ranks]
+        """`head_logits`: `[num_heads, ..., vocab]` -> token ids of nodes 1.. `[..., num_nodes - 1]`."""
+        top = head_logits[: self.depth].topk(self.max_rank, dim=-1).indices  # [depth, ..., max_rank]
+        return top[self.candidate_heads, ..., self.candidate_ranks].movedim(0, -1)
 
 
 def build_tree(paths: Sequence[Sequence[int]], num_heads: int) -> MedusaTree:
@@ -94,11 +96,14 @@ def _make_tree(paths: list[tuple[int, ...]]) -> MedusaTree:
     ordered = tuple(sorted(paths, key=lambda p: (len(p), p)))
     node_of = {(): 0} | {path: j + 1 for j, path in enumerate(ordered)}
     parents = (-1, *(node_of[p[:-1]] for p in ordered))
+    children = tuple(tuple(j for j, parent in enumerate(parents) if parent == node) for node in range(len(parents)))
+    width = max(1, *(len(c) for c in children))
     return MedusaTree(
         paths=ordered,
         depths=torch.tensor([0, *(len(p) for p in ordered)], dtype=torch.long),
         parents=parents,
-        children=tuple(tuple(j for j, parent in enumerate(parents) if parent == node) for node in range(len(parents))),
+        children=children,
+        child_table=torch.tensor([list(c) + [-1] * (width - len(c)) for c in children], dtype=torch.long),
         ancestors=_ancestor_matrix(parents),
         candidate_heads=torch.tensor([len(p) - 1 for p in ordered], dtype=torch.long),
         candidate_ranks=torch.tensor([p[-1] for p in ordered], dtype=torch.long),
@@ -143,18 +148,20 @@ def tree_attention_mask(
 ) -> torch.Tensor:
     """Which keys each tree node may attend to: `[num_nodes, num_prefix + num_nodes]` bool.
 
-    `prefix_positions`: `[num_prefix]` sequence index of each cached key the layer returns (-1 for a padding key);
+    `prefix_positions`: `[..., num_prefix]` sequence index of each cached key the layer returns (-1 for a padding
+    key or a hole), one row per batch row when batched (the result is then `[..., num_nodes, num_prefix + num_nodes]`);
     keys then continue with the tree nodes in node order. Rule: causal over the prefix (every cached key precedes the
     root), tree ancestors and self among the nodes, and with `sliding_window` only keys whose sequence index is
     greater than the query's minus the window (the query at depth d has index `root_position + d`).
     """
-    query_index = root_position + tree.depths  # [num_nodes]
-    prefix = (prefix_positions >= 0).unsqueeze(0).expand(tree.num_nodes, -1)
-    nodes = tree.ancestors
+    query_index = root_position + tree.depths.to(prefix_positions.device)  # [num_nodes]
+    keys = prefix_positions.unsqueeze(-2)  # [..., 1, num_prefix]
+    prefix = (keys >= 0).expand(*keys.shape[:-2], tree.num_nodes, keys.shape[-1])
+    nodes = tree.ancestors.to(prefix_positions.device)
     if sliding_window is not None:
-        prefix = prefix & (prefix_positions.unsqueeze(0) > (query_index - sliding_window).unsqueeze(1))
-        nodes = nodes & ((tree.depths.unsqueeze(1) - tree.depths.unsqueeze(0)) < sliding_window)
-    return torch.cat([prefix, nodes], dim=1)
+        prefix = prefix & (keys > (query_index - sliding_window).unsqueeze(1))
+        nodes = nodes & ((tree.depths.unsqueeze(1) - tree.depths.unsqueeze(0)) < sliding_window).to(nodes.device)
+    return torch.cat([prefix, nodes.expand(*prefix.shape[:-1], tree.num_nodes)], dim=-1)
 
 
 def tree_position_ids(tree: MedusaTree, root_position: int) -> torch.Tensor:

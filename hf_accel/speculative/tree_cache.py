@@ -3,7 +3,9 @@
 The tree's nodes are appended to the cache by the verification forward like any other tokens; afterwards
 `keep_tree_path` moves the accepted nodes' K/V next to the prefix and drops the rest. Supported caches:
 `DynamicCache` (full and sliding-window layers; sliding layers record their past so rejected nodes can be dropped)
-and hf_accel's `PagedCache` (through `PagedCache.keep_tokens`).
+and hf_accel's `PagedCache` (through `PagedCache.keep_tokens`). In a batch every row keeps its own path, in as many
+slots as the longest one; what a shorter path leaves are holes the caller masks out (`RaggedBatch`): per-row paths
+need a `DynamicCache` of full-attention layers.
 """
 
 from __future__ import annotations
@@ -60,43 +62,56 @@ def prepare_tree_cache(cache: Cache) -> None:
 def tree_masks(
     cache: Cache, groups: list[LayerGroup], tree: MedusaTree, valid: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor | dict[str, torch.Tensor]:
-    """Additive 4-D masks `[1, 1, num_nodes, kv_length]` (0 attend, dtype min masked) for the verification forward:
-    one tensor when the model has one layer type, else a dict keyed by layer type (as hybrid models accept).
+    """Additive 4-D masks `[batch, 1, num_nodes, kv_length]` (0 attend, dtype min masked) for the verification
+    forward: one tensor when the model has one layer type, else a dict keyed by layer type (as hybrid models accept).
 
-    `valid`: `[seq_len]` bool, which committed tokens are not padding; the root sits at index `seq_len - 1`.
+    `valid`: `[batch, width]` bool, which cache slots hold real tokens (not left padding or holes); the root sits in
+    the last slot, `width - 1`, and the cache holds the slots before it.
     """
-    root = valid.shape[0] - 1
+    root = valid.shape[1] - 1
     masks = {}
     for group in groups:
         kv_length, kv_offset = cache.get_mask_sizes(tree.num_nodes, group.first_layer)
         positions = torch.arange(kv_offset, kv_offset + kv_length - tree.num_nodes, device=valid.device)
-        positions = torch.where(valid[positions], positions, -1)
+        positions = torch.where(valid[:, positions], positions, -1)  # [batch, num_prefix]
         allowed = tree_attention_mask(tree, positions, root, group.sliding_window)
         additive = torch.zeros(allowed.shape, dtype=dtype, device=valid.device)
-        masks[group.layer_type] = additive.masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
+        masks[group.layer_type] = additive.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
     return next(iter(masks.values())) if len(masks) == 1 else masks
 
 
-def keep_tree_path(cache: Cache, num_nodes: int, kept: list[int]) -> None:
-    """After a verification forward appended `num_nodes` tree tokens, keep only nodes `kept` (increasing node ids,
-    the accepted path from the root) right after the prefix, in that order."""
-    if kept == list(range(num_nodes)):  # a chain accepted whole (or the root alone): already in place
+def keep_tree_path(cache: Cache, num_nodes: int, kept: torch.Tensor) -> None:
+    """After a verification forward appended `num_nodes` tree tokens, keep nodes `kept` `[batch, n]` right after
+    the prefix, in that order: row r's slot j then holds node `kept[r, j]` (the accepted path from the root, then
+    any node for the slots a row leaves as holes). Batch size > 1 needs a `DynamicCache` of full-attention layers."""
+    if bool((kept == torch.arange(kept.shape[1], device=kept.device)).all()):  # every row kept a chain: in place
+        _drop(cache, num_nodes - kept.shape[1])
         return
     if isinstance(cache, PagedCache):
-        cache.keep_tokens(cache.get_seq_length() - num_nodes, kept)
+        if kept.shape[0] != 1:
+            raise ValueError("keeping per-row tree paths needs a DynamicCache (`past_key_values`)")
+        cache.keep_tokens(cache.get_seq_length() - num_nodes, kept[0].tolist())
         return
-    index = torch.tensor(kept, dtype=torch.long, device=cache.layers[0].keys.device)
-    drop = num_nodes - len(kept)
     for layer in cache.layers:
         # keys, values: [batch, kv_heads, seq, head_dim]; the last num_nodes along seq are the tree's. Kept nodes
-        # move to the front of the tree's slots (in place: kept[i] >= i), the rest is sliced off (a view)
+        # move to the front of the tree's slots (gathered first, so overlapping moves are safe)
+        index = kept.to(layer.keys.device)[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
         for states in (layer.keys, layer.values):
             tree_part = states[:, :, -num_nodes:]
-            tree_part[:, :, : len(kept)] = tree_part.index_select(2, index)
-        if drop:
-            layer.keys, layer.values = layer.keys[:, :, :-drop], layer.values[:, :, :-drop]
+            tree_part[:, :, : kept.shape[1]] = tree_part.gather(2, index)
+    _drop(cache, num_nodes - kept.shape[1])
+
+
+def _drop(cache: Cache, count: int) -> None:
+    # the last `count` slots hold rejected nodes
+    if isinstance(cache, PagedCache):
+        cache.crop(-count)
+        return
+    for layer in cache.layers:
+        if count:
+            layer.keys, layer.values = layer.keys[:, :, :-count], layer.values[:, :, :-count]
         if isinstance(layer, DynamicSlidingWindowLayer):
-            layer.cumulative_length -= drop
+            layer.cumulative_length -= count
             _trim_window(layer)
 
 

@@ -3,14 +3,19 @@
 Candidates are ordered best first (a calibrated sparse tree is built that way), so every prefix that holds its
 paths' parents is a tree of its own. A step's accepted path also says what each smaller prefix would have gained at
 that step: the accepted chain cut at its first node outside the prefix. That is exact, because the walk decides
-the same tokens whatever the tree (greedy, or one draw per token when sampling). Each size's seconds per step are
-measured when it runs. The size chosen maximises (1 + mean accepted) / seconds per step: on a GPU, where a forward
-over many tokens costs about one over a single token, that is the whole tree; on a CPU, or when sampling at high
-temperature accepts little, a small one.
+the same tokens whatever the tree (greedy, or one draw per token when sampling); in a batch each row's chain counts
+and the gains are averaged over rows. Each size's seconds per step are measured when it runs, for the whole batch,
+so the cost of verifying batch x tree-size tokens is what is weighed. The size chosen maximises (1 + mean accepted)
+/ seconds per step: on a GPU, where a forward over many tokens costs about one over a single token, that is the
+whole tree; on a CPU, at larger batches, or when sampling at high temperature accepts little, a small one or none.
 
 Size 0 is a plain decoding step (no candidates, the heads do not run): where nothing pays off, decoding costs what
-plain decoding costs. Sizes not yet timed run first, largest first, so one step measures acceptance for all of
-them; afterwards every `refresh`-th step verifies the whole tree, which refreshes every size's acceptance.
+plain decoding costs. Exploring is kept cheap, since a large tree at a large batch costs several plain steps on a
+CPU: the first step verifies the whole tree (measuring acceptance for every size; its time, paid with cold caches,
+stands only until the whole tree runs again), the second is a plain step. A size not yet timed is priced by linear
+interpolation between the timed sizes around it and runs when that price makes it the best (which times it).
+Afterwards the size above the best is probed again whenever the time it costs over the best fits in `probe_share`
+of the decoding time since the last probe.
 """
 
 from __future__ import annotations
@@ -39,29 +44,38 @@ class TreeSizer:
     """Running acceptance and timing per candidate prefix size; `choose` picks the size index for the next step."""
 
     sizes: tuple[int, ...]  # increasing candidate counts; the last is the whole list
-    refresh: int = 16
+    probe_share: float = 0.02  # most of the decoding time spent re-trying the size above the best
     gains: list[float] = field(default_factory=list)  # per size: accepted tokens over the next smaller size, summed
     observed: list[int] = field(default_factory=list)  # per size: steps that measured its acceptance
     seconds: list[float | None] = field(default_factory=list)  # per size: running seconds per step (None: untimed)
+    provisional: list[bool] = field(default_factory=list)  # per size: timed only by a call's first step
+    since_probe: float = 0.0  # seconds decoded at the best size since another size last ran
     num_steps: int = 0
 
     def __post_init__(self) -> None:
         if not self.sizes or list(self.sizes) != sorted(set(self.sizes)) or self.sizes[0] < 0:
             raise ValueError(f"`sizes` must be increasing candidate counts >= 0, got {self.sizes}")
+        if not 0 <= self.probe_share < 1:
+            raise ValueError(f"`probe_share` must be in [0, 1), got {self.probe_share}")
         count = len(self.sizes)
         self.gains, self.observed, self.seconds = [0.0] * count, [0] * count, [None] * count
+        self.provisional = [False] * count
 
     def choose(self) -> int:
         """Index into `sizes` of the prefix to verify next."""
-        untimed = [i for i, seconds in enumerate(self.seconds) if seconds is None]
-        if untimed:
-            return untimed[-1]
-        if self.refresh and self.num_steps % self.refresh == 0:
-            return len(self.sizes) - 1  # measures what every size would accept now
-        return self.best()
+        whole = len(self.sizes) - 1
+        if self.seconds[whole] is None:
+            return whole
+        if self.seconds[0] is None:
+            return 0
+        best = self.best()
+        if self.seconds[best] is None or best == whole:
+            return best  # priced by interpolation: running it times it
+        extra = self.step_seconds(best + 1) - self.step_seconds(best)
+        return best + 1 if self.since_probe * self.probe_share >= extra else best
 
     def best(self) -> int:
-        """Index of the size with the most expected tokens per second (all sizes timed)."""
+        """Index of the size with the most expected tokens per second (needs size 0 and the whole list timed)."""
         return max(range(len(self.sizes)), key=self.tokens_per_second)
 
     def mean_accepted(self, index: int) -> float:
@@ -70,24 +84,39 @@ class TreeSizer:
         return sum(self.gains[i] / self.observed[i] for i in range(index + 1) if self.observed[i])
 
     def step_seconds(self, index: int) -> float:
-        """Seconds per step of size `index`: its running time, raised to any smaller size's (more never costs less)."""
-        return max(seconds for seconds in self.seconds[: index + 1] if seconds is not None)
+        """Seconds per step of size `index`: its running time, or interpolated linearly in the candidate count
+        between the nearest timed sizes, raised to any smaller size's (more never costs less)."""
+        return max(self._own_seconds(i) for i in range(index + 1))
+
+    def _own_seconds(self, index: int) -> float:
+        if self.seconds[index] is not None:
+            return self.seconds[index]
+        below = max(i for i in range(index) if self.seconds[i] is not None)
+        above = min(i for i in range(index + 1, len(self.sizes)) if self.seconds[i] is not None)
+        share = (self.sizes[index] - self.sizes[below]) / (self.sizes[above] - self.sizes[below])
+        return self.seconds[below] + share * (self.seconds[above] - self.seconds[below])
 
     def tokens_per_second(self, index: int) -> float:
         """Expected tokens per second of size `index`: the root's token plus the mean accepted, over its time."""
         return (1.0 + self.mean_accepted(index)) / max(self.step_seconds(index), 1e-9)
 
-    def record(self, index: int, accepted_ranks: Sequence[int], seconds: float) -> None:
-        """A step that verified size `index` took `seconds` and accepted the candidates whose best-first ranks are
-        `accepted_ranks`, in path order (root excluded)."""
-        previous_count = 0
+    def record(self, index: int, accepted_ranks: Sequence[Sequence[int]], seconds: float) -> None:
+        """A step that verified size `index` took `seconds`; `accepted_ranks[r]`: the best-first ranks of the
+        candidates row r accepted, in path order (root excluded), one entry per row still generating."""
+        ready = self.seconds[0] is not None and self.seconds[-1] is not None
+        # time spent on the best size since anything else (exploring, a probe) last ran
+        self.since_probe = self.since_probe + seconds if ready and index == self.best() else 0.0
+        previous = [0] * len(accepted_ranks)
         for smaller in range(index + 1):
-            limit = self.sizes[smaller]  # the accepted chain cut at its first candidate outside the prefix
-            count = next((i for i, rank in enumerate(accepted_ranks) if rank >= limit), len(accepted_ranks))
-            self.gains[smaller] += count - previous_count
+            limit = self.sizes[smaller]  # each accepted chain cut at its first candidate outside the prefix
+            counts = [next((i for i, rank in enumerate(ranks) if rank >= limit), len(ranks)) for ranks in accepted_ranks]
+            self.gains[smaller] += sum(c - p for c, p in zip(counts, previous)) / max(len(counts), 1)
             self.observed[smaller] += 1
-            previous_count = count
-        previous = self.seconds[index]
-        if self.num_steps > 0:  # the first step of a call pays for cold caches: its time says little
-            self.seconds[index] = seconds if previous is None else previous + SECONDS_EMA * (seconds - previous)
+            previous = counts
+        timed = self.seconds[index]
+        if timed is None or self.provisional[index]:  # a call's first step pays for cold caches: stands until rerun
+            self.seconds[index] = seconds
+        else:
+            self.seconds[index] = timed + SECONDS_EMA * (seconds - timed)
+        self.provisional[index] = self.num_steps == 0
         self.num_steps += 1

@@ -1,0 +1,202 @@
+"""Prompt-prefix reuse across plain generate calls: PrefixStore vs the paged cache without it vs DynamicCache.
+
+Calls share one header (held-out text of the reference corpus, never trained on) and end in distinct suffixes (the
+held-out rows that follow it), batch 1, greedy, on the reference target in fp32. Per call: time to first token (the
+prefill plus generate's own setup, from the moment the call starts to the streamer's first generated token) and the
+whole call's time. Method: seed 0; one short warm-up round; then each measured round runs the calls in order with a
+fresh store, the three strategies taking turns on every call (order rotating), so the store's call 1 finds it empty
+and calls 2.. find the header in it; medians over rounds.
+
+Regenerate benchmarks/results/bench_prefix_store.json and docs/bench_prefix_store.md:
+    .venv/bin/python benchmarks/bench_prefix_store.py
+Smoke run (reference draft, short header, 4 calls; prints only unless --out is given):
+    .venv/bin/python benchmarks/bench_prefix_store.py --quick
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers.generation.streamers import BaseStreamer
+
+from hf_accel import PrefixStore, bench, bench_output, reference
+from hf_accel.bench_inputs import describe_model
+
+ROOT = Path(__file__).resolve().parents[1]
+COMMAND = ".venv/bin/python benchmarks/bench_prefix_store.py"
+TARGET_TTFT_RATIO = 0.2  # calls 2.. against call 1, with the store
+METHOD = ("time to first token (TTFT) = from the start of the generate call to the streamer's first generated token "
+          "(the prefill plus generate's own setup); one short warm-up round, then measured rounds, each running the "
+          "calls in order with a fresh store, the three strategies taking turns on every call (order rotating), so "
+          "the store's call 1 finds it empty and calls 2.. find the header in it; medians over rounds, wall clock, "
+          "same process")
+STRATEGIES = ("DynamicCache", "paged", "paged + PrefixStore")
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    model: str
+    header_len: int
+    num_calls: int
+    suffix_lens: tuple[int, int]  # call i's suffix: lo + i % (hi - lo + 1) tokens
+    new_tokens: int
+    repeats: int
+    warmup_calls: int
+
+
+FULL = Plan("target", header_len=384, num_calls=32, suffix_lens=(16, 31), new_tokens=16, repeats=5, warmup_calls=3)
+QUICK = Plan("draft", header_len=48, num_calls=4, suffix_lens=(8, 11), new_tokens=4, repeats=1, warmup_calls=1)
+
+
+class FirstTokenClock(BaseStreamer):
+    """Records when generate hands over its first generated token (its first `put` is the prompt)."""
+
+    def __init__(self):
+        self.num_puts, self.first_token_at = 0, None
+
+    def put(self, value) -> None:
+        self.num_puts += 1
+        if self.num_puts == 2:
+            self.first_token_at = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
+def prompts(tokenizer, plan: Plan) -> list[torch.Tensor]:
+    """`[1, header + suffix]` ids per call: one header, each call's suffix from its own held-out row."""
+    lo, hi = plan.suffix_lens
+    rows = reference.held_out_sequences(tokenizer, plan.header_len + hi, max_rows=plan.num_calls + 1)
+    header = rows[0, : plan.header_len]
+    return [torch.cat([header, rows[i + 1, plan.header_len : plan.header_len + lo + i % (hi - lo + 1)]])[None]
+            for i in range(plan.num_calls)]
+
+
+def timed_call(model, input_ids: torch.Tensor, kwargs: dict[str, Any], new_tokens: int) -> tuple[float, float, list]:
+    """(time to first token, whole call, generated tokens)."""
+    clock = FirstTokenClock()
+    start = time.perf_counter()
+    out = model.generate(input_ids=input_ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                         eos_token_id=None, pad_token_id=0, streamer=clock, **kwargs)
+    total = time.perf_counter() - start
+    return clock.first_token_at - start, total, out[0, input_ids.shape[1] :].tolist()
+
+
+def one_round(model, calls: list[torch.Tensor], plan: Plan) -> dict[str, Any]:
+    """Every call with every strategy (taking turns), a fresh store; per strategy the TTFT and time of each call."""
+    store = PrefixStore(model, max_memory="1GiB")
+    kwargs = {"DynamicCache": {}, "paged": {"cache_implementation": "paged"},
+              "paged + PrefixStore": {"cache_implementation": "paged", "cache_config": {"prefix_store": store}}}
+    ttft = {name: [] for name in STRATEGIES}
+    seconds = {name: [] for name in STRATEGIES}
+    tokens = {name: [] for name in STRATEGIES}
+    for i, input_ids in enumerate(calls):
+        shift = i % len(STRATEGIES)
+        for name in STRATEGIES[shift:] + STRATEGIES[:shift]:
+            first, total, generated = timed_call(model, input_ids, kwargs[name], plan.new_tokens)
+            ttft[name].append(first)
+            seconds[name].append(total)
+            tokens[name].append(generated)
+    identical = sum(a == b == c for a, b, c in zip(*(tokens[name] for name in STRATEGIES)))
+    return {"ttft_s": ttft, "call_s": seconds, "identical_calls": identical, "store": asdict(store.stats())}
+
+
+def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per strategy, medians over rounds: TTFT of call 1, median TTFT of calls 2.., their ratio, total time; and the
+    ratio within each round."""
+    summary = {}
+    for name in STRATEGIES:
+        first = statistics.median(r["ttft_s"][name][0] for r in rounds)
+        rest = statistics.median(statistics.median(r["ttft_s"][name][1:]) for r in rounds)
+        total = statistics.median(sum(r["call_s"][name]) for r in rounds)
+        per_round = [statistics.median(r["ttft_s"][name][1:]) / r["ttft_s"][name][0] for r in rounds]
+        summary[name] = {"ttft_call_1_s": first, "ttft_calls_2_on_s": rest, "ttft_ratio": rest / first,
+                         "ttft_ratio_per_round": per_round, "total_s": total}
+    return summary
+
+
+def run(plan: Plan, quick: bool) -> dict[str, Any]:
+    torch.manual_seed(0)
+    start = time.perf_counter()
+    model, tokenizer = reference.load(plan.model)
+    calls = prompts(tokenizer, plan)
+    one_round(model, calls[: plan.warmup_calls], plan)
+    rounds = [one_round(model, calls, plan) for _ in range(plan.repeats)]
+    summary = summarize(rounds)
+    store = summary["paged + PrefixStore"]
+    return {
+        "command": COMMAND + (" --quick" if quick else ""), "hardware": bench.hardware(), "seed": 0,
+        "method": METHOD, "model": f"reference {plan.model}: {describe_model(model)}", "dtype": str(model.dtype),
+        "plan": asdict(plan),
+        "summary": summary, "rounds": rounds,
+        "store_vs_paged_ttft": store["ttft_calls_2_on_s"] / summary["paged"]["ttft_calls_2_on_s"],
+        "target_met": store["ttft_ratio"] <= TARGET_TTFT_RATIO,
+        "runtime_s": time.perf_counter() - start,
+    }
+
+
+def summary_table(report: dict[str, Any]) -> str:
+    rows = [[name, f"{1000 * s['ttft_call_1_s']:.0f}", f"{1000 * s['ttft_calls_2_on_s']:.0f}",
+             f"{s['ttft_ratio']:.3f}x", f"{s['total_s']:.2f}"] for name, s in report["summary"].items()]
+    calls = report["plan"]["num_calls"]
+    return bench.format_table(["strategy", "TTFT call 1 (ms)", f"TTFT calls 2-{calls}, median (ms)",
+                               "calls 2.. / call 1", f"total, {calls} calls (s)"], rows, markdown=True)
+
+
+def headline(report: dict[str, Any], link: str) -> str:
+    """The target line and the summary table, for the README and docs/caches.md."""
+    plan, store = report["plan"], report["summary"]["paged + PrefixStore"]
+    stats = report["rounds"][-1]["store"]
+    met = "met" if report["target_met"] else "**not met**"
+    return (f"{plan['num_calls']} calls sharing a {plan['header_len']}-token header: with the store, time to first "
+            f"token of calls 2-{plan['num_calls']} is {store['ttft_ratio']:.3f}x the first call's (target <= "
+            f"{TARGET_TTFT_RATIO}: {met}; {min(store['ttft_ratio_per_round']):.3f}x-"
+            f"{max(store['ttft_ratio_per_round']):.3f}x within single rounds on this shared machine) and "
+            f"{report['store_vs_paged_ttft']:.3f}x the paged cache's without it; "
+            f"the store held {bench.format_bytes(stats['bytes'])} ({stats['blocks']} blocks) after the "
+            f"{plan['num_calls']} calls.\n\n{summary_table(report)}\n\nFrom `{COMMAND}`; details: [{link}]({link}).")
+
+
+def markdown(report: dict[str, Any]) -> str:
+    hw, plan = report["hardware"], report["plan"]
+    stats = report["rounds"][-1]["store"]
+    identical = [r["identical_calls"] for r in report["rounds"]]
+    return "\n".join([
+        "# Prefix store benchmark", "",
+        f"Regenerate with `{COMMAND}` ({report['runtime_s']:.0f} s here; `--quick` for a smoke run).", "",
+        f"- hardware: {hw['cpu']}, {hw['torch_threads']} torch thread(s), torch {hw['torch']}, transformers "
+        f"{hw['transformers']}; the machine was shared with other jobs, so compare ratios, not absolutes",
+        f"- model: {report['model']}, {report['dtype']}",
+        f"- workload: {plan['num_calls']} calls, batch 1, a {plan['header_len']}-token header plus a distinct "
+        f"{plan['suffix_lens'][0]}-{plan['suffix_lens'][1]}-token suffix each (held-out text), greedy, "
+        f"{plan['new_tokens']} new tokens",
+        f"- method: {METHOD}",
+        f"- {plan['repeats']} measured rounds after a {plan['warmup_calls']}-call warm-up", "",
+        "## Result", "", headline(report, "bench_prefix_store.md").split("\n\nFrom")[0], "",
+        f"Tokens identical across the three strategies in {identical} of {plan['num_calls']} calls per round.", "",
+        "The same ratio (median TTFT of calls 2.. / TTFT of call 1) within each round, which shows how much the "
+        "machine's load moved between rounds (call 1 is a single call per round; the table uses the median over "
+        "rounds of each): " + "; ".join(
+            f"{name} " + ", ".join(f"{x:.3f}x" for x in s["ttft_ratio_per_round"])
+            for name, s in report["summary"].items()) + ".", "",
+        f"Store after a round: {stats['blocks']} blocks, {bench.format_bytes(stats['bytes'])}; {stats['hits']} hits, "
+        f"{stats['misses']} misses, {stats['tokens_saved']} prompt tokens not computed.", "",
+    ])
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    return bench_output.run_benchmark(
+        argv, __doc__.split("\n\n")[0], "bench_prefix_store", ROOT,
+        lambda quick: run(QUICK if quick else FULL, quick), markdown,
+        lambda report: {"README.md": headline(report, "docs/bench_prefix_store.md"),
+                        "docs/caches.md": headline(report, "bench_prefix_store.md")})
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,212 @@
+"""PrefixStore: full prompt blocks kept across plain `generate` calls, so a later prompt that starts with them skips
+their prefill.
+
+Used through the paged cache: `model.generate(**inputs, cache_implementation="paged", cache_config={"prefix_store":
+store})` (or `PagedCache(model.config, prefix_store=store)`). Around generate's prefill (hf_accel/registry.py):
+- `load`: row `r` of the batch has `p_r` left-pad columns and its real tokens start with `h_r` stored tokens (whole
+  blocks, keyed by the engine's `block_key` chain, never the row's last token). The cache is filled with the first
+  `k = min_r(p_r + h_r)` columns (at most `width - 1`): zeros for pads (masked, never attended), stored K/V for the
+  rest. generate then computes only columns `k ..`; a row with a longer hit recomputes a few of its tokens.
+- `save`: every row's full blocks of real tokens that the store lacks are copied out of the cache, all layers.
+Stored keys are post-RoPE. That is valid at any padding because generate's position ids start at 0 at each row's
+first real token (`attention_mask.cumsum(-1) - 1`). Sliding-window layers keep every prompt token while the prefill
+runs, so their blocks can be stored too.
+
+A block is stored as one tensor `[num_layers, 2 (K, V), block_size, kv_heads, head_dim]`, never written after it is
+made, so readers hold references without the lock; the lock guards only the index.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from transformers import PreTrainedConfig, PreTrainedModel
+
+from ..display import RichDisplay, format_bytes
+from ..engine.block_manager import block_key
+from ..engine.kv_pool import KVShape
+from .paged_config import parse_bytes
+from .prefix_index import PrefixEntry, PrefixIndex
+from .settings import check_int
+
+if TYPE_CHECKING:  # paged.py imports this module
+    from .paged import PagedCache
+
+
+@dataclass(slots=True)
+class PrefixStoreStats:
+    """Counts since the store was made. `hits` / `misses`: cache rows (prompts x beams / return sequences) whose prompt
+    did / did not start with a stored block; `tokens_saved`: real prompt tokens not computed; `blocks` / `bytes`: what
+    the store holds now; `evictions`: blocks evicted to stay within `max_bytes`."""
+
+    hits: int
+    misses: int
+    tokens_saved: int
+    blocks: int
+    bytes: int
+    max_bytes: int
+    evictions: int
+
+
+class PrefixStore(RichDisplay):
+    """Full prompt blocks of one model, kept across `generate` calls and evicted least recently used first.
+
+    Args:
+        model: the model whose K/V it holds (its config, dtype and layers; the store refuses any other model).
+        max_memory: bytes the stored K/V may take (int or a string such as `"1GiB"`).
+        block_size: tokens per block; the paged cache that uses the store must have the same `block_size`.
+
+    Thread-safe: one store may serve several threads generating at once.
+    Example: `store = PrefixStore(model, max_memory="1GiB")`, then
+    `model.generate(**inputs, cache_implementation="paged", cache_config={"prefix_store": store})`.
+    """
+
+    def __init__(self, model: PreTrainedModel, max_memory: int | str = "1GiB", block_size: int = 16):
+        if not isinstance(model, PreTrainedModel):
+            raise TypeError(f"`model` must be a transformers PreTrainedModel, got {type(model).__name__}")
+        check_int("block_size", block_size, 1, "a positive int")
+        self.block_size = block_size
+        self.shape = KVShape.from_config(model.config)
+        self.dtype = model.dtype
+        self.config = model.config
+        self._model = weakref.ref(model)
+        self.block_bytes = self.shape.bytes_per_token(self.dtype) * block_size
+        max_bytes = parse_bytes(max_memory)
+        if max_bytes < self.block_bytes:
+            raise ValueError(f"`max_memory` ({max_bytes} bytes) is below one block of this model "
+                             f"({self.block_bytes} bytes at block_size={block_size}, {self.dtype})")
+        self._index = PrefixIndex(max_bytes)
+        self._lock = threading.Lock()
+        self._hits = self._misses = self._tokens_saved = 0
+
+    def __deepcopy__(self, memo: dict) -> PrefixStore:
+        return self  # generate may copy its config (cache_config included); the store is shared state, never copied
+
+    def check_cache(self, config: PreTrainedConfig, block_size: int) -> None:
+        """ValueError unless a paged cache for `config` with `block_size` tokens per block can use this store."""
+        if config is not self.config:
+            raise ValueError("`prefix_store` was built for another model; build one PrefixStore per model")
+        if block_size != self.block_size:
+            raise ValueError(f"`block_size` of the paged cache ({block_size}) must equal the prefix_store's "
+                             f"block_size ({self.block_size})")
+        model = self._model()
+        if model is not None and model.dtype != self.dtype:
+            raise ValueError(f"`prefix_store` holds {self.dtype} K/V but the model now runs in {model.dtype}; "
+                             "build a new PrefixStore for it")
+
+    def stats(self) -> PrefixStoreStats:
+        """Hits, misses, tokens saved, blocks and bytes held, evictions."""
+        with self._lock:
+            index = self._index
+            return PrefixStoreStats(self._hits, self._misses, self._tokens_saved, len(index), index.num_bytes,
+                                    index.max_bytes, index.num_evictions)
+
+    def clear(self) -> None:
+        """Forget every stored block (counters stay)."""
+        with self._lock:
+            self._index.clear()
+
+    def summary(self) -> dict[str, object]:
+        """What `repr` and Jupyter show: block size, blocks, memory used / allowed, hits, misses, tokens saved."""
+        stats = self.stats()
+        return {"block_size": self.block_size, "blocks": stats.blocks,
+                "memory": f"{format_bytes(stats.bytes)} / {format_bytes(stats.max_bytes)}", "hits": stats.hits,
+                "misses": stats.misses, "tokens_saved": stats.tokens_saved, "evictions": stats.evictions}
+
+    def load(self, cache: PagedCache, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
+        """Fill an empty paged `cache` with the stored columns every row of `input_ids` `[rows, width]` starts with
+        (see the module docstring); nothing when no row hits."""
+        pads = left_padding(input_ids, attention_mask)
+        if pads is None:
+            return
+        width, tokens = input_ids.shape[1], input_ids.tolist()
+        with self._lock:
+            hits = [self._index.match(self._chain(row[pad:], (width - pad - 1) // self.block_size))
+                    for row, pad in zip(tokens, pads)]
+            skip = min(min(pad + len(hit) * self.block_size for pad, hit in zip(pads, hits)), width - 1)
+            self._hits += sum(1 for hit in hits if hit)
+            self._misses += sum(1 for hit in hits if not hit)
+            self._tokens_saved += sum(max(skip - pad, 0) for pad in pads) if skip > min(pads) else 0
+        if skip > min(pads):  # some row skips real tokens
+            self._fill(cache, hits, pads, skip, input_ids.device)
+
+    def save(self, cache: PagedCache, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
+        """Store every row's full blocks of real tokens that the store lacks, copied from `cache` (all layers), which
+        holds the prompt `input_ids` `[rows, width]` in full."""
+        pads = left_padding(input_ids, attention_mask)
+        if pads is None:
+            return
+        width, tokens = input_ids.shape[1], input_ids.tolist()
+        wanted: dict[bytes, tuple[bytes | None, int, int]] = {}  # key -> (parent, row, first column), in chain order
+        with self._lock:
+            for r, (row, pad) in enumerate(zip(tokens, pads)):
+                parent = None
+                for j, key in enumerate(self._chain(row[pad:], (width - pad) // self.block_size)):
+                    if key not in self._index and key not in wanted:
+                        wanted[key] = (parent, r, pad + j * self.block_size)
+                    parent = key
+        if not wanted:
+            return
+        blocks = self._copy_blocks(cache, [(r, column) for _, r, column in wanted.values()], input_ids.device)
+        with self._lock:
+            for (key, (parent, _, _)), block in zip(wanted.items(), blocks):
+                self._index.insert(key, parent, block, block.nbytes)
+
+    def _chain(self, real_tokens: list[int], num_blocks: int) -> list[bytes]:
+        keys, parent = [], None
+        for j in range(num_blocks):
+            parent = block_key(parent, real_tokens[j * self.block_size : (j + 1) * self.block_size])
+            keys.append(parent)
+        return keys
+
+    def _fill(self, cache: PagedCache, hits: list[list[PrefixEntry]], pads: list[int], skip: int,
+              device: torch.device) -> None:
+        # dense: [num_layers, 2, rows, skip, kv_heads, head_dim], zeros in pad columns
+        shape = self.shape
+        dense = torch.zeros((shape.num_layers, 2, len(pads), skip, shape.kv_heads, shape.head_dim), dtype=self.dtype,
+                            device=device)
+        for r, (pad, hit) in enumerate(zip(pads, hits)):
+            if skip > pad:
+                row = torch.cat([entry.payload for entry in hit], dim=2)  # [num_layers, 2, hit tokens, heads, dim]
+                dense[:, :, r, pad:] = row[:, :, : skip - pad].to(device)
+        with torch.no_grad():
+            for layer in range(shape.num_layers):
+                cache.update(dense[layer, 0].transpose(1, 2), dense[layer, 1].transpose(1, 2), layer)
+
+    def _copy_blocks(self, cache: PagedCache, starts: list[tuple[int, int]],
+                     device: torch.device) -> list[torch.Tensor]:
+        """`[num_layers, 2, block_size, kv_heads, head_dim]` copies of the blocks of row `r` from column `c`."""
+        rows = torch.tensor([r for r, _ in starts], device=device)[:, None]
+        offsets = torch.arange(self.block_size, device=device)
+        cols = torch.tensor([c for _, c in starts], device=device)[:, None] + offsets
+        positions = list(range(cache.get_seq_length()))
+        slots_of_group: dict[int, torch.Tensor] = {}  # id(group) -> [blocks * block_size] slots to read
+        per_layer = []
+        for layer, group in enumerate(cache.group_of_layer):
+            if id(group) not in slots_of_group:
+                slots_of_group[id(group)] = group.slots_of(positions, device)[rows, cols].reshape(-1)
+            slots = slots_of_group[id(group)]
+            pools = (cache.layers[layer].key_pool, cache.layers[layer].value_pool)
+            per_layer.append(torch.stack([p.view(-1, *p.shape[2:]).index_select(0, slots) for p in pools]))
+        stacked = torch.stack(per_layer).view(self.shape.num_layers, 2, len(starts), self.block_size,
+                                              self.shape.kv_heads, self.shape.head_dim)
+        return [stacked[:, :, i].clone() for i in range(len(starts))]  # own storage: evicting one frees its bytes
+
+
+def left_padding(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[int] | None:
+    """Left-pad columns of each row (`attention_mask` None: no padding); None when some row's mask is not
+    `0 .. 0 1 .. 1` with at least one 1 (right padding, holes), which the store does not handle."""
+    rows, width = input_ids.shape
+    if attention_mask is None:
+        return [0] * rows
+    mask = attention_mask.to(torch.long)
+    real = mask.sum(dim=1)
+    pads = width - real
+    expected = torch.arange(width, device=mask.device)[None, :] >= pads[:, None]
+    if bool((real == 0).any()) or not torch.equal(mask.bool(), expected):
+        return None
+    return pads.tolist()

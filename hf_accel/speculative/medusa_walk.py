@@ -1,0 +1,136 @@
+"""The walk of a verified Medusa tree: each row decides tokens from its root down exactly as plain decoding would.
+
+At depth i every row still walking takes the logits of its current node, runs the logits processors on them with
+the tokens it has decided so far, and commits the argmax or one multinomial draw; it then descends into the child
+that holds that token, or stops (no such child, its budget spent, or a stopping criterion fired on the token, which
+is checked after every token). Greedy rows therefore equal plain greedy rows, and sampled tokens are exact draws
+from plain decoding's distribution (the candidates are deterministic: following a child whose token was drawn
+from the model's own distribution is lossless). Rows walk independently and accept their own numbers of tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import LogitsProcessorList, StoppingCriteriaList
+
+from .medusa_stats import MedusaStats
+from .ragged_batch import RaggedBatch
+from .tree import MedusaTree
+
+
+@dataclass(slots=True)
+class TokenRules:
+    """How tokens are decided and rows stop, as plain `generate` does; collects scores per row when asked."""
+
+    processors: LogitsProcessorList
+    criteria: StoppingCriteriaList  # without MaxLengthCriteria (rows count their budget) and EosTokenCriteria
+    eos_token_ids: torch.Tensor | None  # EosTokenCriteria's ids, checked for all rows at once
+    do_sample: bool
+    scores: list[list[torch.Tensor]] | None = None  # [row][step] processed scores [vocab]
+    logits: list[list[torch.Tensor]] | None = None  # [row][step] raw logits [vocab]
+
+
+@dataclass(slots=True)
+class Walk:
+    """One step's outcome per row: `tokens` `[batch, depth + 1]` decided (the first `num_emitted[r]` count),
+    `nodes` `[batch, depth + 1]` the kept nodes (root first, then the accepted path; 0 past it), `fired`: a
+    stopping criterion fired on the row's token `num_to_stop[r]` (1-based)."""
+
+    tokens: torch.Tensor
+    nodes: torch.Tensor
+    num_emitted: torch.Tensor
+    fired: torch.Tensor
+    num_to_stop: torch.Tensor
+
+    def record(self, stats: MedusaStats, active: torch.Tensor) -> None:
+        """Add the accepted nodes per depth of the `active` rows to `stats`."""
+        accepted = (self.num_emitted[active] - 1).tolist()
+        for depth in range(len(stats.accepted_per_depth)):
+            stats.accepted_per_depth[depth] += sum(n > depth for n in accepted)
+
+
+def walk_tree(rules: TokenRules, batch: RaggedBatch, tree: MedusaTree, tokens: torch.Tensor,
+              logits: torch.Tensor) -> Walk:
+    """Decide each unfinished row's tokens along its tree. `tokens`: `[batch, num_nodes]` node tokens (the root
+    first), `logits`: `[batch, num_nodes, vocab]` the verification forward's logits."""
+    rows, device = tokens.shape[0], tokens.device
+    decided = tokens.new_full((rows, tree.depth + 1), batch.pad_token_id)
+    nodes = torch.zeros_like(decided)
+    num_emitted, num_to_stop = torch.zeros_like(batch.num_generated), torch.zeros_like(batch.num_generated)
+    fired = torch.zeros_like(batch.stopped)
+    walking, budget = batch.unfinished.clone(), batch.remaining
+    node, every_row, children = torch.zeros_like(num_emitted), torch.arange(rows, device=device), \
+        tree.child_table.to(device)
+    for depth in range(tree.depth + 1):
+        walkers = walking.nonzero().squeeze(1)
+        if walkers.numel() == 0:
+            break
+        raw = logits[every_row, node].to(dtype=torch.float32, copy=True)  # [batch, vocab]
+        scores = _process(rules.processors, batch, decided, depth, raw, walkers)
+        token = _choose(rules.do_sample, scores, walkers, decided[:, depth])
+        decided[:, depth] = token
+        num_emitted += walking
+        _collect(rules, scores, raw, walkers)
+        stop = _stops(rules, batch, decided, depth, scores, walking & ~batch.stopped & ~fired)
+        fired |= stop
+        num_to_stop = torch.where(stop, depth + 1, num_to_stop)
+        if depth == tree.depth:  # the deepest nodes have no children
+            break
+        candidates = children[node]  # [batch, max_children]
+        match = (candidates >= 0) & (tokens.gather(1, candidates.clamp_min(0)) == token[:, None])
+        child = candidates.gather(1, match.long().argmax(dim=1, keepdim=True)).squeeze(1)
+        ended = (stop & batch.pad_finished) | (num_emitted >= budget) | ~match.any(dim=1)
+        walking &= ~ended
+        node = torch.where(walking, child, node)
+        nodes[:, depth + 1] = torch.where(walking, child, 0)
+    return Walk(decided, nodes, num_emitted, fired, num_to_stop)
+
+
+def _process(processors: LogitsProcessorList, batch: RaggedBatch, decided: torch.Tensor, depth: int,
+             raw: torch.Tensor, walkers: torch.Tensor) -> torch.Tensor:
+    """Processed scores `[batch, vocab]` of the walking rows (the others keep `raw`). Processors see the whole batch
+    (some keep per-row state), once per distinct row length, cut to that length: the rows of that length then look
+    exactly as in plain decoding (no extra padding), and only their scores are kept."""
+    if len(processors) == 0:
+        return raw
+    history = batch.with_candidates(decided[:, :depth])
+    lengths = batch.history_lengths + depth
+    scores = raw.clone()
+    for length in lengths[walkers].unique().tolist():
+        group = walkers[lengths[walkers] == length]
+        group_scores = raw.clone()
+        view = batch.view(history, torch.full_like(lengths, length))
+        for processor in processors:  # LogitsProcessorList.__call__ minus its per-call signature inspection
+            group_scores = processor(view, group_scores)
+        scores[group] = group_scores[group]
+    return scores
+
+
+def _choose(do_sample: bool, scores: torch.Tensor, walkers: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
+    # argmax, or one multinomial draw per walking row (the others keep `fallback`)
+    if do_sample:
+        chosen = torch.multinomial(torch.softmax(scores[walkers], dim=-1), num_samples=1).squeeze(1)
+    else:
+        chosen = scores[walkers].argmax(dim=-1)
+    return fallback.index_copy(0, walkers, chosen)
+
+
+def _stops(rules: TokenRules, batch: RaggedBatch, decided: torch.Tensor, depth: int, scores: torch.Tensor,
+           checked: torch.Tensor) -> torch.Tensor:
+    """`[batch]` bool: a stopping criterion fires on the token just decided (only `checked` rows)."""
+    stop = torch.zeros_like(checked)
+    if rules.eos_token_ids is not None:
+        stop |= torch.isin(decided[:, depth], rules.eos_token_ids)
+    if len(rules.criteria) and bool(checked.any()):
+        history = batch.with_candidates(decided[:, : depth + 1])
+        stop |= rules.criteria(batch.view(history, batch.history_lengths + depth + 1), scores).to(stop.device)
+    return stop & checked
+
+
+def _collect(rules: TokenRules, scores: torch.Tensor, raw: torch.Tensor, walkers: torch.Tensor) -> None:
+    for store, values in ((rules.scores, scores), (rules.logits, raw)):
+        if store is not None:
+            for row in walkers.tolist():
+                store[row].append(values[row])
