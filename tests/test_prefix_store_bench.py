@@ -16,7 +16,7 @@ def test_bench_prefix_store_quick_writes_json_and_markdown(tmp_path, load_benchm
     assert measured["identical_calls"] == 4  # every call's tokens agree across the three strategies
     store = measured["store"]
     assert store["hits"] == 3 and store["misses"] == 1 and store["tokens_saved"] == 3 * 48  # the header, 3 times
-    assert all(len(measured["ttft_s"][name]) == 4 for name in report["summary"])
+    assert all(len(measured[key][name]) == 4 for key in ("prefill_s", "ttft_s") for name in report["summary"])
     doc = (tmp_path / "docs/caches.md").read_text()
     assert "old" not in doc and "| paged + PrefixStore |" in doc and doc.startswith("a\n") and doc.endswith("b\n")
     assert "# Prefix store benchmark" in (tmp_path / "docs/bench_prefix_store.md").read_text()

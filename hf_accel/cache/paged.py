@@ -55,6 +55,7 @@ class PagedCache(CacheDisplay, PrefillHooks, Cache):
             prefix_store.check_cache(config, block_size)
         self.prefix_store = prefix_store
         self._saved_recording: list[bool] | None = None  # set between before_prefill and after_prefill with a store
+        self._prefix_chains: list[list[bytes]] | None = None  # the prompt rows' block keys, from load to save
         self.max_cache_len = max_cache_len
         windows = _layer_windows(config)
         fixed = self.settings.num_blocks is not None or self.settings.max_memory is not None
@@ -104,18 +105,18 @@ class PagedCache(CacheDisplay, PrefillHooks, Cache):
         self._saved_recording = [group.is_recording_past for group in self.groups]
         for group in self.groups:
             group.is_recording_past = True
-        self.prefix_store.load(self, input_ids, attention_mask)
+        self._prefix_chains = self.prefix_store.load(self, input_ids, attention_mask)
 
     def after_prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
         """Add the prompt's full blocks to the prefix store; sliding layers evict as usual from the next step."""
         if self._saved_recording is None:
             return
         try:
-            self.prefix_store.save(self, input_ids, attention_mask)
+            self.prefix_store.save(self, input_ids, attention_mask, self._prefix_chains)
         finally:
             for group, recording in zip(self.groups, self._saved_recording):
                 group.is_recording_past = recording
-            self._saved_recording = None
+            self._saved_recording = self._prefix_chains = None
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last `-tokens_to_remove` tokens (a non-positive count, as assisted decoding passes)."""

@@ -117,38 +117,45 @@ class PrefixStore(RichDisplay):
                 "memory": f"{format_bytes(stats.bytes)} / {format_bytes(stats.max_bytes)}", "hits": stats.hits,
                 "misses": stats.misses, "tokens_saved": stats.tokens_saved, "evictions": stats.evictions}
 
-    def load(self, cache: PagedCache, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
+    def load(self, cache: PagedCache, input_ids: torch.Tensor,
+             attention_mask: torch.Tensor | None) -> list[list[bytes]] | None:
         """Fill an empty paged `cache` with the stored columns every row of `input_ids` `[rows, width]` starts with
-        (see the module docstring); nothing when no row hits."""
+        (see the module docstring); nothing when no row hits. Returns each row's chain of full-block keys, for
+        `save` after the prefill (None when the padding is not left padding: nothing is loaded or saved)."""
         pads = left_padding(input_ids, attention_mask)
         if pads is None:
-            return
+            return None
         width, tokens = input_ids.shape[1], input_ids.tolist()
+        chains = [self._chain(row[pad:], (width - pad) // self.block_size) for row, pad in zip(tokens, pads)]
         with self._lock:
-            hits = [self._index.match(self._chain(row[pad:], (width - pad - 1) // self.block_size))
-                    for row, pad in zip(tokens, pads)]
+            # never the row's last token: it must be computed to sample from
+            hits = [self._index.match(chain[: (width - pad - 1) // self.block_size])
+                    for chain, pad in zip(chains, pads)]
             skip = min(min(pad + len(hit) * self.block_size for pad, hit in zip(pads, hits)), width - 1)
             self._hits += sum(1 for hit in hits if hit)
             self._misses += sum(1 for hit in hits if not hit)
             self._tokens_saved += sum(max(skip - pad, 0) for pad in pads) if skip > min(pads) else 0
         if skip > min(pads):  # some row skips real tokens
             self._fill(cache, hits, pads, skip, input_ids.device)
+        return chains
 
-    def save(self, cache: PagedCache, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
+    def save(self, cache: PagedCache, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+             chains: list[list[bytes]] | None = None) -> None:
         """Store every row's full blocks of real tokens that the store lacks, copied from `cache` (all layers), which
-        holds the prompt `input_ids` `[rows, width]` in full."""
+        holds the prompt `input_ids` `[rows, width]` in full. `chains`: what `load` returned for these rows, if it
+        ran (saves hashing the prompt twice)."""
         pads = left_padding(input_ids, attention_mask)
         if pads is None:
             return
-        width, tokens = input_ids.shape[1], input_ids.tolist()
+        if chains is None:
+            width, tokens = input_ids.shape[1], input_ids.tolist()
+            chains = [self._chain(row[pad:], (width - pad) // self.block_size) for row, pad in zip(tokens, pads)]
         wanted: dict[bytes, tuple[bytes | None, int, int]] = {}  # key -> (parent, row, first column), in chain order
         with self._lock:
-            for r, (row, pad) in enumerate(zip(tokens, pads)):
-                parent = None
-                for j, key in enumerate(self._chain(row[pad:], (width - pad) // self.block_size)):
+            for r, (chain, pad) in enumerate(zip(chains, pads)):
+                for j, key in enumerate(chain):
                     if key not in self._index and key not in wanted:
-                        wanted[key] = (parent, r, pad + j * self.block_size)
-                    parent = key
+                        wanted[key] = (chain[j - 1] if j else None, r, pad + j * self.block_size)
         if not wanted:
             return
         blocks = self._copy_blocks(cache, [(r, column) for _, r, column in wanted.values()], input_ids.device)
@@ -165,14 +172,20 @@ class PrefixStore(RichDisplay):
 
     def _fill(self, cache: PagedCache, hits: list[list[PrefixEntry]], pads: list[int], skip: int,
               device: torch.device) -> None:
-        # dense: [num_layers, 2, rows, skip, kv_heads, head_dim], zeros in pad columns
-        shape = self.shape
-        dense = torch.zeros((shape.num_layers, 2, len(pads), skip, shape.kv_heads, shape.head_dim), dtype=self.dtype,
-                            device=device)
-        for r, (pad, hit) in enumerate(zip(pads, hits)):
-            if skip > pad:
-                row = torch.cat([entry.payload for entry in hit], dim=2)  # [num_layers, 2, hit tokens, heads, dim]
-                dense[:, :, r, pad:] = row[:, :, : skip - pad].to(device)
+        """Write each row's first `skip` columns into the empty `cache`: zeros for pad columns (masked, never
+        attended), then the row's stored K/V."""
+        shape, block_size, rows = self.shape, self.block_size, []
+        for pad, hit in zip(pads, hits):
+            stored = max(skip - pad, 0)  # real tokens of this row before column `skip`, all in its hit blocks
+            blocks = [entry.payload for entry in hit[: -(-stored // block_size)]]
+            # [num_layers, 2, stored, kv_heads, head_dim], front-padded to `skip` columns
+            row = torch.cat(blocks, dim=2)[:, :, :stored] if blocks else None
+            if stored < skip:
+                zeros = torch.zeros((shape.num_layers, 2, skip - stored, shape.kv_heads, shape.head_dim),
+                                    dtype=self.dtype, device=device if row is None else row.device)
+                row = zeros if row is None else torch.cat([zeros, row], dim=2)
+            rows.append(row)
+        dense = torch.stack(rows, dim=2).to(device)  # [num_layers, 2, rows, skip, kv_heads, head_dim]
         with torch.no_grad():
             for layer in range(shape.num_layers):
                 cache.update(dense[layer, 0].transpose(1, 2), dense[layer, 1].transpose(1, 2), layer)
