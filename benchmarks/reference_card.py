@@ -179,7 +179,12 @@ def render(report: dict[str, Any]) -> str:
         "hf-accel train-reference --which target --threads 1 --steps 10000 --time-budget 9900 --checkpoint-dir ckpt --resume",
         "hf-accel train-reference --which draft --threads 1 --steps 9000 --time-budget 2700 --checkpoint-dir ckpt --resume",
         "hf-accel train-reference --which none --baseline <v1 assets>   # only measure (here: the v1 target)",
-        "hf-accel train-reference --which draft --steps 50 --out /tmp/ref   # a quick run elsewhere", "```", "",
+        "hf-accel train-reference --which draft --steps 50 --out /tmp/ref   # a quick run elsewhere",
+        "# a deeper target from a trained one: its layers copied up to the preset's depth (a multiple of its own),",
+        "# each copy's output projections zeroed (the same function at step 0), then trained on the rows that the",
+        "# trained one never saw (--skip-batches: its steps) at a lower peak learning rate",
+        "hf-accel train-reference --which target --grow-from <assets> --skip-batches <its steps> --lr 1e-3 --threads 1",
+        "```", "",
         "Every number above comes from `hf_accel/reference/assets/report.json`, which that command writes; "
         "`benchmarks/reference_card.py` renders this page from it.",
     ]) + "\n"

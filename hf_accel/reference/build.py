@@ -23,6 +23,7 @@ from .corpus import (
     pack_sequences, tokenize,
 )
 from .evaluate import greedy_agreement, perplexity, token_forward_seconds
+from .grow import grow_depth
 from .loop import Checkpointing, build_model, num_parameters, save_model, train_model
 from .presets import MODEL_PRESETS, TrainRecipe
 from .sources import MAX_FILE_BYTES
@@ -79,15 +80,32 @@ def held_out_perplexities(model: torch.nn.Module, eval_rows: dict[str, torch.Ten
     return {split: round(perplexity(model, rows), 3) for split, rows in eval_rows.items()}
 
 
+def initial_model(name: str, tokenizer: PreTrainedTokenizerBase, seed: int, grow_from: Path | None) -> torch.nn.Module:
+    """A fresh seeded model of ``name``'s preset, or, with ``grow_from`` (an assets folder), that folder's trained
+    ``name`` grown to the preset's depth (see ``grow.grow_depth``)."""
+    preset = MODEL_PRESETS[name]
+    if grow_from is None:
+        return build_model(preset, tokenizer, seed)
+    trained, _ = load(name, assets_dir=grow_from)
+    shape = (trained.config.hidden_size, trained.config.intermediate_size, trained.config.num_attention_heads)
+    if shape != (preset.hidden_size, preset.intermediate_size, preset.num_heads):
+        raise ValueError(f"grow_from: {grow_from / name} has (hidden, intermediate, heads) {shape}; the {name!r} "
+                         f"preset needs ({preset.hidden_size}, {preset.intermediate_size}, {preset.num_heads})")
+    return grow_depth(trained, preset.num_layers)
+
+
 def train_one(name: str, recipe: TrainRecipe, tokenizer: PreTrainedTokenizerBase, train_ids: list[list[int]],
-              out: Path, time_budget_s: float | None, progress: bool, checkpointing: Checkpointing | None) -> dict:
+              out: Path, time_budget_s: float | None, progress: bool, checkpointing: Checkpointing | None,
+              grow_from: Path | None = None, skip_batches: int = 0) -> dict:
     """Train ``name`` on the train ids and save it to ``out/name``; returns its training record (no perplexity
-    yet: ``measure`` adds it from the saved files)."""
+    yet: ``measure`` adds it from the saved files). ``grow_from`` and ``skip_batches``: see ``initial_model`` and
+    ``loop.train_model``."""
     rows = pack_sequences(train_ids, tokenizer.eos_token_id, recipe.seq_len)
-    model = build_model(MODEL_PRESETS[name], tokenizer, recipe.seed)
-    result = train_model(model, rows, recipe, time_budget_s, progress, checkpointing)
+    model = initial_model(name, tokenizer, recipe.seed, grow_from)
+    result = train_model(model, rows, recipe, time_budget_s, progress, checkpointing, skip_batches)
     save_model(model, tokenizer, out / name)
-    return {
+    grown = {} if grow_from is None else {"grown_from": {"folder": str(grow_from), "skip_batches": skip_batches}}
+    return {**grown,
         "parameters": num_parameters(model),
         "preset": asdict(MODEL_PRESETS[name]),
         "recipe": asdict(recipe),
@@ -126,9 +144,13 @@ def build_reference(
     progress: bool = True,
     checkpointing: dict[str, Checkpointing] | None = None,
     baseline: Path | None = None,
+    grow_from: Path | None = None,
+    skip_batches: int = 0,
 ) -> Path:
     """Run the pipeline for ``names`` (a subset of "target", "draft"; empty: only measure what is in ``out``) into
-    ``out`` (default: the package's assets); returns the path of the written ``report.json``."""
+    ``out`` (default: the package's assets); returns the path of the written ``report.json``. ``grow_from`` (an
+    assets folder) starts each model from that folder's trained one grown to its preset's depth, skipping the first
+    ``skip_batches`` batches of the seeded order (the rows it already saw)."""
     out = ASSETS_DIR if out is None else Path(out)
     corpus = default_corpus()
     tokenizer, tokenizer_seconds = prepare_tokenizer(out, corpus.splits["train"].texts, retrain_tokenizer)
@@ -137,7 +159,7 @@ def build_reference(
     token_counts = {**known, **{split: sum(len(ids) for ids in token_ids[split]) for split in token_ids}}
     eval_rows = {split: evaluation_rows(token_ids[split], tokenizer.eos_token_id) for split in HELD_OUT_SPLITS}
     trained = {name: train_one(name, recipes[name], tokenizer, token_ids["train"], out, time_budget_s, progress,
-                               (checkpointing or {}).get(name)) for name in names}
+                               (checkpointing or {}).get(name), grow_from, skip_batches) for name in names}
     for record in trained.values():  # which corpus a model saw: the card tells models of an earlier corpus apart
         record["train_fingerprint"] = corpus.splits["train"].fingerprint
     for name in MODEL_NAMES:  # every saved model carries the current tokenizer files (chat template included)

@@ -147,10 +147,15 @@ def train_model(
     time_budget_s: float | None = None,
     progress: bool = True,
     checkpointing: Checkpointing | None = None,
+    skip_batches: int = 0,
 ) -> TrainResult:
     """Train on packed ``sequences`` ``[rows, seq_len]`` for ``recipe.steps`` steps, or until ``time_budget_s``
     seconds have passed (counting the time before a resume); with a budget the learning rate decays on time too
-    (see ``lr_at``). ``checkpointing`` saves resumable state and, with ``resume``, continues from it."""
+    (see ``lr_at``). ``checkpointing`` saves resumable state and, with ``resume``, continues from it.
+    ``skip_batches`` passes over the first batches of the seeded order unseen: a model grown from one trained
+    ``skip_batches`` steps with the same recipe seed then trains on rows it has never seen."""
+    if skip_batches < 0:
+        raise ValueError(f"skip_batches must be >= 0, got {skip_batches}")
     if sequences.shape[1] != recipe.seq_len or len(sequences) < recipe.batch_size:
         shape = tuple(sequences.shape)
         raise ValueError(f"sequences must hold >= {recipe.batch_size} rows of {recipe.seq_len} tokens, got {shape}")
@@ -160,7 +165,7 @@ def train_model(
     if checkpointing is not None and checkpointing.resume and checkpointing.path.is_file():
         losses, spent = load_checkpoint(checkpointing.path, model, optimizer)
     batches = _batches(sequences, recipe.batch_size, recipe.seed)
-    for _ in losses:  # replay the seeded order up to the resumed step
+    for _ in range(skip_batches + len(losses)):  # replay the seeded order up to the resumed step
         next(batches)
     start = time.perf_counter() - spent
     steps = range(len(losses), recipe.steps)

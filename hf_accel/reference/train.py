@@ -39,14 +39,20 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--resume", action="store_true", help="continue from the checkpoint in --checkpoint-dir")
     parser.add_argument("--baseline", type=Path, default=None,
                         help="assets folder of an earlier target to measure on the same held-out rows")
+    parser.add_argument("--grow-from", type=Path, default=None,
+                        help="assets folder whose trained model is grown to the preset's depth and trained on")
+    parser.add_argument("--skip-batches", type=int, default=0,
+                        help="batches of the seeded order to skip (with --grow-from: the steps that model trained)")
+    parser.add_argument("--lr", type=float, default=None, help="override the recipe's peak learning rate")
     parser.add_argument("--retrain-tokenizer", action="store_true", help="ignore <out>/tokenizer if present")
     parser.add_argument("--no-progress", action="store_true")
     return parser.parse_args(argv)
 
 
-def recipe_for(name: str, steps: int | None) -> TrainRecipe:
-    """The preset recipe of ``name``, with its step count (and warmup, proportionally) overridden if asked."""
-    recipe = TRAIN_RECIPES[name]
+def recipe_for(name: str, steps: int | None, lr: float | None = None) -> TrainRecipe:
+    """The preset recipe of ``name``, with its step count (and warmup, proportionally) and peak learning rate
+    overridden if asked."""
+    recipe = TRAIN_RECIPES[name] if lr is None else replace(TRAIN_RECIPES[name], lr=lr)
     if steps is None:
         return recipe
     warmup = min(steps, max(1, round(recipe.warmup_steps * steps / recipe.steps)))
@@ -66,12 +72,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     report_path = build_reference(
         names=names,
         out=args.out,
-        recipes={name: recipe_for(name, args.steps) for name in names},
+        recipes={name: recipe_for(name, args.steps, args.lr) for name in names},
         time_budget_s=args.time_budget,
         retrain_tokenizer=args.retrain_tokenizer,
         progress=not args.no_progress,
         checkpointing=checkpointing,
         baseline=args.baseline,
+        grow_from=args.grow_from,
+        skip_batches=args.skip_batches,
     )
     print(f"wrote {report_path}")
     return 0
