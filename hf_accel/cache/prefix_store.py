@@ -185,7 +185,8 @@ class PrefixStore(RichDisplay):
                                     dtype=self.dtype, device=device if row is None else row.device)
                 row = zeros if row is None else torch.cat([zeros, row], dim=2)
             rows.append(row)
-        dense = torch.stack(rows, dim=2).to(device)  # [num_layers, 2, rows, skip, kv_heads, head_dim]
+        # [num_layers, 2, rows, skip, kv_heads, head_dim]; one row (the common case) is a view, not a copy
+        dense = (rows[0].unsqueeze(2) if len(rows) == 1 else torch.stack(rows, dim=2)).to(device)
         with torch.no_grad():
             for layer in range(shape.num_layers):
                 cache.update(dense[layer, 0].transpose(1, 2), dense[layer, 1].transpose(1, 2), layer)
