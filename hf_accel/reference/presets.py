@@ -80,7 +80,7 @@ class TrainRecipe:
 
 
 MODEL_PRESETS: dict[str, ModelPreset] = {
-    "target": ModelPreset(256, 4, 4, 2, 768, 512),  # head_dim 64, as in most LLMs
+    "target": ModelPreset(256, 8, 4, 2, 768, 512),  # head_dim 64, as in most LLMs
     "draft": ModelPreset(128, 1, 2, 1, 384, 512),
     "tiny": ModelPreset(32, 2, 2, 1, 64, 64),  # tests only
 }
