@@ -205,7 +205,7 @@ def _step(run: _Run, hidden: torch.Tensor) -> torch.Tensor:
     tree = trees.trees[index]
     tokens = batch.columns[:, -1:]  # [batch, num_nodes]: the root, then the candidates
     if tree.num_nodes > 1:  # generate runs under no_grad
-        candidates = tree.candidate_tokens(run.heads(hidden.to(run.heads.lm_heads[0].weight.dtype)))
+        candidates = tree.candidate_tokens(run.heads(hidden.to(run.heads.lm_heads[0].weight.dtype), tree.depth))
         tokens = torch.cat([tokens, candidates.to(tokens.device)], dim=1)
     out = run.model(input_ids=tokens, attention_mask=_step_mask(run, tree), past_key_values=run.cache,
                     position_ids=batch.positions[:, -1:] + tree.depths.to(tokens.device), use_cache=True,
