@@ -46,6 +46,8 @@ class Walk:
 
     def record(self, stats: MedusaStats, active: torch.Tensor) -> None:
         """Add the accepted nodes per depth of the `active` rows to `stats`."""
+        if self.tokens.shape[1] == 1:  # a root-only tree accepts nothing
+            return
         accepted = (self.num_emitted[active] - 1).tolist()
         for depth in range(len(stats.accepted_per_depth)):
             stats.accepted_per_depth[depth] += sum(n > depth for n in accepted)

@@ -71,34 +71,53 @@ class TreeSizer:
         best = self.best()
         if self.seconds[best] is None or best == whole:
             return best  # priced by interpolation: running it times it
-        extra = self.step_seconds(best + 1) - self.step_seconds(best)
+        seconds = self._step_seconds_all()
+        extra = seconds[best + 1] - seconds[best]
         return best + 1 if self.since_probe * self.probe_share >= extra else best
 
     def best(self) -> int:
         """Index of the size with the most expected tokens per second (needs size 0 and the whole list timed)."""
-        return max(range(len(self.sizes)), key=self.tokens_per_second)
+        rates = self._tokens_per_second_all()
+        return max(range(len(rates)), key=rates.__getitem__)
 
     def mean_accepted(self, index: int) -> float:
         """Candidates size `index` accepts per step: the sum of each size's mean gain over the next smaller one, each
         mean over every step that measured it (so the estimate never falls as the size grows)."""
-        return sum(self.gains[i] / self.observed[i] for i in range(index + 1) if self.observed[i])
+        return self._mean_accepted_all()[index]
 
     def step_seconds(self, index: int) -> float:
         """Seconds per step of size `index`: its running time, or interpolated linearly in the candidate count
         between the nearest timed sizes, raised to any smaller size's (more never costs less)."""
-        return max(self._own_seconds(i) for i in range(index + 1))
-
-    def _own_seconds(self, index: int) -> float:
-        if self.seconds[index] is not None:
-            return self.seconds[index]
-        below = max(i for i in range(index) if self.seconds[i] is not None)
-        above = min(i for i in range(index + 1, len(self.sizes)) if self.seconds[i] is not None)
-        share = (self.sizes[index] - self.sizes[below]) / (self.sizes[above] - self.sizes[below])
-        return self.seconds[below] + share * (self.seconds[above] - self.seconds[below])
+        return self._step_seconds_all()[index]
 
     def tokens_per_second(self, index: int) -> float:
         """Expected tokens per second of size `index`: the root's token plus the mean accepted, over its time."""
-        return (1.0 + self.mean_accepted(index)) / max(self.step_seconds(index), 1e-9)
+        return self._tokens_per_second_all()[index]
+
+    def _mean_accepted_all(self) -> list[float]:
+        running, means = 0.0, []
+        for gain, observed in zip(self.gains, self.observed):
+            running += gain / observed if observed else 0.0
+            means.append(running)
+        return means
+
+    def _step_seconds_all(self) -> list[float]:
+        # one pass each way finds every size's nearest timed sizes; then a running max (more never costs less)
+        timed = [i for i, seconds in enumerate(self.seconds) if seconds is not None]
+        running, out = 0.0, []
+        for index, seconds in enumerate(self.seconds):
+            if seconds is None:
+                below = max(i for i in timed if i < index)
+                above = min(i for i in timed if i > index)
+                share = (self.sizes[index] - self.sizes[below]) / (self.sizes[above] - self.sizes[below])
+                seconds = self.seconds[below] + share * (self.seconds[above] - self.seconds[below])
+            running = max(running, seconds)
+            out.append(running)
+        return out
+
+    def _tokens_per_second_all(self) -> list[float]:
+        return [(1.0 + accepted) / max(seconds, 1e-9)
+                for accepted, seconds in zip(self._mean_accepted_all(), self._step_seconds_all())]
 
     def record(self, index: int, accepted_ranks: Sequence[Sequence[int]], seconds: float) -> None:
         """A step that verified size `index` took `seconds`; `accepted_ranks[r]`: the best-first ranks of the
