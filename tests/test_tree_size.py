@@ -3,7 +3,7 @@
 import pytest
 
 from hf_accel.speculative.tree import DEFAULT_TREE, build_tree
-from hf_accel.speculative.tree_size import TreeSizer, prefix_sizes
+from hf_accel.speculative.tree_size import TreeSizer, batch_progress, prefix_sizes
 
 
 def test_prefix_sizes_keep_only_closed_prefixes():
@@ -76,10 +76,23 @@ def test_a_probe_that_wins_resumes_exploring_upward():
     assert chosen[-10:].count(4) >= 8 and set(chosen[-10:]) <= {4, 16}  # and a probe of 16 now and then
 
 
-def test_rows_of_a_batch_average_their_acceptance():
+def test_a_batch_gains_what_its_furthest_behind_rows_gain():
     sizer = TreeSizer((0, 1, 4))
+    # rows equally far behind: a step takes off what the row that accepts least accepts (the batch ends with it)
     sizer.record(2, [[0, 3], [], [0]], 1.0)  # size 1 keeps 1, 0, 1; size 4 keeps 2, 0, 1
-    assert [sizer.mean_accepted(i) for i in range(3)] == [0, pytest.approx(2 / 3), 1]
+    assert [sizer.mean_accepted(i) for i in range(3)] == [0, 0, 0]
+    sizer = TreeSizer((0, 1, 4))
+    # row 1 is ahead (6 left): rows 0 and 2 count; size 1 takes row 0 from 10 to 8, size 4 to 7 (row 2 then too)
+    sizer.record(2, [[0, 3], [], [0]], 1.0, remaining=[10, 6, 9])
+    assert [sizer.mean_accepted(i) for i in range(3)] == [0, 1, 2]
+
+
+def test_batch_progress_exact():
+    assert batch_progress([2, 0, 1]) == 1  # rows level: the least emitted (root + 0)
+    assert batch_progress([2, 0, 1], remaining=[10, 6, 9]) == 3  # 10 -> 7 while row 2 goes 9 -> 7
+    assert batch_progress([1, 3], remaining=[5, 5]) == 2  # the slower of two level rows
+    assert batch_progress([3, 0], remaining=[2, 1]) == 2  # nobody emits past its end: both end
+    assert batch_progress([]) == 1  # a plain step: one token per row
 
 
 def test_bad_sizes():

@@ -210,13 +210,11 @@ def _step(run: _Run, hidden: torch.Tensor) -> torch.Tensor:
         positions = positions + tree.depths.to(tokens.device)
     out = run.model(input_ids=tokens, attention_mask=_step_mask(run, tree), past_key_values=run.cache,
                     position_ids=positions, use_cache=True, output_hidden_states=True)
-    active = batch.unfinished  # a new tensor, not a view of the batch's state
-    # rows with the most tokens left (their pace is the batch's); a plain step accepts no candidates
-    behind = batch.remaining == batch.remaining.max() if tree.num_nodes > 1 else None
+    active, remaining = batch.unfinished, batch.remaining  # new tensors, not views of the batch's state
     walk = walk_tree(run.rules, batch, tree, tokens, out.logits)
     most = _commit(run, walk)
     keep_tree_path(run.cache, tree.num_nodes, walk.nodes[:, : most + 1])
-    _record(run, index, walk, active, behind, time.perf_counter() - started)
+    _record(run, index, walk, active, remaining, time.perf_counter() - started)
     states = out.hidden_states[-1]  # [batch, num_nodes, hidden]
     if tree.num_nodes == 1:  # the root is every row's last node
         return states[:, -1]
@@ -239,11 +237,9 @@ def _commit(run: _Run, walk: Walk) -> int:
     return run.batch.commit(walk.tokens, walk.num_emitted, walk.fired, walk.num_to_stop)
 
 
-def _record(run: _Run, index: int, walk: Walk, active: torch.Tensor, behind: torch.Tensor | None,
-            seconds: float) -> None:
-    """Count the step in the stats; time it for the sizer with the acceptance of the rows furthest `behind` (most
-    tokens left; None for a plain step, which has no candidates): the call ends when they do, so their pace is the
-    batch's."""
+def _record(run: _Run, index: int, walk: Walk, active: torch.Tensor, remaining: torch.Tensor, seconds: float) -> None:
+    """Count the step in the stats; time it for the sizer with what each active row accepted and had `remaining`
+    before it (the sizer weighs the furthest-behind rows: the call ends when they do)."""
     stats, trees = run.stats, run.trees
     stats.num_verify_forwards += 1
     stats.num_verify_rows += int(active.sum())
@@ -251,9 +247,10 @@ def _record(run: _Run, index: int, walk: Walk, active: torch.Tensor, behind: tor
     walk.record(stats, active)
     if trees.sizer is None:
         return
-    kept = []  # the walk synchronised with the device, so the time is real
-    if behind is not None:
-        ranks = trees.ranks[index]
-        kept = [[ranks[node] for node in nodes[1:count]] for nodes, count, slow in
-                zip(walk.nodes.tolist(), walk.num_emitted.tolist(), (behind & active).tolist()) if slow]
-    trees.sizer.record(index, kept, seconds)
+    if trees.trees[index].num_nodes == 1:  # a plain step accepts no candidates
+        trees.sizer.record(index, [], seconds)  # the walk synchronised with the device, so the time is real
+        return
+    ranks, rows = trees.ranks[index], active.nonzero().squeeze(1)
+    kept = [[ranks[node] for node in nodes[1:count]]
+            for nodes, count in zip(walk.nodes[rows].tolist(), walk.num_emitted[rows].tolist())]
+    trees.sizer.record(index, kept, seconds, remaining[rows].tolist())
