@@ -15,9 +15,11 @@ Size 0 is a plain decoding step (no candidates, the heads do not run): where not
 plain decoding costs. Exploring is kept cheap, since a large tree at a large batch costs several plain steps on a
 CPU: the first step verifies the whole tree (measuring acceptance for every size; its time, paid with cold caches,
 stands only until the whole tree runs again), the second is a plain step. A size not yet timed is priced by linear
-interpolation between the timed sizes around it and runs when that price makes it the best (which times it).
-Afterwards the size above the best is probed again whenever the time it costs over the best fits in `probe_share`
-of the decoding time since the last probe.
+interpolation between the timed tree sizes around it, or, while no smaller tree is timed, at the larger one's time
+(a tree step has a fixed cost over a plain step that nothing measured yet bounds from below), and runs when that
+price makes it the best (which times it). Afterwards the size above the best is probed again whenever the time it
+costs over the best fits in `probe_share` of the decoding time since the last probe, so sizes that do not pay cost
+at most that share.
 """
 
 from __future__ import annotations
@@ -90,7 +92,8 @@ class TreeSizer:
 
     def step_seconds(self, index: int) -> float:
         """Seconds per step of size `index`: its running time, or interpolated linearly in the candidate count
-        between the nearest timed sizes, raised to any smaller size's (more never costs less)."""
+        between the nearest timed sizes (those of the nearest larger one while no tree smaller is timed), raised to
+        any smaller size's (more never costs less)."""
         return self._step_seconds_all()[index]
 
     def tokens_per_second(self, index: int) -> float:
@@ -112,7 +115,9 @@ class TreeSizer:
             if seconds is None:
                 below = max(i for i in timed if i < index)
                 above = min(i for i in timed if i > index)
-                share = (self.sizes[index] - self.sizes[below]) / (self.sizes[above] - self.sizes[below])
+                # below a plain step's time there is no tree step's fixed cost (heads, mask, a deeper walk) to
+                # interpolate from: price at the larger timed size, an upper bound
+                share = (self.sizes[index] - self.sizes[below]) / (self.sizes[above] - self.sizes[below]) if below else 1
                 seconds = self.seconds[below] + share * (self.seconds[above] - self.seconds[below])
             running = max(running, seconds)
             out.append(running)
