@@ -171,10 +171,12 @@ def test_adaptive_tree_sizes(model):
     fixed, adaptive = MedusaStats(), MedusaStats()
     run(model, inputs, medusa_stats=fixed)
     assert set(fixed.candidates_per_step) == {len(WIDE)}  # an explicit tree is verified whole by default
-    got = run(model, inputs, medusa_stats=adaptive, medusa_adaptive=True, max_new_tokens=40)
-    assert torch.equal(got, run(model, inputs, medusa=False, max_new_tokens=40))
+    got = run(model, inputs, medusa_stats=adaptive, medusa_adaptive=True, max_new_tokens=200)
+    assert torch.equal(got, run(model, inputs, medusa=False, max_new_tokens=200))
     sizes = adaptive.candidates_per_step
-    assert sizes[:2] == [len(WIDE), 0] and len(set(sizes)) > 2, sizes  # whole tree, plain step, then others
+    # whole tree, plain step; trees that do not pay (random heads) run again only as probes, each within 2% of the
+    # decoding time, so tree steps follow plain steps on the same cache within 200 tokens
+    assert sizes[:2] == [len(WIDE), 0] and any(sizes[2:]), sizes
 
 
 def test_bad_input(model):
