@@ -210,7 +210,8 @@ def _step(run: _Run, hidden: torch.Tensor) -> torch.Tensor:
         positions = positions + tree.depths.to(tokens.device)
     out = run.model(input_ids=tokens, attention_mask=_step_mask(run, tree), past_key_values=run.cache,
                     position_ids=positions, use_cache=True, output_hidden_states=True)
-    active, remaining = batch.unfinished, batch.remaining  # new tensors, not views of the batch's state
+    active = batch.unfinished  # new tensors, not views of the batch's state; a plain step accepts no candidates
+    remaining = batch.remaining if tree.num_nodes > 1 else None
     walk = walk_tree(run.rules, batch, tree, tokens, out.logits)
     most = _commit(run, walk)
     keep_tree_path(run.cache, tree.num_nodes, walk.nodes[:, : most + 1])
@@ -237,9 +238,10 @@ def _commit(run: _Run, walk: Walk) -> int:
     return run.batch.commit(walk.tokens, walk.num_emitted, walk.fired, walk.num_to_stop)
 
 
-def _record(run: _Run, index: int, walk: Walk, active: torch.Tensor, remaining: torch.Tensor, seconds: float) -> None:
+def _record(run: _Run, index: int, walk: Walk, active: torch.Tensor, remaining: torch.Tensor | None,
+            seconds: float) -> None:
     """Count the step in the stats; time it for the sizer with what each active row accepted and had `remaining`
-    before it (the sizer weighs the furthest-behind rows: the call ends when they do)."""
+    before it (the sizer weighs the furthest-behind rows: the call ends when they do; None for a plain step)."""
     stats, trees = run.stats, run.trees
     stats.num_verify_forwards += 1
     stats.num_verify_rows += int(active.sum())
@@ -247,7 +249,7 @@ def _record(run: _Run, index: int, walk: Walk, active: torch.Tensor, remaining: 
     walk.record(stats, active)
     if trees.sizer is None:
         return
-    if trees.trees[index].num_nodes == 1:  # a plain step accepts no candidates
+    if remaining is None:  # a plain step accepts no candidates
         trees.sizer.record(index, [], seconds)  # the walk synchronised with the device, so the time is real
         return
     ranks, rows = trees.ranks[index], active.nonzero().squeeze(1)
