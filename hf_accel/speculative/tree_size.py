@@ -108,7 +108,7 @@ class TreeSizer:
         return means
 
     def _step_seconds_all(self) -> list[float]:
-        # one pass each way finds every size's nearest timed sizes; then a running max (more never costs less)
+        # an untimed size is priced from its nearest timed sizes; then a running max (more never costs less)
         timed = [i for i, seconds in enumerate(self.seconds) if seconds is not None]
         running, out = 0.0, []
         for index, seconds in enumerate(self.seconds):
