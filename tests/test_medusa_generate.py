@@ -179,6 +179,22 @@ def test_adaptive_tree_sizes(model):
     assert sizes[:2] == [len(WIDE), 0] and any(sizes[2:]), sizes
 
 
+def test_trees_run_only_the_heads_they_reach(model):
+    heads = heads_for(model)  # 3 heads
+    calls = [0] * heads.num_heads
+    hooks = [head.register_forward_hook(lambda module, args, out, k=k: calls.__setitem__(k, calls[k] + 1))
+             for k, head in enumerate(heads.lm_heads)]
+    try:
+        inputs = make_prompts([9], seed=3)
+        stats = MedusaStats()
+        got = run(model, inputs, tree=[(0,), (1,), (0, 0)], medusa_stats=stats)  # 2 deep: head 2 never runs
+        assert torch.equal(got, run(model, inputs, medusa=False))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert calls[0] == calls[1] == stats.num_verify_forwards and calls[2] == 0, calls
+
+
 def test_bad_input(model):
     inputs = make_prompts([6, 6], seed=12)
     with pytest.raises(ValueError, match="streamer.*batch size 1"):

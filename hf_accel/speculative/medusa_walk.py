@@ -76,8 +76,7 @@ def walk_tree(rules: TokenRules, batch: RaggedBatch, tree: MedusaTree, tokens: t
         decided[:, depth] = token
         num_emitted += walking
         _collect(rules, scores, raw, walkers)
-        checked = walking & ~batch.stopped if fired is None else walking & ~batch.stopped & ~fired
-        stop = _stops(rules, batch, decided, depth, scores, checked)
+        stop = _stops(rules, batch, decided, depth, scores, walking, fired)
         if stop is not None:
             fired = stop if fired is None else fired | stop
             num_to_stop = torch.where(stop, depth + 1, num_to_stop)
@@ -132,11 +131,12 @@ def _choose(do_sample: bool, scores: torch.Tensor, walkers: torch.Tensor, fallba
 
 
 def _stops(rules: TokenRules, batch: RaggedBatch, decided: torch.Tensor, depth: int, scores: torch.Tensor,
-           checked: torch.Tensor) -> torch.Tensor | None:
-    """`[batch]` bool: a stopping criterion fires on the token just decided (only `checked` rows); None when there
-    is no criterion to check."""
+           walking: torch.Tensor, fired: torch.Tensor | None) -> torch.Tensor | None:
+    """`[batch]` bool: a stopping criterion fires on the token just decided (checked on walking rows that have not
+    stopped, now or before); None when there is no criterion to check."""
     if rules.eos_token_ids is None and not len(rules.criteria):
         return None
+    checked = walking & ~batch.stopped if fired is None else walking & ~batch.stopped & ~fired
     stop = torch.zeros_like(checked)
     if rules.eos_token_ids is not None:
         stop |= torch.isin(decided[:, depth], rules.eos_token_ids)
