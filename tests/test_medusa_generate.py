@@ -15,6 +15,7 @@ from transformers.generation.streamers import BaseStreamer
 import hf_accel
 from hf_accel.speculative.medusa import MedusaStats, medusa_generate
 from hf_accel.speculative.medusa_heads import MedusaConfig, MedusaHeads
+from hf_accel.speculative.tree_size import prefix_sizes
 
 WIDE = [(i,) for i in range(VOCAB_SIZE)] + [(i, j) for i in range(4) for j in range(3)] + [(0, 0, 0), (0, 1, 0)]
 CHAIN = [(0,), (0, 0), (0, 0, 0)]
@@ -174,9 +175,9 @@ def test_adaptive_tree_sizes(model):
     got = run(model, inputs, medusa_stats=adaptive, medusa_adaptive=True, max_new_tokens=200)
     assert torch.equal(got, run(model, inputs, medusa=False, max_new_tokens=200))
     sizes = adaptive.candidates_per_step
-    # whole tree, plain step; trees that do not pay (random heads) run again only as probes, each within 2% of the
-    # decoding time, so tree steps follow plain steps on the same cache within 200 tokens
-    assert sizes[:2] == [len(WIDE), 0] and any(sizes[2:]), sizes
+    # whole tree, then a plain step; later sizes depend on wall-clock timings (probes within 2% of the decoding time,
+    # tested with given timings in test_tree_size.py), so only the output and the sizes' range are checked here
+    assert sizes[:2] == [len(WIDE), 0] and set(sizes) <= set(prefix_sizes(WIDE)), sizes
 
 
 def test_trees_run_only_the_heads_they_reach(model):
