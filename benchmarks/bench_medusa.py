@@ -12,6 +12,7 @@ each row equal to plain batched greedy, with the same ratios.
 
 Regenerate benchmarks/results/bench_medusa.json, docs/bench_medusa.md and the table in docs/medusa.md:
     .venv/bin/python benchmarks/bench_medusa.py        (--quick: 2 prompts, 32 tokens, prints only)
+    .venv/bin/python benchmarks/bench_medusa.py --batches-only [--batch-sizes 4]   (the batch table alone, prints only)
 """
 
 from __future__ import annotations
@@ -146,11 +147,7 @@ def measure(quick: bool) -> dict[str, Any]:
     greedy = {name: run_tree(model, heads, prompts, tree, plan, GREEDY) for name, tree in candidates.items()}
     sampled = dict(list(candidates.items())[:2])  # the default and the whole calibrated tree
     sampling = {name: run_tree(model, heads, prompts, tree, plan, SAMPLING) for name, tree in sampled.items()}
-    most = max(batch_plan["batch_sizes"]) * batch_plan["batches"]
-    batch_rows = reference.held_out_sequences(tokenizer, seq_len=batch_plan["prompt_len"], max_rows=most * 3)[::3]
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    batches = {str(size): run_batch_size(model, heads, batch_rows, size, batch_plan, pad)
-               for size in batch_plan["batch_sizes"]}
+    batches = measure_batches(model, heads, tokenizer, batch_plan)
     return {
         "command": COMMAND + (" --quick" if quick else ""),
         "model": "hf_accel reference target, fp32; heads: hf_accel/reference/assets/medusa",
@@ -160,6 +157,15 @@ def measure(quick: bool) -> dict[str, Any]:
         "sampling": sampling,
         "batch_sizes": batches,
     }
+
+
+def measure_batches(model, heads, tokenizer, batch_plan: dict[str, Any]) -> dict[str, dict]:
+    """The default tree at each of `batch_plan["batch_sizes"]` (see `run_batch_size`)."""
+    most = max(batch_plan["batch_sizes"]) * batch_plan["batches"]
+    batch_rows = reference.held_out_sequences(tokenizer, seq_len=batch_plan["prompt_len"], max_rows=most * 3)[::3]
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return {str(size): run_batch_size(model, heads, batch_rows, size, batch_plan, pad)
+            for size in batch_plan["batch_sizes"]}
 
 
 def batch_table(results: dict[str, dict]) -> str:
@@ -232,6 +238,21 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = bench_output.benchmark_parser(__doc__.split("\n\n")[0], "bench_medusa")
+    parser.add_argument("--batches-only", action="store_true",
+                        help="only the default tree at batch 1 / 4 / 8 (prints the table, writes nothing)")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=None,
+                        help="with --batches-only: these batch sizes (default 1 4 8)")
+    args = parser.parse_args(argv)
+    if args.batches_only:
+        plan = dict(QUICK_BATCHES if args.quick else FULL_BATCHES)
+        plan["batch_sizes"] = args.batch_sizes or plan["batch_sizes"]
+        with bench.torch_threads(args.threads):
+            model, tokenizer = reference.load("target")
+            heads = MedusaHeads.from_pretrained(REFERENCE_HEADS_DIR, dtype=torch.float32)
+            results = measure_batches(model, heads, tokenizer, plan)
+        print("\n" + batch_table(results))
+        return results
     return bench_output.run_benchmark(argv, __doc__.split("\n\n")[0], "bench_medusa", ROOT, measure, markdown,
                                       lambda report: {"docs/medusa.md": headline(report)})
 

@@ -15,6 +15,7 @@ from transformers.generation.streamers import BaseStreamer
 import hf_accel
 from hf_accel.speculative.medusa import MedusaStats, medusa_generate
 from hf_accel.speculative.medusa_heads import MedusaConfig, MedusaHeads
+from hf_accel.speculative.tree_size import prefix_sizes
 
 WIDE = [(i,) for i in range(VOCAB_SIZE)] + [(i, j) for i in range(4) for j in range(3)] + [(0, 0, 0), (0, 1, 0)]
 CHAIN = [(0,), (0, 0), (0, 0, 0)]
@@ -171,10 +172,28 @@ def test_adaptive_tree_sizes(model):
     fixed, adaptive = MedusaStats(), MedusaStats()
     run(model, inputs, medusa_stats=fixed)
     assert set(fixed.candidates_per_step) == {len(WIDE)}  # an explicit tree is verified whole by default
-    got = run(model, inputs, medusa_stats=adaptive, medusa_adaptive=True, max_new_tokens=40)
-    assert torch.equal(got, run(model, inputs, medusa=False, max_new_tokens=40))
+    got = run(model, inputs, medusa_stats=adaptive, medusa_adaptive=True, max_new_tokens=200)
+    assert torch.equal(got, run(model, inputs, medusa=False, max_new_tokens=200))
     sizes = adaptive.candidates_per_step
-    assert sizes[:2] == [len(WIDE), 0] and len(set(sizes)) > 2, sizes  # whole tree, plain step, then others
+    # whole tree, then a plain step; later sizes depend on wall-clock timings (probes within 2% of the decoding time,
+    # tested with given timings in test_tree_size.py), so only the output and the sizes' range are checked here
+    assert sizes[:2] == [len(WIDE), 0] and set(sizes) <= set(prefix_sizes(WIDE)), sizes
+
+
+def test_trees_run_only_the_heads_they_reach(model):
+    heads = heads_for(model)  # 3 heads
+    calls = [0] * heads.num_heads
+    hooks = [head.register_forward_hook(lambda module, args, out, k=k: calls.__setitem__(k, calls[k] + 1))
+             for k, head in enumerate(heads.lm_heads)]
+    try:
+        inputs = make_prompts([9], seed=3)
+        stats = MedusaStats()
+        got = run(model, inputs, tree=[(0,), (1,), (0, 0)], medusa_stats=stats)  # 2 deep: head 2 never runs
+        assert torch.equal(got, run(model, inputs, medusa=False))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert calls[0] == calls[1] == stats.num_verify_forwards and calls[2] == 0, calls
 
 
 def test_bad_input(model):

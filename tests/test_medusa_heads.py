@@ -35,6 +35,18 @@ def test_heads_shapes_separate_modules_and_lm_head_init(model):
     assert torch.allclose(heads(hidden)[1], model.get_output_embeddings()(hidden))
 
 
+def test_heads_compute_only_the_first_num_heads(model):
+    heads = MedusaHeads.for_model(model, num_heads=3)
+    with torch.no_grad():
+        for block in heads.blocks:
+            nn.init.normal_(block.layers[0].weight)  # heads that differ from each other
+        hidden = torch.randn(2, 64)
+        assert torch.equal(heads(hidden, num_heads=2), heads(hidden)[:2])
+    for bad in (0, 4):
+        with pytest.raises(ValueError, match="num_heads"):
+            heads(hidden, num_heads=bad)
+
+
 def test_save_load_round_trip(model, tmp_path):
     heads = MedusaHeads.for_model(model, num_heads=2)
     with torch.no_grad():

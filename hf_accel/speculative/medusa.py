@@ -203,20 +203,24 @@ def _step(run: _Run, hidden: torch.Tensor) -> torch.Tensor:
     started, batch, trees = time.perf_counter(), run.batch, run.trees
     index = trees.sizer.choose() if trees.sizer is not None else len(trees.trees) - 1
     tree = trees.trees[index]
-    tokens = batch.columns[:, -1:]  # [batch, num_nodes]: the root, then the candidates
+    tokens, positions = batch.columns[:, -1:], batch.positions[:, -1:]  # the root, then the candidates
     if tree.num_nodes > 1:  # generate runs under no_grad
-        candidates = tree.candidate_tokens(run.heads(hidden.to(run.heads.lm_heads[0].weight.dtype)))
-        tokens = torch.cat([tokens, candidates.to(tokens.device)], dim=1)
+        candidates = tree.candidate_tokens(run.heads(hidden.to(run.heads.lm_heads[0].weight.dtype), tree.depth))
+        tokens = torch.cat([tokens, candidates.to(tokens.device)], dim=1)  # [batch, num_nodes]
+        positions = positions + tree.depths.to(tokens.device)
     out = run.model(input_ids=tokens, attention_mask=_step_mask(run, tree), past_key_values=run.cache,
-                    position_ids=batch.positions[:, -1:] + tree.depths.to(tokens.device), use_cache=True,
-                    output_hidden_states=True)
-    active, remaining = batch.unfinished.clone(), batch.remaining.clone()
+                    position_ids=positions, use_cache=True, output_hidden_states=True)
+    active = batch.unfinished  # new tensors, not views of the batch's state; a plain step accepts no candidates
+    remaining = batch.remaining if tree.num_nodes > 1 else None
     walk = walk_tree(run.rules, batch, tree, tokens, out.logits)
     most = _commit(run, walk)
     keep_tree_path(run.cache, tree.num_nodes, walk.nodes[:, : most + 1])
-    _record(run, index, walk, active, remaining == remaining.max(), time.perf_counter() - started)
+    _record(run, index, walk, active, remaining, time.perf_counter() - started)
+    states = out.hidden_states[-1]  # [batch, num_nodes, hidden]
+    if tree.num_nodes == 1:  # the root is every row's last node
+        return states[:, -1]
     last = walk.nodes.gather(1, (walk.num_emitted - 1).clamp_min(0)[:, None])  # [batch, 1]
-    return out.hidden_states[-1].gather(1, last[..., None].expand(-1, -1, hidden.shape[-1]))[:, 0]
+    return states.gather(1, last[..., None].expand(-1, -1, hidden.shape[-1]))[:, 0]
 
 
 def _step_mask(run: _Run, tree: MedusaTree) -> torch.Tensor | dict[str, torch.Tensor] | None:
@@ -234,16 +238,21 @@ def _commit(run: _Run, walk: Walk) -> int:
     return run.batch.commit(walk.tokens, walk.num_emitted, walk.fired, walk.num_to_stop)
 
 
-def _record(run: _Run, index: int, walk: Walk, active: torch.Tensor, behind: torch.Tensor, seconds: float) -> None:
-    """Count the step in the stats; time it for the sizer with the acceptance of the rows furthest `behind` (most
-    tokens left): the call ends when they do, so their pace is the batch's."""
+def _record(run: _Run, index: int, walk: Walk, active: torch.Tensor, remaining: torch.Tensor | None,
+            seconds: float) -> None:
+    """Count the step in the stats; time it for the sizer with what each active row accepted and had `remaining`
+    before it (the sizer weighs the furthest-behind rows: the call ends when they do; None for a plain step)."""
     stats, trees = run.stats, run.trees
     stats.num_verify_forwards += 1
     stats.num_verify_rows += int(active.sum())
     stats.candidates_per_step.append(trees.trees[index].num_nodes - 1)
     walk.record(stats, active)
-    if trees.sizer is not None:  # the walk synchronised with the device, so the time is real
-        ranks = trees.ranks[index]
-        kept = [nodes[1:count] for nodes, count, slow in
-                zip(walk.nodes.tolist(), walk.num_emitted.tolist(), (behind & active).tolist()) if slow]
-        trees.sizer.record(index, [[ranks[node] for node in nodes] for nodes in kept], seconds)
+    if trees.sizer is None:
+        return
+    if remaining is None:  # a plain step accepts no candidates
+        trees.sizer.record(index, [], seconds)  # the walk synchronised with the device, so the time is real
+        return
+    ranks, rows = trees.ranks[index], active.nonzero().squeeze(1)
+    kept = [[ranks[node] for node in nodes[1:count]]
+            for nodes, count in zip(walk.nodes[rows].tolist(), walk.num_emitted[rows].tolist())]
+    trees.sizer.record(index, kept, seconds, remaining[rows].tolist())

@@ -124,9 +124,15 @@ class MedusaHeads(RichDisplay, nn.Module):
                     head.weight.copy_(lm_head.weight[: config.vocab_size])
         return heads
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """`hidden_states`: `[..., hidden_size]` (the base model's last, normed hidden state) -> `[K, ..., vocab]`."""
-        return torch.stack([head(block(hidden_states)) for block, head in zip(self.blocks, self.lm_heads)])
+    def forward(self, hidden_states: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
+        """`hidden_states`: `[..., hidden_size]` (the base model's last, normed hidden state) -> `[K, ..., vocab]`,
+        or with `num_heads` only the first `num_heads` heads, `[num_heads, ..., vocab]` (a shallow tree needs no
+        deeper heads, and each head's vocabulary projection costs about what the base model's lm_head does)."""
+        count = self.num_heads if num_heads is None else num_heads
+        if not 1 <= count <= self.num_heads:
+            raise ValueError(f"`num_heads` must be in [1, {self.num_heads}], got {num_heads}")
+        pairs = zip(self.blocks[:count], self.lm_heads[:count])
+        return torch.stack([head(block(hidden_states)) for block, head in pairs])
 
     def check_compatible(self, model: PreTrainedModel) -> None:
         """Raise `ValueError` (naming `medusa_heads`) when these heads do not fit `model`'s hidden size or vocab."""

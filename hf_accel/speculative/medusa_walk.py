@@ -36,16 +36,18 @@ class TokenRules:
 class Walk:
     """One step's outcome per row: `tokens` `[batch, depth + 1]` decided (the first `num_emitted[r]` count),
     `nodes` `[batch, depth + 1]` the kept nodes (root first, then the accepted path; 0 past it), `fired`: a
-    stopping criterion fired on the row's token `num_to_stop[r]` (1-based)."""
+    stopping criterion fired on the row's token `num_to_stop[r]` (1-based); None when no criterion was checked."""
 
     tokens: torch.Tensor
     nodes: torch.Tensor
     num_emitted: torch.Tensor
-    fired: torch.Tensor
+    fired: torch.Tensor | None
     num_to_stop: torch.Tensor
 
     def record(self, stats: MedusaStats, active: torch.Tensor) -> None:
         """Add the accepted nodes per depth of the `active` rows to `stats`."""
+        if self.tokens.shape[1] == 1:  # a root-only tree accepts nothing
+            return
         accepted = (self.num_emitted[active] - 1).tolist()
         for depth in range(len(stats.accepted_per_depth)):
             stats.accepted_per_depth[depth] += sum(n > depth for n in accepted)
@@ -59,33 +61,42 @@ def walk_tree(rules: TokenRules, batch: RaggedBatch, tree: MedusaTree, tokens: t
     decided = tokens.new_full((rows, tree.depth + 1), batch.pad_token_id)
     nodes = torch.zeros_like(decided)
     num_emitted, num_to_stop = torch.zeros_like(batch.num_generated), torch.zeros_like(batch.num_generated)
-    fired = torch.zeros_like(batch.stopped)
-    walking, budget = batch.unfinished.clone(), batch.remaining
-    node, every_row, children = torch.zeros_like(num_emitted), torch.arange(rows, device=device), \
-        tree.child_table.to(device)
+    fired, walking = None, batch.unfinished  # a new tensor, updated in place
+    if tree.depth:  # what the descent needs (a root-only tree is a plain step)
+        node, every_row, children = torch.zeros_like(num_emitted), torch.arange(rows, device=device), \
+            tree.child_table.to(device)
+        budget = batch.remaining
     for depth in range(tree.depth + 1):
         walkers = walking.nonzero().squeeze(1)
         if walkers.numel() == 0:
             break
-        raw = logits[every_row, node].to(dtype=torch.float32, copy=True)  # [batch, vocab]
+        raw = (logits[:, 0] if depth == 0 else logits[every_row, node]).to(dtype=torch.float32, copy=True)
         scores = _process(rules.processors, batch, decided, depth, raw, walkers)
         token = _choose(rules.do_sample, scores, walkers, decided[:, depth])
         decided[:, depth] = token
         num_emitted += walking
         _collect(rules, scores, raw, walkers)
-        stop = _stops(rules, batch, decided, depth, scores, walking & ~batch.stopped & ~fired)
-        fired |= stop
-        num_to_stop = torch.where(stop, depth + 1, num_to_stop)
+        stop = _stops(rules, batch, decided, depth, scores, walking, fired)
+        if stop is not None:
+            fired = stop if fired is None else fired | stop
+            num_to_stop = torch.where(stop, depth + 1, num_to_stop)
         if depth == tree.depth:  # the deepest nodes have no children
             break
-        candidates = children[node]  # [batch, max_children]
-        match = (candidates >= 0) & (tokens.gather(1, candidates.clamp_min(0)) == token[:, None])
-        child = candidates.gather(1, match.long().argmax(dim=1, keepdim=True)).squeeze(1)
-        ended = (stop & batch.pad_finished) | (num_emitted >= budget) | ~match.any(dim=1)
-        walking &= ~ended
-        node = torch.where(walking, child, node)
-        nodes[:, depth + 1] = torch.where(walking, child, 0)
+        ended = num_emitted >= budget if stop is None else (num_emitted >= budget) | (stop & batch.pad_finished)
+        node = _descend(children, tokens, token, node, walking, ended)
+        nodes[:, depth + 1] = torch.where(walking, node, 0)
     return Walk(decided, nodes, num_emitted, fired, num_to_stop)
+
+
+def _descend(children: torch.Tensor, tokens: torch.Tensor, token: torch.Tensor, node: torch.Tensor,
+             walking: torch.Tensor, ended: torch.Tensor) -> torch.Tensor:
+    """Each walking row's child of `node` that holds its decided `token`; rows with no such child or `ended`
+    stop walking (`walking` is updated in place) and keep `node`."""
+    candidates = children[node]  # [batch, max_children]
+    match = (candidates >= 0) & (tokens.gather(1, candidates.clamp_min(0)) == token[:, None])
+    child = candidates.gather(1, match.long().argmax(dim=1, keepdim=True)).squeeze(1)
+    walking &= ~(ended | ~match.any(dim=1))
+    return torch.where(walking, child, node)
 
 
 def _process(processors: LogitsProcessorList, batch: RaggedBatch, decided: torch.Tensor, depth: int,
@@ -110,16 +121,22 @@ def _process(processors: LogitsProcessorList, batch: RaggedBatch, decided: torch
 
 def _choose(do_sample: bool, scores: torch.Tensor, walkers: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
     # argmax, or one multinomial draw per walking row (the others keep `fallback`)
+    every = walkers.numel() == scores.shape[0]
+    scores = scores if every else scores[walkers]
     if do_sample:
-        chosen = torch.multinomial(torch.softmax(scores[walkers], dim=-1), num_samples=1).squeeze(1)
+        chosen = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
     else:
-        chosen = scores[walkers].argmax(dim=-1)
-    return fallback.index_copy(0, walkers, chosen)
+        chosen = scores.argmax(dim=-1)
+    return chosen if every else fallback.index_copy(0, walkers, chosen)
 
 
 def _stops(rules: TokenRules, batch: RaggedBatch, decided: torch.Tensor, depth: int, scores: torch.Tensor,
-           checked: torch.Tensor) -> torch.Tensor:
-    """`[batch]` bool: a stopping criterion fires on the token just decided (only `checked` rows)."""
+           walking: torch.Tensor, fired: torch.Tensor | None) -> torch.Tensor | None:
+    """`[batch]` bool: a stopping criterion fires on the token just decided (checked on walking rows that have not
+    stopped, now or before); None when there is no criterion to check."""
+    if rules.eos_token_ids is None and not len(rules.criteria):
+        return None
+    checked = walking & ~batch.stopped if fired is None else walking & ~batch.stopped & ~fired
     stop = torch.zeros_like(checked)
     if rules.eos_token_ids is not None:
         stop |= torch.isin(decided[:, depth], rules.eos_token_ids)

@@ -93,10 +93,11 @@ class RaggedBatch:
         return torch.where(index >= 0, gathered, self.pad_token_id)
 
     def commit(
-        self, emitted: torch.Tensor, num_emitted: torch.Tensor, fired: torch.Tensor, num_to_stop: torch.Tensor
+        self, emitted: torch.Tensor, num_emitted: torch.Tensor, fired: torch.Tensor | None, num_to_stop: torch.Tensor
     ) -> int:
         """Keep `num_emitted[r]` (>= 1) tokens of `emitted` `[batch, k + 1]` for every unfinished row; `fired[r]`: a
-        stopping criterion fired on the row's token `num_to_stop[r]` (1-based) of them. Appends M + 1 cache columns
+        stopping criterion fired on the row's token `num_to_stop[r]` (1-based) of them (None: no criterion was
+        checked, as when the call has none). Appends M + 1 cache columns
         (M = most tokens kept minus one) and returns M; the caches must then hold every column but the last.
 
         With `pad_finished` (stock generate with an EOS criterion) a stopped row ends there and is padded; the
@@ -112,6 +113,8 @@ class RaggedBatch:
         self.num_generated += num_emitted
         most = int(num_emitted.max()) - 1
         self._append_columns(emitted, num_emitted, active, most)
+        if fired is None:  # no row stopped now, so no row's end moves
+            return most
         newly = active & fired & ~self.stopped
         self.stopped |= newly
         self.stop_lengths = torch.where(newly, lengths - self.prompt_width + num_to_stop, self.stop_lengths)

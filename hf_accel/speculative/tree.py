@@ -32,7 +32,7 @@ class MedusaTree:
     `children[j]`: node j's children in node order; `child_table`: the same as a tensor
     `[num_nodes, max_children]` padded with -1; `ancestors`: `[num_nodes, num_nodes]` bool, row j true at j's
     ancestors and j itself; node j >= 1 is the `candidate_ranks[j - 1]`-th best token of head
-    `candidate_heads[j - 1]` (its depth minus one).
+    `candidate_heads[j - 1]` (its depth minus one); `depth` and `max_rank` are the heads and top-k the tree needs.
     """
 
     paths: tuple[tuple[int, ...], ...]
@@ -43,20 +43,12 @@ class MedusaTree:
     ancestors: torch.Tensor  # [num_nodes, num_nodes] bool
     candidate_heads: torch.Tensor  # [num_nodes - 1] head that proposes node j + 1
     candidate_ranks: torch.Tensor  # [num_nodes - 1] its rank in that head's top-k
+    depth: int  # deepest level (heads used); 0 for the root alone
+    max_rank: int  # top-k needed from any head (0 for the root alone)
 
     @property
     def num_nodes(self) -> int:
         return len(self.paths) + 1
-
-    @property
-    def depth(self) -> int:
-        """Deepest level (heads used)."""
-        return int(self.depths.max())
-
-    @property
-    def max_rank(self) -> int:
-        """Top-k needed from any head."""
-        return int(self.candidate_ranks.max()) + 1
 
     def candidate_tokens(self, head_logits: torch.Tensor) -> torch.Tensor:
         """`head_logits`: `[num_heads, ..., vocab]` -> token ids of nodes 1.. `[..., num_nodes - 1]`."""
@@ -107,6 +99,8 @@ def _make_tree(paths: list[tuple[int, ...]]) -> MedusaTree:
         ancestors=_ancestor_matrix(parents),
         candidate_heads=torch.tensor([len(p) - 1 for p in ordered], dtype=torch.long),
         candidate_ranks=torch.tensor([p[-1] for p in ordered], dtype=torch.long),
+        depth=max((len(p) for p in ordered), default=0),
+        max_rank=max((p[-1] + 1 for p in ordered), default=0),
     )
 
 

@@ -84,7 +84,8 @@ def keep_tree_path(cache: Cache, num_nodes: int, kept: torch.Tensor) -> None:
     """After a verification forward appended `num_nodes` tree tokens, keep nodes `kept` `[batch, n]` right after
     the prefix, in that order: row r's slot j then holds node `kept[r, j]` (the accepted path from the root, then
     any node for the slots a row leaves as holes). Batch size > 1 needs a `DynamicCache` of full-attention layers."""
-    if bool((kept == torch.arange(kept.shape[1], device=kept.device)).all()):  # every row kept a chain: in place
+    if kept.shape[1] == 1 or bool((kept == torch.arange(kept.shape[1], device=kept.device)).all()):
+        # every row kept the root alone or a chain: in place
         _drop(cache, num_nodes - kept.shape[1])
         return
     if isinstance(cache, PagedCache):
