@@ -43,6 +43,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="assets folder whose trained model is grown to the preset's depth and trained on")
     parser.add_argument("--skip-batches", type=int, default=0,
                         help="batches of the seeded order to skip (with --grow-from: the steps that model trained)")
+    parser.add_argument("--distill-from", type=Path, default=None,
+                        help="assets folder whose target the trained model imitates (KL to its next-token "
+                             "distribution; for a draft that agrees with its target)")
     parser.add_argument("--lr", type=float, default=None, help="override the recipe's peak learning rate")
     parser.add_argument("--retrain-tokenizer", action="store_true", help="ignore <out>/tokenizer if present")
     parser.add_argument("--no-progress", action="store_true")
@@ -80,6 +83,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         baseline=args.baseline,
         grow_from=args.grow_from,
         skip_batches=args.skip_batches,
+        distill_from=args.distill_from,
     )
     print(f"wrote {report_path}")
     return 0
