@@ -154,6 +154,19 @@ def _step(model: LlamaForCausalLM, optimizer: torch.optim.Optimizer, batch: torc
     return loss.item()
 
 
+def _check_training(model: LlamaForCausalLM, sequences: torch.Tensor, recipe: TrainRecipe, skip_batches: int,
+                    teacher: torch.nn.Module | None) -> None:
+    """ValueError naming the argument that `train_model` cannot train with."""
+    if skip_batches < 0:
+        raise ValueError(f"skip_batches must be >= 0, got {skip_batches}")
+    if teacher is not None and teacher.config.vocab_size != model.config.vocab_size:
+        raise ValueError(f"teacher's vocab_size {teacher.config.vocab_size} must equal the model's "
+                         f"{model.config.vocab_size}")
+    if sequences.shape[1] != recipe.seq_len or len(sequences) < recipe.batch_size:
+        shape = tuple(sequences.shape)
+        raise ValueError(f"sequences must hold >= {recipe.batch_size} rows of {recipe.seq_len} tokens, got {shape}")
+
+
 def train_model(
     model: LlamaForCausalLM,
     sequences: torch.Tensor,
@@ -171,16 +184,9 @@ def train_model(
     ``skip_batches`` steps with the same recipe seed then trains on rows it has never seen. With a ``teacher`` (a
     model over the same vocabulary, kept frozen) the loss is ``distillation_loss`` to its next-token distribution
     instead of cross-entropy on the text, and ``losses`` hold that."""
-    if skip_batches < 0:
-        raise ValueError(f"skip_batches must be >= 0, got {skip_batches}")
+    _check_training(model, sequences, recipe, skip_batches, teacher)
     if teacher is not None:
-        if teacher.config.vocab_size != model.config.vocab_size:
-            raise ValueError(f"teacher's vocab_size {teacher.config.vocab_size} must equal the model's "
-                             f"{model.config.vocab_size}")
         teacher.eval().requires_grad_(False)
-    if sequences.shape[1] != recipe.seq_len or len(sequences) < recipe.batch_size:
-        shape = tuple(sequences.shape)
-        raise ValueError(f"sequences must hold >= {recipe.batch_size} rows of {recipe.seq_len} tokens, got {shape}")
     model.train()
     optimizer = _optimizer(model, recipe)
     losses, spent = [], 0.0

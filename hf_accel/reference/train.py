@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from .build import build_reference
+from .build import TrainStart, build_reference
 from .loop import Checkpointing
 from .presets import TRAIN_RECIPES, TrainRecipe
 
@@ -81,9 +81,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         progress=not args.no_progress,
         checkpointing=checkpointing,
         baseline=args.baseline,
-        grow_from=args.grow_from,
-        skip_batches=args.skip_batches,
-        distill_from=args.distill_from,
+        start=TrainStart(args.grow_from, args.skip_batches, args.distill_from),
     )
     print(f"wrote {report_path}")
     return 0
