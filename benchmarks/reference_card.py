@@ -184,6 +184,8 @@ def render(report: dict[str, Any]) -> str:
         "# each copy's output projections zeroed (the same function at step 0), then trained on the rows that the",
         "# trained one never saw (--skip-batches: its steps) at a lower peak learning rate",
         "hf-accel train-reference --which target --grow-from <assets> --skip-batches <its steps> --lr 1e-3 --threads 1",
+        "# a draft that imitates a target (KL to its next-token distribution) rather than the text",
+        "hf-accel train-reference --which draft --distill-from <assets with the target> --threads 1",
         "```", "",
         "Every number above comes from `hf_accel/reference/assets/report.json`, which that command writes; "
         "`benchmarks/reference_card.py` renders this page from it.",

@@ -1,4 +1,5 @@
-"""Shared test fixtures: one torch thread everywhere, and loading a benchmark script as a module."""
+"""Shared test fixtures: one torch thread everywhere, loading a benchmark script as a module, and the reference target
+with its committed Medusa heads."""
 
 import importlib.util
 import sys
@@ -33,3 +34,16 @@ def load_benchmark(monkeypatch) -> Callable[[str], ModuleType]:
         return module
 
     return load
+
+
+@pytest.fixture(scope="session")
+def reference_with_heads():
+    """`(target, tokenizer, heads)`: the reference target in fp32 and its committed Medusa heads (skips the test when
+    the assets are not built)."""
+    from hf_accel import MedusaHeads, reference
+    from hf_accel.speculative.medusa_command import REFERENCE_HEADS_DIR
+
+    if not (reference.has_assets() and (REFERENCE_HEADS_DIR / "medusa_config.json").is_file()):
+        pytest.skip("reference assets not built")
+    target, tokenizer = reference.load("target")
+    return target, tokenizer, MedusaHeads.from_pretrained(REFERENCE_HEADS_DIR, dtype=torch.float32)

@@ -11,7 +11,6 @@ from test_medusa_generate import CHAIN, WIDE, heads_for
 from transformers import StoppingCriteriaList
 
 from hf_accel.speculative.medusa import MedusaStats, medusa_generate
-from hf_accel.speculative.medusa_heads import MedusaHeads
 
 NEW = 20
 LENGTHS = [[5, 12, 9, 3], [11, 4]]
@@ -128,14 +127,10 @@ def test_sliding_window_models_refused_at_batch_size_above_1(arch):
     run(model, make_prompts([5], seed=1), max_new_tokens=2)  # batch size 1 stays supported
 
 
-def test_reference_target_with_committed_heads_at_batch_4():
+def test_reference_target_with_committed_heads_at_batch_4(reference_with_heads):
     from hf_accel import reference
-    from hf_accel.speculative.medusa_command import REFERENCE_HEADS_DIR
 
-    if not (reference.has_assets() and (REFERENCE_HEADS_DIR / "medusa_config.json").is_file()):
-        pytest.skip("reference assets not built")
-    target, tokenizer = reference.load("target")
-    heads = MedusaHeads.from_pretrained(REFERENCE_HEADS_DIR, dtype=torch.float32)
+    target, tokenizer, heads = reference_with_heads
     rows = reference.held_out_sequences(tokenizer, seq_len=64, max_rows=4)
     mask = torch.ones_like(rows)
     for row, length in enumerate([64, 40, 23, 51]):  # left-pad to mixed prompt lengths

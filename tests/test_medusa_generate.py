@@ -236,14 +236,10 @@ def test_greedy_equals_plain_across_architectures(arch, attn):
         assert torch.equal(run(model, inputs, medusa_adaptive=True, **kwargs), expected), kwargs
 
 
-def test_reference_target_with_committed_heads():
+def test_reference_target_with_committed_heads(reference_with_heads):
     from hf_accel import reference
-    from hf_accel.speculative.medusa_command import REFERENCE_HEADS_DIR
 
-    if not (reference.has_assets() and (REFERENCE_HEADS_DIR / "medusa_config.json").is_file()):
-        pytest.skip("reference assets not built")
-    target, tokenizer = reference.load("target")
-    heads = MedusaHeads.from_pretrained(REFERENCE_HEADS_DIR, dtype=torch.float32)
+    target, tokenizer, heads = reference_with_heads
     prompt = reference.held_out_sequences(tokenizer, seq_len=64, max_rows=1)
     stats = MedusaStats()
     kwargs = dict(max_new_tokens=48, min_new_tokens=48, do_sample=False, eos_token_id=None)

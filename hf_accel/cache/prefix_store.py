@@ -125,8 +125,7 @@ class PrefixStore(RichDisplay):
         pads = left_padding(input_ids, attention_mask)
         if pads is None:
             return None
-        width, tokens = input_ids.shape[1], input_ids.tolist()
-        chains = [self._chain(row[pad:], (width - pad) // self.block_size) for row, pad in zip(tokens, pads)]
+        width, chains = input_ids.shape[1], self._chains(input_ids, pads)
         with self._lock:
             # never the row's last token: it must be computed to sample from
             hits = [self._index.match(chain[: (width - pad - 1) // self.block_size])
@@ -147,9 +146,7 @@ class PrefixStore(RichDisplay):
         pads = left_padding(input_ids, attention_mask)
         if pads is None:
             return
-        if chains is None:
-            width, tokens = input_ids.shape[1], input_ids.tolist()
-            chains = [self._chain(row[pad:], (width - pad) // self.block_size) for row, pad in zip(tokens, pads)]
+        chains = self._chains(input_ids, pads) if chains is None else chains
         wanted: dict[bytes, tuple[bytes | None, int, int]] = {}  # key -> (parent, row, first column), in chain order
         with self._lock:
             for r, (chain, pad) in enumerate(zip(chains, pads)):
@@ -163,12 +160,16 @@ class PrefixStore(RichDisplay):
             for (key, (parent, _, _)), block in zip(wanted.items(), blocks):
                 self._index.insert(key, parent, block, block.nbytes)
 
-    def _chain(self, real_tokens: list[int], num_blocks: int) -> list[bytes]:
-        keys, parent = [], None
-        for j in range(num_blocks):
-            parent = block_key(parent, real_tokens[j * self.block_size : (j + 1) * self.block_size])
-            keys.append(parent)
-        return keys
+    def _chains(self, input_ids: torch.Tensor, pads: list[int]) -> list[list[bytes]]:
+        """Each row's keys of its full blocks of real tokens, chained as the engine's `block_key`s are."""
+        width, chains = input_ids.shape[1], []
+        for row, pad in zip(input_ids.tolist(), pads):
+            keys, parent = [], None
+            for start in range(pad, width - self.block_size + 1, self.block_size):
+                parent = block_key(parent, row[start : start + self.block_size])
+                keys.append(parent)
+            chains.append(keys)
+        return chains
 
     def _fill(self, cache: PagedCache, hits: list[list[PrefixEntry]], pads: list[int], skip: int,
               device: torch.device) -> None:

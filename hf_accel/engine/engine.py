@@ -29,6 +29,7 @@ from .config import EngineConfig
 from .engine_core import EngineCore, EngineStats
 from .model_runner import paged_attention_implementation
 from .outputs import RequestOutput, RequestTiming
+from .prompts import encode_prompt, prompt_list
 from .sampling_params import SamplingParams
 from .sequence import Request
 
@@ -97,7 +98,7 @@ class Engine(RichDisplay):
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"`params` must be a SamplingParams, got {type(params).__name__}")
-        text, ids = self._encode(prompt)
+        text, ids = encode_prompt(self.tokenizer, prompt)
         self.core.check_prompt(ids, params)
         request_id = f"req-{next(self._ids)}" if request_id is None else request_id
         if request_id in self._listeners:
@@ -127,7 +128,7 @@ class Engine(RichDisplay):
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
         """Generate for every prompt (strings or token-id lists); `params` is one for all or one per prompt.
         Returns the finished outputs in prompt order."""
-        prompts = [prompts] if isinstance(prompts, str) or _is_token_ids(prompts) else list(prompts)
+        prompts = prompt_list(prompts)
         per_prompt = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(per_prompt) != len(prompts):
             raise ValueError(f"`params` has {len(per_prompt)} entries for {len(prompts)} prompts")
@@ -283,22 +284,7 @@ class Engine(RichDisplay):
         if request is not None:
             self._deliver(request.snapshot())
 
-    def _encode(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("`prompt` is a string but the Engine has no tokenizer; pass token ids or a tokenizer")
-            return prompt, self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        if _is_token_ids(prompt):
-            return None, list(prompt)
-        raise TypeError(f"`prompt` must be a string or a list of token ids, got {type(prompt).__name__}")
-
     def _check_alive(self) -> None:
         if self._dead is not None:
             raise EngineDeadError("the engine loop died; create a new Engine") from self._dead
 
-
-def _is_token_ids(value: object) -> bool:
-    """A non-empty list or tuple of ints (bools excluded)."""
-    if not isinstance(value, (list, tuple)) or not value:
-        return False
-    return all(isinstance(v, int) and not isinstance(v, bool) for v in value)

@@ -11,7 +11,7 @@ import json
 import platform
 import time
 from collections.abc import Sequence
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -94,18 +94,35 @@ def initial_model(name: str, tokenizer: PreTrainedTokenizerBase, seed: int, grow
     return grow_depth(trained, preset.num_layers)
 
 
+@dataclass(frozen=True, slots=True)
+class TrainStart:
+    """Where a model's training starts and what it learns from. Default: a fresh seeded model learning the text.
+    ``grow_from``: an assets folder whose trained model of the same name is grown to the preset's depth
+    (``initial_model``), and ``skip_batches`` batches of the seeded order passed over (the rows it saw);
+    ``distill_from``: an assets folder whose target is the teacher (``loop.train_model``)."""
+
+    grow_from: Path | None = None
+    skip_batches: int = 0
+    distill_from: Path | None = None
+
+    def record(self) -> dict:
+        """The fields that differ from a fresh start, for report.json."""
+        fields = {"grow_from": self.grow_from, "skip_batches": self.skip_batches, "distill_from": self.distill_from}
+        return {key: str(value) if isinstance(value, Path) else value for key, value in fields.items() if value}
+
+
 def train_one(name: str, recipe: TrainRecipe, tokenizer: PreTrainedTokenizerBase, train_ids: list[list[int]],
               out: Path, time_budget_s: float | None, progress: bool, checkpointing: Checkpointing | None,
-              grow_from: Path | None = None, skip_batches: int = 0) -> dict:
+              start: TrainStart = TrainStart()) -> dict:
     """Train ``name`` on the train ids and save it to ``out/name``; returns its training record (no perplexity
-    yet: ``measure`` adds it from the saved files). ``grow_from`` and ``skip_batches``: see ``initial_model`` and
-    ``loop.train_model``."""
+    yet: ``measure`` adds it from the saved files)."""
     rows = pack_sequences(train_ids, tokenizer.eos_token_id, recipe.seq_len)
-    model = initial_model(name, tokenizer, recipe.seed, grow_from)
-    result = train_model(model, rows, recipe, time_budget_s, progress, checkpointing, skip_batches)
+    model = initial_model(name, tokenizer, recipe.seed, start.grow_from)
+    teacher = None if start.distill_from is None else load("target", assets_dir=start.distill_from)[0]
+    result = train_model(model, rows, recipe, time_budget_s, progress, checkpointing, start.skip_batches, teacher)
     save_model(model, tokenizer, out / name)
-    grown = {} if grow_from is None else {"grown_from": {"folder": str(grow_from), "skip_batches": skip_batches}}
-    return {**grown,
+    return {
+        **({"start": start.record()} if start.record() else {}),
         "parameters": num_parameters(model),
         "preset": asdict(MODEL_PRESETS[name]),
         "recipe": asdict(recipe),
@@ -144,13 +161,11 @@ def build_reference(
     progress: bool = True,
     checkpointing: dict[str, Checkpointing] | None = None,
     baseline: Path | None = None,
-    grow_from: Path | None = None,
-    skip_batches: int = 0,
+    start: TrainStart = TrainStart(),
 ) -> Path:
     """Run the pipeline for ``names`` (a subset of "target", "draft"; empty: only measure what is in ``out``) into
-    ``out`` (default: the package's assets); returns the path of the written ``report.json``. ``grow_from`` (an
-    assets folder) starts each model from that folder's trained one grown to its preset's depth, skipping the first
-    ``skip_batches`` batches of the seeded order (the rows it already saw)."""
+    ``out`` (default: the package's assets), each model starting as ``start`` says; returns the path of the written
+    ``report.json``."""
     out = ASSETS_DIR if out is None else Path(out)
     corpus = default_corpus()
     tokenizer, tokenizer_seconds = prepare_tokenizer(out, corpus.splits["train"].texts, retrain_tokenizer)
@@ -159,7 +174,7 @@ def build_reference(
     token_counts = {**known, **{split: sum(len(ids) for ids in token_ids[split]) for split in token_ids}}
     eval_rows = {split: evaluation_rows(token_ids[split], tokenizer.eos_token_id) for split in HELD_OUT_SPLITS}
     trained = {name: train_one(name, recipes[name], tokenizer, token_ids["train"], out, time_budget_s, progress,
-                               (checkpointing or {}).get(name), grow_from, skip_batches) for name in names}
+                               (checkpointing or {}).get(name), start) for name in names}
     for record in trained.values():  # which corpus a model saw: the card tells models of an earlier corpus apart
         record["train_fingerprint"] = corpus.splits["train"].fingerprint
     for name in MODEL_NAMES:  # every saved model carries the current tokenizer files (chat template included)

@@ -127,17 +127,44 @@ def _time_fraction(elapsed: float, budget: float | None) -> float:
     return min(1.0, elapsed / budget) if budget > 0 else 1.0
 
 
+def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+    """KL(teacher || student) of the next-token distributions, averaged over positions (logits ``[batch, seq,
+    vocab]``): the student learns the teacher's whole distribution, so its argmax, which greedy speculation accepts,
+    follows the teacher's."""
+    student = torch.nn.functional.log_softmax(student_logits.float().flatten(0, 1), dim=-1)
+    teacher = torch.nn.functional.log_softmax(teacher_logits.float().flatten(0, 1), dim=-1)
+    return torch.nn.functional.kl_div(student, teacher, reduction="batchmean", log_target=True)
+
+
 def _step(model: LlamaForCausalLM, optimizer: torch.optim.Optimizer, batch: torch.Tensor, recipe: TrainRecipe,
-          lr: float) -> float:
+          lr: float, teacher: torch.nn.Module | None) -> float:
     for group in optimizer.param_groups:
         group["lr"] = lr
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=recipe.bf16_autocast):
-        loss = model(input_ids=batch, labels=batch).loss
+        if teacher is None:
+            loss = model(input_ids=batch, labels=batch).loss
+        else:
+            with torch.no_grad():
+                teacher_logits = teacher(input_ids=batch).logits
+            loss = distillation_loss(model(input_ids=batch).logits, teacher_logits)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.grad_clip)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return loss.item()
+
+
+def _check_training(model: LlamaForCausalLM, sequences: torch.Tensor, recipe: TrainRecipe, skip_batches: int,
+                    teacher: torch.nn.Module | None) -> None:
+    """ValueError naming the argument that `train_model` cannot train with."""
+    if skip_batches < 0:
+        raise ValueError(f"skip_batches must be >= 0, got {skip_batches}")
+    if teacher is not None and teacher.config.vocab_size != model.config.vocab_size:
+        raise ValueError(f"teacher's vocab_size {teacher.config.vocab_size} must equal the model's "
+                         f"{model.config.vocab_size}")
+    if sequences.shape[1] != recipe.seq_len or len(sequences) < recipe.batch_size:
+        shape = tuple(sequences.shape)
+        raise ValueError(f"sequences must hold >= {recipe.batch_size} rows of {recipe.seq_len} tokens, got {shape}")
 
 
 def train_model(
@@ -148,17 +175,18 @@ def train_model(
     progress: bool = True,
     checkpointing: Checkpointing | None = None,
     skip_batches: int = 0,
+    teacher: torch.nn.Module | None = None,
 ) -> TrainResult:
     """Train on packed ``sequences`` ``[rows, seq_len]`` for ``recipe.steps`` steps, or until ``time_budget_s``
     seconds have passed (counting the time before a resume); with a budget the learning rate decays on time too
     (see ``lr_at``). ``checkpointing`` saves resumable state and, with ``resume``, continues from it.
     ``skip_batches`` passes over the first batches of the seeded order unseen: a model grown from one trained
-    ``skip_batches`` steps with the same recipe seed then trains on rows it has never seen."""
-    if skip_batches < 0:
-        raise ValueError(f"skip_batches must be >= 0, got {skip_batches}")
-    if sequences.shape[1] != recipe.seq_len or len(sequences) < recipe.batch_size:
-        shape = tuple(sequences.shape)
-        raise ValueError(f"sequences must hold >= {recipe.batch_size} rows of {recipe.seq_len} tokens, got {shape}")
+    ``skip_batches`` steps with the same recipe seed then trains on rows it has never seen. With a ``teacher`` (a
+    model over the same vocabulary, kept frozen) the loss is ``distillation_loss`` to its next-token distribution
+    instead of cross-entropy on the text, and ``losses`` hold that."""
+    _check_training(model, sequences, recipe, skip_batches, teacher)
+    if teacher is not None:
+        teacher.eval().requires_grad_(False)
     model.train()
     optimizer = _optimizer(model, recipe)
     losses, spent = [], 0.0
@@ -174,7 +202,7 @@ def train_model(
     bar = tqdm(steps, desc="train", unit="step", disable=not progress)
     for step in bar:
         lr = lr_at(step, recipe, _time_fraction(time.perf_counter() - start, time_budget_s))
-        losses.append(_step(model, optimizer, next(batches), recipe, lr))
+        losses.append(_step(model, optimizer, next(batches), recipe, lr, teacher))
         bar.set_postfix(loss=f"{losses[-1]:.3f}", lr=f"{lr:.2e}", refresh=False)
         out_of_time = time_budget_s is not None and time.perf_counter() - start > time_budget_s
         if checkpointing is not None and ((step + 1) % checkpointing.every == 0 or out_of_time):

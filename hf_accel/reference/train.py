@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from .build import build_reference
+from .build import TrainStart, build_reference
 from .loop import Checkpointing
 from .presets import TRAIN_RECIPES, TrainRecipe
 
@@ -43,6 +43,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="assets folder whose trained model is grown to the preset's depth and trained on")
     parser.add_argument("--skip-batches", type=int, default=0,
                         help="batches of the seeded order to skip (with --grow-from: the steps that model trained)")
+    parser.add_argument("--distill-from", type=Path, default=None,
+                        help="assets folder whose target the trained model imitates (KL to its next-token "
+                             "distribution; for a draft that agrees with its target)")
     parser.add_argument("--lr", type=float, default=None, help="override the recipe's peak learning rate")
     parser.add_argument("--retrain-tokenizer", action="store_true", help="ignore <out>/tokenizer if present")
     parser.add_argument("--no-progress", action="store_true")
@@ -78,8 +81,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         progress=not args.no_progress,
         checkpointing=checkpointing,
         baseline=args.baseline,
-        grow_from=args.grow_from,
-        skip_batches=args.skip_batches,
+        start=TrainStart(args.grow_from, args.skip_batches, args.distill_from),
     )
     print(f"wrote {report_path}")
     return 0

@@ -16,13 +16,12 @@ from typing import Any
 import torch
 from transformers import DynamicCache, GenerationConfig, LogitsProcessorList, PreTrainedModel, StoppingCriteriaList
 from transformers.cache_utils import Cache
-from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .draft_checks import check_inputs
 from .draft_length import DraftLength
 from .draft_stats import SpeculativeStats
-from .ragged_batch import RaggedBatch, stack_steps
+from .ragged_batch import RaggedBatch, batch_for_generate, stack_steps
 from .verify import Verdict, greedy_accept, speculative_sample
 
 @dataclass(slots=True)
@@ -102,14 +101,7 @@ def draft_generate(
 def _start(model, input_ids, processors, criteria, config, draft_model, length, stats, streamer, model_kwargs):
     cache = model_kwargs.get("past_key_values")
     check_inputs(model, draft_model, config, input_ids, cache, streamer, model_kwargs)
-    mask = model_kwargs.get("attention_mask")
-    mask = torch.ones_like(input_ids) if mask is None else mask
-    pad = config._pad_token_tensor
-    pad = 0 if pad is None else int(pad.reshape(-1)[0])
-    eos = [c.eos_token_id.reshape(-1) for c in criteria if isinstance(c, EosTokenCriteria)]
-    eos = torch.cat(eos).to(input_ids.device) if eos else None  # stock generate pads finished rows only with EOS
-    batch = RaggedBatch.from_prompt(input_ids, mask, config.max_length - input_ids.shape[1], pad, eos is not None)
-    criteria = StoppingCriteriaList([c for c in criteria if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))])
+    batch, eos, criteria = batch_for_generate(input_ids, model_kwargs.get("attention_mask"), config, criteria)
     cache.activate_past_recording()  # sliding-window layers must keep what a crop may take back
     rows = input_ids.shape[0]
     record = config.return_dict_in_generate

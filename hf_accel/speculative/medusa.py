@@ -21,7 +21,6 @@ from dataclasses import dataclass
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel, StoppingCriteriaList
 from transformers.cache_utils import Cache, DynamicCache
-from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 from transformers.generation.streamers import BaseStreamer
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
@@ -29,7 +28,7 @@ from ..cache.paged import PagedCache
 from .medusa_heads import MedusaHeads
 from .medusa_stats import MedusaStats
 from .medusa_walk import TokenRules, Walk, walk_tree
-from .ragged_batch import RaggedBatch, stack_steps
+from .ragged_batch import RaggedBatch, batch_for_generate, stack_steps
 from .tree import DEFAULT_TREE, MedusaTree, build_tree, root_only_tree
 from .tree_cache import LayerGroup, keep_tree_path, layer_groups, prepare_tree_cache, tree_masks
 from .tree_size import TreeSizer, prefix_sizes
@@ -144,14 +143,7 @@ def _start(model, input_ids, config, heads, stats, streamer, processors, criteri
     groups = layer_groups(model.config)
     _check_batch(config, input_ids, cache, groups, streamer)
     prepare_tree_cache(cache)
-    mask = model_kwargs.get("attention_mask")
-    mask = torch.ones_like(input_ids) if mask is None else mask.to(input_ids.device)
-    pad = config._pad_token_tensor
-    pad = 0 if pad is None else int(pad.reshape(-1)[0])
-    eos = [c.eos_token_id.reshape(-1) for c in criteria if isinstance(c, EosTokenCriteria)]
-    eos = torch.cat(eos).to(input_ids.device) if eos else None  # stock generate pads finished rows only with EOS
-    batch = RaggedBatch.from_prompt(input_ids, mask, config.max_length - input_ids.shape[1], pad, eos is not None)
-    criteria = StoppingCriteriaList([c for c in criteria if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))])
+    batch, eos, criteria = batch_for_generate(input_ids, model_kwargs.get("attention_mask"), config, criteria)
     record, rows = config.return_dict_in_generate, input_ids.shape[0]
     rules = TokenRules(processors, criteria, eos, bool(config.do_sample),
                        [[] for _ in range(rows)] if record and config.output_scores else None,

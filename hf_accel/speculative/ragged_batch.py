@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from transformers import GenerationConfig, StoppingCriteriaList
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
 
 @dataclass(slots=True)
@@ -151,3 +153,21 @@ def stack_steps(per_row: list[list[torch.Tensor]] | None, num_steps: int) -> tup
     template = next(row[0] for row in per_row if row)
     return tuple(torch.stack([row[s] if s < len(row) else torch.zeros_like(template) for row in per_row])
                  for s in range(num_steps))
+
+
+def batch_for_generate(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor | None, config: GenerationConfig,
+    criteria: StoppingCriteriaList,
+) -> tuple[RaggedBatch, torch.Tensor | None, StoppingCriteriaList]:
+    """What a speculative `custom_generate` starts from, as stock generate would decode `input_ids` `[batch,
+    prompt_width]`: the `RaggedBatch` (`attention_mask` None: no padding; finished rows padded with
+    `pad_token_id`, 0 when unset), the EOS ids of generate's `EosTokenCriteria` (None without one), and the other
+    stopping criteria (max length and EOS are the batch's own `limit` and `pad_finished`)."""
+    mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(input_ids.device)
+    pad = config._pad_token_tensor
+    pad = 0 if pad is None else int(pad.reshape(-1)[0])
+    eos = [c.eos_token_id.reshape(-1) for c in criteria if isinstance(c, EosTokenCriteria)]
+    eos = torch.cat(eos).to(input_ids.device) if eos else None  # stock generate pads finished rows only with EOS
+    batch = RaggedBatch.from_prompt(input_ids, mask, config.max_length - input_ids.shape[1], pad, eos is not None)
+    others = StoppingCriteriaList([c for c in criteria if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))])
+    return batch, eos, others
