@@ -107,6 +107,7 @@ def test_eviction_keeps_outputs_identical_and_bytes_within_max_memory(model):
         prompt = batch(torch.cat([header, tokens(7, seed)]))
         assert torch.equal(run(model, prompt, store)[0], run(model, prompt)[0])
         assert store.stats().bytes <= limit
+        assert store._arena.nbytes <= limit + BLOCK_BYTES  # the arena: the blocks held and at most one free slot
     stats = store.stats()
     assert stats.evictions > 0 and stats.hits > 0 and stats.blocks <= 10
 

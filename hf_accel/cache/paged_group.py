@@ -163,8 +163,10 @@ class PagedGroup:
             slots = self._slot_table[:, block - self.tables.first_block] + offset
         else:
             slots = self._slots(torch.arange(written_from, end, device=device)).reshape(-1)
+        written = self._pool_read(written_from, end - written_from, device)
         return StepPlan(
             write_slots=slots,
+            write_at=written if written.layout is not None else None,
             num_written=end - written_from,
             kv_length=end - read_from,
             num_blocks=self.tables.pool.num_blocks,

@@ -34,6 +34,7 @@ class StepPlan:
     """Where one forward step writes and reads; the same for every layer of a group."""
 
     write_slots: torch.Tensor  # [rows * num_written] flat slot ids (block * block_size + offset), row-major
+    write_at: PoolRead | None  # the same slots as a strided view when the rows' blocks allow one (a plain copy)
     num_written: int  # the last `num_written` new tokens of each row are stored (all but in a long sliding step)
     kv_length: int  # tokens every row attends over, new ones included
     num_blocks: int  # pool size the layers must have
@@ -100,9 +101,7 @@ class PagedLayer(CacheLayerMixin):
             self.copy_blocks(plan.copies)
 
     def grow(self, num_blocks: int) -> None:
-        extra = num_blocks - self.key_pool.shape[0]
-        self.key_pool = torch.cat([self.key_pool, self.key_pool.new_zeros((extra, *self.key_pool.shape[1:]))])
-        self.value_pool = torch.cat([self.value_pool, self.value_pool.new_zeros((extra, *self.value_pool.shape[1:]))])
+        self.key_pool, self.value_pool = _grown(self.key_pool, num_blocks), _grown(self.value_pool, num_blocks)
 
     def copy_blocks(self, copies: torch.Tensor) -> None:
         """`copies`: [2, n] (source, destination) block ids."""
@@ -182,23 +181,37 @@ class PagedSlidingLayer(PagedLayer):
         return self.sliding_window
 
 
+def _grown(pool: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """`pool` with zeroed blocks appended up to `num_blocks` (zeros: unwritten slots are masked, never NaN)."""
+    grown = pool.new_zeros((num_blocks, *pool.shape[1:]))
+    grown[: pool.shape[0]] = pool
+    return grown
+
+
 def _write(pool: torch.Tensor, states: torch.Tensor, plan: StepPlan) -> None:
     # states: [rows, kv_heads, q_len, head_dim] -> last num_written: [rows * num_written, kv_heads, head_dim] at slots
     if plan.num_written < states.shape[2]:
         states = states[:, :, states.shape[2] - plan.num_written :]
+    if plan.write_at is not None:  # a strided copy is a memcpy per row; index_copy_ goes element by element
+        _strided(pool, plan.write_at, states.shape[0]).copy_(states.transpose(1, 2))
+        return
     flat = pool.view(-1, pool.shape[2], pool.shape[3])
     flat.index_copy_(0, plan.write_slots, states.transpose(1, 2).reshape(-1, pool.shape[2], pool.shape[3]))
 
 
 def read_pool(pool: torch.Tensor, read: PoolRead, rows: int) -> torch.Tensor:
     """`[rows, kv_heads, read.length, head_dim]` from a pool `[num_blocks, block_size, kv_heads, head_dim]`."""
-    _, block_size, heads, dim = pool.shape
     if read.layout is not None:
-        size = (rows, read.length, heads, dim)
-        stride = (read.layout.row_stride * block_size * heads * dim, heads * dim, dim, 1)
-        first_token = read.layout.first_block * block_size + read.start
-        dense = pool.as_strided(size, stride, pool.storage_offset() + first_token * heads * dim)
-    else:
-        gathered = pool.index_select(0, read.blocks)
-        dense = gathered.view(rows, -1, heads, dim)[:, read.start : read.start + read.length]
-    return dense.transpose(1, 2)
+        return _strided(pool, read, rows).transpose(1, 2)
+    _, _, heads, dim = pool.shape
+    gathered = pool.index_select(0, read.blocks)
+    return gathered.view(rows, -1, heads, dim)[:, read.start : read.start + read.length].transpose(1, 2)
+
+
+def _strided(pool: torch.Tensor, where: PoolRead, rows: int) -> torch.Tensor:
+    """`[rows, where.length, kv_heads, head_dim]` view of the pool at a strided `where` (no copy)."""
+    _, block_size, heads, dim = pool.shape
+    size = (rows, where.length, heads, dim)
+    stride = (where.layout.row_stride * block_size * heads * dim, heads * dim, dim, 1)
+    first_token = where.layout.first_block * block_size + where.start
+    return pool.as_strided(size, stride, pool.storage_offset() + first_token * heads * dim)

@@ -12,7 +12,7 @@ prefixes. Rules:
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 
@@ -27,10 +27,12 @@ class PrefixEntry:
 
 
 class PrefixIndex:
-    """Blocks keyed by hash chain, least recently used first, within `max_bytes`. Not thread-safe (the store locks)."""
+    """Blocks keyed by hash chain, least recently used first, within `max_bytes`. Not thread-safe (the store locks).
+    `on_evict(payload)` is called for each entry evicted to make room (not for `clear`)."""
 
-    def __init__(self, max_bytes: int):
+    def __init__(self, max_bytes: int, on_evict: Callable[[object], None] | None = None):
         self.max_bytes = max_bytes
+        self.on_evict = on_evict
         self.num_bytes = 0
         self.num_evictions = 0
         self._entries: OrderedDict[bytes, PrefixEntry] = OrderedDict()  # least recently used first
@@ -92,3 +94,5 @@ class PrefixIndex:
         self.num_evictions += 1
         if entry.parent is not None:
             self._entries[entry.parent].num_children -= 1
+        if self.on_evict is not None:
+            self.on_evict(entry.payload)

@@ -12,8 +12,9 @@ Stored keys are post-RoPE. That is valid at any padding because generate's posit
 first real token (`attention_mask.cumsum(-1) - 1`). Sliding-window layers keep every prompt token while the prefill
 runs, so their blocks can be stored too.
 
-A block is stored as one tensor `[num_layers, 2 (K, V), block_size, kv_heads, head_dim]`, never written after it is
-made, so readers hold references without the lock; the lock guards only the index.
+Blocks live in one `PrefixArena` tensor (a slot per block, freed on eviction, at most `max_memory` plus one block),
+so a hit whose blocks were saved together reads them as one view, copied once into the cache's pools. The lock guards
+the index and the arena: slots are reused after eviction, so `load` reads them under it.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from ..display import RichDisplay, format_bytes
 from ..engine.block_manager import block_key
 from ..engine.kv_pool import KVShape
 from .paged_config import parse_bytes
+from .prefix_arena import PrefixArena
 from .prefix_index import PrefixEntry, PrefixIndex
 from .settings import check_int
 
@@ -79,7 +81,8 @@ class PrefixStore(RichDisplay):
         if max_bytes < self.block_bytes:
             raise ValueError(f"`max_memory` ({max_bytes} bytes) is below one block of this model "
                              f"({self.block_bytes} bytes at block_size={block_size}, {self.dtype})")
-        self._index = PrefixIndex(max_bytes)
+        self._arena = PrefixArena(self.shape, block_size, max_bytes // self.block_bytes + 1, self.dtype, model.device)
+        self._index = PrefixIndex(max_bytes, on_evict=self._arena.free)
         self._lock = threading.Lock()
         self._hits = self._misses = self._tokens_saved = 0
 
@@ -109,6 +112,7 @@ class PrefixStore(RichDisplay):
         """Forget every stored block (counters stay)."""
         with self._lock:
             self._index.clear()
+            self._arena.clear()
 
     def summary(self) -> dict[str, object]:
         """What `repr` and Jupyter show: block size, blocks, memory used / allowed, hits, misses, tokens saved."""
@@ -134,8 +138,8 @@ class PrefixStore(RichDisplay):
             self._hits += sum(1 for hit in hits if hit)
             self._misses += sum(1 for hit in hits if not hit)
             self._tokens_saved += sum(max(skip - pad, 0) for pad in pads) if skip > min(pads) else 0
-        if skip > min(pads):  # some row skips real tokens
-            self._fill(cache, hits, pads, skip, input_ids.device)
+            if skip > min(pads):  # some row skips real tokens
+                self._fill(cache, hits, pads, skip, input_ids.device)
         return chains
 
     def save(self, cache: PagedCache, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
@@ -155,10 +159,16 @@ class PrefixStore(RichDisplay):
                         wanted[key] = (chain[j - 1] if j else None, r, pad + j * self.block_size)
         if not wanted:
             return
+        # [num_layers, 2, blocks, block_size, kv_heads, head_dim], in `wanted` order
         blocks = self._copy_blocks(cache, [(r, column) for _, r, column in wanted.values()], input_ids.device)
         with self._lock:
-            for (key, (parent, _, _)), block in zip(wanted.items(), blocks):
-                self._index.insert(key, parent, block, block.nbytes)
+            arena = self._arena
+            for i, (key, (parent, _, _)) in enumerate(wanted.items()):
+                slot = arena.allocate()  # one slot more than the index can hold: a slot is free before eviction
+                if self._index.insert(key, parent, slot, self.block_bytes):
+                    arena.data[:, :, slot] = blocks[:, :, i].to(arena.data.device)
+                else:
+                    arena.free(slot)
 
     def _chains(self, input_ids: torch.Tensor, pads: list[int]) -> list[list[bytes]]:
         """Each row's keys of its full blocks of real tokens, chained as the engine's `block_key`s are."""
@@ -174,27 +184,27 @@ class PrefixStore(RichDisplay):
     def _fill(self, cache: PagedCache, hits: list[list[PrefixEntry]], pads: list[int], skip: int,
               device: torch.device) -> None:
         """Write each row's first `skip` columns into the empty `cache`: zeros for pad columns (masked, never
-        attended), then the row's stored K/V."""
+        attended), then the row's stored K/V. Called under the lock (it reads the arena)."""
         shape, block_size, rows = self.shape, self.block_size, []
         for pad, hit in zip(pads, hits):
             stored = max(skip - pad, 0)  # real tokens of this row before column `skip`, all in its hit blocks
-            blocks = [entry.payload for entry in hit[: -(-stored // block_size)]]
+            slots = [entry.payload for entry in hit[: -(-stored // block_size)]]
             # [num_layers, 2, stored, kv_heads, head_dim], front-padded to `skip` columns
-            row = torch.cat(blocks, dim=2)[:, :, :stored] if blocks else None
+            row = self._arena.read(slots, device)[:, :, :stored] if slots else None
             if stored < skip:
                 zeros = torch.zeros((shape.num_layers, 2, skip - stored, shape.kv_heads, shape.head_dim),
-                                    dtype=self.dtype, device=device if row is None else row.device)
+                                    dtype=self.dtype, device=device)
                 row = zeros if row is None else torch.cat([zeros, row], dim=2)
             rows.append(row)
-        # [num_layers, 2, rows, skip, kv_heads, head_dim]; one row (the common case) is a view, not a copy
-        dense = (rows[0].unsqueeze(2) if len(rows) == 1 else torch.stack(rows, dim=2)).to(device)
+        # [num_layers, 2, rows, skip, kv_heads, head_dim]; one unpadded row (the common case) may be an arena view
+        dense = rows[0].unsqueeze(2) if len(rows) == 1 else torch.stack(rows, dim=2)
         with torch.no_grad():
             for layer in range(shape.num_layers):
                 cache.update(dense[layer, 0].transpose(1, 2), dense[layer, 1].transpose(1, 2), layer)
 
     def _copy_blocks(self, cache: PagedCache, starts: list[tuple[int, int]],
-                     device: torch.device) -> list[torch.Tensor]:
-        """`[num_layers, 2, block_size, kv_heads, head_dim]` copies of the blocks of row `r` from column `c`."""
+                     device: torch.device) -> torch.Tensor:
+        """`[num_layers, 2, len(starts), block_size, kv_heads, head_dim]`: the blocks of row `r` from column `c`."""
         rows = torch.tensor([r for r, _ in starts], device=device)[:, None]
         offsets = torch.arange(self.block_size, device=device)
         cols = torch.tensor([c for _, c in starts], device=device)[:, None] + offsets
@@ -207,9 +217,8 @@ class PrefixStore(RichDisplay):
             slots = slots_of_group[id(group)]
             pools = (cache.layers[layer].key_pool, cache.layers[layer].value_pool)
             per_layer.append(torch.stack([p.view(-1, *p.shape[2:]).index_select(0, slots) for p in pools]))
-        stacked = torch.stack(per_layer).view(self.shape.num_layers, 2, len(starts), self.block_size,
-                                              self.shape.kv_heads, self.shape.head_dim)
-        return [stacked[:, :, i].clone() for i in range(len(starts))]  # own storage: evicting one frees its bytes
+        return torch.stack(per_layer).view(self.shape.num_layers, 2, len(starts), self.block_size,
+                                           self.shape.kv_heads, self.shape.head_dim)
 
 
 def left_padding(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[int] | None:

@@ -1,0 +1,46 @@
+"""PrefixArena: slots reused after `free`, growth by doubling up to `max_slots`, reads as a view when slots are
+consecutive and as a gather otherwise, the same values either way."""
+
+import pytest
+import torch
+
+from hf_accel.cache.prefix_arena import PrefixArena
+from hf_accel.engine.kv_pool import KVShape
+
+SHAPE = KVShape(num_layers=2, kv_heads=2, head_dim=4)
+
+
+def filled(arena: PrefixArena, num: int) -> list[int]:
+    """Allocate `num` slots, slot s holding the value s everywhere."""
+    slots = [arena.allocate() for _ in range(num)]
+    for slot in slots:
+        arena.data[:, :, slot] = float(slot)
+    return slots
+
+
+def test_slots_are_reused_and_growth_stops_at_max_slots():
+    arena = PrefixArena(SHAPE, block_size=3, max_slots=20, dtype=torch.float32)
+    assert filled(arena, 16) == list(range(16)) and arena.capacity == 16
+    arena.free(5)
+    assert arena.allocate() == 5 and arena.capacity == 16
+    assert filled(arena, 4) == [16, 17, 18, 19] and arena.capacity == 20  # doubling capped at max_slots
+    assert torch.equal(arena.data[:, :, 3], torch.full_like(arena.data[:, :, 3], 3.0))  # kept through growth
+    with pytest.raises(RuntimeError, match="full"):
+        arena.allocate()
+    arena.clear()
+    assert arena.allocate() == 0 and arena.nbytes == 20 * 2 * 2 * 3 * 2 * 4 * 4
+
+
+def test_read_is_a_view_for_consecutive_slots_and_a_gather_otherwise():
+    arena = PrefixArena(SHAPE, block_size=3, max_slots=8, dtype=torch.float32)
+    filled(arena, 6)
+    view = arena.read([1, 2, 3], torch.device("cpu"))
+    assert view.shape == (2, 2, 9, 2, 4) and view.data_ptr() == arena.data[:, :, 1].data_ptr()
+    gathered = arena.read([4, 0, 2], torch.device("cpu"))
+    assert gathered.data_ptr() != arena.data.data_ptr()
+    assert gathered[0, 1, :, 0, 0].tolist() == [4.0] * 3 + [0.0] * 3 + [2.0] * 3
+
+
+def test_max_slots_must_be_positive():
+    with pytest.raises(ValueError, match="max_slots"):
+        PrefixArena(SHAPE, block_size=3, max_slots=0, dtype=torch.float32)
