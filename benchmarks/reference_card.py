@@ -32,16 +32,41 @@ def _corpus_of(report: dict[str, Any], model: dict[str, Any]) -> str:
     return "of an earlier corpus, not the one below"
 
 
+def _stages(model: dict[str, Any]) -> list[dict[str, Any]]:
+    """A model's training stages, oldest first: the records of the runs it was grown or continued from, then its own."""
+    earlier = model.get("start", {}).get("earlier")
+    return ([*_stages(earlier)] if earlier else []) + [model]
+
+
+def _totals(model: dict[str, Any]) -> tuple[float, float, float]:
+    """(tokens seen, seconds, epochs) over every stage."""
+    stages = _stages(model)
+    return tuple(sum(s[key] for s in stages) for key in ("tokens_seen", "train_seconds", "epochs"))
+
+
+def _training(report: dict[str, Any], model: dict[str, Any]) -> str:
+    parts = []
+    for stage in _stages(model):
+        r = stage["recipe"]
+        how = "distilled from the target, " if stage.get("start", {}).get("distill_from") else ""
+        layers = stage["preset"]["num_layers"]
+        parts.append(f"{layers} layer{'s' if layers > 1 else ''}: {how}{stage['steps_done']} x {r['batch_size']} x "
+                     f"{r['seq_len']} tokens = {stage['tokens_seen'] / 1e6:.2f}M, lr {r['lr']}")
+    tokens, _, epochs = _totals(model)
+    total = f" ({epochs:.2f} epochs {_corpus_of(report, model)})"
+    if len(parts) == 1:
+        return parts[0] + total
+    return "; then ".join(parts) + f"; {tokens / 1e6:.2f}M in all{total}"
+
+
 def _model_rows(report: dict[str, Any]) -> list[list[str]]:
     rows = []
     for name in reference.MODEL_NAMES:
         m = report["models"][name]
-        p, r, ppl = m["preset"], m["recipe"], m["held_out_perplexity"]
+        p, ppl = m["preset"], m["held_out_perplexity"]
         rows.append([
-            name, f"{m['parameters'] / 1e6:.2f}M", _shape(p), str(p["context_length"]),
-            f"{m['steps_done']} x {r['batch_size']} x {r['seq_len']} tokens = {m['tokens_seen'] / 1e6:.2f}M "
-            f"({m['epochs']:.2f} epochs {_corpus_of(report, m)}), lr {r['lr']}",
-            f"{m['train_seconds'] / 60:.1f} min", f"{ppl['held_out']:.2f}", f"{ppl['held_out_packages']:.2f}",
+            name, f"{m['parameters'] / 1e6:.2f}M", _shape(p), str(p["context_length"]), _training(report, m),
+            f"{_totals(m)[1] / 60:.1f} min", f"{ppl['held_out']:.2f}", f"{ppl['held_out_packages']:.2f}",
         ])
     if "baseline_target" in report:
         b = report["baseline_target"]
@@ -139,16 +164,37 @@ def _details(report: dict[str, Any]) -> list[str]:
         "- weights stored as bf16 safetensors with tied embeddings; `reference.load` upcasts to fp32 by default",
         "- trained with AdamW (weight decay 0.1, grad clip 1.0), linear warmup then cosine decay to 10%, "
         f"{'CPU bf16 autocast' if target['recipe']['bf16_autocast'] else 'fp32'}, seed 0, one torch thread; the "
-        f"target saw {target['epochs']:.2f} epochs {_corpus_of(report, target)} "
-        f"({target['tokens_seen'] / max(1.0, target['train_seconds']):.0f} tokens/s, on a 2-core machine shared "
+        f"target saw {_totals(target)[2]:.2f} epochs {_corpus_of(report, target)} "
+        f"({_totals(target)[0] / max(1.0, _totals(target)[1]):.0f} tokens/s, on a 2-core machine shared "
         f"with other jobs); measured with torch {torch_info['version']}, Python {report['python']}",
+        *_lineage(report),
     ]
+
+
+def _lineage(report: dict[str, Any]) -> list[str]:
+    """A line per model trained in more than one stage: what each earlier stage reached."""
+    lines = []
+    for name in reference.MODEL_NAMES:
+        stages = _stages(report["models"][name])
+        for earlier, later in zip(stages, stages[1:]):
+            grown = later["preset"]["num_layers"] != earlier["preset"]["num_layers"]
+            how = (f"grown from {earlier['preset']['num_layers']} to {later['preset']['num_layers']} layers (each "
+                   "layer copied, the copies' output projections zeroed: the same function at the first step)"
+                   if grown else "continued")
+            if later.get("start", {}).get("distill_from"):
+                how += ", trained on the target's next-token distributions (KL) instead of the text"
+            lines.append(f"- the {name} was trained in stages: after {earlier['steps_done']} steps "
+                         f"({earlier['train_seconds'] / 60:.0f} min) it reached held-out perplexity "
+                         f"{earlier['held_out_perplexity']['held_out']:.2f} / "
+                         f"{earlier['held_out_perplexity']['held_out_packages']:.2f} (files / packages); then {how}, "
+                         f"on rows it had not seen, for {later['train_seconds'] / 60:.0f} min more")
+    return lines
 
 
 def render(report: dict[str, Any]) -> str:
     """The model card's markdown."""
     target, draft = report["models"]["target"], report["models"]["draft"]
-    minutes = (target["train_seconds"] + draft["train_seconds"]) / 60
+    minutes = (_totals(target)[1] + _totals(draft)[1]) / 60
     models = format_table(["model", "parameters", "shape", "context", "training", "train time",
                            "ppl held-out files", "ppl held-out packages"], _model_rows(report), markdown=True)
     return "\n".join([
@@ -173,14 +219,21 @@ def render(report: dict[str, Any]) -> str:
         "its content and `<|endoftext|>`, then a newline; the generation prompt is `<|assistant|>` and a newline.", "",
         "## Reproduce", "",
         "```bash",
-        "# the shipped v2 models: each trained in resumed stretches on one thread, the learning rate decaying on",
-        "# the time budget of the last stretch (the target: 4200 s, then resumed to 9900 s in all; the draft: 1200 s,",
-        "# then 2100 s, then 2700 s; a resumed stretch re-warms the rate to where its longer budget puts it)",
-        "hf-accel train-reference --which target --threads 1 --steps 10000 --time-budget 9900 --checkpoint-dir ckpt --resume",
-        "hf-accel train-reference --which draft --threads 1 --steps 9000 --time-budget 2700 --checkpoint-dir ckpt --resume",
+        "# the shipped models, in two stages. First (v2) each trained in resumed stretches on one thread, the learning",
+        "# rate decaying on the time budget of the last stretch (the target: 4200 s, then resumed to 9900 s in all; the",
+        "# draft: 1200 s, then 2100 s, then 2700 s; a resumed stretch re-warms the rate to where its budget puts it):",
+        "hf-accel train-reference --which target --out v2 --threads 1 --steps 10000 --time-budget 9900 --checkpoint-dir ckpt \\",
+        "    --resume",
+        "hf-accel train-reference --which draft --out v2 --threads 1 --steps 9000 --time-budget 2700 --checkpoint-dir ckpt \\",
+        "    --resume",
+        "# then (v3) the target grown to 8 layers, and the draft continued as the grown target's student:",
+        "hf-accel train-reference --which target --out v3 --grow-from v2 --skip-batches 5248 --lr 1e-3 --steps 10000 \\",
+        "    --time-budget 4500 --threads 1",
+        "hf-accel train-reference --which draft --out v3 --grow-from v2 --skip-batches 3482 --distill-from v3 --lr 1e-3 \\",
+        "    --steps 10000 --time-budget 1800 --threads 1",
         "hf-accel train-reference --which none --baseline <v1 assets>   # only measure (here: the v1 target)",
         "hf-accel train-reference --which draft --steps 50 --out /tmp/ref   # a quick run elsewhere",
-        "# a deeper target from a trained one: its layers copied up to the preset's depth (a multiple of its own),",
+        "# in general, a deeper target from a trained one: its layers copied up to the preset's depth (a multiple of its own),",
         "# each copy's output projections zeroed (the same function at step 0), then trained on the rows that the",
         "# trained one never saw (--skip-batches: its steps) at a lower peak learning rate",
         "hf-accel train-reference --which target --grow-from <assets> --skip-batches <its steps> --lr 1e-3 --threads 1",

@@ -4,12 +4,13 @@ smaller model saw, and the pipeline starts from a saved model grown to its prese
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
 
 from hf_accel.reference import corpus
-from hf_accel.reference.build import initial_model
+from hf_accel.reference.build import TrainStart, initial_model
 from hf_accel.reference.grow import grow_depth
 from hf_accel.reference.loop import _batches, build_model, save_model, train_model
 from hf_accel.reference.presets import MODEL_PRESETS, TRAIN_RECIPES
@@ -78,3 +79,12 @@ def test_pipeline_grows_a_saved_model_to_the_preset_depth(tokenizer, rows, tmp_p
     monkeypatch.setitem(MODEL_PRESETS, "target", dataclasses.replace(deeper, hidden_size=64, num_heads=4))
     with pytest.raises(ValueError, match=r"grow_from: .* has \(hidden, intermediate, heads\)"):
         initial_model("target", tokenizer, seed=0, grow_from=tmp_path)
+
+
+def test_start_record_carries_the_grown_from_models_own_record(tmp_path):
+    earlier = {"steps_done": 10, "train_seconds": 60.0, "start": {"earlier": {"steps_done": 5}}}
+    (tmp_path / "report.json").write_text(json.dumps({"models": {"target": earlier}}))
+    record = TrainStart(grow_from=tmp_path, skip_batches=10).record("target")
+    assert record == {"grow_from": str(tmp_path), "skip_batches": 10, "earlier": earlier}  # stages nest
+    assert "earlier" not in TrainStart(grow_from=tmp_path, skip_batches=10).record("draft")  # no draft there
+    assert TrainStart().record("target") == {}

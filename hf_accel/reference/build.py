@@ -105,10 +105,17 @@ class TrainStart:
     skip_batches: int = 0
     distill_from: Path | None = None
 
-    def record(self) -> dict:
-        """The fields that differ from a fresh start, for report.json."""
+    def record(self, name: str) -> dict:
+        """The fields that differ from a fresh start, for report.json; `earlier`: model `name`'s training record in
+        the `grow_from` folder's report.json (its own earlier stages inside), so the card can total every stage."""
         fields = {"grow_from": self.grow_from, "skip_batches": self.skip_batches, "distill_from": self.distill_from}
-        return {key: str(value) if isinstance(value, Path) else value for key, value in fields.items() if value}
+        record = {key: str(value) if isinstance(value, Path) else value for key, value in fields.items() if value}
+        report = self.grow_from / "report.json" if self.grow_from is not None else None
+        if report is not None and report.is_file():
+            earlier = json.loads(report.read_text()).get("models", {}).get(name)
+            if earlier is not None:
+                record["earlier"] = earlier
+        return record
 
 
 def train_one(name: str, recipe: TrainRecipe, tokenizer: PreTrainedTokenizerBase, train_ids: list[list[int]],
@@ -122,7 +129,7 @@ def train_one(name: str, recipe: TrainRecipe, tokenizer: PreTrainedTokenizerBase
     result = train_model(model, rows, recipe, time_budget_s, progress, checkpointing, start.skip_batches, teacher)
     save_model(model, tokenizer, out / name)
     return {
-        **({"start": start.record()} if start.record() else {}),
+        **({"start": start.record(name)} if start.record(name) else {}),
         "parameters": num_parameters(model),
         "preset": asdict(MODEL_PRESETS[name]),
         "recipe": asdict(recipe),

@@ -1,6 +1,6 @@
 """Presets for the reference models: model shapes and training recipes, as data.
 
-``MODEL_PRESETS`` holds the shapes (the target ~4.2M parameters in 4 layers, the draft ~0.7M in 1 layer, both with
+``MODEL_PRESETS`` holds the shapes (the target ~7.3M parameters in 8 layers, the draft ~0.7M in 1 layer, both with
 tied embeddings and grouped-query attention so caches see ``kv_heads < heads``); ``TRAIN_RECIPES`` holds the step
 counts, batch and learning rates sized for a 2-core CPU (see docs/reference-models.md for the measured throughput
 behind them).
