@@ -89,9 +89,9 @@ STRATEGIES: tuple[Strategy, ...] = (
 
 
 def strategies_for(bench_model: BenchModel, batch_size: int) -> tuple[tuple[Strategy, ...], list[str]]:
-    """`STRATEGIES`, plus the speculative rows the model has what for: hf_accel's draft-model decoding (any batch
-    size) and, at batch size 1 only, stock assisted decoding with the same draft and hf_accel's Medusa heads; and
-    notes on what was left out and why."""
+    """`STRATEGIES`, plus the speculative rows the model has what for: hf_accel's draft-model decoding and Medusa
+    heads (any batch size) and, at batch size 1 only, stock assisted decoding with the same draft; and notes on what
+    was left out and why."""
     rows, notes = list(STRATEGIES), []
     draft, heads = bench_model.draft, bench_model.medusa_heads
     rows.append(engine_strategy())
@@ -101,12 +101,12 @@ def strategies_for(bench_model: BenchModel, batch_size: int) -> tuple[tuple[Stra
     if draft is not None:
         rows.append(Strategy("hf_accel draft", "custom_generate=hf_accel.draft_generate, draft_model=the draft",
                              lambda model, max_len: {"custom_generate": draft_generate, "draft_model": draft}))
-    if heads is not None and batch_size == 1:
+    if heads is not None:
         rows.append(Strategy("hf_accel medusa", "custom_generate=hf_accel.medusa_generate, the reference heads",
                              lambda model, max_len: {"custom_generate": medusa_generate, "medusa_heads": heads}))
-    if batch_size != 1 and (draft is not None or heads is not None):
-        notes.append("left out at this batch size: transformers assisted decoding and hf_accel Medusa support batch "
-                     "size 1 only (run with --batch-size 1)")
+    if batch_size != 1 and draft is not None:
+        notes.append("left out at this batch size: transformers assisted decoding supports batch size 1 only (run "
+                     "with --batch-size 1)")
     return tuple(rows), notes
 
 
