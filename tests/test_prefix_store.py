@@ -64,6 +64,10 @@ def test_second_call_with_a_shared_header_skips_its_prefill(model):
     assert computed == 6  # the 24 header tokens (6 blocks) came from the store
     stats = store.stats()
     assert (stats.hits, stats.misses, stats.tokens_saved, stats.blocks) == (1, 1, 24, 8)
+    store.clear()  # forgets the blocks and frees their memory; the next call computes its whole prompt again
+    assert store.stats().blocks == store.stats().bytes == store._arena.nbytes == 0
+    got, computed = run(model, second, store)
+    assert torch.equal(got, run(model, second)[0]) and computed == 30
 
 
 def test_the_last_prompt_token_is_always_computed(model):

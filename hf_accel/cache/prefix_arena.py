@@ -46,8 +46,9 @@ class PrefixArena:
         self._free.append(slot)
 
     def clear(self) -> None:
-        """Free every slot, keeping the allocation."""
-        self._free = list(range(self.capacity - 1, -1, -1))
+        """Free every slot and give the memory back (the next `allocate` starts a new tensor)."""
+        self.data = self.data.new_zeros((*self.data.shape[:2], 0, *self.data.shape[3:]))
+        self._free = []
 
     def read(self, slots: list[int], device: torch.device) -> torch.Tensor:
         """`[num_layers, 2, len(slots) * block_size, kv_heads, head_dim]` K/V of `slots` in order: a view when they are
