@@ -35,7 +35,7 @@ def _corpus_of(report: dict[str, Any], model: dict[str, Any]) -> str:
 def _stages(model: dict[str, Any]) -> list[dict[str, Any]]:
     """A model's training stages, oldest first: the records of the runs it was grown or continued from, then its own."""
     earlier = model.get("start", {}).get("earlier")
-    return ([*_stages(earlier)] if earlier else []) + [model]
+    return (_stages(earlier) if earlier else []) + [model]
 
 
 def _totals(model: dict[str, Any]) -> tuple[float, float, float]:

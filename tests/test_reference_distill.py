@@ -13,17 +13,17 @@ from hf_accel.reference.evaluate import greedy_agreement
 from hf_accel.reference.loop import build_model, distillation_loss, train_model
 from hf_accel.reference.presets import MODEL_PRESETS, TRAIN_RECIPES
 from hf_accel.reference.tokenizer import train_tokenizer
+from tiny_corpus import packed_rows, tiny_tokenizer
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return train_tokenizer(corpus.load_split("train").texts[:20], vocab_size=512)
+    return tiny_tokenizer()
 
 
 @pytest.fixture(scope="module")
 def rows(tokenizer) -> torch.Tensor:
-    ids = corpus.tokenize(corpus.load_split("train").texts[:6], tokenizer)
-    return corpus.pack_sequences(ids, tokenizer.eos_token_id, TRAIN_RECIPES["tiny"].seq_len)
+    return packed_rows(tokenizer, 6)
 
 
 def test_distillation_loss_is_kl_to_the_teacher():

@@ -9,23 +9,21 @@ import json
 import pytest
 import torch
 
-from hf_accel.reference import corpus
 from hf_accel.reference.build import TrainStart, initial_model
 from hf_accel.reference.grow import grow_depth
 from hf_accel.reference.loop import _batches, build_model, save_model, train_model
 from hf_accel.reference.presets import MODEL_PRESETS, TRAIN_RECIPES
-from hf_accel.reference.tokenizer import train_tokenizer
+from tiny_corpus import packed_rows, tiny_tokenizer
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return train_tokenizer(corpus.load_split("train").texts[:20], vocab_size=512)
+    return tiny_tokenizer()
 
 
 @pytest.fixture(scope="module")
 def rows(tokenizer) -> torch.Tensor:
-    ids = corpus.tokenize(corpus.load_split("train").texts[:3], tokenizer)
-    return corpus.pack_sequences(ids, tokenizer.eos_token_id, TRAIN_RECIPES["tiny"].seq_len)
+    return packed_rows(tokenizer, 3)
 
 
 def trained_tiny(tokenizer, rows) -> torch.nn.Module:

@@ -157,16 +157,11 @@ class PagedGroup:
         written_from = max(keep_from, end - q_len)
         read_from = self.first_visible(end - q_len)
         append_new = keep_from > read_from  # tokens read by this step are evicted by it: return them from `cached`
-        if q_len == 1:  # decode: one column of the slot table
-            self._refresh(device)
-            block, offset = divmod(end - 1, self.tables.block_size)
-            slots = self._slot_table[:, block - self.tables.first_block] + offset
-        else:
-            slots = self._slots(torch.arange(written_from, end, device=device)).reshape(-1)
         written = self._pool_read(written_from, end - written_from, device)
+        strided = written.layout is not None  # then the layers write through a view; no slot ids needed
         return StepPlan(
-            write_slots=slots,
-            write_at=written if written.layout is not None else None,
+            write_slots=None if strided else self._write_slots(written_from, end, device),
+            write_at=written if strided else None,
             num_written=end - written_from,
             kv_length=end - read_from,
             num_blocks=self.tables.pool.num_blocks,
@@ -174,6 +169,13 @@ class PagedGroup:
             append_new=append_new,
             copies=_as_tensor(copies, device) if copies else None,
         )
+
+    def _write_slots(self, first: int, end: int, device: torch.device) -> torch.Tensor:
+        """`[rows * (end - first)]` flat slot ids of tokens `first .. end - 1` of every row, row-major."""
+        if end - first == 1:  # decode: one column of the slot table
+            block, offset = divmod(first, self.tables.block_size)
+            return self._slot_table[:, block - self.tables.first_block] + offset
+        return self._slots(torch.arange(first, end, device=device)).reshape(-1)
 
     def _pool_read(self, first: int, length: int, device: torch.device) -> PoolRead:
         self._refresh(device)

@@ -33,8 +33,8 @@ class PoolRead:
 class StepPlan:
     """Where one forward step writes and reads; the same for every layer of a group."""
 
-    write_slots: torch.Tensor  # [rows * num_written] flat slot ids (block * block_size + offset), row-major
-    write_at: PoolRead | None  # the same slots as a strided view when the rows' blocks allow one (a plain copy)
+    write_at: PoolRead | None  # where the new tokens go, as a strided view, when the rows' blocks allow one
+    write_slots: torch.Tensor | None  # else: [rows * num_written] flat slot ids (block * block_size + offset)
     num_written: int  # the last `num_written` new tokens of each row are stored (all but in a long sliding step)
     kv_length: int  # tokens every row attends over, new ones included
     num_blocks: int  # pool size the layers must have

@@ -128,8 +128,9 @@ def train_one(name: str, recipe: TrainRecipe, tokenizer: PreTrainedTokenizerBase
     teacher = None if start.distill_from is None else load("target", assets_dir=start.distill_from)[0]
     result = train_model(model, rows, recipe, time_budget_s, progress, checkpointing, start.skip_batches, teacher)
     save_model(model, tokenizer, out / name)
+    started = start.record(name)
     return {
-        **({"start": start.record(name)} if start.record(name) else {}),
+        **({"start": started} if started else {}),
         "parameters": num_parameters(model),
         "preset": asdict(MODEL_PRESETS[name]),
         "recipe": asdict(recipe),

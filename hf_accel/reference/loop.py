@@ -167,6 +167,23 @@ def _check_training(model: LlamaForCausalLM, sequences: torch.Tensor, recipe: Tr
         raise ValueError(f"sequences must hold >= {recipe.batch_size} rows of {recipe.seq_len} tokens, got {shape}")
 
 
+def _starting_point(model: LlamaForCausalLM, optimizer: torch.optim.Optimizer, sequences: torch.Tensor,
+                    recipe: TrainRecipe, time_budget_s: float | None, checkpointing: Checkpointing | None,
+                    skip_batches: int) -> tuple[list[float], float, Iterator[torch.Tensor], range]:
+    """(losses so far, seconds spent, the seeded batches positioned at the next step, the steps left): a fresh
+    start, or the checkpoint's state when resuming."""
+    losses, spent = [], 0.0
+    if checkpointing is not None and checkpointing.resume and checkpointing.path.is_file():
+        losses, spent = load_checkpoint(checkpointing.path, model, optimizer)
+    batches = _batches(sequences, recipe.batch_size, recipe.seed)
+    for _ in range(skip_batches + len(losses)):  # replay the seeded order up to the resumed step
+        next(batches)
+    steps = range(len(losses), recipe.steps)
+    if losses and time_budget_s is not None and spent >= time_budget_s:
+        steps = range(0)  # resumed after the budget was spent: nothing left but saving and measuring
+    return losses, spent, batches, steps
+
+
 def train_model(
     model: LlamaForCausalLM,
     sequences: torch.Tensor,
@@ -189,16 +206,9 @@ def train_model(
         teacher.eval().requires_grad_(False)
     model.train()
     optimizer = _optimizer(model, recipe)
-    losses, spent = [], 0.0
-    if checkpointing is not None and checkpointing.resume and checkpointing.path.is_file():
-        losses, spent = load_checkpoint(checkpointing.path, model, optimizer)
-    batches = _batches(sequences, recipe.batch_size, recipe.seed)
-    for _ in range(skip_batches + len(losses)):  # replay the seeded order up to the resumed step
-        next(batches)
+    losses, spent, batches, steps = _starting_point(model, optimizer, sequences, recipe, time_budget_s,
+                                                    checkpointing, skip_batches)
     start = time.perf_counter() - spent
-    steps = range(len(losses), recipe.steps)
-    if losses and time_budget_s is not None and spent >= time_budget_s:
-        steps = range(0)  # resumed after the budget was spent: nothing left but saving and measuring
     bar = tqdm(steps, desc="train", unit="step", disable=not progress)
     for step in bar:
         lr = lr_at(step, recipe, _time_fraction(time.perf_counter() - start, time_budget_s))

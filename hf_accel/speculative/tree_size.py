@@ -72,16 +72,19 @@ class TreeSizer:
             return whole
         if self.seconds[0] is None:
             return 0
-        best = self.best()
+        seconds = self._step_seconds_all()  # priced once for the choice and the probe
+        best = self._best(seconds)
         if self.seconds[best] is None or best == whole:
             return best  # priced by interpolation: running it times it
-        seconds = self._step_seconds_all()
         extra = seconds[best + 1] - seconds[best]
         return best + 1 if self.since_probe * self.probe_share >= extra else best
 
     def best(self) -> int:
         """Index of the size with the most expected tokens per second (needs size 0 and the whole list timed)."""
-        rates = self._tokens_per_second_all()
+        return self._best(self._step_seconds_all())
+
+    def _best(self, seconds: list[float]) -> int:
+        rates = self._tokens_per_second_all(seconds)
         return max(range(len(rates)), key=rates.__getitem__)
 
     def mean_accepted(self, index: int) -> float:
@@ -98,7 +101,7 @@ class TreeSizer:
 
     def tokens_per_second(self, index: int) -> float:
         """Expected progress per second of size `index`: the root's token plus the mean gain, over its time."""
-        return self._tokens_per_second_all()[index]
+        return self._tokens_per_second_all(self._step_seconds_all())[index]
 
     def _mean_accepted_all(self) -> list[float]:
         running, means = 0.0, []
@@ -123,9 +126,9 @@ class TreeSizer:
             out.append(running)
         return out
 
-    def _tokens_per_second_all(self) -> list[float]:
+    def _tokens_per_second_all(self, step_seconds: list[float]) -> list[float]:
         return [(1.0 + accepted) / max(seconds, 1e-9)
-                for accepted, seconds in zip(self._mean_accepted_all(), self._step_seconds_all())]
+                for accepted, seconds in zip(self._mean_accepted_all(), step_seconds)]
 
     def record(self, index: int, accepted_ranks: Sequence[Sequence[int]], seconds: float,
                remaining: Sequence[int] | None = None) -> None:
