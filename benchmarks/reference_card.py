@@ -1,7 +1,9 @@
-"""Write docs/reference-models.md (the reference models' model card) from hf_accel/reference/assets/report.json.
+"""Write docs/reference-models.md (the reference models' model card) from hf_accel/reference/assets/report.json and
+the shipped held-out text's hf_accel/reference/assets/held_out/provenance.json.
 
-Every number in the card comes from the report that `hf-accel train-reference` writes, so the card and the committed
-checkpoints cannot drift apart (tests/test_reference_assets.py checks it):
+Every number in the card comes from the report that `hf-accel train-reference` writes or from that provenance (written
+by `python -m hf_accel.reference.held_out_command`), so the card and the committed checkpoints and text cannot drift
+apart (tests/test_reference_assets.py checks it):
     .venv/bin/python benchmarks/reference_card.py
 """
 
@@ -14,6 +16,7 @@ from typing import Any
 
 from hf_accel import reference
 from hf_accel.bench import format_table
+from hf_accel.reference.held_out import read_provenance
 
 ROOT = Path(__file__).resolve().parents[1]
 CARD = ROOT / "docs" / "reference-models.md"
@@ -149,6 +152,28 @@ def _corpus_text(corpus: dict[str, Any]) -> list[str]:
     ]
 
 
+def _held_out_text(shipped: dict[str, Any]) -> list[str]:
+    """The section on the held-out text shipped in the package, from its provenance.json."""
+    return [
+        "## Held-out text shipped in the package", "",
+        "`hf-accel bench`, the benchmarks, the notebooks and the tests take their prompts and scored rows from "
+        "`reference.held_out_sequences`, which reads text shipped in the package rather than the installed corpus, so "
+        "every install (the base one included, where the corpus's packages are missing) and every Python version "
+        f"gets the same prompts: the standard library's held-out files of CPython {shipped['python']}, "
+        f"{shipped['files']} files, {shipped['bytes']:,} bytes, {shipped['tokens']:,} tokens, licensed "
+        f"{shipped['licence']} (the Python Software Foundation License; the Python licence file ships beside them "
+        f"as `{shipped['licence_file']}`). They are the first files of the held-out split above, in corpus order and "
+        "as the corpus reads them, so rows cut from them equal the first rows cut from that split.", "",
+        "- files: `hf_accel/reference/assets/held_out/files.jsonl`, one JSON object `{\"path\", \"text\"}` per "
+        f"line (SHA-256 `{shipped['sha256'][:16]}...`; fingerprint of paths + contents "
+        f"`{shipped['fingerprint'][:16]}...`); `provenance.json` beside it holds these numbers",
+        f"- rebuilt by `{shipped['command']}` (with Python {shipped['python']} to reproduce it byte for byte)",
+        "- the held-out packages split is not shipped: `held_out_sequences(split=\"held_out_packages\")`, training "
+        "and the perplexities above read the corpus, which needs `pip install -c constraints.txt -e \".[dev]\"`",
+        "",
+    ]
+
+
 def _details(report: dict[str, Any]) -> list[str]:
     torch_info, rules, target = report["torch"], report["corpus"]["rules"], report["models"]["target"]
     return [
@@ -191,8 +216,8 @@ def _lineage(report: dict[str, Any]) -> list[str]:
     return lines
 
 
-def render(report: dict[str, Any]) -> str:
-    """The model card's markdown."""
+def render(report: dict[str, Any], shipped: dict[str, Any]) -> str:
+    """The model card's markdown; `shipped`: the held-out text's provenance.json."""
     target, draft = report["models"]["target"], report["models"]["draft"]
     minutes = (_totals(target)[1] + _totals(draft)[1]) / 60
     models = format_table(["model", "parameters", "shape", "context", "training", "train time",
@@ -211,6 +236,7 @@ def render(report: dict[str, Any]) -> str:
         format_table(["target (issue 14)", "measured", "met"], _targets(report), markdown=True), "",
         *_details(report), "",
         *_corpus_text(report["corpus"]),
+        *_held_out_text(shipped),
         "## Tokenizer", "",
         f"Byte-level BPE (`tokenizers`), {report['tokenizer']['vocab_size']} tokens, trained on the stdlib (the v1 "
         "corpus) and kept for v2 so that perplexities compare token for token with the v1 target; `decode(encode(x))` "
@@ -240,14 +266,14 @@ def render(report: dict[str, Any]) -> str:
         "# a draft that imitates a target (KL to its next-token distribution) rather than the text",
         "hf-accel train-reference --which draft --distill-from <assets with the target> --threads 1",
         "```", "",
-        "Every number above comes from `hf_accel/reference/assets/report.json`, which that command writes; "
-        "`benchmarks/reference_card.py` renders this page from it.",
+        "Every number above comes from `hf_accel/reference/assets/report.json`, which that command writes, or from "
+        "the shipped held-out text's `provenance.json`; `benchmarks/reference_card.py` renders this page from them.",
     ]) + "\n"
 
 
 def main(argv: list[str] | None = None) -> str:
     report = json.loads((reference.ASSETS_DIR / "report.json").read_text())
-    text = render(report)
+    text = render(report, read_provenance())
     CARD.write_text(text)
     print(text)
     return text

@@ -17,7 +17,8 @@ from .cache.quantized_config import QuantizedKVConfig
 from .cache.sink import SinkCache
 from .cache.sink_config import SinkCacheConfig
 from .engine.engine import Engine, EngineDeadError
-from .engine.engine_core import ContextLengthExceededError, EngineStats
+from .engine.engine_core import EngineStats
+from .engine.limits import ContextLengthExceededError
 from .engine.outputs import CompletionOutput, RequestOutput
 from .engine.sampling_params import SamplingParams
 from .quant import quantizer as _weight_quantizer

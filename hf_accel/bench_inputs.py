@@ -92,11 +92,13 @@ def describe_model(model: PreTrainedModel) -> str:
 
 
 def text_prompts(tokenizer: PreTrainedTokenizerBase, lengths: Sequence[int]) -> dict[str, torch.Tensor]:
-    """Left-padded prompts of the given lengths cut from held-out text (the standard library files the reference
-    models never trained on), tokenized by `tokenizer`; row r starts at a different place in the text."""
+    """Left-padded prompts of the given lengths cut from the held-out text shipped in the package (standard-library
+    files the reference models never trained on: `reference.held_out_sequences`), tokenized by `tokenizer`; row r
+    starts at a different place in the text."""
     rows = reference.held_out_sequences(tokenizer, max(lengths), max_rows=len(lengths))
     if rows.shape[0] < len(lengths):
-        raise ValueError(f"the held-out text gives {rows.shape[0]} rows of {max(lengths)} tokens; asked for {len(lengths)}")
+        raise ValueError(f"the held-out text shipped in the package gives {rows.shape[0]} rows of {max(lengths)} "
+                         f"tokens; asked for {len(lengths)} (lower the prompt length or the batch size)")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     width = max(lengths)
     input_ids = torch.full((len(lengths), width), pad, dtype=torch.long)

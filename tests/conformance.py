@@ -21,8 +21,11 @@ from typing import Any
 import torch
 import transformers
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerFast, StoppingCriteria, TextIteratorStreamer
+from transformers import (DynamicCache, LogitsProcessorList, PreTrainedModel, PreTrainedTokenizerFast, StoppingCriteria,
+                          TextIteratorStreamer)
 from transformers.cache_utils import Cache
+
+from beam_ties import BeamSteps, beam_tie_gap
 
 VOCAB_SIZE = 160
 PAD, BOS, EOS, UNK = 0, 1, 2, 3  # special ids of the tiny tokenizer; prompts use ids >= FIRST_WORD
@@ -62,7 +65,9 @@ class CacheSpec:
     tokens; beams, `num_return_sequences`) and should assert each prompt is stored once. `reference`: the spec
     compared against (default: generate's own `DynamicCache`). `tie_atol` (lossy caches): tokens may first differ
     only where the reference's two best logits are within `tie_atol` of each other, a near tie the cache's error can
-    flip; later tokens are not compared (the histories differ from there).
+    flip; later tokens are not compared (the histories differ from there). `beam_tie_atol`: the same for beam search,
+    whose decisions rank accumulated log-probs: tokens may differ only where the reference's scores of the beams the
+    two runs first keep differently are within `beam_tie_atol` (tests/beam_ties.py).
     """
 
     name: str
@@ -75,6 +80,7 @@ class CacheSpec:
     check_shared_rows: Callable[[Cache, int, int], None] | None = None
     reference: CacheSpec | None = None
     tie_atol: float | None = None
+    beam_tie_atol: float | None = None
 
     def kwargs(self, model: PreTrainedModel) -> dict[str, Any]:
         """Generate kwargs that select this cache, with a fresh cache object per call."""
@@ -179,17 +185,22 @@ def first_difference(reference, got) -> tuple[int, int] | None:
     return None if len(differing) == 0 else tuple(differing[differing[:, 1].argmin()].tolist())
 
 
-def assert_same_tokens(reference, got, spec: CacheSpec, prompt_len: int) -> None:
-    """Equal sequences (exact specs), else the first `min_matching_tokens` generated tokens equal in every row."""
+def assert_same_tokens(reference, got, spec: CacheSpec, prompt_len: int,
+                       tie: tuple[float | None, Callable[[], float]] | None = None) -> None:
+    """Equal sequences (exact specs), else the first `min_matching_tokens` generated tokens equal in every row; a
+    first difference passes at a near tie: `tie` = (tolerance, the reference's gap there), by default
+    (`spec.tie_atol`, the gap of its top-2 raw logits at that token)."""
     found = first_difference(reference, got)
     if found is None or (not spec.exact and found[1] - prompt_len >= spec.min_matching_tokens):
         return
     row, step = found[0], found[1] - prompt_len
-    if spec.tie_atol is not None and _top2_gap(reference, row, step) <= spec.tie_atol:
+    atol, measure_gap = tie or (spec.tie_atol, lambda: _top2_gap(reference, row, step))
+    gap = measure_gap()
+    if atol is not None and gap <= atol:
         return
     raise AssertionError(
         f"{spec}: tokens differ from {spec.baseline} first at row {row}, generated token {step}"
-        f"{_describe_logits(reference, got, row, step)}\n"
+        f"{_describe_logits(reference, got, row, step)}{'' if tie is None else f'; beam tie gap {gap:.3g}'}\n"
         f"reference  {reference.sequences.tolist()}\nunder test {got.sequences.tolist()}")
 
 
@@ -239,9 +250,16 @@ def check_sampling_multiple_sequences(model: PreTrainedModel, spec: CacheSpec) -
 
 
 def check_beam_search(model: PreTrainedModel, spec: CacheSpec) -> None:
-    """Beam search over 2 left-padded prompts, 4 beams, 2 returned sequences each."""
+    """Beam search over 2 left-padded prompts, 4 beams, 2 returned sequences each; both runs' beam decisions are
+    recorded, to measure the reference's scores where they first differ (`spec.beam_tie_atol`)."""
     inputs = make_prompts([20, 17], seed=4)
-    _, got = compare(model, spec, inputs, do_sample=False, num_beams=4, num_return_sequences=2)
+    records = (BeamSteps(), BeamSteps())
+    reference, got = (generate(model, side, inputs, do_sample=False, num_beams=4, num_return_sequences=2,
+                               logits_processor=LogitsProcessorList([record]))
+                      for side, record in zip((spec.baseline, spec), records))
+    num_prompts, prompt_len = inputs["input_ids"].shape
+    assert_same_tokens(reference, got, spec, prompt_len, tie=(spec.beam_tie_atol, lambda: beam_tie_gap(
+        *records, reference.sequences, got.sequences, num_prompts, prompt_len)))
     if spec.check_shared_rows is not None:
         spec.check_shared_rows(got.past_key_values, *inputs["input_ids"].shape)
 

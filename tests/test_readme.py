@@ -17,6 +17,9 @@ def test_readme_opens_with_bench_and_test_commands():
     assert "pytest" in test
 
 
-def test_ci_runs_the_readme_test_command():
-    _, test = _readme_commands()
-    assert test in (ROOT / ".ci" / "run").read_text().splitlines()
+def test_ci_runs_the_readme_commands_in_order():
+    bench, test = _readme_commands()
+    lines = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert "set -euo pipefail" in lines
+    assert bench in lines and test in lines, "CI must run the README's bench command and its test command verbatim"
+    assert lines.index(bench) < lines.index(test)  # the main job on the base install, before the dev extra joins it

@@ -1,11 +1,16 @@
 """Every bad input gets its HTTP status and an OpenAI-shaped error naming the field; API keys; unknown models;
 a full queue; a dead engine loop turns /health to 503."""
 
+import json
+from concurrent.futures import ThreadPoolExecutor
+
 import httpx
 import pytest
 
+from engine_helpers import greedy_reference
 from hf_accel import reference
-from server_helpers import MODEL_NAME, live_server, load_target
+from hf_accel.engine import sampler
+from server_helpers import MODEL_NAME, live_server, load_target, prompt_ids
 
 KEY = "sk-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -68,10 +73,28 @@ def assert_error(response: httpx.Response, status: int, param: str | None, code:
     ("/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": 0}, "max_completion_tokens"),
     ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function"}]}, "tools"),
     ("/detokenize", {"tokens": [-1]}, "tokens"),
+    ("/tokenize", {"messages": []}, "messages"),
+    ("/v1/completions", {"prompt": "x", "seed": 2**80}, "seed"),
+    ("/v1/completions", {"prompt": "x", "seed": 2**63}, "seed"),
+    ("/v1/completions", {"prompt": "x", "n": 10000}, "n"),  # at most max_num_seqs
+    ("/v1/completions", {"prompt": "x", "stop": ["s"] * 17}, "stop"),
+    ("/v1/completions", {"prompt": "x", "stop_token_ids": [0] * 1025}, "stop_token_ids"),
+    ("/v1/completions", {"prompt": "x", "priority": 2**70}, "priority"),
     ("/detokenize", {"tokens": "abc"}, "tokens"),
 ])
 def test_bad_input_is_400_naming_the_field(server, path, body, param):
     assert_error(httpx.post(server.url + path, json=body, headers=AUTH), 400, param)
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_p", "min_p", "repetition_penalty", "seed", "n"])
+@pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity"])
+def test_non_finite_numbers_are_400_naming_the_field(server, field, value):
+    for path, base in (("/v1/completions", '"prompt": "x"'), ("/v1/chat/completions", '"messages": [{"role": "user", '
+                                                                                      '"content": "hi"}]')):
+        content = f'{{{base}, "{field}": {value}}}'.encode()  # literals Python's JSON parser (the server's) reads
+        response = httpx.post(server.url + path, content=content, headers={**AUTH, "Content-Type": "application/json"})
+        assert_error(response, 400, field)
+    assert httpx.get(f"{server.url}/health").status_code == 200
 
 
 @pytest.mark.parametrize("content", [b"{bad json", b"[1, 2]", b""])
@@ -158,5 +181,42 @@ def test_health_is_503_once_the_engine_loop_dies():
         body = {"prompt": "x", "max_tokens": 2}
         assert_error(httpx.post(f"{live.url}/v1/completions", json=body), 503, None, "engine_dead")
         assert not live.engine.is_healthy
-        assert_error(httpx.get(f"{live.url}/health"), 503, None, "engine_dead")
+        error = assert_error(httpx.get(f"{live.url}/health"), 503, None, "engine_dead")
+        assert "RuntimeError: simulated device failure" in error["message"]
         assert_error(httpx.post(f"{live.url}/v1/completions", json=body), 503, None, "engine_dead")
+        assert 'hf_accel:engine_loop_failures_total{model_name="reference-target"} 1.0' in httpx.get(
+            f"{live.url}/metrics").text
+
+
+def test_a_request_whose_sampler_raises_fails_alone_over_http(target, monkeypatch):
+    real = sampler.logits_processors
+
+    def processors(params):
+        if params.top_k == 7:
+            raise RuntimeError("this request's logits processor broke")
+        return real(params)
+
+    monkeypatch.setattr(sampler, "logits_processors", processors)
+    model, tokenizer = target
+    prompts = ["def add(a, b):", "import os\n", "class Stack:", "for i in range(", "x = [", "return", "if x:",
+               "while True:"]
+    greedy = {"max_tokens": 8, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    expected = [greedy_reference(model, prompt_ids(tokenizer, p), 8) for p in prompts]  # before the engine owns it
+    with live_server(model, tokenizer, max_num_seqs=16) as live, httpx.Client(timeout=120) as client:
+        url = f"{live.url}/v1/completions"
+        with ThreadPoolExecutor(9) as pool:
+            bad = pool.submit(client.post, url, json={"prompt": "x = 1", "top_k": 7, "max_tokens": 8})
+            good = [pool.submit(client.post, url, json={"prompt": p, **greedy}) for p in prompts]
+            error = assert_error(bad.result(), 400, None, "request_failed")
+            assert "logits processor broke" in error["message"]
+            for tokens, response in zip(expected, good):
+                assert response.result().status_code == 200
+                assert response.result().json()["choices"][0]["token_ids"] == tokens
+        with client.stream("POST", url, json={"prompt": "x = 1", "top_k": 7, "stream": True}) as stream:
+            events = [line for line in stream.iter_lines() if line]
+        assert json.loads(events[-2].removeprefix("data: "))["error"]["code"] == "request_failed"
+        assert events[-1] == "data: [DONE]"
+        assert client.get(f"{live.url}/health").status_code == 200
+        assert 'finished_reason="error"' in client.get(f"{live.url}/metrics").text
+        blocks = live.engine.core.blocks
+        assert blocks.pool.num_used_blocks == blocks.num_cached_blocks

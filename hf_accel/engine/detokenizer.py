@@ -60,11 +60,18 @@ class Detokenizer:
 
 
 def _held_back(text: str, stops: list[str]) -> int:
-    """Length of the longest tail of `text` that is a proper prefix of some stop string."""
-    longest = 0
+    """Length of the longest tail of `text` that is a proper prefix of some stop string. Only prefixes ending in
+    `text`'s last character can match, so each stop is searched backwards for that character (per token this costs
+    the matches, not the stop's length)."""
+    if not text:
+        return 0
+    last, longest = text[-1], 0
     for stop in stops:
-        for size in range(min(len(stop) - 1, len(text)), longest, -1):
-            if text.endswith(stop[:size]):
+        size = min(len(stop) - 1, len(text))
+        while size > longest:
+            size = stop.rfind(last, 0, size) + 1  # the largest size <= this one whose prefix ends in `last`
+            if size > longest and text.endswith(stop[:size]):
                 longest = size
                 break
+            size -= 1
     return longest

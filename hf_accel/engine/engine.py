@@ -8,14 +8,20 @@ Threads: the core (scheduler, blocks, model) is driven by one thread at a time. 
 thread, unless the background loop is running (`start`, or the first `stream`), which then owns it (and the model:
 while it steps, the model's attention implementation is the engine's, so do not call `model.generate` from another
 thread while the loop runs); requests and aborts from other threads go through a queue the stepping thread drains
-before each step, so callers never wait for a model forward. If the loop dies, `is_healthy` turns False, every open
-request gets `EngineDeadError`, and no new request is accepted.
+before each step, so callers never wait for a model forward.
+
+Faults: what one request's handling raises fails that request alone (its output ends with finish_reason "error" and
+`RequestOutput.error`; see `engine_core`); a listener that raises has its request aborted. Only a fault that
+concerns every request (the model's forward raising, out of memory) stops the loop: it is logged once at ERROR with
+its traceback, `is_healthy` turns False (`dead_reason` says why), every open request gets `EngineDeadError`, and no
+new request is accepted.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import queue
 import threading
 import time
@@ -27,13 +33,14 @@ from ..display import RichDisplay, format_bytes
 from ..speculative.medusa_heads import MedusaHeads
 from .config import EngineConfig
 from .engine_core import EngineCore, EngineStats
+from .listeners import Listener, Listeners
 from .model_runner import paged_attention_implementation
 from .outputs import RequestOutput, RequestTiming
 from .prompts import encode_prompt, prompt_list
 from .sampling_params import SamplingParams
 from .sequence import Request
 
-Listener = Callable[[RequestOutput | BaseException], None]
+logger = logging.getLogger(__name__)
 
 
 class EngineDeadError(RuntimeError):
@@ -66,8 +73,7 @@ class Engine(RichDisplay):
         self.tokenizer = tokenizer
         self.core = EngineCore(model, tokenizer, self.config, medusa_heads)
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self._listeners: dict[str, Listener] = {}
-        self._finish_observers: list[Callable[[RequestOutput], None]] = []
+        self._listeners = Listeners()
         self._ids = itertools.count()
         self._arrivals = itertools.count()
         self._wakeup = threading.Event()
@@ -89,6 +95,11 @@ class Engine(RichDisplay):
     def is_healthy(self) -> bool:
         return self._dead is None
 
+    @property
+    def dead_reason(self) -> str | None:
+        """What stopped the loop (`"<error type>: <message>"`), or None while it is healthy."""
+        return None if self._dead is None else f"{type(self._dead).__name__}: {self._dead}"
+
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, listener: Listener | None = None) -> str:
         """Queue a request (thread-safe); returns its id. `listener` gets a `RequestOutput` after every step that
@@ -99,12 +110,12 @@ class Engine(RichDisplay):
         if not isinstance(params, SamplingParams):
             raise TypeError(f"`params` must be a SamplingParams, got {type(params).__name__}")
         text, ids = encode_prompt(self.tokenizer, prompt)
-        self.core.check_prompt(ids, params)
+        self.core.check_request(ids, params)
         request_id = f"req-{next(self._ids)}" if request_id is None else request_id
         if request_id in self._listeners:
             raise ValueError(f"`request_id` {request_id!r} is already in use")
         request = Request(request_id, text, ids, params, next(self._arrivals), RequestTiming(time.perf_counter()))
-        self._listeners[request_id] = listener or (lambda out: None)
+        self._listeners.add(request_id, listener)
         self._inbox.put(lambda: self.core.add(request))
         self._wakeup.set()
         return request_id
@@ -127,7 +138,8 @@ class Engine(RichDisplay):
     def generate(self, prompts: str | list[int] | Sequence[str | list[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
         """Generate for every prompt (strings or token-id lists); `params` is one for all or one per prompt.
-        Returns the finished outputs in prompt order."""
+        Returns the finished outputs in prompt order; a request that failed alone has finish_reason "error" and its
+        `error` set, the others are unaffected."""
         prompts = prompt_list(prompts)
         per_prompt = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(per_prompt) != len(prompts):
@@ -192,7 +204,7 @@ class Engine(RichDisplay):
 
     def add_finish_observer(self, observer: Callable[[RequestOutput], None]) -> None:
         """Call `observer` with every finished request's output, in the stepping thread (metrics)."""
-        self._finish_observers.append(observer)
+        self._listeners.add_finish_observer(observer)
 
     def stats(self) -> EngineStats:
         return self.core.stats()
@@ -250,10 +262,9 @@ class Engine(RichDisplay):
                         while not self._stopping and self.has_unfinished_requests():
                             self._step()
                 except BaseException as error:  # the loop is dead: tell every waiting request, refuse new ones
+                    logger.error("the engine loop stopped; every request fails from now on", exc_info=error)
                     self._dead = error
-                    for listener in list(self._listeners.values()):
-                        listener(error)
-                    self._listeners.clear()
+                    self._listeners.fail_all(error)
                     return
 
     def _step(self) -> list[RequestOutput]:
@@ -272,12 +283,8 @@ class Engine(RichDisplay):
             command()
 
     def _deliver(self, out: RequestOutput) -> None:
-        listener = self._listeners.pop(out.request_id, None) if out.finished else self._listeners.get(out.request_id)
-        if listener is not None:
-            listener(out)
-        if out.finished:
-            for observer in self._finish_observers:
-                observer(out)
+        if not self._listeners.deliver(out) and not out.finished:
+            self.abort(out.request_id)
 
     def _deliver_abort(self, request_id: str) -> None:
         request = self.core.abort(request_id)

@@ -2,10 +2,17 @@
 verify, detect stops, free finished blocks.
 
 `EngineCore` is driven by one thread at a time (`Engine` owns the threading); it never blocks and never sleeps.
+
+Fault isolation: whatever raises while handling one request (creating its samples and generators, proposing its
+candidates, its logits processors and draw, its logprobs, detokenization or stop rules) fails that request alone:
+its blocks go back to the pool, every sample ends with finish_reason "error", `Request.error` says why, and the
+step goes on for the others. Only what concerns every request (scheduling, the model's forward) raises out of
+`step`.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
@@ -17,6 +24,7 @@ from .block_manager import BlockManager
 from .config import EngineConfig
 from .detokenizer import Detokenizer
 from .kv_pool import KVPool, KVShape
+from .limits import EngineLimits, check_request, context_length
 from .medusa_proposer import MedusaProposer, SpecDecodeStats, accepted_prefix
 from .model_runner import ModelRunner, StepOutput
 from .sampler import sample, token_logprobs
@@ -25,8 +33,9 @@ from .scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from .sequence import Request, Sequence, make_sequences
 
 
-class ContextLengthExceededError(ValueError):
-    """A prompt plus `max_tokens` does not fit in the model's context (`max_model_len`)."""
+logger = logging.getLogger(__name__)
+# faults no single request owns: they stop the loop even when raised while handling one request
+FATAL_ERRORS = (MemoryError, torch.OutOfMemoryError)
 
 
 @dataclass(slots=True)
@@ -73,32 +82,50 @@ class EngineCore:
         self.requests: dict[str, Request] = {}
         self.eos_token_ids = _eos_token_ids(model, tokenizer)
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
-        self.prompt_tokens = self.generation_tokens = self.num_steps = 0
+        self.prompt_tokens = self.generation_tokens = self.num_steps = self.num_failed_requests = 0
+        self._failed: list[Request] = []  # failed since the last step returned, still to be reported
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished
+        """Whether a step has work: sequences to run, or failed requests not reported yet."""
+        return self.scheduler.has_unfinished or bool(self._failed)
 
-    def check_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """ValueError for an empty prompt, ids outside the vocabulary, or a prompt plus `max_tokens` too long."""
-        if not prompt_token_ids:
-            raise ValueError("`prompt` must hold at least one token")
-        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.vocab_size:
-            raise ValueError(f"`prompt` token ids must be in [0, {self.vocab_size}), got {prompt_token_ids[:8]}...")
-        total = len(prompt_token_ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise ContextLengthExceededError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                f"{total} tokens ({len(prompt_token_ids)} in the prompt, {params.max_tokens} for `max_tokens`). "
-                "Please reduce the length of the prompt or `max_tokens`.")
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """`limits.check_request` against this engine's vocabulary, context, `max_num_seqs` and KV cache."""
+        check_request(prompt_token_ids, params, EngineLimits(
+            self.vocab_size, self.max_model_len, self.config.max_num_seqs,
+            self.blocks.num_blocks * self.blocks.block_size))
 
     def add(self, request: Request) -> None:
-        """Queue a checked request (its ids unique among unfinished requests)."""
-        make_sequences(request, self._detokenizer_for)
-        self.prompt_tokens += len(request.prompt_token_ids)
+        """Queue a checked request (its ids unique among unfinished requests); if creating its samples raises, the
+        request fails alone and the next step reports it."""
         self.requests[request.request_id] = request
+        try:
+            make_sequences(request, self._detokenizer_for)
+        except Exception as error:  # e.g. its generator's seed: this request's own fault
+            self.fail(request, error)
+            return
+        self.prompt_tokens += len(request.prompt_token_ids)
         for seq in request.sequences:
             self.scheduler.add(seq)
+
+    def fail(self, request: Request, error: BaseException) -> None:
+        """End `request` alone on `error`: free its blocks, finish its samples with "error"; the next step returns
+        it. No-op for a request already finished; `FATAL_ERRORS` are raised again instead."""
+        if isinstance(error, FATAL_ERRORS):
+            raise error
+        if request.request_id not in self.requests:
+            return
+        logger.warning("request %s failed: %s: %s", request.request_id, type(error).__name__, error,
+                       exc_info=(type(error), error, error.__traceback__))
+        for seq in request.sequences:
+            if not seq.is_finished:
+                self.scheduler.remove(seq)
+        request.fail(error)
+        request.timing.finished = time.perf_counter()
+        del self.requests[request.request_id]
+        self.num_failed_requests += 1
+        self._failed.append(request)
 
     def abort(self, request_id: str) -> Request | None:
         """Stop a request now, freeing its blocks; None if it is unknown or already finished."""
@@ -113,10 +140,11 @@ class EngineCore:
         return request
 
     def step(self) -> list[Request]:
-        """Run one step; returns the requests whose output changed (finished ones are forgotten)."""
+        """Run one step; returns the requests whose output changed, failed ones included (finished ones are
+        forgotten)."""
         batch = self.scheduler.schedule()
         if not batch.seqs:
-            return []
+            return self._take_failed()
         now = time.perf_counter()
         starting = {id(seq.request) for seq in batch.seqs if seq.request.timing.first_scheduled is None}
         for seq in batch.seqs:
@@ -124,6 +152,8 @@ class EngineCore:
                 seq.request.timing.first_scheduled = now
                 seq.request.num_cached_tokens = max(seq.request.num_cached_tokens, seq.num_computed_tokens)
         self._propose(batch)
+        if not batch.seqs:  # every sequence's proposer failed
+            return self._take_failed()
         out = self.runner.execute(batch)
         for seq, num, drafts in zip(batch.seqs, batch.num_new_tokens, batch.num_draft_tokens):
             if not drafts:  # a speculating sequence's computed length waits for its verdict
@@ -133,10 +163,11 @@ class EngineCore:
         self._commit(out, time.perf_counter())
         self.num_steps += 1
         for request in changed.values():
-            if request.is_finished:
+            if request.is_finished and request.error is None:
                 request.timing.finished = time.perf_counter()
                 del self.requests[request.request_id]
-        return list(changed.values())
+        failed = self._take_failed()
+        return failed + [request for request in changed.values() if request.error is None]
 
     def stats(self) -> EngineStats:
         running = {seq.request.request_id for seq in self.scheduler.running}
@@ -149,10 +180,24 @@ class EngineCore:
         )
 
     def _propose(self, batch: ScheduledBatch) -> None:
-        """Fill `draft_token_ids` of the sequences the scheduler lets speculate this step."""
+        """Fill `draft_token_ids` of the sequences the scheduler lets speculate this step. When the batched
+        proposal raises, each sequence is proposed for alone, and those that still raise fail (and leave the batch)."""
         speculating = [(seq, n) for seq, n in zip(batch.seqs, batch.num_draft_tokens) if n]
         if not speculating:
             return
+        try:
+            self._propose_for(speculating)
+        except Exception:
+            for seq, n in speculating:
+                try:
+                    self._propose_for([(seq, n)])
+                except Exception as error:
+                    for sibling in seq.request.sequences:
+                        if sibling in batch.seqs:
+                            batch.drop(sibling)
+                    self.fail(seq.request, error)
+
+    def _propose_for(self, speculating: list[tuple[Sequence, int]]) -> None:
         hidden = torch.stack([seq.hidden for seq, _ in speculating])
         proposals = self.proposer.propose(hidden, max(n for _, n in speculating))
         for (seq, n), proposal in zip(speculating, proposals):
@@ -160,35 +205,53 @@ class EngineCore:
 
     def _commit(self, out: StepOutput, now: float) -> None:
         """Append each sampling sequence's new tokens (sampled, or verified candidates), keep its hidden state for
-        the heads, roll back the computed length of speculating ones, and free the finished."""
+        the heads, roll back the computed length of speculating ones, and free the finished. A sequence whose
+        handling raises fails its request alone."""
         starts = [0]
         for n in out.num_rows[:-1]:
             starts.append(starts[-1] + n)
         plain = [i for i, seq in enumerate(out.sampling) if not seq.draft_token_ids]
-        emitted = {}
+        emitted: dict[int, list[int]] = {}
         if plain:
-            tokens = sample(out.logits[[starts[i] for i in plain]], [out.sampling[i] for i in plain])
-            emitted = {i: [token] for i, token in zip(plain, tokens)}
+            sampled = sample(out.logits[[starts[i] for i in plain]], [out.sampling[i] for i in plain])
+            for row, i in enumerate(plain):
+                if row in sampled.errors:  # its sampling settings could not be applied to these logits
+                    self.fail(out.sampling[i].request, sampled.errors[row])
+                else:
+                    emitted[i] = [sampled.tokens[row]]
         targets = out.logits.argmax(dim=-1).tolist() if len(plain) < len(out.sampling) else []
         for i, seq in enumerate(out.sampling):
-            if seq.draft_token_ids:
-                target = targets[starts[i] : starts[i] + out.num_rows[i]]
-                accepted = accepted_prefix(seq.draft_token_ids, target)
-                self.spec_stats.record(len(seq.draft_token_ids), accepted)
-                emitted[i] = seq.draft_token_ids[:accepted] + [target[accepted]]
-        for i, seq in enumerate(out.sampling):
-            rows = out.logits[starts[i] : starts[i] + len(emitted[i])]
-            logprobs = token_logprobs(rows, emitted[i], [seq.params.logprobs] * len(emitted[i]))
-            num_appended = self._append_all(seq, emitted[i], logprobs, now)
-            if seq.draft_token_ids:  # K/V is valid for the last token and the accepted candidates
-                accepted = len(emitted[i]) - 1
-                seq.num_computed_tokens += 1 + min(accepted, num_appended)
-                seq.draft_token_ids = []
-                self.blocks.cache_full_blocks(seq)
-            if seq.is_finished:
-                self.scheduler.remove(seq)
-            elif self.proposer is not None and not seq.params.needs_processing:
-                seq.hidden = out.hidden[starts[i] + num_appended - 1]
+            if seq.is_finished:  # its request failed earlier in this step
+                continue
+            try:
+                self._commit_one(seq, out, starts[i], emitted.get(i), targets, now)
+            except Exception as error:
+                self.fail(seq.request, error)
+
+    def _commit_one(self, seq: Sequence, out: StepOutput, start: int, sampled: list[int] | None,
+                    targets: list[int], now: float) -> None:
+        """One sequence's part of `_commit`: `sampled` is its drawn token (None when it verified candidates, whose
+        target argmaxes start at `targets[start]`)."""
+        if seq.draft_token_ids:
+            target = targets[start : start + len(seq.draft_token_ids) + 1]
+            accepted = accepted_prefix(seq.draft_token_ids, target)
+            self.spec_stats.record(len(seq.draft_token_ids), accepted)
+            sampled = seq.draft_token_ids[:accepted] + [target[accepted]]
+        rows = out.logits[start : start + len(sampled)]
+        logprobs = token_logprobs(rows, sampled, [seq.params.logprobs] * len(sampled))
+        num_appended = self._append_all(seq, sampled, logprobs, now)
+        if seq.draft_token_ids:  # K/V is valid for the last token and the accepted candidates
+            seq.num_computed_tokens += 1 + min(len(sampled) - 1, num_appended)
+            seq.draft_token_ids = []
+            self.blocks.cache_full_blocks(seq)
+        if seq.is_finished:
+            self.scheduler.remove(seq)
+        elif self.proposer is not None and not seq.params.needs_processing:
+            seq.hidden = out.hidden[start + num_appended - 1]
+
+    def _take_failed(self) -> list[Request]:
+        failed, self._failed = self._failed, []
+        return failed
 
     def _append_all(self, seq: Sequence, tokens: list[int], logprobs: list, now: float) -> int:
         """Append `tokens` one at a time until a stop rule ends the sequence; returns how many were appended."""
@@ -217,15 +280,6 @@ class EngineCore:
 
     def _detokenizer_for(self, params: SamplingParams) -> Detokenizer | None:
         return None if self.tokenizer is None else Detokenizer(self.tokenizer, params.stop)
-
-
-def context_length(model: PreTrainedModel) -> int:
-    """The model's context length: its (text) config's `max_position_embeddings`; ValueError when it has none."""
-    text = model.config.get_text_config(decoder=True)
-    length = getattr(text, "max_position_embeddings", None)
-    if not isinstance(length, int):
-        raise ValueError("the model config has no `max_position_embeddings`; pass `max_model_len` explicitly")
-    return length
 
 
 def _eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None) -> set[int]:

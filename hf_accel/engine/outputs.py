@@ -37,10 +37,28 @@ class RequestTiming:
         return None if self.finished is None else self.finished - self.arrival
 
 
+@dataclass(frozen=True, slots=True)
+class RequestError:
+    """Why a request failed alone: the error's type and message, and whether its own parameters caused it (a
+    ValueError / TypeError / OverflowError: the server answers 400) or not (500)."""
+
+    type: str
+    message: str
+    is_client_error: bool
+
+    @classmethod
+    def from_exception(cls, error: BaseException) -> RequestError:
+        return cls(type(error).__name__, str(error), isinstance(error, (ValueError, TypeError, OverflowError)))
+
+    def __str__(self) -> str:
+        return f"{self.type}: {self.message}"
+
+
 @dataclass(slots=True)
 class CompletionOutput:
     """One sample of a request: cumulative `token_ids` and `text` so far, `finish_reason` once done
-    ("stop": EOS, a stop token or a stop string; "length": `max_tokens` or the model's context; "abort")."""
+    ("stop": EOS, a stop token or a stop string; "length": `max_tokens` or the model's context; "abort"; "error":
+    handling the request raised, see `RequestOutput.error`)."""
 
     index: int
     token_ids: list[int]
@@ -66,6 +84,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     timing: RequestTiming
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    error: RequestError | None = None  # set when handling this request raised; every sample ends with "error"
 
     @property
     def finished(self) -> bool:

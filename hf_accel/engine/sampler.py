@@ -3,10 +3,13 @@
 Plain greedy rows take one batched argmax. Other rows are grouped by their parameters: each group runs one
 `LogitsProcessorList` (repetition penalty, temperature, top-k, top-p, min-p: transformers' own classes, in the
 order `generate` applies them) over its rows, then draws per row with the row's seeded generator, so a seeded
-request samples the same tokens whatever it is batched with.
+request samples the same tokens whatever it is batched with. What one group's processors or draw raise fails
+only that group's rows (`Sampled.errors`).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 from transformers import (
@@ -41,24 +44,47 @@ def logits_processors(params: SamplingParams) -> LogitsProcessorList:
     return processors
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+@dataclass(slots=True)
+class Sampled:
+    """One step's draws: `tokens[i]` for row `i`, except the rows in `errors`, whose group's processors or draw
+    raised (a ValueError naming the settings, caused by what was raised: those rows' requests fail alone; their
+    `tokens` entry is meaningless)."""
+
+    tokens: list[int]
+    errors: dict[int, Exception] = field(default_factory=dict)
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence]) -> Sampled:
     """`logits` `[len(seqs), vocab]` (fp32) -> one token id per sequence."""
-    tokens = logits.argmax(dim=-1).tolist()
+    result = Sampled(logits.argmax(dim=-1).tolist())
     groups: dict[int, list[int]] = {}
     for i, seq in enumerate(seqs):
         if seq.params.needs_processing:
             groups.setdefault(id(seq.params), []).append(i)
     for rows in groups.values():
-        params = seqs[rows[0]].params
-        scores = _process(logits[rows], [seqs[i] for i in rows], params)
-        if params.is_greedy:
-            for i, token in zip(rows, scores.argmax(dim=-1).tolist()):
-                tokens[i] = token
-            continue
-        probs = torch.softmax(scores, dim=-1)
-        for i, row in zip(rows, probs):
-            tokens[i] = int(torch.multinomial(row, 1, generator=seqs[i].generator))
-    return tokens
+        try:
+            _sample_group(logits, seqs, rows, result.tokens)
+        except Exception as error:  # whatever one request's settings raise fails that request only
+            params = seqs[rows[0]].params
+            failure = ValueError(f"sampling with this request's settings failed (`temperature`={params.temperature}, "
+                                 f"`repetition_penalty`={params.repetition_penalty}, `top_p`={params.top_p}, "
+                                 f"`top_k`={params.top_k}, `min_p`={params.min_p}): {type(error).__name__}: {error}")
+            failure.__cause__ = error
+            result.errors.update(dict.fromkeys(rows, failure))
+    return result
+
+
+def _sample_group(logits: torch.Tensor, seqs: list[Sequence], rows: list[int], tokens: list[int]) -> None:
+    """Draw the `rows` sharing one `SamplingParams` into `tokens`."""
+    params = seqs[rows[0]].params
+    scores = _process(logits[rows], [seqs[i] for i in rows], params)
+    if params.is_greedy:
+        for i, token in zip(rows, scores.argmax(dim=-1).tolist()):
+            tokens[i] = token
+        return
+    probs = torch.softmax(scores, dim=-1)
+    for i, row in zip(rows, probs):
+        tokens[i] = int(torch.multinomial(row, 1, generator=seqs[i].generator))
 
 
 def _process(logits: torch.Tensor, seqs: list[Sequence], params: SamplingParams) -> torch.Tensor:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .detokenizer import Detokenizer
-from .outputs import CompletionOutput, RequestOutput, RequestTiming, TokenLogprob
+from .outputs import CompletionOutput, RequestError, RequestOutput, RequestTiming, TokenLogprob
 from .sampling_params import SamplingParams
 
 _sequence_ids = itertools.count()
@@ -103,7 +103,9 @@ class Sequence:
         return stop
 
     def finish(self, reason: str, stop_reason: str | int | None = None) -> None:
-        if self.detokenizer is not None and not isinstance(stop_reason, str):  # a stop string already cut the text
+        """End the sample; its held-back text is released, except after a stop string (which cut it) or an error
+        (the detokenizer may be what failed: the text stays what was released)."""
+        if self.detokenizer is not None and not isinstance(stop_reason, str) and reason != "error":
             self.detokenizer.finish()
             self.output.text = self.detokenizer.text
         self.status = SequenceStatus.FINISHED
@@ -122,10 +124,23 @@ class Request:
     timing: RequestTiming
     sequences: list[Sequence] = field(default_factory=list)
     num_cached_tokens: int = 0
+    error: RequestError | None = None
 
     @property
     def is_finished(self) -> bool:
         return all(seq.is_finished for seq in self.sequences)
+
+    def fail(self, error: BaseException) -> None:
+        """End every sample with finish_reason "error" and keep why (`RequestError.from_exception`); samples not
+        created yet are created finished, so the output still has `params.n` of them. Freeing blocks is the
+        caller's."""
+        self.error = RequestError.from_exception(error)
+        for index in range(len(self.sequences), self.params.n):
+            self.sequences.append(Sequence(self, index, list(self.prompt_token_ids), len(self.prompt_token_ids),
+                                           generator=None, detokenizer=None))
+        for seq in self.sequences:
+            if not seq.is_finished:
+                seq.finish("error")
 
     def snapshot(self) -> RequestOutput:
         """A copy of the request's current output, safe to hand to another thread."""
@@ -135,7 +150,7 @@ class Request:
             out.token_times = list(out.token_times)
             out.logprobs = None if out.logprobs is None else list(out.logprobs)
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs,
-                             copy.copy(self.timing), self.num_cached_tokens)
+                             copy.copy(self.timing), self.num_cached_tokens, self.error)
 
 
 def make_sequences(request: Request, detokenizer_for) -> None:

@@ -21,7 +21,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from .. import reference
-from ..engine.engine_core import context_length
+from ..engine.limits import context_length
 from ..speculative.medusa_export import export_vllm as export_medusa
 from ..speculative.medusa_heads import MedusaHeads
 

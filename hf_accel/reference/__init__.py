@@ -15,6 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from .corpus import Split, load_split, pack_sequences, tokenize
+from .held_out import shipped_text
 
 ASSETS_DIR = Path(__file__).resolve().parent / "assets"
 MODEL_NAMES = ("target", "draft")
@@ -50,13 +51,20 @@ def held_out_sequences(
     split: Split = "held_out",
 ) -> torch.Tensor:
     """A held-out split (never trained on) as ``[rows, seq_len]`` token ids: files in corpus order, each followed by
-    the end-of-text token, cut into rows; at most ``max_rows`` rows (all by default). ``split`` is "held_out" (files
-    of the trained sources, the standard library's first: the benchmarks' prompts) or "held_out_packages" (whole
-    packages never trained on)."""
-    if split not in ("held_out", "held_out_packages"):
+    the end-of-text token, cut into rows; at most ``max_rows`` rows (all by default).
+
+    ``split`` "held_out" (the benchmarks' prompts) reads the text shipped in the package, the same on every install:
+    the standard library's held-out files (``held_out.shipped_text``, about 77k tokens of the reference tokenizer),
+    the first files of the corpus split of that name, so its rows are that split's first rows. "held_out_packages"
+    (whole packages never trained on) is built from the installed corpus sources: it needs the ``dev`` extra.
+    """
+    if split == "held_out":
+        texts = shipped_text().texts
+    elif split == "held_out_packages":
+        texts = load_split(split).texts
+    else:
         raise ValueError(f"split must be 'held_out' or 'held_out_packages', got {split!r}")
-    held_out = load_split(split)
-    rows = pack_sequences(tokenize(held_out.texts, tokenizer), tokenizer.eos_token_id, seq_len)
+    rows = pack_sequences(tokenize(texts, tokenizer), tokenizer.eos_token_id, seq_len)
     return rows if max_rows is None else rows[:max_rows]
 
 

@@ -41,9 +41,9 @@ async def list_models(server: ServerState = Depends(server_state)) -> ModelList:
 
 @open_routes.get("/health")
 async def health(server: ServerState = Depends(server_state)) -> Response:
-    """200 while the engine loop is alive, 503 once it has died."""
+    """200 while the engine loop is alive, 503 with the reason once it has died."""
     if not server.engine.is_healthy:
-        return engine_dead().response()
+        return engine_dead(server.engine.dead_reason).response()
     return Response(status_code=200)
 
 

@@ -3,7 +3,9 @@
 Statuses: 400 for request validation (pydantic: wrong types, missing fields, unsupported fields) and malformed JSON,
 naming the field; 400 for `SamplingParams`' and the engine's own ValueError / TypeError (their messages name the
 field in backticks), with code `context_length_exceeded` when a prompt plus `max_tokens` cannot fit; 401 without the
-API key; 404 for unknown paths and models; 429 when the waiting queue is full; 503 once the engine loop has died.
+API key; 404 for unknown paths and models; 429 when the waiting queue is full; 400 (the request's own parameters
+caused it) or 500 (anything else) with code `request_failed` when handling one request raised in the engine, which
+goes on serving the others; 503 once the engine loop has died, with the reason.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.engine import EngineDeadError
-from ..engine.engine_core import ContextLengthExceededError
+from ..engine.limits import ContextLengthExceededError
+from ..engine.outputs import RequestError
 
 _FIELD_IN_MESSAGE = re.compile(r"`(\w+)`")
 
@@ -50,9 +53,17 @@ def bad_request(error: ValueError | TypeError) -> APIError:
                     "invalid_type")
 
 
-def engine_dead() -> APIError:
-    return APIError(503, "The engine loop died; the server cannot generate any more.", code="engine_dead",
+def engine_dead(reason: str | None = None) -> APIError:
+    """503: the engine loop died (`reason`: what stopped it, as `Engine.dead_reason` gives it)."""
+    because = f" ({reason})" if reason else ""
+    return APIError(503, f"The engine loop died{because}; the server cannot generate any more.", code="engine_dead",
                     error_type="service_unavailable_error")
+
+
+def request_failed(error: RequestError) -> APIError:
+    """400 when the request's own parameters made the engine raise, 500 otherwise; the engine goes on serving."""
+    status = 400 if error.is_client_error else 500
+    return APIError(status, f"Generation failed for this request: {error}", code="request_failed")
 
 
 def model_not_found(model: str, served: str) -> APIError:
@@ -98,7 +109,8 @@ def install_error_handlers(app: FastAPI) -> None:
         return APIError(error.status_code, message, code=phrase.lower().replace(" ", "_")).response()
 
     async def on_engine_dead(request: Request, error: EngineDeadError) -> JSONResponse:
-        return engine_dead().response()
+        cause = error.__cause__
+        return engine_dead(None if cause is None else f"{type(cause).__name__}: {cause}").response()
 
     async def on_unexpected(request: Request, error: Exception) -> JSONResponse:
         return APIError(500, f"Internal server error: {type(error).__name__}: {error}").response()

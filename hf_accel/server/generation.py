@@ -6,7 +6,9 @@ Rules:
 - a request counts as waiting from admission until its first output (queued in the engine or prefilling); admitting
   more than `max_len` waiting requests is refused with 429 before anything reaches the engine;
 - leaving `EngineRequests.updates` early (client gone, task cancelled, error) aborts every unfinished engine
-  request, so its blocks return to the pool at the engine's next step.
+  request, so its blocks return to the pool at the engine's next step;
+- an engine request that failed alone (`RequestOutput.error`) ends the HTTP request with `request_failed` (400 or
+  500), aborting its other prompts.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from fastapi import Request
 from ..engine.engine import Engine, EngineDeadError
 from ..engine.outputs import RequestOutput, TokenLogprob
 from ..engine.sampling_params import SamplingParams
-from .errors import APIError
+from .errors import APIError, request_failed
 from .responses import Usage
 
 T = TypeVar("T")
@@ -70,12 +72,16 @@ class EngineRequests:
             raise
 
     async def updates(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """`(prompt index, cumulative output)` after every engine step that changes one, until all finish."""
+        """`(prompt index, cumulative output)` after every engine step that changes one, until all finish. Raises
+        `EngineDeadError` when the loop dies and `APIError` (`request_failed`) when one prompt's request fails."""
         try:
             while self._open:
                 index, out = await self._updates.get()
                 if isinstance(out, BaseException):
                     raise EngineDeadError("the engine loop died") from out
+                if out.error is not None:
+                    self._open.discard(index)
+                    raise request_failed(out.error)
                 if index in self._waiting:
                     self._waiting.discard(index)
                     self.waiting.release(1)

@@ -1,7 +1,8 @@
 """Prometheus metrics of one app, named like vLLM's (`vllm:X` is `hf_accel:X`) so dashboards carry over.
 
 Gauges and counters are read from `engine.stats()` at scrape time by a custom collector; the latency histograms
-are fed by the engine's finish observer from each finished request's timing. Every series has vLLM's
+are fed by the engine's finish observer from each finished request's timing. A request that failed alone counts in
+`request_success_total` under `finished_reason="error"`; the loop's own death in `engine_loop_failures_total`. Every series has vLLM's
 `model_name` label. Each app has its own `CollectorRegistry`, so several apps live in one process.
 
 | hf_accel                                   | vLLM                                   | kind      |
@@ -17,7 +18,8 @@ are fed by the engine's finish observer from each finished request's timing. Eve
 | hf_accel:spec_decode_num_drafts_total     | vllm:spec_decode_num_drafts_total      | counter   |
 | hf_accel:spec_decode_num_draft_tokens_total | vllm:spec_decode_num_draft_tokens_total | counter  |
 | hf_accel:spec_decode_num_accepted_tokens_total | vllm:spec_decode_num_accepted_tokens_total | counter |
-| hf_accel:request_success_total             | vllm:request_success_total             | counter   |
+| hf_accel:request_success_total             | vllm:request_success_total (+ "error") | counter   |
+| hf_accel:engine_loop_failures_total        | (hf_accel's: 1 once the loop has died)  | counter   |
 | hf_accel:time_to_first_token_seconds       | vllm:time_to_first_token_seconds       | histogram |
 | hf_accel:inter_token_latency_seconds       | vllm:inter_token_latency_seconds       | histogram |
 | hf_accel:e2e_request_latency_seconds       | vllm:e2e_request_latency_seconds       | histogram |
@@ -78,6 +80,10 @@ class EngineStatsCollector(Collector):
             counter = CounterMetricFamily(PREFIX + name, help_text, labels=LABELS)
             counter.add_metric([self.model_name], getattr(stats, name))
             yield counter
+        failures = CounterMetricFamily(PREFIX + "engine_loop_failures", "Times the engine loop stopped on an error "
+                                       "that concerns every request (the server then answers 503).", labels=LABELS)
+        failures.add_metric([self.model_name], 0 if self.engine.is_healthy else 1)
+        yield failures
 
 
 class ServerMetrics:

@@ -1,5 +1,6 @@
 """Request bodies of the HTTP API: OpenAI's fields plus vLLM's sampling extras, validated strictly (a string where
-a number belongs is a 400, not a coercion). An explicit `null` means "the default". Sampling ranges are checked
+a number belongs is a 400, not a coercion; NaN and infinities are refused). An explicit `null` means "the
+default". Sampling ranges are checked
 once, by `SamplingParams`, whose errors name the field; only the server's own bounds live here (at most 20
 logprobs, `max_completion_tokens` >= 1). Fields this server cannot honour (`presence_penalty`, `frequency_penalty`,
 `logit_bias`, `echo`, `suffix`, `tools`, `best_of` != `n`) get a 400 when set to anything but their no-op value;
@@ -15,15 +16,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from ..engine.sampling_params import SamplingParams
-
-MAX_LOGPROBS = 20
+from ..engine.sampling_params import MAX_LOGPROBS, SamplingParams
 
 
 class RequestModel(BaseModel):
     """Strict types; unknown fields ignored (as OpenAI-compatible servers do); `null` falls back to the default."""
 
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
@@ -170,7 +169,7 @@ class TokenizeRequest(RequestModel):
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     add_special_tokens: bool = False  # False: the ids the completions endpoint computes on
     add_generation_prompt: bool = True
     return_token_strs: bool = False

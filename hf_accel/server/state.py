@@ -46,7 +46,7 @@ class ServerState:
         try:
             return self.tokenizer.apply_chat_template(messages, tokenize=False,
                                                       add_generation_prompt=add_generation_prompt)
-        except TemplateError as error:  # the template refuses these messages (e.g. roles that must alternate)
+        except (TemplateError, ValueError) as error:  # the template refuses these messages (roles must alternate...)
             raise APIError(400, f"The chat template rejected `messages`: {error}", param="messages",
                            code="invalid_value") from error
 

@@ -1,6 +1,7 @@
 """Server-sent events: `data: {json}\\n\\n` per chunk (one choice each), an optional usage chunk, `data: [DONE]`.
 
-If the engine dies mid-stream, the stream ends with an error event in OpenAI's shape before `[DONE]`.
+If the engine dies mid-stream, or the request fails in the engine, the stream ends with an error event in OpenAI's
+shape before `[DONE]`.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from pydantic import BaseModel
 
 from ..engine.engine import EngineDeadError
 from ..engine.outputs import RequestOutput
-from .errors import engine_dead
+from .errors import APIError, engine_dead
 from .generation import ChoiceDelta, DeltaTracker, EngineRequests, usage
 from .responses import Usage
 
@@ -45,8 +46,11 @@ async def stream_choices(requests: EngineRequests, n: int, chunk: Callable[[Choi
                 yield event(chunk(delta))
         if usage_chunk is not None:
             yield event(usage_chunk(usage([last[index] for index in sorted(last)])))
-    except EngineDeadError:
-        yield event(engine_dead().body())
+    except EngineDeadError as error:
+        cause = error.__cause__
+        yield event(engine_dead(None if cause is None else f"{type(cause).__name__}: {cause}").body())
+    except APIError as error:
+        yield event(error.body())
     finally:
         requests.close()
     yield DONE

@@ -6,7 +6,9 @@
 Default data: the reference corpus's train split, else `--dataset`, a folder written by
 `datasets.Dataset.save_to_disk` with a "text" or "input_ids" column; by default the heads train on the model's own
 greedy continuations of 256 prompts cut from it (`--self-distill-rows`, 0 for the data itself). Held-out accuracy
-and the tree calibration use the reference corpus's held-out split (tokenized with the model's tokenizer). Writes
+reads the first rows of the held-out text shipped in the package (`reference.held_out_sequences`), the tree
+calibration the last rows of the reference corpus's whole held-out split (both tokenized with the model's
+tokenizer; the corpus needs the `dev` extra, as the default data does). Writes
 `<out>/medusa_config.json`, `<out>/medusa_heads.safetensors` and `<out>/training.json` (time, steps, per-head
 held-out top-1 accuracy). The heads' config also gets a candidate tree calibrated on the model's own greedy output
 (`--tree-size` candidates).
@@ -26,7 +28,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from .. import reference
-from ..reference.corpus import load_split
+from ..reference.corpus import load_split, pack_sequences, tokenize
 from .medusa_calibrate import calibrate_tree, head_accuracy
 from .medusa_heads import MedusaHeads
 from .medusa_train import MedusaTrainResult, self_distilled_rows, token_rows, train_medusa
@@ -127,8 +129,10 @@ def _train(args: argparse.Namespace, model, tokenizer) -> tuple[MedusaTrainResul
 
 def _calibrate(args: argparse.Namespace, model, heads: MedusaHeads, tokenizer) -> dict[str, Any]:
     """Store in `heads.config.tree` a sparse tree fitted to how the heads rank the model's own greedy output
-    (continuations of the last held-out rows; the benchmark's prompts come from the first ones)."""
-    prompts = reference.held_out_sequences(tokenizer, seq_len=64)[-args.calibration_prompts :]
+    (continuations of the last rows of the corpus's whole held-out split, as for the shipped heads; the benchmarks'
+    prompts are its first rows, the text shipped in the package)."""
+    split = tokenize(load_split("held_out").texts, tokenizer)
+    prompts = pack_sequences(split, tokenizer.eos_token_id, 64)[-args.calibration_prompts :]
     tree, rates = calibrate_tree(model, heads, prompts, new_tokens=128, num_candidates=args.tree_size)
     heads.config.tree = tree
     return {"prompts": int(prompts.shape[0]), "prompt_len": 64, "new_tokens": 128, "tree_size": len(tree),
