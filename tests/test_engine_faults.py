@@ -130,7 +130,7 @@ def test_a_proposer_failing_for_one_sequence_fails_only_its_request(model, monke
     real = engine.core._propose_for
 
     def propose_for(speculating):
-        if any(seq.token_ids[: len(victim_prompt)] == victim_prompt for seq, _ in speculating):
+        if any(s.seq.token_ids[: len(victim_prompt)] == victim_prompt for s in speculating):
             raise RuntimeError("the heads broke on this sequence")
         return real(speculating)
 

@@ -27,12 +27,12 @@ def run_step(scheduler: Scheduler) -> list[tuple[Sequence, int]]:
     """Schedule one step and apply it as the engine would, sampling token 7 for every sequence that finishes its
     uncomputed tokens."""
     batch = scheduler.schedule()
-    for seq, num in zip(batch.seqs, batch.num_new_tokens):
-        seq.num_computed_tokens += num
-        scheduler.blocks.cache_full_blocks(seq)
-        if seq.num_computed_tokens == seq.num_tokens:
-            seq.token_ids.append(7)
-    return list(zip(batch.seqs, batch.num_new_tokens))
+    planned = [(s.seq, s.num_new) for s in batch.scheduled]
+    for s in batch.scheduled:
+        if s.samples:
+            s.seq.token_ids.append(7)
+    scheduler.postprocess(batch, {})
+    return planned
 
 
 def test_blocks_and_prefix_hits_exact():
@@ -130,15 +130,15 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule()
     def step(self):
         batch = self.scheduler.schedule()
-        for seq, num in zip(batch.seqs, batch.num_new_tokens):
+        for seq, num in ((s.seq, s.num_new) for s in batch.scheduled):
             size = self.blocks.block_size
             written = {seq.block_ids[p // size] for p in range(seq.num_computed_tokens, seq.num_computed_tokens + num)}
             for block in written:
                 assert self.blocks.pool.refcount(block) == 1 and block not in self.blocks._key_of, "shared write"
-            seq.num_computed_tokens += num
-            self.blocks.cache_full_blocks(seq)
-            if seq.num_computed_tokens == seq.num_tokens:
-                seq.token_ids.append(1 + seq.num_tokens % 3)
+        for s in batch.scheduled:
+            if s.samples:
+                s.seq.token_ids.append(1 + s.seq.num_tokens % 3)
+        self.scheduler.postprocess(batch, {})
         assert batch.num_tokens <= 5 and len(self.scheduler.running) <= 3
 
     @precondition(lambda self: self.live)

@@ -29,7 +29,7 @@ from .medusa_proposer import MedusaProposer, SpecDecodeStats, accepted_prefix
 from .model_runner import ModelRunner, StepOutput
 from .sampler import sample, token_logprobs
 from .sampling_params import SamplingParams
-from .scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from .scheduler import ScheduledBatch, ScheduledSeq, Scheduler, SchedulerConfig
 from .sequence import Request, Sequence, make_sequences
 
 
@@ -143,31 +143,30 @@ class EngineCore:
         """Run one step; returns the requests whose output changed, failed ones included (finished ones are
         forgotten)."""
         batch = self.scheduler.schedule()
-        if not batch.seqs:
-            return self._take_failed()
-        now = time.perf_counter()
-        starting = {id(seq.request) for seq in batch.seqs if seq.request.timing.first_scheduled is None}
-        for seq in batch.seqs:
-            if id(seq.request) in starting:  # its prefix-cache hits are its computed tokens now
-                seq.request.timing.first_scheduled = now
-                seq.request.num_cached_tokens = max(seq.request.num_cached_tokens, seq.num_computed_tokens)
+        self._mark_scheduled(batch, time.perf_counter())
         self._propose(batch)
-        if not batch.seqs:  # every sequence's proposer failed
+        if not batch.scheduled:  # nothing to run, or every speculating sequence's proposer failed
             return self._take_failed()
         out = self.runner.execute(batch)
-        for seq, num, drafts in zip(batch.seqs, batch.num_new_tokens, batch.num_draft_tokens):
-            if not drafts:  # a speculating sequence's computed length waits for its verdict
-                seq.num_computed_tokens += num
-                self.blocks.cache_full_blocks(seq)
-        changed = {seq.request.request_id: seq.request for seq in out.sampling}
-        self._commit(out, time.perf_counter())
+        num_accepted = self._commit(out, time.perf_counter())
+        self.scheduler.postprocess(batch, num_accepted)
         self.num_steps += 1
+        changed = {s.seq.request.request_id: s.seq.request for s in out.sampling}
         for request in changed.values():
             if request.is_finished and request.error is None:
                 request.timing.finished = time.perf_counter()
                 del self.requests[request.request_id]
         failed = self._take_failed()
         return failed + [request for request in changed.values() if request.error is None]
+
+    def _mark_scheduled(self, batch: ScheduledBatch, now: float) -> None:
+        """A request scheduled for the first time: its queue time ends, its prefix-cache hits (every sample's) count
+        as cached."""
+        starting = {id(seq.request) for seq in batch.seqs if seq.request.timing.first_scheduled is None}
+        for seq in batch.seqs:
+            if id(seq.request) in starting:
+                seq.request.timing.first_scheduled = now
+                seq.request.num_cached_tokens = max(seq.request.num_cached_tokens, seq.num_computed_tokens)
 
     def stats(self) -> EngineStats:
         running = {seq.request.request_id for seq in self.scheduler.running}
@@ -182,72 +181,66 @@ class EngineCore:
     def _propose(self, batch: ScheduledBatch) -> None:
         """Fill `draft_token_ids` of the sequences the scheduler lets speculate this step. When the batched
         proposal raises, each sequence is proposed for alone, and those that still raise fail (and leave the batch)."""
-        speculating = [(seq, n) for seq, n in zip(batch.seqs, batch.num_draft_tokens) if n]
+        speculating = [s for s in batch.scheduled if s.num_drafts]
         if not speculating:
             return
         try:
             self._propose_for(speculating)
         except Exception:
-            for seq, n in speculating:
+            for scheduled in speculating:
                 try:
-                    self._propose_for([(seq, n)])
+                    self._propose_for([scheduled])
                 except Exception as error:
-                    for sibling in seq.request.sequences:
-                        if sibling in batch.seqs:
-                            batch.drop(sibling)
-                    self.fail(seq.request, error)
+                    for sibling in scheduled.seq.request.sequences:
+                        batch.drop(sibling)
+                    self.fail(scheduled.seq.request, error)
 
-    def _propose_for(self, speculating: list[tuple[Sequence, int]]) -> None:
-        hidden = torch.stack([seq.hidden for seq, _ in speculating])
-        proposals = self.proposer.propose(hidden, max(n for _, n in speculating))
-        for (seq, n), proposal in zip(speculating, proposals):
-            seq.draft_token_ids = proposal[:n]
+    def _propose_for(self, speculating: list[ScheduledSeq]) -> None:
+        hidden = torch.stack([s.seq.hidden for s in speculating])
+        proposals = self.proposer.propose(hidden, max(s.num_drafts for s in speculating))
+        for scheduled, proposal in zip(speculating, proposals):
+            scheduled.draft_token_ids = proposal[: scheduled.num_drafts]
 
-    def _commit(self, out: StepOutput, now: float) -> None:
-        """Append each sampling sequence's new tokens (sampled, or verified candidates), keep its hidden state for
-        the heads, roll back the computed length of speculating ones, and free the finished. A sequence whose
-        handling raises fails its request alone."""
-        starts = [0]
-        for n in out.num_rows[:-1]:
-            starts.append(starts[-1] + n)
-        plain = [i for i, seq in enumerate(out.sampling) if not seq.draft_token_ids]
+    def _commit(self, out: StepOutput, now: float) -> dict[int, int]:
+        """Append each sampling sequence's new tokens (sampled, or verified candidates) and keep its hidden state
+        for the heads; returns the candidates each speculating sequence kept, by `seq_id`. A sequence whose handling
+        raises fails its request alone."""
+        plain = [i for i, s in enumerate(out.sampling) if not s.num_drafts]
         emitted: dict[int, list[int]] = {}
         if plain:
-            sampled = sample(out.logits[[starts[i] for i in plain]], [out.sampling[i] for i in plain])
+            sampled = sample(out.logits[[out.starts[i] for i in plain]], [out.sampling[i].seq for i in plain])
             for row, i in enumerate(plain):
                 if row in sampled.errors:  # its sampling settings could not be applied to these logits
-                    self.fail(out.sampling[i].request, sampled.errors[row])
+                    self.fail(out.sampling[i].seq.request, sampled.errors[row])
                 else:
                     emitted[i] = [sampled.tokens[row]]
         targets = out.logits.argmax(dim=-1).tolist() if len(plain) < len(out.sampling) else []
-        for i, seq in enumerate(out.sampling):
-            if seq.is_finished:  # its request failed earlier in this step
+        num_accepted = {}
+        for i, scheduled in enumerate(out.sampling):
+            if scheduled.seq.is_finished:  # its request failed earlier in this step
                 continue
             try:
-                self._commit_one(seq, out, starts[i], emitted.get(i), targets, now)
+                num_accepted[scheduled.seq.seq_id] = self._commit_one(out, i, emitted.get(i), targets, now)
             except Exception as error:
-                self.fail(seq.request, error)
+                self.fail(scheduled.seq.request, error)
+        return num_accepted
 
-    def _commit_one(self, seq: Sequence, out: StepOutput, start: int, sampled: list[int] | None,
-                    targets: list[int], now: float) -> None:
-        """One sequence's part of `_commit`: `sampled` is its drawn token (None when it verified candidates, whose
-        target argmaxes start at `targets[start]`)."""
-        if seq.draft_token_ids:
-            target = targets[start : start + len(seq.draft_token_ids) + 1]
-            accepted = accepted_prefix(seq.draft_token_ids, target)
-            self.spec_stats.record(len(seq.draft_token_ids), accepted)
-            sampled = seq.draft_token_ids[:accepted] + [target[accepted]]
-        rows = out.logits[start : start + len(sampled)]
-        logprobs = token_logprobs(rows, sampled, [seq.params.logprobs] * len(sampled))
+    def _commit_one(self, out: StepOutput, i: int, sampled: list[int] | None, targets: list[int],
+                    now: float) -> int:
+        """Sampling sequence `i`'s part of `_commit`: `sampled` is its drawn token (None when it verified
+        candidates, whose target argmaxes are `targets[out.rows(i)]`). Returns the candidates it kept."""
+        scheduled, rows = out.sampling[i], out.rows(i)
+        seq, drafts = scheduled.seq, scheduled.draft_token_ids
+        if scheduled.num_drafts:
+            target = targets[rows]
+            accepted = accepted_prefix(drafts, target)
+            self.spec_stats.record(len(drafts), accepted)
+            sampled = drafts[:accepted] + [target[accepted]]
+        logprobs = token_logprobs(out.logits[rows][: len(sampled)], sampled, [seq.params.logprobs] * len(sampled))
         num_appended = self._append_all(seq, sampled, logprobs, now)
-        if seq.draft_token_ids:  # K/V is valid for the last token and the accepted candidates
-            seq.num_computed_tokens += 1 + min(len(sampled) - 1, num_appended)
-            seq.draft_token_ids = []
-            self.blocks.cache_full_blocks(seq)
-        if seq.is_finished:
-            self.scheduler.remove(seq)
-        elif self.proposer is not None and not seq.params.needs_processing:
-            seq.hidden = out.hidden[start + num_appended - 1]
+        if not seq.is_finished and self.proposer is not None and not seq.params.needs_processing:
+            seq.hidden = out.hidden[rows.start + num_appended - 1]
+        return min(len(sampled) - 1, num_appended)  # K/V is valid for the last token and the kept candidates
 
     def _take_failed(self) -> list[Request]:
         failed, self._failed = self._failed, []

@@ -18,7 +18,7 @@ from transformers import PreTrainedModel
 
 from .attention import ATTENTION_NAME, DecodeGroup, PrefillRow, StepAttention, register_attention
 from .kv_pool import KVPool
-from .scheduler import ScheduledBatch
+from .scheduler import ScheduledBatch, ScheduledSeq
 from .sequence import Sequence
 
 
@@ -40,12 +40,16 @@ def paged_attention_implementation(model: PreTrainedModel) -> Iterator[None]:
 @dataclass(slots=True)
 class StepOutput:
     """The kept positions of one step: `logits` `[rows, vocab]` fp32 and, when asked, `hidden` `[rows, hidden]`.
-    `sampling[i]` owns `num_rows[i]` consecutive rows (1 plus its candidates), in order."""
+    `sampling[i]` (a scheduled sequence whose last token the step computed) owns the rows `rows(i)`: its last
+    token's, then one per candidate."""
 
     logits: torch.Tensor
     hidden: torch.Tensor | None
-    sampling: list[Sequence]
-    num_rows: list[int]
+    sampling: list[ScheduledSeq]
+    starts: list[int]  # first row of each sampling sequence
+
+    def rows(self, i: int) -> slice:
+        return slice(self.starts[i], self.starts[i] + 1 + self.sampling[i].num_drafts)
 
 
 class ModelRunner:
@@ -61,23 +65,24 @@ class ModelRunner:
 
     def execute(self, batch: ScheduledBatch) -> StepOutput:
         """Run one step; keeps the rows of the sequences whose last token this step computes (and their
-        candidates, `seq.draft_token_ids`, which the batch's `num_draft_tokens` counts)."""
-        tokens, positions, slots, keep, sampling, num_rows = [], [], [], [], [], []
+        candidates, `draft_token_ids`, `num_drafts` of them)."""
+        tokens, positions, slots, keep, sampling, starts = [], [], [], [], [], []
         decodes: dict[int, list] = {}  # queries per sequence -> (seq, packed start) of the sequences computing them
         prefills = []
-        for seq, num, drafts in zip(batch.seqs, batch.num_new_tokens, batch.num_draft_tokens):
+        for scheduled in batch.scheduled:
+            seq, num, drafts = scheduled.seq, scheduled.num_new, scheduled.num_drafts
             start, first = len(tokens), seq.num_computed_tokens
-            tokens += seq.token_ids[first : first + num - drafts] + seq.draft_token_ids[:drafts]
+            tokens += seq.token_ids[first : first + num - drafts] + scheduled.draft_token_ids
             positions += range(first, first + num)
             slots += self._slots(seq, first, first + num)
             if num == 1 or drafts:
                 decodes.setdefault(num, []).append((seq, start))
             else:
                 prefills.append((seq, start, num))
-            if first + num - drafts == seq.num_tokens:
+            if scheduled.samples:
+                starts.append(len(keep))
                 keep += range(start + num - 1 - drafts, start + num)
-                sampling.append(seq)
-                num_rows.append(1 + drafts)
+                sampling.append(scheduled)
         step = self._step_attention(torch.tensor(slots, device=self.device), decodes, prefills)
         keep_index = torch.tensor(keep, device=self.device)
         with torch.inference_mode(), paged_attention_implementation(self.model):
@@ -88,7 +93,7 @@ class ModelRunner:
                 output_hidden_states=self.keep_hidden,
             )
         hidden = out.hidden_states[-1][0, keep_index] if self.keep_hidden else None
-        return StepOutput(out.logits[0].float(), hidden, sampling, num_rows)
+        return StepOutput(out.logits[0].float(), hidden, sampling, starts)
 
     def _slots(self, seq: Sequence, start: int, stop: int) -> list[int]:
         size, blocks = self.kv.block_size, seq.block_ids

@@ -41,27 +41,42 @@ def draft_width(num_decodes: int, num_speculative_tokens: int, max_speculative_b
 
 
 @dataclass(slots=True)
-class ScheduledBatch:
-    """One step's work: `num_new_tokens[i]` tokens of `seqs[i]`, starting at its `num_computed_tokens`; the last
-    `num_draft_tokens[i]` of them are candidates proposed after its last token (0 unless it speculates)."""
+class ScheduledSeq:
+    """`num_new` tokens of `seq` this step, starting at its `num_computed_tokens`; the last `num_drafts` of them are
+    candidates proposed after its last token (0 unless it speculates), `draft_token_ids` once proposed (never part of
+    the sequence's tokens until accepted)."""
 
-    seqs: list[Sequence] = field(default_factory=list)
-    num_new_tokens: list[int] = field(default_factory=list)
-    num_draft_tokens: list[int] = field(default_factory=list)
+    seq: Sequence
+    num_new: int
+    num_drafts: int = 0
+    draft_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step computes the sequence's last token (so it samples, or verifies its candidates)."""
+        return self.seq.num_computed_tokens + self.num_new - self.num_drafts == self.seq.num_tokens
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    """One step's work, in packing order, and the sequences preempted while planning it."""
+
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
-        return sum(self.num_new_tokens)
+        return sum(s.num_new for s in self.scheduled)
+
+    @property
+    def seqs(self) -> list[Sequence]:
+        return [s.seq for s in self.scheduled]
 
     def add(self, seq: Sequence, num: int, num_drafts: int = 0) -> None:
-        self.seqs.append(seq)
-        self.num_new_tokens.append(num)
-        self.num_draft_tokens.append(num_drafts)
+        self.scheduled.append(ScheduledSeq(seq, num, num_drafts))
 
     def drop(self, seq: Sequence) -> None:
-        i = self.seqs.index(seq)
-        del self.seqs[i], self.num_new_tokens[i], self.num_draft_tokens[i]
+        self.scheduled = [s for s in self.scheduled if s.seq is not seq]
 
 
 class Scheduler:
@@ -81,6 +96,20 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         bisect.insort(self.waiting, seq, key=lambda s: s.sort_key)
+
+    def postprocess(self, batch: ScheduledBatch, num_accepted: dict[int, int]) -> None:
+        """After a step: each scheduled sequence has computed its new tokens (a speculating one its last token and
+        the `num_accepted[seq_id]` candidates it kept: K/V past them is garbage, later steps overwrite it), its full
+        blocks join the prefix cache, and finished ones leave with their blocks. Sequences of requests that failed
+        in the step were removed already."""
+        for s in batch.scheduled:
+            seq = s.seq
+            if seq.request.error is not None:
+                continue
+            seq.num_computed_tokens += s.num_new - s.num_drafts + num_accepted.get(seq.seq_id, 0)
+            self.blocks.cache_full_blocks(seq)
+            if seq.is_finished:
+                self.remove(seq)
 
     def remove(self, seq: Sequence) -> None:
         """Take a sequence out of whichever queue holds it and free its blocks (finish or abort)."""
@@ -125,8 +154,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
         self.running.remove(seq)
-        if seq in batch.seqs:  # scheduled earlier in this step: undo that
-            batch.drop(seq)
+        batch.drop(seq)  # if scheduled earlier in this step: undo that
         self.blocks.free(seq)
         seq.num_preemptions += 1
         self.num_preemptions += 1

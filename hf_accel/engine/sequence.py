@@ -3,8 +3,8 @@
 A `Request` holds `n` `Sequence`s (its samples). A sequence's tokens are its prompt followed by its output; the
 first `num_computed_tokens` of them have K/V in the sequence's blocks. The sequence samples a token in a step
 exactly when that step computes its last token (`num_computed_tokens` reaches `num_tokens`); a fresh request and
-one resumed after preemption run the same rule. With Medusa heads, a decoding sequence may also compute
-`draft_token_ids` after its last token in the same step (candidates, never part of `token_ids` until accepted).
+one resumed after preemption run the same rule. With Medusa heads, a decoding sequence may also compute candidates
+after its last token in the same step (`ScheduledSeq.draft_token_ids`: never part of `token_ids` until accepted).
 """
 
 from __future__ import annotations
@@ -45,7 +45,6 @@ class Sequence:
     num_computed_tokens: int = 0
     num_preemptions: int = 0
     hidden: torch.Tensor | None = None  # [hidden_size] final hidden state that produced the last token (Medusa)
-    draft_token_ids: list[int] = field(default_factory=list)  # candidates verified in the current step
     output: CompletionOutput = field(init=False)
 
     def __post_init__(self) -> None:
