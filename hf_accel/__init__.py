@@ -16,10 +16,10 @@ from .cache.quantized import QuantizedKVCache
 from .cache.quantized_config import QuantizedKVConfig
 from .cache.sink import SinkCache
 from .cache.sink_config import SinkCacheConfig
-from .engine.engine import Engine, EngineDeadError
+from .engine.engine import Engine
 from .engine.engine_core import EngineStats
-from .engine.limits import ContextLengthExceededError
-from .engine.outputs import CompletionOutput, RequestOutput
+from .engine.errors import ContextLengthExceededError, EngineDeadError
+from .engine.outputs import CompletionOutput, RequestOutput, RequestOutputKind
 from .engine.sampling_params import SamplingParams
 from .quant import quantizer as _weight_quantizer
 from .quant.linear import Int4Linear, Int8Linear
@@ -76,6 +76,7 @@ __all__ = [
     "QuantizedKVCache",
     "QuantizedKVConfig",
     "RequestOutput",
+    "RequestOutputKind",
     "SamplingParams",
     "SinkCache",
     "SinkCacheConfig",

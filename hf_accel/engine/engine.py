@@ -19,7 +19,6 @@ new request is accepted.
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
 import queue
@@ -35,16 +34,14 @@ from .config import EngineConfig
 from .engine_core import EngineCore, EngineStats
 from .listeners import Listener, Listeners
 from .model_runner import paged_attention_implementation
-from .outputs import RequestOutput, RequestTiming
+from .errors import EngineDeadError
+from .output_stream import OutputStream
+from .outputs import RequestOutput, RequestOutputKind, RequestTiming
 from .prompts import encode_prompt, prompt_list
 from .sampling_params import SamplingParams
 from .sequence import Request
 
 logger = logging.getLogger(__name__)
-
-
-class EngineDeadError(RuntimeError):
-    """The engine's background loop stopped on an error; the original error is the `__cause__`."""
 
 
 class Engine(RichDisplay):
@@ -101,11 +98,14 @@ class Engine(RichDisplay):
         return None if self._dead is None else f"{type(self._dead).__name__}: {self._dead}"
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, listener: Listener | None = None) -> str:
+                    request_id: str | None = None, listener: Listener | None = None,
+                    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> str:
         """Queue a request (thread-safe); returns its id. `listener` gets a `RequestOutput` after every step that
-        changes it (in the stepping thread), or the error that killed the engine. Raises ValueError / TypeError for
-        bad prompts or parameters (`ContextLengthExceededError` when it cannot fit)."""
+        changes it, of `output_kind` (in the stepping thread), or the error that killed the engine. Raises
+        ValueError / TypeError for bad prompts or parameters (`ContextLengthExceededError` when it cannot fit)."""
         self._check_alive()
+        if not isinstance(output_kind, RequestOutputKind):
+            raise TypeError(f"`output_kind` must be a RequestOutputKind, got {output_kind!r}")
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"`params` must be a SamplingParams, got {type(params).__name__}")
@@ -114,7 +114,8 @@ class Engine(RichDisplay):
         request_id = f"req-{next(self._ids)}" if request_id is None else request_id
         if request_id in self._listeners:
             raise ValueError(f"`request_id` {request_id!r} is already in use")
-        request = Request(request_id, text, ids, params, next(self._arrivals), RequestTiming(time.perf_counter()))
+        request = Request(request_id, text, ids, params, next(self._arrivals), RequestTiming(time.perf_counter()),
+                          output_kind=output_kind)
         self._listeners.add(request_id, listener)
         self._inbox.put(lambda: self.core.add(request))
         self._wakeup.set()
@@ -158,7 +159,8 @@ class Engine(RichDisplay):
 
         ids: list[str] = []
         try:
-            ids.extend(self.add_request(p, sp, listener=collect) for p, sp in zip(prompts, per_prompt))
+            ids.extend(self.add_request(p, sp, listener=collect, output_kind=RequestOutputKind.FINAL_ONLY)
+                       for p, sp in zip(prompts, per_prompt))
         except BaseException:
             for request_id in ids:
                 self.abort(request_id)
@@ -176,31 +178,16 @@ class Engine(RichDisplay):
         return [finished[i] for i in ids]
 
     async def stream(self, prompt: str | list[int], params: SamplingParams | None = None,
-                     request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Yield the request's output after every step that changes it (cumulative token ids and text), the last
-        one finished. Leaving the loop early (or cancelling the task) aborts the request and frees its blocks."""
+                     request_id: str | None = None,
+                     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> AsyncIterator[RequestOutput]:
+        """Yield the request's output after every step that changes it (`output_kind`: the whole output so far by
+        default, or only what is new with `RequestOutputKind.DELTA`), the last one finished. Leaving the loop early
+        (or cancelling the task) aborts the request and frees its blocks."""
         self.start()
-        loop = asyncio.get_running_loop()
-        updates: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        def post(out: RequestOutput | BaseException) -> None:
-            try:
-                loop.call_soon_threadsafe(updates.put_nowait, out)
-            except RuntimeError:  # the consumer's event loop is closed: nobody is listening any more
-                if isinstance(out, RequestOutput) and not out.finished:
-                    self.abort(out.request_id)
-
-        request_id = self.add_request(prompt, params, request_id, listener=post)
-        finished = False
-        try:
-            while not finished:
-                out = await updates.get()
-                if isinstance(out, BaseException):
-                    raise EngineDeadError("the engine loop died") from out
-                finished = out.finished
-                yield out
-        finally:
-            if not finished:
-                self.abort(request_id)
+        stream = OutputStream(self, output_kind)
+        stream.add(0, prompt, params, request_id)
+        async for _, out in stream.updates():
+            yield out
 
     def add_finish_observer(self, observer: Callable[[RequestOutput], None]) -> None:
         """Call `observer` with every finished request's output, in the stepping thread (metrics)."""
@@ -269,10 +256,8 @@ class Engine(RichDisplay):
 
     def _step(self) -> list[RequestOutput]:
         self._drain_inbox()
-        outputs = [request.snapshot() for request in self.core.step()]
-        for out in outputs:
-            self._deliver(out)
-        return outputs
+        reports = [self._deliver(request) for request in self.core.step()]
+        return [report for report in reports if report is not None]
 
     def _drain_inbox(self) -> None:
         while True:
@@ -282,14 +267,21 @@ class Engine(RichDisplay):
                 return
             command()
 
-    def _deliver(self, out: RequestOutput) -> None:
-        if not self._listeners.deliver(out) and not out.finished:
-            self.abort(out.request_id)
+    def _deliver(self, request: Request) -> RequestOutput | None:
+        """Hand the request's report (by its output kind) to its listener and, once finished, its whole output to
+        the finish observers; returns the report."""
+        report = request.report()
+        if report is not None and not self._listeners.deliver(report) and not report.finished:
+            self.abort(request.request_id)
+        if request.is_finished and self._listeners.has_finish_observers:
+            whole = report if request.output_kind is not RequestOutputKind.DELTA else request.snapshot()
+            self._listeners.observe_finished(whole)
+        return report
 
     def _deliver_abort(self, request_id: str) -> None:
         request = self.core.abort(request_id)
         if request is not None:
-            self._deliver(request.snapshot())
+            self._deliver(request)
 
     def _check_alive(self) -> None:
         if self._dead is not None:

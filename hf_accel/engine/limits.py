@@ -7,11 +7,8 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedModel
 
+from .errors import ContextLengthExceededError
 from .sampling_params import SamplingParams
-
-
-class ContextLengthExceededError(ValueError):
-    """A prompt plus `max_tokens` does not fit in the model's context (`max_model_len`)."""
 
 
 @dataclass(frozen=True, slots=True)

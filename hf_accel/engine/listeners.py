@@ -32,25 +32,31 @@ class Listeners:
     def add_finish_observer(self, observer: Callable[[RequestOutput], None]) -> None:
         self._finish_observers.append(observer)
 
+    @property
+    def has_finish_observers(self) -> bool:
+        return bool(self._finish_observers)
+
     def deliver(self, out: RequestOutput) -> bool:
-        """Hand `out` to its request's listener (forgotten once finished) and, when finished, to every observer.
-        False when the listener raised: it is forgotten and the request should be aborted."""
+        """Hand `out` to its request's listener (forgotten once `out` is the last report). False when the listener
+        raised: it is forgotten and the request should be aborted."""
         listener = self._by_request.pop(out.request_id, None) if out.finished else self._by_request.get(out.request_id)
-        heard = True
-        if listener is not None:
+        if listener is None:
+            return True
+        try:
+            listener(out)
+        except Exception:
+            logger.exception("the listener of request %s raised; the request is aborted", out.request_id)
+            self._by_request.pop(out.request_id, None)
+            return False
+        return True
+
+    def observe_finished(self, out: RequestOutput) -> None:
+        """Hand a finished request's whole output to every finish observer."""
+        for observer in self._finish_observers:
             try:
-                listener(out)
+                observer(out)
             except Exception:
-                logger.exception("the listener of request %s raised; the request is aborted", out.request_id)
-                self._by_request.pop(out.request_id, None)
-                heard = False
-        if out.finished:
-            for observer in self._finish_observers:
-                try:
-                    observer(out)
-                except Exception:
-                    logger.exception("a finish observer raised on request %s", out.request_id)
-        return heard
+                logger.exception("a finish observer raised on request %s", out.request_id)
 
     def fail_all(self, error: BaseException) -> None:
         """Tell every open request's listener that the engine died, and forget them."""

@@ -1,8 +1,25 @@
-"""What the engine hands back: one `RequestOutput` per request, one `CompletionOutput` per sample (vLLM's shape)."""
+"""What the engine hands back: one `RequestOutput` per request, one `CompletionOutput` per sample (vLLM's shape),
+in one of vLLM's three output kinds."""
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
+
+
+class RequestOutputKind(enum.Enum):
+    """What a request's listener gets after a step that changes it (vLLM's names).
+
+    CUMULATIVE: every sample whole so far. DELTA: only the samples that changed, each with only what is new since the
+    last report: its new token ids (with their logprobs and times) and newly released text; a sample whose new
+    tokens release no text yet (a partial character, or text that may start a stop string) waits for its text,
+    unless it finished or the engine has no tokenizer. FINAL_ONLY: nothing until the request finishes, then every
+    sample whole.
+    """
+
+    CUMULATIVE = "cumulative"
+    DELTA = "delta"
+    FINAL_ONLY = "final_only"
 
 
 @dataclass(slots=True)
@@ -75,8 +92,8 @@ class CompletionOutput:
 
 @dataclass(slots=True)
 class RequestOutput:
-    """A request's state: `outputs` holds its `n` samples. `token_ids`, `text` and `finish_reason` are the first
-    sample's, for the common `n == 1` case."""
+    """A request's state: `outputs` holds its `n` samples (in a DELTA report, only those that changed, by their
+    `index`). `token_ids`, `text` and `finish_reason` are the first listed sample's, for the common `n == 1` case."""
 
     request_id: str
     prompt: str | None
@@ -85,10 +102,7 @@ class RequestOutput:
     timing: RequestTiming
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: RequestError | None = None  # set when handling this request raised; every sample ends with "error"
-
-    @property
-    def finished(self) -> bool:
-        return all(out.finished for out in self.outputs)
+    finished: bool = False  # every sample has finished (the request's last report)
 
     @property
     def token_ids(self) -> list[int]:

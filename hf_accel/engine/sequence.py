@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .detokenizer import Detokenizer
-from .outputs import CompletionOutput, RequestError, RequestOutput, RequestTiming, TokenLogprob
+from .outputs import CompletionOutput, RequestError, RequestOutput, RequestOutputKind, RequestTiming, TokenLogprob
 from .sampling_params import SamplingParams
 
 _sequence_ids = itertools.count()
@@ -46,6 +46,9 @@ class Sequence:
     num_preemptions: int = 0
     hidden: torch.Tensor | None = None  # [hidden_size] final hidden state that produced the last token (Medusa)
     output: CompletionOutput = field(init=False)
+    num_reported_tokens: int = 0  # output tokens (and their text) handed out in DELTA reports
+    num_reported_chars: int = 0
+    is_finish_reported: bool = False
 
     def __post_init__(self) -> None:
         logprobs = [] if self.request.params.logprobs is not None else None
@@ -101,6 +104,20 @@ class Sequence:
         self.output.text = self.detokenizer.text[: self.detokenizer.released]
         return stop
 
+    def take_delta(self) -> CompletionOutput | None:
+        """What the sample gained since its last delta (`RequestOutputKind.DELTA`'s rule), or None."""
+        out, tokens, chars = self.output, self.num_reported_tokens, self.num_reported_chars
+        if self.is_finish_reported:
+            return None
+        has_news = len(out.text) > chars or (self.detokenizer is None and len(out.token_ids) > tokens)
+        if not (has_news or out.finished):
+            return None
+        self.num_reported_tokens, self.num_reported_chars = len(out.token_ids), len(out.text)
+        self.is_finish_reported = out.finished
+        return CompletionOutput(out.index, out.token_ids[tokens:], out.text[chars:], out.finish_reason,
+                                out.stop_reason, None if out.logprobs is None else out.logprobs[tokens:],
+                                out.token_times[tokens:])
+
     def finish(self, reason: str, stop_reason: str | int | None = None) -> None:
         """End the sample; its held-back text is released, except after a stop string (which cut it) or an error
         (the detokenizer may be what failed: the text stays what was released)."""
@@ -124,6 +141,7 @@ class Request:
     sequences: list[Sequence] = field(default_factory=list)
     num_cached_tokens: int = 0
     error: RequestError | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     @property
     def is_finished(self) -> bool:
@@ -142,14 +160,27 @@ class Request:
                 seq.finish("error")
 
     def snapshot(self) -> RequestOutput:
-        """A copy of the request's current output, safe to hand to another thread."""
+        """A copy of the request's whole output so far, safe to hand to another thread."""
         outputs = [copy.copy(seq.output) for seq in self.sequences]
         for out in outputs:
             out.token_ids = list(out.token_ids)
             out.token_times = list(out.token_times)
             out.logprobs = None if out.logprobs is None else list(out.logprobs)
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs,
-                             copy.copy(self.timing), self.num_cached_tokens, self.error)
+        return self._output(outputs)
+
+    def report(self) -> RequestOutput | None:
+        """What its listener gets after a step that changed it, by `output_kind`; None when that kind says nothing
+        now (FINAL_ONLY before the end, DELTA without news)."""
+        if self.output_kind is RequestOutputKind.CUMULATIVE:
+            return self.snapshot()
+        if self.output_kind is RequestOutputKind.FINAL_ONLY:
+            return self.snapshot() if self.is_finished else None
+        deltas = [delta for seq in self.sequences if (delta := seq.take_delta()) is not None]
+        return self._output(deltas) if deltas or self.is_finished else None
+
+    def _output(self, outputs: list[CompletionOutput]) -> RequestOutput:
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs, copy.copy(self.timing),
+                             self.num_cached_tokens, self.error, self.is_finished)
 
 
 def make_sequences(request: Request, detokenizer_for) -> None:

@@ -9,7 +9,7 @@ from fastapi.responses import StreamingResponse
 
 from ..engine.outputs import TokenLogprob
 from .errors import bad_request
-from .generation import ChoiceDelta, full_choices, unless_disconnected, usage
+from .generation import ChoiceDelta, unless_disconnected
 from .protocol import ChatCompletionRequest
 from .responses import (
     AssistantMessage,
@@ -42,7 +42,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
         max_tokens = max(server.engine.max_model_len - len(prompt_ids), 1)
     try:
         params = body.sampling_params(max_tokens, body.num_logprobs)
-        response_id, requests = server.new_requests("chatcmpl")
+        response_id, requests = server.new_requests("chatcmpl", body.n)
         requests.submit([prompt_ids], params)
     except (ValueError, TypeError) as error:
         raise bad_request(error) from error
@@ -62,12 +62,12 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
                  for i in range(body.n)]
         usage_chunk = (lambda counts: chunk([], counts)) if body.include_usage else None
         return sse_response(stream_choices(
-            requests, body.n, lambda d: chunk([ChatChunkChoice(delta=DeltaMessage(content=d.text), **fields(d))]),
+            requests, lambda d: chunk([ChatChunkChoice(delta=DeltaMessage(content=d.text), **fields(d))]),
             usage_chunk, first))
-    outputs = await unless_disconnected(request, requests.final_outputs())
-    choices = [ChatChoice(message=AssistantMessage(content=d.text), **fields(d)) for d in full_choices(outputs, body.n)]
+    whole = await unless_disconnected(request, requests.complete())
+    choices = [ChatChoice(message=AssistantMessage(content=d.text), **fields(d)) for d in whole]
     return ChatCompletionResponse(id=response_id, created=created, model=server.model_name, choices=choices,
-                                  usage=usage(outputs))
+                                  usage=requests.choices.usage())
 
 
 def chat_logprobs(server: ServerState, logprobs: list[TokenLogprob]) -> ChatLogprobs:

@@ -9,7 +9,7 @@ from fastapi.responses import StreamingResponse
 
 from ..engine.outputs import TokenLogprob
 from .errors import bad_request
-from .generation import ChoiceDelta, full_choices, unless_disconnected, usage
+from .generation import ChoiceDelta, unless_disconnected
 from .protocol import CompletionRequest
 from .responses import CompletionChoice, CompletionLogprobs, CompletionResponse, Usage
 from .state import ServerState, server_state
@@ -27,7 +27,7 @@ async def create_completion(body: CompletionRequest, request: Request,
         raise bad_request(ValueError("`best_of` other than `n` is not supported by this server"))
     try:
         params = body.sampling_params(body.max_tokens, body.logprobs)
-        response_id, requests = server.new_requests("cmpl")
+        response_id, requests = server.new_requests("cmpl", body.n)
         requests.submit(body.prompts, params)
     except (ValueError, TypeError) as error:
         raise bad_request(error) from error
@@ -45,9 +45,9 @@ async def create_completion(body: CompletionRequest, request: Request,
 
     if body.stream:
         usage_chunk = (lambda counts: response([], counts)) if body.include_usage else None
-        return sse_response(stream_choices(requests, body.n, lambda d: response([choice(d)]), usage_chunk))
-    outputs = await unless_disconnected(request, requests.final_outputs())
-    return response([choice(d) for d in full_choices(outputs, body.n)], usage(outputs))
+        return sse_response(stream_choices(requests, lambda d: response([choice(d)]), usage_chunk))
+    choices = await unless_disconnected(request, requests.complete())
+    return response([choice(d) for d in choices], requests.choices.usage())
 
 
 def completion_logprobs(server: ServerState, logprobs: list[TokenLogprob], text_offset: int) -> CompletionLogprobs:

@@ -18,7 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..engine.engine import EngineDeadError
+from ..engine.errors import EngineDeadError
 from ..engine.limits import ContextLengthExceededError
 from ..engine.outputs import RequestError
 

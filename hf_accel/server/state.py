@@ -32,10 +32,10 @@ class ServerState:
         if model is not None and model != self.model_name:
             raise model_not_found(model, self.model_name)
 
-    def new_requests(self, prefix: str) -> tuple[str, EngineRequests]:
-        """A fresh response id (`{prefix}-<hex>`) and the engine-request group under it."""
+    def new_requests(self, prefix: str, n: int) -> tuple[str, EngineRequests]:
+        """A fresh response id (`{prefix}-<hex>`) and the engine-request group under it (`n` samples a prompt)."""
         response_id = f"{prefix}-{uuid.uuid4().hex}"
-        return response_id, EngineRequests(self.engine, self.waiting, response_id)
+        return response_id, EngineRequests(self.engine, self.waiting, response_id, n)
 
     def chat_prompt(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
         """The chat template applied to `messages`; 400 when the tokenizer has none or the template refuses them."""

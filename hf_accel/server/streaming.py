@@ -12,10 +12,9 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
-from ..engine.engine import EngineDeadError
-from ..engine.outputs import RequestOutput
+from ..engine.errors import EngineDeadError
 from .errors import APIError, engine_dead
-from .generation import ChoiceDelta, DeltaTracker, EngineRequests, usage
+from .generation import ChoiceDelta, EngineRequests
 from .responses import Usage
 
 DONE = "data: [DONE]\n\n"
@@ -30,22 +29,18 @@ def sse_response(events: AsyncIterator[str]) -> StreamingResponse:
     return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
-async def stream_choices(requests: EngineRequests, n: int, chunk: Callable[[ChoiceDelta], BaseModel],
+async def stream_choices(requests: EngineRequests, chunk: Callable[[ChoiceDelta], BaseModel],
                          usage_chunk: Callable[[Usage], BaseModel] | None,
                          first: Sequence[BaseModel] = ()) -> AsyncIterator[str]:
     """Events of one streamed request: `first` chunks, then one chunk per choice delta as the engine produces
     them, then (with `usage_chunk`) the usage, then `[DONE]`. Closing the stream early aborts the engine requests."""
-    tracker = DeltaTracker(n)
-    last: dict[int, RequestOutput] = {}
     try:
         for payload in first:
             yield event(payload)
-        async for index, out in requests.updates():
-            last[index] = out
-            for delta in tracker.deltas(index, out):
-                yield event(chunk(delta))
+        async for delta in requests.deltas():
+            yield event(chunk(delta))
         if usage_chunk is not None:
-            yield event(usage_chunk(usage([last[index] for index in sorted(last)])))
+            yield event(usage_chunk(requests.choices.usage()))
     except EngineDeadError as error:
         cause = error.__cause__
         yield event(engine_dead(None if cause is None else f"{type(cause).__name__}: {cause}").body())
