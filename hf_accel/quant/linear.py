@@ -37,9 +37,7 @@ class Int8Linear(nn.Module):
         codes, scale = weights.quantize_int8(linear.weight.detach())
         module.weight.data = weights.pack_words(codes, 8)
         module.weight_scale.data = scale.to(linear.weight.dtype)
-        if linear.bias is not None:
-            module.bias.data = linear.bias.detach().clone()
-        return module
+        return _bias_from(module, linear)
 
     def forward(self, x: torch.Tensor, use_kernel: bool = True) -> torch.Tensor:
         if not weights.is_aligned(self.weight):  # e.g. memory-mapped from a checkpoint: copy once
@@ -91,9 +89,7 @@ class Int4Linear(nn.Module):
         codes, qparams = weights.quantize_int4(linear.weight.detach(), group_size)
         module.weight.data = weights.pack_words(codes, 4)
         module.weight_qparams.data = qparams.to(linear.weight.dtype)
-        if linear.bias is not None:
-            module.bias.data = linear.bias.detach().clone()
-        return module
+        return _bias_from(module, linear)
 
     def forward(self, x: torch.Tensor, use_kernel: bool = True) -> torch.Tensor:
         layout = weights.int4_kernel_layout(x.device, self.out_features) if use_kernel else None
@@ -147,3 +143,10 @@ def make_quantized_linear(linear: nn.Linear, bits: int, group_size: int, dtype: 
     if bits == 8:
         return Int8Linear(linear.in_features, linear.out_features, bias, dtype, device)
     return Int4Linear(linear.in_features, linear.out_features, bias, group_size, dtype, device)
+
+
+def _bias_from(module: nn.Module, linear: nn.Linear) -> nn.Module:
+    """`module` with a copy of `linear`'s bias, if it has one."""
+    if linear.bias is not None:
+        module.bias.data = linear.bias.detach().clone()
+    return module

@@ -23,22 +23,32 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int]
 
 
-class CompletionChoice(BaseModel):
+class ChoiceFields(BaseModel):
+    """What every choice (completion, chat, chat chunk) carries besides its text and logprobs."""
+
     index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None  # vLLM's: the stop string or token id that ended the choice
     token_ids: list[int] | None = None  # with `return_token_ids`: the choice's (new) token ids
 
 
-class CompletionResponse(BaseModel):
-    """A completion, or one streamed chunk of it (one choice; or no choice and the usage)."""
+class CompletionChoice(ChoiceFields):
+    text: str
+    logprobs: CompletionLogprobs | None = None
+
+
+class ResponseFields(BaseModel):
+    """What every completion response and chunk carries."""
 
     id: str
-    object: Literal["text_completion"] = "text_completion"
     created: int
     model: str
+
+
+class CompletionResponse(ResponseFields):
+    """A completion, or one streamed chunk of it (one choice; or no choice and the usage)."""
+
+    object: Literal["text_completion"] = "text_completion"
     choices: list[CompletionChoice]
     usage: Usage | None = None
 
@@ -62,20 +72,13 @@ class AssistantMessage(BaseModel):
     content: str
 
 
-class ChatChoice(BaseModel):
-    index: int
+class ChatChoice(ChoiceFields):
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-    token_ids: list[int] | None = None
 
 
-class ChatCompletionResponse(BaseModel):
-    id: str
+class ChatCompletionResponse(ResponseFields):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
     choices: list[ChatChoice]
     usage: Usage
 
@@ -85,20 +88,13 @@ class DeltaMessage(BaseModel):
     content: str | None = None
 
 
-class ChatChunkChoice(BaseModel):
-    index: int
+class ChatChunkChoice(ChoiceFields):
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-    token_ids: list[int] | None = None
 
 
-class ChatCompletionChunk(BaseModel):
-    id: str
+class ChatCompletionChunk(ResponseFields):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
 
