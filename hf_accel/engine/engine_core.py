@@ -20,12 +20,13 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ..speculative.medusa_heads import MedusaHeads
+from ..speculative.verify import greedy_accept
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .detokenizer import Detokenizer
 from .kv_pool import KVPool, KVShape
 from .limits import EngineLimits, check_request, context_length
-from .medusa_proposer import MedusaProposer, SpecDecodeStats, accepted_prefix
+from .medusa_proposer import MedusaProposer, SpecDecodeStats
 from .model_runner import ModelRunner, StepOutput
 from .sampler import sample, token_logprobs
 from .sampling_params import SamplingParams
@@ -234,9 +235,10 @@ class EngineCore:
         target argmaxes start at `targets[start]`)."""
         if seq.draft_token_ids:
             target = targets[start : start + len(seq.draft_token_ids) + 1]
-            accepted = accepted_prefix(seq.draft_token_ids, target)
+            verdict = greedy_accept(torch.tensor([seq.draft_token_ids]), torch.tensor([target]))
+            accepted = int(verdict.num_accepted[0])
             self.spec_stats.record(len(seq.draft_token_ids), accepted)
-            sampled = seq.draft_token_ids[:accepted] + [target[accepted]]
+            sampled = verdict.tokens[0, : accepted + 1].tolist()
         rows = out.logits[start : start + len(sampled)]
         logprobs = token_logprobs(rows, sampled, [seq.params.logprobs] * len(sampled))
         num_appended = self._append_all(seq, sampled, logprobs, now)
