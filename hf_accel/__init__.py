@@ -30,7 +30,7 @@ from .speculative.medusa_heads import MedusaConfig, MedusaHeads
 from .speculative.medusa_train import train_medusa
 from .speculative.draft import draft_generate
 from .speculative.draft_length import DraftLength
-from .speculative.draft_stats import SpeculativeStats
+from .speculative.stats import SpeculativeStats
 
 __version__ = "0.1.0"
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 from conformance import FIRST_WORD, PAD, VOCAB_SIZE, make_model, make_tokenizer
 
-from hf_accel.speculative.medusa import MedusaStats, medusa_generate
+from hf_accel.speculative.medusa import medusa_generate
+from hf_accel.speculative.stats import SpeculativeStats
 from hf_accel.speculative.medusa_heads import MedusaHeads
 from hf_accel.speculative.medusa_calibrate import head_accuracy
 from hf_accel.speculative.medusa_train import MedusaTrainConfig, self_distilled_rows, token_rows, train_medusa
@@ -37,12 +38,12 @@ def test_loss_falls_and_heads_learn(model):
     assert sum(result.losses[-5:]) < 0.5 * sum(result.losses[:5])
     after = head_accuracy(model, result.heads, rows)
     assert all(a > b + 0.2 for a, b in zip(after, before)), (before, after)
-    stats = MedusaStats()
+    stats = SpeculativeStats()
     prompt = rows[:1, :6]
     out = model.generate(prompt, max_new_tokens=30, do_sample=False, pad_token_id=PAD, custom_generate=medusa_generate,
                          medusa_heads=result.heads, medusa_stats=stats)
     assert torch.equal(out, model.generate(prompt, max_new_tokens=30, do_sample=False, pad_token_id=PAD))
-    assert stats.tokens_per_step > 1.5, stats
+    assert stats.tokens_per_forward > 1.5, stats
 
 
 def test_self_distilled_rows_are_greedy_continuations(model):

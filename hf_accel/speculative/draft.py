@@ -20,8 +20,8 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .draft_checks import check_inputs
 from .draft_length import DraftLength
-from .draft_stats import SpeculativeStats
 from .ragged_batch import RaggedBatch, batch_for_generate, stack_steps
+from .stats import SpeculativeStats
 from .verify import Verdict, greedy_accept, speculative_sample
 
 @dataclass(slots=True)
@@ -248,6 +248,7 @@ def _collect(run: DraftRun, scores, logits, num_emitted, active) -> None:
 
 def _output(run: DraftRun, config: GenerationConfig) -> GenerateDecoderOnlyOutput | torch.LongTensor:
     batch = run.batch
+    run.stats.num_new_tokens += int(torch.minimum(batch.num_generated, batch.limit).sum())
     num_steps = batch.num_output_tokens
     sequences = batch.tokens[:, : batch.prompt_width + num_steps]
     if not config.return_dict_in_generate:

@@ -26,9 +26,9 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from ..cache.paged import PagedCache
 from .medusa_heads import MedusaHeads
-from .medusa_stats import MedusaStats
 from .medusa_walk import TokenRules, Walk, walk_tree
 from .ragged_batch import RaggedBatch, batch_for_generate, stack_steps
+from .stats import MedusaStats, SpeculativeStats
 from .tree import DEFAULT_TREE, MedusaTree, build_tree, root_only_tree
 from .tree_cache import LayerGroup, keep_tree_path, layer_groups, prepare_tree_cache, tree_masks
 from .tree_size import TreeSizer, prefix_sizes
@@ -62,7 +62,7 @@ class _Run:
     batch: RaggedBatch
     rules: TokenRules
     streamer: BaseStreamer | None
-    stats: MedusaStats
+    stats: SpeculativeStats
 
 
 def medusa_generate(
@@ -73,7 +73,7 @@ def medusa_generate(
     generation_config: GenerationConfig,
     medusa_heads: MedusaHeads | None = None,
     medusa_tree: Sequence[Sequence[int]] | None = None,
-    medusa_stats: MedusaStats | None = None,
+    medusa_stats: SpeculativeStats | None = None,
     medusa_adaptive: bool | None = None,
     hf_accel_streamer: BaseStreamer | None = None,
     **model_kwargs,
@@ -84,7 +84,7 @@ def medusa_generate(
         medusa_heads: trained `MedusaHeads` for this model (hidden size and vocab must match).
         medusa_tree: candidate paths, best first (see `hf_accel.speculative.tree`); default: the heads' calibrated
             `config.tree`, else `DEFAULT_TREE` cut to the heads' depth.
-        medusa_stats: a `MedusaStats` to fill with tokens per step and acceptance per depth.
+        medusa_stats: a `SpeculativeStats` to fill with tokens per forward and acceptance per depth.
         medusa_adaptive: verify each step the prefix of the candidate list with the best measured tokens per
             second (`hf_accel.speculative.tree_size`) rather than the whole tree. Default: True for the default
             tree, False for an explicit `medusa_tree`. Output is the same either way.
@@ -148,8 +148,7 @@ def _start(model, input_ids, config, heads, stats, streamer, processors, criteri
     rules = TokenRules(processors, criteria, eos, bool(config.do_sample),
                        [[] for _ in range(rows)] if record and config.output_scores else None,
                        [[] for _ in range(rows)] if record and config.output_logits else None)
-    stats = stats if stats is not None else MedusaStats()
-    stats.accepted_per_depth.extend([0] * (trees.whole.depth - len(stats.accepted_per_depth)))
+    stats = stats if stats is not None else SpeculativeStats()
     if streamer is not None:
         streamer.put(input_ids.cpu())
     return _Run(model, heads, trees, cache, groups, batch, rules, streamer, stats)
@@ -183,7 +182,6 @@ def _prefill(run: _Run) -> torch.Tensor:
                     position_ids=batch.positions[:, past:], past_key_values=run.cache, use_cache=True,
                     output_hidden_states=True, logits_to_keep=1)
     prepare_tree_cache(run.cache)  # trims sliding-window layers that recorded the whole prompt
-    run.stats.num_sequences += batch.columns.shape[0]
     walk = walk_tree(run.rules, batch, root_only_tree(), batch.columns[:, -1:], out.logits[:, -1:])
     _commit(run, walk)
     return out.hidden_states[-1][:, -1]
@@ -235,10 +233,9 @@ def _record(run: _Run, index: int, walk: Walk, active: torch.Tensor, remaining: 
     """Count the step in the stats; time it for the sizer with what each active row accepted and had `remaining`
     before it (the sizer weighs the furthest-behind rows: the call ends when they do; None for a plain step)."""
     stats, trees = run.stats, run.trees
-    stats.num_verify_forwards += 1
-    stats.num_verify_rows += int(active.sum())
-    stats.candidates_per_step.append(trees.trees[index].num_nodes - 1)
-    walk.record(stats, active)
+    tree = trees.trees[index]
+    stats.num_draft_forwards += int(tree.num_nodes > 1)  # the heads ran
+    stats.record_round(tree.depth, walk.num_emitted - 1, walk.num_emitted, active, tree.num_nodes - 1)
     if trees.sizer is None:
         return
     if remaining is None:  # a plain step accepts no candidates

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList
 
-from .medusa_stats import MedusaStats
 from .ragged_batch import RaggedBatch
 from .tree import MedusaTree
 
@@ -43,14 +42,6 @@ class Walk:
     num_emitted: torch.Tensor
     fired: torch.Tensor | None
     num_to_stop: torch.Tensor
-
-    def record(self, stats: MedusaStats, active: torch.Tensor) -> None:
-        """Add the accepted nodes per depth of the `active` rows to `stats`."""
-        if self.tokens.shape[1] == 1:  # a root-only tree accepts nothing
-            return
-        accepted = (self.num_emitted[active] - 1).tolist()
-        for depth in range(len(stats.accepted_per_depth)):
-            stats.accepted_per_depth[depth] += sum(n > depth for n in accepted)
 
 
 def walk_tree(rules: TokenRules, batch: RaggedBatch, tree: MedusaTree, tokens: torch.Tensor,
