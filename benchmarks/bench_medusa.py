@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 from hf_accel import bench, bench_output, reference
 from hf_accel.speculative.medusa import medusa_generate
 from hf_accel.speculative.stats import SpeculativeStats
-from hf_accel.speculative.medusa_command import REFERENCE_HEADS_DIR
+from hf_accel.medusa_training.command import REFERENCE_HEADS_DIR
 from hf_accel.speculative.medusa_heads import MedusaHeads
 from hf_accel.speculative.tree import DEFAULT_TREE, sparse_tree
 
