@@ -24,7 +24,7 @@ import torch
 
 from hf_accel import Engine, SamplingParams, bench, bench_output, reference
 from hf_accel.engine.config import EngineConfig
-from hf_accel.speculative.medusa_command import REFERENCE_HEADS_DIR
+from hf_accel.medusa_training.command import REFERENCE_HEADS_DIR
 from hf_accel.speculative.medusa_heads import MedusaHeads
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -28,8 +28,9 @@ import torch
 from tqdm.auto import tqdm
 
 from hf_accel import bench, bench_output, reference
-from hf_accel.speculative.medusa import MedusaStats, medusa_generate
-from hf_accel.speculative.medusa_command import REFERENCE_HEADS_DIR
+from hf_accel.speculative.medusa import medusa_generate
+from hf_accel.speculative.stats import SpeculativeStats
+from hf_accel.medusa_training.command import REFERENCE_HEADS_DIR
 from hf_accel.speculative.medusa_heads import MedusaHeads
 from hf_accel.speculative.tree import DEFAULT_TREE, sparse_tree
 
@@ -67,13 +68,13 @@ def run_tree(model, heads, prompts: torch.Tensor, tree, plan: dict[str, int], mo
     """Interleaved plain / Medusa pairs over every prompt, each side seeded alike. Greedy outputs must be equal;
     with sampling the count of equal outputs is reported (equal seeds draw equal tokens up to float rounding)."""
     common = dict(max_new_tokens=plan["new_tokens"], min_new_tokens=plan["new_tokens"], eos_token_id=None, **mode)
-    ratios, plain_times, medusa_times, stats, num_equal = [], [], [], MedusaStats(), 0
+    ratios, plain_times, medusa_times, stats, num_equal = [], [], [], SpeculativeStats(), 0
     for index in tqdm(range(-1, prompts.shape[0]), desc="prompts", leave=False):  # index -1: warm-up on the first prompt, not recorded
         prompt = prompts[max(index, 0)][None]
         for repeat in range(1 if index < 0 else plan["repeats"]):
             torch.manual_seed(repeat)
             plain_s, plain = timed(lambda: model.generate(prompt, **common))
-            counted = MedusaStats() if index < 0 else stats
+            counted = SpeculativeStats() if index < 0 else stats
             torch.manual_seed(repeat)
             medusa_s, medusa = timed(lambda: model.generate(prompt, custom_generate=medusa_generate, medusa_heads=heads,
                                                             medusa_tree=tree, medusa_stats=counted, **common))
@@ -84,12 +85,12 @@ def run_tree(model, heads, prompts: torch.Tensor, tree, plan: dict[str, int], mo
                 medusa_times.append(medusa_s)
                 num_equal += int(torch.equal(plain, medusa))
     return {
-        "tokens_per_forward": round(stats.tokens_per_step, 3),
-        "accepted_per_step_by_depth": [round(a, 3) for a in stats.acceptance_by_depth],
+        "tokens_per_forward": round(stats.tokens_per_forward, 3),
+        "accepted_per_step_by_depth": [round(a / max(stats.num_row_rounds, 1), 3) for a in stats.accepted],
         "speedup_median": round(statistics.median(ratios), 3),
         "speedup_range": [round(min(ratios), 3), round(max(ratios), 3)],
         "speedup_total_time": round(sum(plain_times) / sum(medusa_times), 3),
-        "candidates_per_step": round(statistics.mean(stats.candidates_per_step), 2),
+        "candidates_per_step": round(statistics.mean(stats.draft_lengths), 2),
         "plain_tokens_per_s": round(plan["new_tokens"] / statistics.median(plain_times), 1),
         "medusa_tokens_per_s": round(plan["new_tokens"] / statistics.median(medusa_times), 1),
         "outputs_equal_to_plain": f"{num_equal}/{len(ratios)}",
@@ -111,11 +112,11 @@ def run_batch_size(model, heads, rows: torch.Tensor, size: int, plan: dict[str, 
     warm-up pair first); every row must equal plain batched greedy."""
     common = dict(max_new_tokens=plan["new_tokens"], min_new_tokens=plan["new_tokens"], eos_token_id=None,
                   pad_token_id=pad_token_id, **GREEDY)
-    ratios, plain_times, medusa_times, stats, rows_equal = [], [], [], MedusaStats(), 0
+    ratios, plain_times, medusa_times, stats, rows_equal = [], [], [], SpeculativeStats(), 0
     for index in tqdm(range(-1, plan["batches"]), desc=f"batch {size}", leave=False):
         inputs = mixed_batch(rows, size, max(index, 0), pad_token_id)
         plain_s, plain = timed(lambda: model.generate(**inputs, **common))
-        counted = MedusaStats() if index < 0 else stats
+        counted = SpeculativeStats() if index < 0 else stats
         medusa_s, medusa = timed(lambda: model.generate(**inputs, custom_generate=medusa_generate, medusa_heads=heads,
                                                         medusa_stats=counted, **common))
         equal = [torch.equal(a, b) for a, b in zip(plain, medusa)]
@@ -127,8 +128,8 @@ def run_batch_size(model, heads, rows: torch.Tensor, size: int, plan: dict[str, 
             rows_equal += sum(equal)
     new_tokens = plan["new_tokens"] * size
     return {
-        "tokens_per_forward": round(stats.tokens_per_step, 3),
-        "candidates_per_step": round(statistics.mean(stats.candidates_per_step), 2),
+        "tokens_per_forward": round(stats.tokens_per_forward, 3),
+        "candidates_per_step": round(statistics.mean(stats.draft_lengths), 2),
         "speedup_median": round(statistics.median(ratios), 3),
         "speedup_range": [round(min(ratios), 3), round(max(ratios), 3)],
         "speedup_total_time": round(sum(plain_times) / sum(medusa_times), 3),

@@ -3,8 +3,10 @@ decoding, on the project's reference pair (target ~8.9M parameters, draft ~0.9M,
 
 For greedy and sampling, at batch 1 and batch 4 (left-padded held-out prompts), every method runs in one process,
 interleaved, after a warm-up (`hf_accel.bench.compare_strategies`: decode time = time(N tokens) - time(1 token),
-median of per-repeat paired ratios). One more untimed run per method counts target forwards (tokens per target
-forward; plain decoding is 1.0) and, where the method reports them, accepted drafts per position.
+median of per-repeat paired ratios). One more untimed run per method counts target forwards and, where the method
+reports them, accepted drafts per position. Tokens per target forward has `SpeculativeStats`' definition: tokens a row
+gains per verification forward, the prefill not counted (plain decoding is 1.0); from the method's stats where it
+keeps them, else from the forwards counted (exact at batch 1 and for plain decoding).
 
 Add a method (Medusa heads, ...) by writing a function `(pair, mode, batch_size) -> Method | None` and listing it in
 `METHODS`. Regenerate benchmarks/results/bench_speculative.json, docs/bench_speculative.md and the table in
@@ -90,7 +92,8 @@ def hf_accel_draft_method(pair: Pair, mode: str, batch_size: int) -> Method:
         return {**MODES[mode], "custom_generate": hf_accel.draft_generate, "draft_model": pair.draft}
 
     def read(stats: hf_accel.SpeculativeStats) -> dict[str, Any]:
-        return {"acceptance_rate": stats.acceptance_rate, "acceptance_by_position": stats.acceptance_by_position,
+        return {"tokens_per_target_forward": stats.tokens_per_forward, "acceptance_rate": stats.acceptance_rate,
+                "acceptance_by_position": stats.acceptance_by_position,
                 "mean_draft_length": statistics.mean(stats.draft_lengths) if stats.draft_lengths else 0.0}
 
     return Method(bench.Strategy("hf_accel draft", "custom_generate=hf_accel.draft_generate, adaptive draft length",
@@ -121,7 +124,7 @@ def profile(pair: Pair, method: Method, inputs: dict[str, torch.Tensor], new_tok
     torch.manual_seed(0)
     forwards = count_forwards(pair.target, lambda: pair.target.generate(
         **inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **options))
-    found = {"tokens_per_target_forward": new_tokens / forwards, "target_forwards": forwards}
+    found = {"tokens_per_target_forward": (new_tokens - 1) / max(forwards - 1, 1), "target_forwards": forwards}
     return found | (method.read_stats(stats) if stats is not None else {})
 
 

@@ -27,10 +27,10 @@ from .quant.presets import list_quantization_presets, load_model, quantization_c
 from .quant.quantizer import WeightOnlyConfig, quantize_model
 from .speculative.medusa import MedusaStats, medusa_generate
 from .speculative.medusa_heads import MedusaConfig, MedusaHeads
-from .speculative.medusa_train import train_medusa
+from .medusa_training.train import train_medusa
 from .speculative.draft import draft_generate
 from .speculative.draft_length import DraftLength
-from .speculative.draft_stats import SpeculativeStats
+from .speculative.stats import SpeculativeStats
 
 __version__ = "0.1.0"
 

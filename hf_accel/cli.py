@@ -3,7 +3,7 @@
 `hf-accel bench`: decode speed, KV memory and greedy agreement of every strategy in `hf_accel.bench.STRATEGIES`
 against transformers' DynamicCache, measured in one process, on hf_accel's reference target by default.
 `hf-accel train-reference`: train the reference models from scratch (see `hf_accel.reference.train`).
-`hf-accel train-medusa`: train Medusa heads for a model (see `hf_accel.speculative.medusa_command`).
+`hf-accel train-medusa`: train Medusa heads for a model (see `hf_accel.medusa_training.command`).
 `hf-accel serve`: the OpenAI-compatible HTTP server (extra `serve`; see `hf_accel.server.command`).
 `hf-accel export`: write a model for vLLM (see `hf_accel.export.command`).
 `hf-accel finetune`: LoRA fine-tune, Medusa heads, quantize, check; a folder to serve (see `hf_accel.finetune.command`)."""
@@ -79,8 +79,8 @@ def train_reference_command(args: argparse.Namespace, extra: Sequence[str]) -> i
 
 
 def train_medusa_command(args: argparse.Namespace, extra: Sequence[str]) -> int:
-    """`hf-accel train-medusa [options]`: the options are `hf_accel.speculative.medusa_command`'s."""
-    from .speculative import medusa_command  # imported on demand, like train-reference
+    """`hf-accel train-medusa [options]`: the options are `hf_accel.medusa_training.command`'s."""
+    from .medusa_training import command as medusa_command  # imported on demand, like train-reference
 
     return medusa_command.main(list(extra))
 

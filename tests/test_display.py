@@ -55,12 +55,14 @@ def test_speculative_stats_display():
 
 
 def test_medusa_stats_display():
-    stats = hf_accel.MedusaStats(num_new_tokens=9, num_verify_forwards=4, num_verify_rows=4, num_sequences=1,
-                                 accepted_per_depth=[2, 1],
-                                 candidates_per_step=[5, 5, 3, 3])
-    assert stats.acceptance_by_depth == [0.5, 0.25]
-    assert repr(stats) == ("MedusaStats(new_tokens=9, verify_forwards=4, tokens_per_step=1.8, "
-                           "acceptance_by_depth=[0.5 0.25], mean_candidates=4)")
+    """Medusa fills the one `SpeculativeStats` record (`MedusaStats` names the same class): one row, 9 new tokens,
+    the prefill's first then 8 from 4 tree forwards, so 2.0 tokens per forward (the prefill is not counted)."""
+    assert hf_accel.MedusaStats is hf_accel.SpeculativeStats
+    stats = hf_accel.MedusaStats(num_target_forwards=4, num_draft_forwards=4, num_emitted=8, num_row_rounds=4,
+                                 num_new_tokens=9, proposed=[4, 2], accepted=[2, 1], draft_lengths=[5, 5, 3, 3])
+    assert stats.acceptance_by_position == [0.5, 0.5]
+    assert repr(stats) == ("SpeculativeStats(target_forwards=4, draft_forwards=4, tokens_emitted=8, "
+                           "tokens_per_forward=2, acceptance_rate=0.5, acceptance_by_position=[0.5 0.5])")
 
 
 def test_medusa_heads_display():

@@ -19,10 +19,11 @@ import torch
 from conformance import make_model
 from engine_helpers import assert_greedy_equal, greedy_reference, random_prompts
 from hf_accel import Engine, MedusaHeads, SamplingParams, reference
-from hf_accel.engine.medusa_proposer import MedusaProposer, accepted_prefix
+from hf_accel.engine.medusa_proposer import MedusaProposer
 from hf_accel.engine.scheduler import draft_width
 from hf_accel.reference import ASSETS_DIR
 from hf_accel.server import command
+from hf_accel.speculative.verify import greedy_accept
 from test_server_cli import ROOT, free_port, wait_for_health
 
 LENGTHS = [5, 23, 9, 40, 17, 3, 12, 30]
@@ -65,7 +66,12 @@ def test_draft_width_rule():
     assert draft_width(1, 2, 64) == 2  # never more than the heads give
 
 
+def accepted_prefix(drafts: list[int], target: list[int]) -> int:
+    return int(greedy_accept(torch.tensor([drafts]), torch.tensor([target])).num_accepted[0])
+
+
 def test_accepted_prefix():
+    """The engine's verification rule is `greedy_accept` on one row's candidates and target argmaxes."""
     assert accepted_prefix([5, 6, 7], [5, 6, 9, 1]) == 2
     assert accepted_prefix([5, 6, 7], [4, 6, 7, 1]) == 0
     assert accepted_prefix([5, 6, 7], [5, 6, 7, 1]) == 3

@@ -10,7 +10,8 @@ from conformance import PAD, StopOnToken, make_model, make_prompts, make_tokeniz
 from test_medusa_generate import CHAIN, WIDE, heads_for
 from transformers import StoppingCriteriaList
 
-from hf_accel.speculative.medusa import MedusaStats, medusa_generate
+from hf_accel.speculative.medusa import medusa_generate
+from hf_accel.speculative.stats import SpeculativeStats
 
 NEW = 20
 LENGTHS = [[5, 12, 9, 3], [11, 4]]
@@ -31,20 +32,20 @@ def llama():
 @pytest.mark.parametrize("arch, attn", [("llama", "sdpa"), ("llama", "eager"), ("qwen3", "sdpa"), ("phi3", "eager")])
 def test_greedy_rows_equal_plain_batched_greedy(arch, attn):
     model = make_model(arch, torch.float32, attn)
-    wide = MedusaStats()
+    wide = SpeculativeStats()
     for seed, lengths in enumerate(LENGTHS):
         inputs = make_prompts(lengths, seed=seed)
         expected = run(model, inputs, medusa=False)
         for name, tree, extra in (("wide", WIDE, {}), ("chain", CHAIN, {}), ("adaptive", None, {}),
                                   ("wide, adaptive", WIDE, {"medusa_adaptive": True})):
-            stats = wide if name == "wide" else MedusaStats()
+            stats = wide if name == "wide" else SpeculativeStats()
             new_before = stats.num_new_tokens
             got = run(model, inputs, tree=tree, medusa_stats=stats, **extra)
             for row in range(len(lengths)):
                 assert torch.equal(got[row], expected[row]), f"{arch} {attn} seed {seed} tree {name} row {row}"
             assert stats.num_new_tokens - new_before == NEW * len(lengths)
     # rows accepted different numbers of tokens in the same step (so holes were made and masked)
-    assert 0.5 < wide.acceptance_by_depth[0] < 1 or 0 < wide.acceptance_by_depth[1] < 1, wide
+    assert 0.5 < wide.acceptance_by_position[0] < 1 or 0 < wide.acceptance_by_position[1] < 1, wide
 
 
 def test_rows_stop_at_different_steps_on_eos(llama):
@@ -138,10 +139,10 @@ def test_reference_target_with_committed_heads_at_batch_4(reference_with_heads):
     inputs = {"input_ids": rows.masked_fill(mask == 0, tokenizer.pad_token_id or 0), "attention_mask": mask}
     kwargs = dict(max_new_tokens=40, min_new_tokens=40, do_sample=False, eos_token_id=None,
                   pad_token_id=tokenizer.pad_token_id or 0)
-    stats = MedusaStats()
+    stats = SpeculativeStats()
     got = target.generate(**inputs, custom_generate=medusa_generate, medusa_heads=heads, medusa_stats=stats,
                           medusa_adaptive=False, **kwargs)
     expected = target.generate(**inputs, **kwargs)
     for row in range(4):
         assert torch.equal(got[row], expected[row]), f"row {row}"
-    assert stats.tokens_per_step > 2.0, stats  # the trained heads do get accepted in every row's own walk
+    assert stats.tokens_per_forward > 2.0, stats  # the trained heads do get accepted in every row's own walk

@@ -13,7 +13,8 @@ from transformers import StoppingCriteriaList, TextIteratorStreamer
 from transformers.generation.streamers import BaseStreamer
 
 import hf_accel
-from hf_accel.speculative.medusa import MedusaStats, medusa_generate
+from hf_accel.speculative.medusa import medusa_generate
+from hf_accel.speculative.stats import SpeculativeStats
 from hf_accel.speculative.medusa_heads import MedusaConfig, MedusaHeads
 from hf_accel.speculative.tree_size import prefix_sizes
 
@@ -50,12 +51,12 @@ def run(model, inputs, medusa=True, tree=WIDE, **kwargs):
 def test_greedy_equals_plain(model, tree):
     for seed in range(3):
         inputs = make_prompts([9 + 3 * seed], seed=seed)
-        stats = MedusaStats()
+        stats = SpeculativeStats()
         got = run(model, inputs, tree=TREES[tree], medusa_stats=stats)
         assert torch.equal(got, run(model, inputs, medusa=False)), f"prompt {seed}"
         assert stats.num_new_tokens == NEW
     if tree == "wide":  # every step accepts a depth-1 candidate (the last one may stop first)
-        assert stats.accepted_per_depth[0] >= stats.num_verify_forwards - 1, stats
+        assert stats.accepted[0] >= stats.num_target_forwards - 1, stats
 
 
 @pytest.mark.parametrize("cache_implementation", ["paged", "dynamic"])
@@ -169,12 +170,12 @@ def test_seeded_sampling_equals_plain_sampling(model, adaptive):
 
 def test_adaptive_tree_sizes(model):
     inputs = make_prompts([9], seed=2)
-    fixed, adaptive = MedusaStats(), MedusaStats()
+    fixed, adaptive = SpeculativeStats(), SpeculativeStats()
     run(model, inputs, medusa_stats=fixed)
-    assert set(fixed.candidates_per_step) == {len(WIDE)}  # an explicit tree is verified whole by default
+    assert set(fixed.draft_lengths) == {len(WIDE)}  # an explicit tree is verified whole by default
     got = run(model, inputs, medusa_stats=adaptive, medusa_adaptive=True, max_new_tokens=200)
     assert torch.equal(got, run(model, inputs, medusa=False, max_new_tokens=200))
-    sizes = adaptive.candidates_per_step
+    sizes = adaptive.draft_lengths
     # whole tree, then a plain step; later sizes depend on wall-clock timings (probes within 2% of the decoding time,
     # tested with given timings in test_tree_size.py), so only the output and the sizes' range are checked here
     assert sizes[:2] == [len(WIDE), 0] and set(sizes) <= set(prefix_sizes(WIDE)), sizes
@@ -187,13 +188,13 @@ def test_trees_run_only_the_heads_they_reach(model):
              for k, head in enumerate(heads.lm_heads)]
     try:
         inputs = make_prompts([9], seed=3)
-        stats = MedusaStats()
+        stats = SpeculativeStats()
         got = run(model, inputs, tree=[(0,), (1,), (0, 0)], medusa_stats=stats)  # 2 deep: head 2 never runs
         assert torch.equal(got, run(model, inputs, medusa=False))
     finally:
         for hook in hooks:
             hook.remove()
-    assert calls[0] == calls[1] == stats.num_verify_forwards and calls[2] == 0, calls
+    assert calls[0] == calls[1] == stats.num_target_forwards and calls[2] == 0, calls
 
 
 def test_bad_input(model):
@@ -241,7 +242,7 @@ def test_reference_target_with_committed_heads(reference_with_heads):
 
     target, tokenizer, heads = reference_with_heads
     prompt = reference.held_out_sequences(tokenizer, seq_len=64, max_rows=1)
-    stats = MedusaStats()
+    stats = SpeculativeStats()
     kwargs = dict(max_new_tokens=48, min_new_tokens=48, do_sample=False, eos_token_id=None)
     expected = target.generate(prompt, **kwargs)
     assert torch.equal(target.generate(prompt, custom_generate=medusa_generate, medusa_heads=heads, **kwargs), expected)
@@ -250,4 +251,4 @@ def test_reference_target_with_committed_heads(reference_with_heads):
     got = target.generate(prompt, custom_generate=medusa_generate, medusa_heads=heads, medusa_stats=stats,
                           medusa_adaptive=False, **kwargs)
     assert torch.equal(got, expected)
-    assert stats.tokens_per_step > 1.5, stats
+    assert stats.tokens_per_forward > 1.5, stats

@@ -11,7 +11,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from hf_accel.cache.paged import PagedCache
-from hf_accel.speculative.medusa_export import export_vllm
+from hf_accel.export.medusa import export_vllm
 from hf_accel.speculative.medusa_heads import MedusaConfig, MedusaHeads
 from hf_accel.speculative.tree import DEFAULT_TREE, build_tree, sparse_tree, tree_attention_mask, tree_position_ids
 from hf_accel.speculative.tree_cache import keep_tree_path
@@ -45,6 +45,25 @@ def test_heads_compute_only_the_first_num_heads(model):
     for bad in (0, 4):
         with pytest.raises(ValueError, match="num_heads"):
             heads(hidden, num_heads=bad)
+
+
+def test_stacked_heads_compute_what_the_heads_do(model):
+    heads = MedusaHeads.for_model(model, num_heads=3, num_layers=2)
+    with torch.no_grad():
+        for block in heads.blocks:
+            for layer in block.layers:
+                nn.init.normal_(layer.weight, std=0.3)
+                nn.init.normal_(layer.bias, std=0.3)
+        hidden = torch.randn(5, 64)
+        stacked = heads.stacked(2)
+        assert stacked.num_heads == 2
+        assert torch.allclose(stacked(hidden), heads(hidden, num_heads=2), atol=1e-5)
+        assert torch.allclose(stacked(hidden, num_heads=1), heads(hidden, num_heads=1), atol=1e-5)
+    for bad in (0, 4):
+        with pytest.raises(ValueError, match="num_heads"):
+            heads.stacked(bad)
+    with pytest.raises(ValueError, match="num_heads"):
+        stacked(hidden, num_heads=3)
 
 
 def test_save_load_round_trip(model, tmp_path):

@@ -9,7 +9,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from hf_accel.speculative.medusa import MedusaStats, medusa_generate
+from hf_accel.speculative.medusa import medusa_generate
+from hf_accel.speculative.stats import SpeculativeStats
 from hf_accel.speculative.medusa_heads import MedusaHeads
 
 VOCAB = 16
@@ -52,9 +53,9 @@ def chi_square(observed: torch.Tensor, reference: torch.Tensor) -> tuple[float, 
     return statistic, df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
 
 
-def medusa_samples(model, heads, temperature: float) -> tuple[torch.Tensor, MedusaStats]:
+def medusa_samples(model, heads, temperature: float) -> tuple[torch.Tensor, SpeculativeStats]:
     torch.manual_seed(1234)
-    stats = MedusaStats()
+    stats = SpeculativeStats()
     rows = [model.generate(PROMPT, max_new_tokens=4, do_sample=True, top_k=0, temperature=temperature,
                            custom_generate=medusa_generate, medusa_heads=heads, medusa_tree=TREE, medusa_stats=stats)
             for _ in range(NUM_MEDUSA)]
@@ -66,7 +67,7 @@ def test_sampling_distribution_matches_plain(model):
     torch.manual_seed(99)
     plain = model.generate(PROMPT.expand(NUM_PLAIN, -1), max_new_tokens=4, do_sample=True, top_k=0)
     samples, stats = medusa_samples(model, heads, temperature=1.0)
-    assert stats.accepted_per_depth[0] >= NUM_MEDUSA and stats.accepted_per_depth[1] > 0, stats  # tree path used
+    assert stats.accepted[0] >= NUM_MEDUSA and stats.accepted[1] > 0, stats  # tree path used
     wrong, _ = medusa_samples(model, heads, temperature=0.5)
     for column in (1, 2, 3):
         statistic, critical = chi_square(token_counts(samples, column), token_counts(plain, column))
@@ -75,10 +76,10 @@ def test_sampling_distribution_matches_plain(model):
         assert statistic > critical, f"token {column}: the test did not reject a wrong temperature ({statistic:.1f})"
 
 
-def batch_samples(model, heads, temperature: float, calls: int) -> tuple[list[torch.Tensor], MedusaStats]:
+def batch_samples(model, heads, temperature: float, calls: int) -> tuple[list[torch.Tensor], SpeculativeStats]:
     """Rows [PROMPT, SHORT, PROMPT, SHORT] sampled together `calls` times -> samples of PROMPT, samples of SHORT."""
     torch.manual_seed(4321)
-    stats = MedusaStats()
+    stats = SpeculativeStats()
     ids = torch.cat([PROMPT, SHORT["input_ids"]] * 2)
     mask = torch.cat([torch.ones_like(PROMPT), SHORT["attention_mask"]] * 2)
     out = torch.cat([model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=True, top_k=0,
@@ -94,7 +95,7 @@ def test_sampling_distribution_matches_plain_per_row_at_batch_4(model):
              model.generate(**{k: v.expand(NUM_PLAIN, -1) for k, v in SHORT.items()}, max_new_tokens=4,
                             do_sample=True, top_k=0)]
     samples, stats = batch_samples(model, heads, temperature=1.0, calls=NUM_MEDUSA // 2)
-    assert stats.accepted_per_depth[0] >= stats.num_verify_rows // 2 and stats.accepted_per_depth[1] > 0, stats
+    assert stats.accepted[0] >= stats.num_row_rounds // 2 and stats.accepted[1] > 0, stats
     wrong, _ = batch_samples(model, heads, temperature=0.5, calls=NUM_MEDUSA // 2)
     for prompt, (got, bad, reference) in enumerate(zip(samples, wrong, plain)):
         for column in (1, 2, 3):

@@ -9,10 +9,11 @@ import pytest
 import torch
 from conformance import FIRST_WORD, PAD, VOCAB_SIZE, make_model, make_tokenizer
 
-from hf_accel.speculative.medusa import MedusaStats, medusa_generate
+from hf_accel.speculative.medusa import medusa_generate
+from hf_accel.speculative.stats import SpeculativeStats
 from hf_accel.speculative.medusa_heads import MedusaHeads
-from hf_accel.speculative.medusa_calibrate import head_accuracy
-from hf_accel.speculative.medusa_train import MedusaTrainConfig, self_distilled_rows, token_rows, train_medusa
+from hf_accel.medusa_training.calibrate import head_accuracy
+from hf_accel.medusa_training.train import MedusaTrainConfig, self_distilled_rows, token_rows, train_medusa
 
 SETTINGS = dict(num_heads=2, batch_size=8, seq_len=48, lr=1e-2, warmup_steps=2, progress=False)
 
@@ -37,12 +38,14 @@ def test_loss_falls_and_heads_learn(model):
     assert sum(result.losses[-5:]) < 0.5 * sum(result.losses[:5])
     after = head_accuracy(model, result.heads, rows)
     assert all(a > b + 0.2 for a, b in zip(after, before)), (before, after)
-    stats = MedusaStats()
+    stats = SpeculativeStats()
     prompt = rows[:1, :6]
+    # the whole tree every step: the adaptive default sizes trees by wall-clock step times, so on a loaded CPU it may
+    # choose plain steps (seen once in a full run: 1.07 tokens per forward, where the whole tree gives 2.0-2.5)
     out = model.generate(prompt, max_new_tokens=30, do_sample=False, pad_token_id=PAD, custom_generate=medusa_generate,
-                         medusa_heads=result.heads, medusa_stats=stats)
+                         medusa_heads=result.heads, medusa_stats=stats, medusa_adaptive=False)
     assert torch.equal(out, model.generate(prompt, max_new_tokens=30, do_sample=False, pad_token_id=PAD))
-    assert stats.tokens_per_step > 1.5, stats
+    assert stats.tokens_per_forward > 1.5, stats
 
 
 def test_self_distilled_rows_are_greedy_continuations(model):
@@ -98,7 +101,7 @@ def test_bad_settings(bad):
 
 def test_train_medusa_command(model, tmp_path):
     datasets = pytest.importorskip("datasets")
-    from hf_accel.speculative import medusa_command
+    from hf_accel.medusa_training import command as medusa_command
 
     model.save_pretrained(tmp_path / "model")
     make_tokenizer().save_pretrained(tmp_path / "model")

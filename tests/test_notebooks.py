@@ -43,7 +43,7 @@ NOTEBOOKS = {
     "kv_caches.ipynb": NotebookRun(
         150, "assert isinstance(streams['sink'], hf_accel.SinkCache) and len(memory['DynamicCache']) > 1",
         save_plots=True),
-    "speculative.ipynb": NotebookRun(120, "assert trained.last_step == TRAIN_STEPS and medusa_stats.num_verify_forwards"),
+    "speculative.ipynb": NotebookRun(120, "assert trained.last_step == TRAIN_STEPS and medusa_stats.num_target_forwards"),
     "weight_quantization.ipynb": NotebookRun(90, "assert {'fp32', 'int8', 'int4'} <= set(measured)"),
     "paged_cache.ipynb": NotebookRun(60, "assert isinstance(cache, hf_accel.PagedCache)"),
     "serving.ipynb": NotebookRun(

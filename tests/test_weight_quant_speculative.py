@@ -7,7 +7,7 @@ import torch
 from tiny_llama import tiny_llama
 
 from hf_accel import (
-    MedusaHeads, MedusaStats, SpeculativeStats, WeightOnlyConfig, bench, draft_generate, medusa_generate, quantize_model,
+    MedusaHeads, SpeculativeStats, WeightOnlyConfig, bench, draft_generate, medusa_generate, quantize_model,
 )
 
 CONFIGS = {"int8": WeightOnlyConfig(bits=8), "int4": WeightOnlyConfig(bits=4, group_size=32)}
@@ -52,10 +52,10 @@ def test_medusa_generate_equals_the_quantized_models_plain_greedy(quantized, cac
     with torch.random.fork_rng():
         torch.manual_seed(0)
         heads = MedusaHeads.for_model(quantized, num_heads=3)  # projections from the (float) lm_head
-    stats = MedusaStats()
+    stats = SpeculativeStats()
     for seed in range(2):
         inputs = _prompts([9 + 3 * seed], seed)
         out = _greedy(quantized, inputs, custom_generate=medusa_generate, medusa_heads=heads, medusa_tree=WIDE_TREE,
                       medusa_stats=stats, **CACHES[cache])
         assert torch.equal(out, _greedy(quantized, inputs)), f"prompt {seed}"
-    assert stats.accepted_per_depth[0] > 0  # candidates were accepted, not only the base model's own token
+    assert stats.accepted[0] > 0  # candidates were accepted, not only the base model's own token

@@ -20,12 +20,13 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ..speculative.medusa_heads import MedusaHeads
+from ..speculative.verify import greedy_accept
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .detokenizer import Detokenizer
 from .kv_pool import KVPool, KVShape
 from .limits import EngineLimits, check_request, context_length
-from .medusa_proposer import MedusaProposer, SpecDecodeStats, accepted_prefix
+from .medusa_proposer import MedusaProposer, SpecDecodeStats
 from .model_runner import ModelRunner, StepOutput
 from .sampler import sample, token_logprobs
 from .sampling_params import SamplingParams
@@ -232,10 +233,10 @@ class EngineCore:
         scheduled, rows = out.sampling[i], out.rows(i)
         seq, drafts = scheduled.seq, scheduled.draft_token_ids
         if scheduled.num_drafts:
-            target = targets[rows]
-            accepted = accepted_prefix(drafts, target)
+            verdict = greedy_accept(torch.tensor([drafts]), torch.tensor([targets[rows]]))
+            accepted = int(verdict.num_accepted[0])
             self.spec_stats.record(len(drafts), accepted)
-            sampled = drafts[:accepted] + [target[accepted]]
+            sampled = verdict.tokens[0, : accepted + 1].tolist()
         logprobs = token_logprobs(out.logits[rows][: len(sampled)], sampled, [seq.params.logprobs] * len(sampled))
         num_appended = self._append_all(seq, sampled, logprobs, now)
         if not seq.is_finished and self.proposer is not None and not seq.params.needs_processing:

@@ -22,8 +22,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from .. import reference
 from ..engine.limits import context_length
-from ..speculative.medusa_export import export_vllm as export_medusa
 from ..speculative.medusa_heads import MedusaHeads
+from .medusa import export_vllm as export_medusa
 
 VLLM_VERSION = "0.32.0"
 REFERENCE_MODEL_DIR = reference.ASSETS_DIR / "target"

@@ -22,8 +22,9 @@ from transformers import PreTrainedModel
 
 from ..bench import token_agreement
 from ..reference.evaluate import perplexity
-from ..speculative.medusa import MedusaStats, medusa_generate
+from ..speculative.medusa import medusa_generate
 from ..speculative.medusa_heads import MedusaHeads
+from ..speculative.stats import SpeculativeStats
 
 
 @dataclass(slots=True)
@@ -53,7 +54,7 @@ class SpeedResult:
                 "tokens_per_step": None if self.tokens_per_step is None else round(self.tokens_per_step, 2)}
 
 
-def greedy_tokens(side: Side, prompt: torch.Tensor, new_tokens: int, stats: MedusaStats | None = None) -> torch.Tensor:
+def greedy_tokens(side: Side, prompt: torch.Tensor, new_tokens: int, stats: SpeculativeStats | None = None) -> torch.Tensor:
     """`[1, new_tokens]` greedy tokens of `side` after `prompt` `[1, prompt_len]`."""
     options = {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "do_sample": False, "eos_token_id": None,
                "pad_token_id": 0}
@@ -71,7 +72,7 @@ def compare_speed(sides: list[Side], prompts: torch.Tensor, new_tokens: int = 64
         raise ValueError("need at least one side and a non-empty [n, prompt_len] `prompts`")
     if new_tokens < 1 or repeats < 1:
         raise ValueError(f"`new_tokens` and `repeats` must be >= 1, got {new_tokens}, {repeats}")
-    stats = {side.name: MedusaStats() for side in sides}
+    stats = {side.name: SpeculativeStats() for side in sides}
     tokens = {side.name: [greedy_tokens(side, row[None], new_tokens) for row in prompts] for side in sides}  # warm-up
     seconds: dict[str, list[float]] = {side.name: [] for side in sides}
     for _ in range(repeats):
@@ -86,7 +87,7 @@ def compare_speed(sides: list[Side], prompts: torch.Tensor, new_tokens: int = 64
         tokens_per_s=new_tokens * len(seconds[side.name]) / sum(seconds[side.name]),
         speed_ratio=statistics.median(b / s for b, s in zip(seconds[base], seconds[side.name])),
         agreement=token_agreement(torch.cat(tokens[side.name]), torch.cat(tokens[base])),
-        tokens_per_step=stats[side.name].tokens_per_step if side.medusa_heads is not None else None,
+        tokens_per_step=stats[side.name].tokens_per_forward if side.medusa_heads is not None else None,
         seconds=[round(s, 4) for s in seconds[side.name]],
     ) for side in sides]
 

@@ -25,7 +25,7 @@ from ..bench import hardware
 from ..quant.presets import PRESETS, load_model
 from ..reference.evaluate import greedy_agreement
 from ..speculative.medusa_heads import MedusaHeads
-from ..speculative.medusa_train import self_distilled_rows, train_medusa
+from ..medusa_training.train import self_distilled_rows, train_medusa
 from .data import DomainSplits, text_rows
 from .lora import LoraSettings, merge_adapter, train_lora
 from .quality import Side, compare_speed, held_out_perplexity

@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Any
+from transformers import PreTrainedModel
+from transformers.cache_utils import get_layer_types_and_kwargs
 
-import torch
-from transformers import GenerationConfig, PreTrainedModel
-from transformers.cache_utils import Cache, get_layer_types_and_kwargs
+from .loop import GenerateCall
 
 _IGNORED_MODEL_KWARGS = ("attention_mask", "position_ids", "past_key_values", "use_cache", "logits_to_keep")
 
 
-def check_inputs(model: PreTrainedModel, draft_model: PreTrainedModel | None, config: GenerationConfig,
-                 input_ids: torch.Tensor, cache: Cache | None, streamer: Any, model_kwargs: dict[str, Any]) -> None:
+def check_inputs(call: GenerateCall, draft_model: PreTrainedModel | None) -> None:
     """Raise `ValueError` naming the option for anything `draft_generate` does not support."""
+    model, config, input_ids, model_kwargs = call.model, call.generation_config, call.input_ids, call.model_kwargs
+    cache = model_kwargs.get("past_key_values")
     if draft_model is None:
         raise ValueError("draft_generate needs `draft_model=` (a small causal LM with the same tokenizer)")
     if model.config.is_encoder_decoder or draft_model.config.is_encoder_decoder:
@@ -31,7 +31,7 @@ def check_inputs(model: PreTrainedModel, draft_model: PreTrainedModel | None, co
         raise ValueError("draft_generate needs a cache (`use_cache=False` is not supported)")
     if not (model._supports_logits_to_keep() and draft_model._supports_logits_to_keep()):
         raise ValueError("draft_generate needs `model` and `draft_model` whose forward takes `logits_to_keep`")
-    if streamer is not None and input_ids.shape[0] > 1:
+    if call.streamer is not None and input_ids.shape[0] > 1:
         raise ValueError("`streamer` supports batch size 1 only")
     if input_ids.shape[0] > 1:
         _check_full_attention(model, "model")

@@ -25,10 +25,11 @@ from transformers.generation.streamers import BaseStreamer
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from ..cache.paged import PagedCache
+from . import loop
+from .loop import Decoding, GenerateCall
 from .medusa_heads import MedusaHeads
-from .medusa_stats import MedusaStats
-from .medusa_walk import TokenRules, Walk, walk_tree
-from .ragged_batch import RaggedBatch, batch_for_generate, stack_steps
+from .medusa_walk import Walk, walk_tree
+from .stats import MedusaStats, SpeculativeStats
 from .tree import DEFAULT_TREE, MedusaTree, build_tree, root_only_tree
 from .tree_cache import LayerGroup, keep_tree_path, layer_groups, prepare_tree_cache, tree_masks
 from .tree_size import TreeSizer, prefix_sizes
@@ -52,17 +53,14 @@ class _Trees:
 
 @dataclass(slots=True)
 class _Run:
-    """Everything one `medusa_generate` call works on."""
+    """One `medusa_generate` call: the loop's state, the model, its heads and trees, its cache."""
 
+    decoding: Decoding
     model: PreTrainedModel
     heads: MedusaHeads
     trees: _Trees
     cache: Cache
     groups: list[LayerGroup]
-    batch: RaggedBatch
-    rules: TokenRules
-    streamer: BaseStreamer | None
-    stats: MedusaStats
 
 
 def medusa_generate(
@@ -73,7 +71,7 @@ def medusa_generate(
     generation_config: GenerationConfig,
     medusa_heads: MedusaHeads | None = None,
     medusa_tree: Sequence[Sequence[int]] | None = None,
-    medusa_stats: MedusaStats | None = None,
+    medusa_stats: SpeculativeStats | None = None,
     medusa_adaptive: bool | None = None,
     hf_accel_streamer: BaseStreamer | None = None,
     **model_kwargs,
@@ -84,7 +82,7 @@ def medusa_generate(
         medusa_heads: trained `MedusaHeads` for this model (hidden size and vocab must match).
         medusa_tree: candidate paths, best first (see `hf_accel.speculative.tree`); default: the heads' calibrated
             `config.tree`, else `DEFAULT_TREE` cut to the heads' depth.
-        medusa_stats: a `MedusaStats` to fill with tokens per step and acceptance per depth.
+        medusa_stats: a `SpeculativeStats` to fill with tokens per forward and acceptance per depth.
         medusa_adaptive: verify each step the prefix of the candidate list with the best measured tokens per
             second (`hf_accel.speculative.tree_size`) rather than the whole tree. Default: True for the default
             tree, False for an explicit `medusa_tree`. Output is the same either way.
@@ -95,29 +93,11 @@ def medusa_generate(
     `past_key_values` (at batch size > 1 holding holes, see `RaggedBatch`: not to be continued from).
     """
     trees = _trees(medusa_heads, medusa_tree, medusa_adaptive)
-    run = _start(model, input_ids.to(model.device), generation_config, medusa_heads, medusa_stats,
-                 hf_accel_streamer, logits_processor, stopping_criteria, model_kwargs, trees)
-    try:
-        hidden = _prefill(run)
-        while bool(run.batch.unfinished.any()):
-            hidden = _step(run, hidden)
-    finally:
-        if run.streamer is not None:
-            run.streamer.end()
-    return _output(run, generation_config)
-
-
-def _output(run: _Run, generation_config: GenerationConfig) -> GenerateDecoderOnlyOutput | torch.LongTensor:
-    run.stats.num_new_tokens += int(torch.minimum(run.batch.num_generated, run.batch.limit).sum())
-    num_steps = run.batch.num_output_tokens
-    sequences = run.batch.tokens[:, : run.batch.prompt_width + num_steps]
-    if not generation_config.return_dict_in_generate:
-        return sequences
-    return GenerateDecoderOnlyOutput(
-        sequences=sequences, scores=stack_steps(run.rules.scores, num_steps),
-        logits=stack_steps(run.rules.logits, num_steps),
-        past_key_values=run.cache if generation_config.use_cache else None,
-    )
+    call = GenerateCall(model, input_ids.to(model.device), logits_processor, stopping_criteria, generation_config,
+                        hf_accel_streamer, model_kwargs)
+    run = _start(call, medusa_heads, trees, medusa_stats)
+    loop.run(run.decoding, lambda: _prefill(run), lambda hidden: _step(run, hidden))
+    return loop.output(run.decoding, generation_config, run.cache if generation_config.use_cache else None)
 
 
 def _trees(heads: MedusaHeads | None, paths: Sequence[Sequence[int]] | None, adaptive: bool | None) -> _Trees:
@@ -136,23 +116,15 @@ def _trees(heads: MedusaHeads | None, paths: Sequence[Sequence[int]] | None, ada
     return _Trees(trees, ranks, TreeSizer(sizes) if len(sizes) > 1 else None)
 
 
-def _start(model, input_ids, config, heads, stats, streamer, processors, criteria, model_kwargs, trees) -> _Run:
+def _start(call: GenerateCall, heads: MedusaHeads, trees: _Trees, stats: SpeculativeStats | None) -> _Run:
+    model = call.model
     heads.check_compatible(model)
-    cache = model_kwargs.get("past_key_values")
+    cache = call.model_kwargs.get("past_key_values")
     cache = DynamicCache(config=model.config) if cache is None else cache
     groups = layer_groups(model.config)
-    _check_batch(config, input_ids, cache, groups, streamer)
+    _check_batch(call.generation_config, call.input_ids, cache, groups, call.streamer)
     prepare_tree_cache(cache)
-    batch, eos, criteria = batch_for_generate(input_ids, model_kwargs.get("attention_mask"), config, criteria)
-    record, rows = config.return_dict_in_generate, input_ids.shape[0]
-    rules = TokenRules(processors, criteria, eos, bool(config.do_sample),
-                       [[] for _ in range(rows)] if record and config.output_scores else None,
-                       [[] for _ in range(rows)] if record and config.output_logits else None)
-    stats = stats if stats is not None else MedusaStats()
-    stats.accepted_per_depth.extend([0] * (trees.whole.depth - len(stats.accepted_per_depth)))
-    if streamer is not None:
-        streamer.put(input_ids.cpu())
-    return _Run(model, heads, trees, cache, groups, batch, rules, streamer, stats)
+    return _Run(loop.start(call, stats), model, heads, trees, cache, groups)
 
 
 def _check_batch(config: GenerationConfig, input_ids: torch.Tensor, cache: Cache, groups: list[LayerGroup],
@@ -178,21 +150,20 @@ def _check_batch(config: GenerationConfig, input_ids: torch.Tensor, cache: Cache
 def _prefill(run: _Run) -> torch.Tensor:
     """Run the uncached part of the prompt, decide each row's first token; returns the hidden states `[batch,
     hidden]` that produced them (what the heads read next)."""
-    batch, past = run.batch, run.cache.get_seq_length()
+    batch, past = run.decoding.batch, run.cache.get_seq_length()
     out = run.model(input_ids=batch.columns[:, past:], attention_mask=None if batch.is_dense else batch.mask,
                     position_ids=batch.positions[:, past:], past_key_values=run.cache, use_cache=True,
                     output_hidden_states=True, logits_to_keep=1)
     prepare_tree_cache(run.cache)  # trims sliding-window layers that recorded the whole prompt
-    run.stats.num_sequences += batch.columns.shape[0]
-    walk = walk_tree(run.rules, batch, root_only_tree(), batch.columns[:, -1:], out.logits[:, -1:])
-    _commit(run, walk)
+    walk = walk_tree(run.decoding.rules, batch, root_only_tree(), batch.columns[:, -1:], out.logits[:, -1:])
+    run.decoding.emit(walk.tokens, walk.num_emitted, walk.fired, walk.num_to_stop)
     return out.hidden_states[-1][:, -1]
 
 
 def _step(run: _Run, hidden: torch.Tensor) -> torch.Tensor:
     """Verify one tree per row rooted at its last committed token, walk it, keep the accepted paths; returns the
     hidden states `[batch, hidden]` at each row's last kept node."""
-    started, batch, trees = time.perf_counter(), run.batch, run.trees
+    started, batch, trees = time.perf_counter(), run.decoding.batch, run.trees
     index = trees.sizer.choose() if trees.sizer is not None else len(trees.trees) - 1
     tree = trees.trees[index]
     tokens, positions = batch.columns[:, -1:], batch.positions[:, -1:]  # the root, then the candidates
@@ -204,8 +175,8 @@ def _step(run: _Run, hidden: torch.Tensor) -> torch.Tensor:
                     position_ids=positions, use_cache=True, output_hidden_states=True)
     active = batch.unfinished  # new tensors, not views of the batch's state; a plain step accepts no candidates
     remaining = batch.remaining if tree.num_nodes > 1 else None
-    walk = walk_tree(run.rules, batch, tree, tokens, out.logits)
-    most = _commit(run, walk)
+    walk = walk_tree(run.decoding.rules, batch, tree, tokens, out.logits)
+    most = run.decoding.emit(walk.tokens, walk.num_emitted, walk.fired, walk.num_to_stop)
     keep_tree_path(run.cache, tree.num_nodes, walk.nodes[:, : most + 1])
     _record(run, index, walk, active, remaining, time.perf_counter() - started)
     states = out.hidden_states[-1]  # [batch, num_nodes, hidden]
@@ -216,29 +187,21 @@ def _step(run: _Run, hidden: torch.Tensor) -> torch.Tensor:
 
 
 def _step_mask(run: _Run, tree: MedusaTree) -> torch.Tensor | dict[str, torch.Tensor] | None:
-    batch = run.batch
+    batch = run.decoding.batch
     if tree.num_nodes > 1:
         return tree_masks(run.cache, run.groups, tree, batch.mask.bool(), run.model.dtype)
     # the root alone is a plain decoding step: the model builds its own masks (and takes its fast one-query path)
     return None if batch.is_dense else batch.mask
 
 
-def _commit(run: _Run, walk: Walk) -> int:
-    """Stream and commit the walk's tokens; returns M, the most tokens a row kept minus one."""
-    if run.streamer is not None:
-        run.streamer.put(walk.tokens[0, : int(walk.num_emitted[0])].cpu())
-    return run.batch.commit(walk.tokens, walk.num_emitted, walk.fired, walk.num_to_stop)
-
-
 def _record(run: _Run, index: int, walk: Walk, active: torch.Tensor, remaining: torch.Tensor | None,
             seconds: float) -> None:
     """Count the step in the stats; time it for the sizer with what each active row accepted and had `remaining`
     before it (the sizer weighs the furthest-behind rows: the call ends when they do; None for a plain step)."""
-    stats, trees = run.stats, run.trees
-    stats.num_verify_forwards += 1
-    stats.num_verify_rows += int(active.sum())
-    stats.candidates_per_step.append(trees.trees[index].num_nodes - 1)
-    walk.record(stats, active)
+    stats, trees = run.decoding.stats, run.trees
+    tree = trees.trees[index]
+    stats.num_draft_forwards += int(tree.num_nodes > 1)  # the heads ran
+    stats.record_round(tree.depth, walk.num_emitted - 1, walk.num_emitted, active, tree.num_nodes - 1)
     if trees.sizer is None:
         return
     if remaining is None:  # a plain step accepts no candidates

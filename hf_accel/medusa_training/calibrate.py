@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
-from .medusa_heads import MedusaHeads
-from .tree import sparse_tree
+from ..speculative.medusa_heads import MedusaHeads
+from ..speculative.tree import sparse_tree
 
 
 @torch.no_grad()

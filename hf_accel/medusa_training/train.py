@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ..reference.corpus import pack_sequences
-from .medusa_heads import MedusaHeads
+from ..speculative.medusa_heads import MedusaHeads
 
 CHECKPOINT_STATE = "trainer_state.pt"
 

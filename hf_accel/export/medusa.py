@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from .medusa_heads import MedusaHeads
+from ..speculative.medusa_heads import MedusaHeads
 
 VLLM_TARGET = "vLLM 0.10 (vllm/model_executor/models/medusa.py, vllm/transformers_utils/configs/medusa.py)"
 VLLM_WEIGHTS_NAME = "model.safetensors"
