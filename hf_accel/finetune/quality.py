@@ -4,7 +4,7 @@ interleaved in one process, compared with the first side (plain `generate` on th
     sides = [Side("float", merged), Side("int8 + Medusa", quantized, heads)]
     speeds = compare_speed(sides, prompts, new_tokens=64, repeats=2)   # prompts: [n, prompt_len] ids
 
-Rules: batch 1 (Medusa decodes one row at a time), `eos_token_id=None` and `min_new_tokens` so every side makes
+Rules: batch 1 (each prompt is its own call), `eos_token_id=None` and `min_new_tokens` so every side makes
 exactly `new_tokens` tokens; one warm-up pass over the prompts, then `repeats` passes in which every prompt runs on
 every side in turn, so load on a shared machine hits all sides alike. A side's speed is its new tokens over its
 total seconds (prefill included); its ratio is the median over (repeat, prompt) of baseline seconds / its seconds.
