@@ -32,6 +32,7 @@ from hf_accel.speculative.medusa import MedusaStats, medusa_generate
 from hf_accel.speculative.medusa_command import REFERENCE_HEADS_DIR
 from hf_accel.speculative.medusa_heads import MedusaHeads
 from hf_accel.speculative.tree import DEFAULT_TREE, sparse_tree
+from hf_accel.display import format_table
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMAND = ".venv/bin/python benchmarks/bench_medusa.py"
@@ -175,7 +176,7 @@ def batch_table(results: dict[str, dict]) -> str:
              r["rows_equal_to_plain"]] for size, r in results.items()]
     headers = ["batch", "candidates per step", "tokens per row per target forward", "speed x plain, median (range)",
                "total time x plain", "plain tok/s", "Medusa tok/s", "rows equal to plain"]
-    return bench.format_table(headers, rows, markdown=True)
+    return format_table(headers, rows, markdown=True)
 
 
 def tree_table(results: dict[str, dict]) -> str:
@@ -185,7 +186,7 @@ def tree_table(results: dict[str, dict]) -> str:
              f"{r['speedup_total_time']:.2f}x", r["outputs_equal_to_plain"]] for name, r in results.items()]
     headers = ["tree", "candidates per step", "tokens per target forward", "accepted per step at depth 1, 2, ...",
                "speed x plain, median (range)", "total time x plain", "outputs equal to plain"]
-    return bench.format_table(headers, rows, markdown=True)
+    return format_table(headers, rows, markdown=True)
 
 
 def headline(report: dict[str, Any]) -> str:
@@ -219,7 +220,7 @@ def headline(report: dict[str, Any]) -> str:
         f"Batches (default tree, greedy): {plan['batches']} left-padded batches per size of held-out prompts of "
         f"{plan['prompt_len'] // 2}-{plan['prompt_len']} tokens, {plan['new_tokens']} new tokens per row; tok/s "
         f"counts every row's tokens:", "", batch_table(batches), "",
-        bench.format_table(["target", "measured", "met"], targets, markdown=True),
+        format_table(["target", "measured", "met"], targets, markdown=True),
     ])
 
 
@@ -231,7 +232,7 @@ def markdown(report: dict[str, Any]) -> str:
         f"{hw['transformers']}; the machine was shared with other jobs, so compare ratios, not absolutes",
         f"- {report['model']}", "", headline(report), "",
         "Tokens per second (medians):", "",
-        bench.format_table(["mode", "tree", "plain tok/s", "Medusa tok/s"], [
+        format_table(["mode", "tree", "plain tok/s", "Medusa tok/s"], [
             [mode, name, f"{r['plain_tokens_per_s']:.1f}", f"{r['medusa_tokens_per_s']:.1f}"]
             for mode in ("greedy", "sampling") for name, r in report[mode].items()], markdown=True), "",
     ])

@@ -32,6 +32,7 @@ from .bench_strategies import (  # noqa: F401  re-exported: benchmarks and tests
 from .cache.paged import PagedCache
 from .cache.quantized import QuantizedKVCache
 from .cache.sink import SinkCache
+from .display import format_bytes, format_table
 
 def kv_bytes(cache: Cache) -> int | None:
     """Bytes held for K/V: an hf_accel cache's `memory_bytes()` (a paged cache's allocated pools; a quantized cache's
@@ -196,27 +197,8 @@ def results_table(results: Sequence[StrategyResult], markdown: bool = False) -> 
     headers = ["strategy", "decode tok/s", f"x {base} (paired)", "KV bytes", f"KV x {base}", "greedy agreement"]
     rows = [
         [r.name, f"{r.decode_tokens_per_s:.1f}", f"{r.speed_ratio:.2f}x",
-         "-" if r.kv_bytes is None else format_bytes(r.kv_bytes), "-" if r.kv_ratio is None else f"{r.kv_ratio:.2f}x",
+         "-" if r.kv_bytes is None else format_bytes(r.kv_bytes, decimals=1), "-" if r.kv_ratio is None else f"{r.kv_ratio:.2f}x",
          f"{100 * r.agreement:.1f}%"]
         for r in results
     ]
     return format_table(headers, rows, markdown=markdown)
-
-
-def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]], markdown: bool = False) -> str:
-    """Aligned text table, or a GitHub markdown table."""
-    if markdown:
-        lines = [headers, ["---"] * len(headers), *rows]
-        return "\n".join("| " + " | ".join(cells) + " |" for cells in lines)
-    widths = [max(len(str(c)) for c in column) for column in zip(headers, *rows)]
-    lines = [headers, ["-" * w for w in widths], *rows]
-    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip() for cells in lines)
-
-
-def format_bytes(num: float) -> str:
-    """`1536` -> `"1.5 KiB"`."""
-    units = ("B", "KiB", "MiB", "GiB")
-    power = 0
-    while num >= 1024 and power < len(units) - 1:
-        num, power = num / 1024, power + 1
-    return f"{num:.0f} B" if power == 0 else f"{num:.1f} {units[power]}"

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..bench import format_table
-from ..display import Table, format_value
+from ..display import Table, format_table, format_value
 
 STAGE_NAMES = {"base": "base model", "finetuned": "fine-tuned (LoRA merged)", "quantized": "fine-tuned, quantized"}
 EVAL_NAMES = {"domain": "held-out domain text", "original": "base model's own held-out domain"}
