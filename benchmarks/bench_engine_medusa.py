@@ -22,11 +22,12 @@ from typing import Any
 
 import torch
 
-from hf_accel import Engine, SamplingParams, bench, bench_output, reference
+from hf_accel import Engine, SamplingParams, bench, reference
+from hf_accel.bench.output import run_benchmark
+from hf_accel.display import format_table
 from hf_accel.engine.config import EngineConfig
 from hf_accel.speculative.medusa_command import REFERENCE_HEADS_DIR
 from hf_accel.speculative.medusa_heads import MedusaHeads
-from hf_accel.display import format_table
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMAND = ".venv/bin/python benchmarks/bench_engine_medusa.py"
@@ -152,7 +153,7 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    return bench_output.run_benchmark(argv, __doc__.split("\n\n")[0], "bench_engine_medusa", ROOT, measure,
+    return run_benchmark(argv, __doc__.split("\n\n")[0], "bench_engine_medusa", ROOT, measure,
                                       markdown, lambda report: {"docs/serving.md": headline(report)})
 
 

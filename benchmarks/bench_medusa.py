@@ -27,12 +27,13 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from hf_accel import bench, bench_output, reference
+from hf_accel import bench, reference
+from hf_accel.bench.output import benchmark_parser, run_benchmark
+from hf_accel.display import format_table
 from hf_accel.speculative.medusa import MedusaStats, medusa_generate
 from hf_accel.speculative.medusa_command import REFERENCE_HEADS_DIR
 from hf_accel.speculative.medusa_heads import MedusaHeads
 from hf_accel.speculative.tree import DEFAULT_TREE, sparse_tree
-from hf_accel.display import format_table
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMAND = ".venv/bin/python benchmarks/bench_medusa.py"
@@ -239,7 +240,7 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = bench_output.benchmark_parser(__doc__.split("\n\n")[0], "bench_medusa")
+    parser = benchmark_parser(__doc__.split("\n\n")[0], "bench_medusa")
     parser.add_argument("--batches-only", action="store_true",
                         help="only the default tree at batch 1 / 4 / 8 (prints the table, writes nothing)")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=None,
@@ -254,7 +255,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             results = measure_batches(model, heads, tokenizer, plan)
         print("\n" + batch_table(results))
         return results
-    return bench_output.run_benchmark(argv, __doc__.split("\n\n")[0], "bench_medusa", ROOT, measure, markdown,
+    return run_benchmark(argv, __doc__.split("\n\n")[0], "bench_medusa", ROOT, measure, markdown,
                                       lambda report: {"docs/medusa.md": headline(report)})
 
 

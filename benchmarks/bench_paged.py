@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-from hf_accel import bench, bench_output
+from hf_accel import bench
+from hf_accel.bench.output import run_benchmark
 from hf_accel.display import format_bytes, format_table
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -213,7 +214,7 @@ def run(plan: Plan, quick: bool) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    return bench_output.run_benchmark(
+    return run_benchmark(
         argv, __doc__.split("\n\n")[0], "bench_paged", ROOT, lambda quick: run(QUICK if quick else FULL, quick),
         markdown, lambda report: {"README.md": headline(report, "docs/bench_paged.md"),
                                   "docs/caches.md": headline(report, "bench_paged.md")})

@@ -26,8 +26,9 @@ from typing import Any
 import torch
 from transformers.generation.streamers import BaseStreamer
 
-from hf_accel import PrefixStore, bench, bench_output, reference
-from hf_accel.bench_inputs import describe_model
+from hf_accel import PrefixStore, bench, reference
+from hf_accel.bench import describe_model
+from hf_accel.bench.output import run_benchmark
 from hf_accel.display import format_bytes, format_table
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -237,7 +238,7 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    return bench_output.run_benchmark(
+    return run_benchmark(
         argv, __doc__.split("\n\n")[0], "bench_prefix_store", ROOT,
         lambda quick: run(QUICK if quick else FULL, quick), markdown,
         lambda report: {"README.md": headline(report, "docs/bench_prefix_store.md"),

@@ -31,7 +31,8 @@ import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, StoppingCriteria
 
-from hf_accel import QuantizedKVCache, bench, bench_output, reference
+from hf_accel import QuantizedKVCache, bench, reference
+from hf_accel.bench.output import run_benchmark
 from hf_accel.display import format_bytes, format_table
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -289,7 +290,7 @@ def headlines(report: dict[str, Any]) -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    return bench_output.run_benchmark(argv, __doc__.split("\n\n")[0], "bench_quantized_kv", ROOT,
+    return run_benchmark(argv, __doc__.split("\n\n")[0], "bench_quantized_kv", ROOT,
                                       lambda quick: run(QUICK if quick else FULL, quick), markdown, headlines)
 
 

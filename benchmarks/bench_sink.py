@@ -26,7 +26,8 @@ import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 
-from hf_accel import SinkCache, bench, bench_output, reference
+from hf_accel import SinkCache, bench, reference
+from hf_accel.bench.output import run_benchmark
 from hf_accel.display import format_bytes, format_table
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -263,7 +264,7 @@ def run(plan: Plan, quick: bool) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    return bench_output.run_benchmark(argv, __doc__.split("\n\n")[0], "bench_sink", ROOT,
+    return run_benchmark(argv, __doc__.split("\n\n")[0], "bench_sink", ROOT,
                                       lambda quick: run(QUICK if quick else FULL, quick), markdown,
                                       lambda report: {"docs/caches.md": headline(report, "bench_sink.md")})
 

@@ -25,7 +25,7 @@ import torch
 
 import hf_accel
 from hf_accel import bench, reference
-from hf_accel.bench_output import benchmark_parser, output_root, write_results
+from hf_accel.bench.output import benchmark_parser, output_root, write_results
 from hf_accel.display import format_table
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -32,10 +32,11 @@ from typing import Any
 import torch
 
 import hf_accel
-from hf_accel import bench, bench_output, reference
+from hf_accel import bench, reference
+from hf_accel.bench.output import benchmark_parser, output_root, write_results
+from hf_accel.display import format_bytes, format_table
 from hf_accel.reference import evaluate
 from hf_accel.reference.presets import MODEL_PRESETS
-from hf_accel.display import format_bytes, format_table
 
 ROOT = Path(__file__).resolve().parents[1]
 NAME = "bench_weight_quant"
@@ -275,15 +276,15 @@ def headline(report: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args = bench_output.benchmark_parser(__doc__.split("\n\n")[0], NAME).parse_args(argv)
+    args = benchmark_parser(__doc__.split("\n\n")[0], NAME).parse_args(argv)
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)  # a warning per int8 matmul otherwise
     with bench.torch_threads(args.threads):
         report = run(QUICK if args.quick else FULL, quick=args.quick)
     text = markdown(report)
     print("\n" + text)
-    out = bench_output.output_root(args, ROOT)
+    out = output_root(args, ROOT)
     if out is not None:
-        bench_output.write_results(out, NAME, report, text, {"docs/weight-quantization.md": headline(report)})
+        write_results(out, NAME, report, text, {"docs/weight-quantization.md": headline(report)})
     return report
 
 

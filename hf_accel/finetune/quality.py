@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel
 
-from ..bench import token_agreement
+from ..bench.results import token_agreement
 from ..reference.evaluate import perplexity
 from ..speculative.medusa import MedusaStats, medusa_generate
 from ..speculative.medusa_heads import MedusaHeads
