@@ -1,4 +1,5 @@
-"""Same-process interleaved timing of generation strategies (`compare_strategies`) and the thread count it runs on.
+"""Same-process interleaved timing: the loop every comparison runs through (`time_interleaved`, also behind
+`hf_accel.finetune.compare_speed`), its use for generation strategies (`compare_strategies`), and the thread count.
 
 Rules every measurement here follows (shared by `hf-accel bench` and `benchmarks/`):
 - all strategies run in one process on one model, interleaved (the order alternates every repeat), after warm-up;
@@ -11,8 +12,9 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 import torch
 from tqdm.auto import tqdm
@@ -20,6 +22,32 @@ from transformers import PreTrainedModel
 
 from .results import StrategyResult, summarize
 from .strategies import STRATEGIES, Strategy
+
+Key = TypeVar("Key", bound=Hashable)
+
+
+@dataclass(slots=True)
+class Timings(Generic[Key]):
+    """What `time_interleaved` measured: each key's seconds, one per measured round in round order, and the output
+    of its last call."""
+
+    seconds: dict[Key, list[float]]
+    outputs: dict[Key, Any]
+
+
+def time_interleaved(
+    keys: Sequence[Key], measure: Callable[[Key], tuple[float, Any]], repeats: int, warmup: int = 1
+) -> Timings[Key]:
+    """`warmup + repeats` rounds of `measure(key)` -> (seconds, output) over every key, in the order of `keys` and
+    reversed every other round, so no key always runs first after another; warm-up rounds' seconds are dropped."""
+    seconds: dict[Key, list[float]] = {key: [] for key in keys}
+    outputs: dict[Key, Any] = {}
+    for repeat in range(warmup + repeats):
+        for key in keys if repeat % 2 == 0 else list(reversed(keys)):
+            elapsed, outputs[key] = measure(key)
+            if repeat >= warmup:
+                seconds[key].append(elapsed)
+    return Timings(seconds, outputs)
 
 
 def run_generate(
@@ -56,23 +84,22 @@ def compare_strategies(
     `model`, built once before any timing."""
     if new_tokens < 2:
         raise ValueError(f"`new_tokens` must be at least 2 to measure decode, got {new_tokens}")
+    by_name = {s.name: s for s in strategies}
     models = {s.name: model if s.model_variant is None else s.model_variant(model) for s in strategies}
-    seconds: dict[str, list[float]] = {s.name: [] for s in strategies}
-    outputs: dict[str, Any] = {}
     bar = tqdm(total=(warmup + repeats) * len(strategies), desc="compare", unit="run", leave=False,
                disable=not progress)
-    for repeat in range(warmup + repeats):
-        order = strategies if repeat % 2 == 0 else list(reversed(strategies))
-        for strategy in order:
-            prefill_time, _ = run_generate(models[strategy.name], inputs, strategy, 1)
-            total_time, outputs[strategy.name] = run_generate(models[strategy.name], inputs, strategy, new_tokens)
-            if repeat >= warmup:
-                seconds[strategy.name].append(total_time - prefill_time)
-            bar.update()
-            if on_step is not None:
-                on_step(strategy.name)
+
+    def decode(name: str) -> tuple[float, Any]:  # time(new_tokens) - time(1 token): prefill excluded
+        prefill_time, _ = run_generate(models[name], inputs, by_name[name], 1)
+        total_time, output = run_generate(models[name], inputs, by_name[name], new_tokens)
+        bar.update()
+        if on_step is not None:
+            on_step(name)
+        return total_time - prefill_time, output
+
+    timings = time_interleaved(list(by_name), decode, repeats, warmup)
     bar.close()
-    return summarize(strategies, seconds, outputs, inputs, new_tokens)
+    return summarize(strategies, timings.seconds, timings.outputs, inputs, new_tokens)
 
 
 @contextlib.contextmanager
