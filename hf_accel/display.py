@@ -88,7 +88,8 @@ def html_grid(title: str, columns: Sequence[str], rows: Sequence[Sequence[object
 
 @dataclass(slots=True, repr=False)
 class Table:
-    """Rows under named columns: an HTML table in Jupyter, aligned text elsewhere (`str`); for comparisons.
+    """Rows under named columns: an HTML table in Jupyter, aligned text elsewhere (`str`), GitHub markdown for docs
+    (`markdown()`); for comparisons.
 
     Example: `Table("decode", ["cache", "tokens/s"], [["DynamicCache", 210.0], ["paged", 205.3]])`.
     """
@@ -103,9 +104,16 @@ class Table:
             raise ValueError(f"every row of `rows` must have {len(self.columns)} values (one per column), got {widths}")
 
     def __str__(self) -> str:
-        cells = [list(self.columns)] + [[format_value(v) for v in row] for row in self.rows]
+        cells = [list(self.columns), *self._text_rows()]
         widths = _column_widths(cells)
         return "\n".join([self.title, *(_aligned(row, widths) for row in cells)])
+
+    def markdown(self) -> str:
+        """`title:`, a blank line, then the rows as a GitHub markdown table (values shown as in the text form)."""
+        return f"{self.title}:\n\n" + format_table(self.columns, self._text_rows(), markdown=True)
+
+    def _text_rows(self) -> list[list[str]]:
+        return [[format_value(value) for value in row] for row in self.rows]
 
     def __repr__(self) -> str:
         return str(self)
