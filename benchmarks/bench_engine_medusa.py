@@ -22,7 +22,9 @@ from typing import Any
 
 import torch
 
-from hf_accel import Engine, SamplingParams, bench, bench_output, reference
+from hf_accel import Engine, SamplingParams, bench, reference
+from hf_accel.bench.output import run_benchmark
+from hf_accel.display import format_table
 from hf_accel.engine.config import EngineConfig
 from hf_accel.medusa_training.command import REFERENCE_HEADS_DIR
 from hf_accel.speculative.medusa_heads import MedusaHeads
@@ -123,7 +125,7 @@ def headline(report: dict[str, Any]) -> str:
         f"{report['hardware']['torch_threads']} torch thread(s) of a shared CPU; default rule: "
         f"`max_speculative_batch_tokens={rule['max_speculative_batch_tokens']}`, up to 4 candidates. From "
         f"`{COMMAND}`; all numbers: [bench_engine_medusa.md](bench_engine_medusa.md).", "",
-        bench.format_table(["concurrent requests", "plain tok/s", "with heads tok/s", "ratio",
+        format_table(["concurrent requests", "plain tok/s", "with heads tok/s", "ratio",
                             "tokens per speculating step", "sequence steps speculating"], rows, markdown=True), "",
     ])
 
@@ -145,13 +147,13 @@ def markdown(report: dict[str, Any]) -> str:
         f"- {report['model']}", "", headline(report), "",
         "Every engine (ratio: plain's fastest round / the engine's fastest round, with the range of per-round "
         "ratios):", "",
-        bench.format_table(["concurrent", "engine", "tok/s", "ratio to plain", "tokens per speculating step",
+        format_table(["concurrent", "engine", "tok/s", "ratio to plain", "tokens per speculating step",
                             "candidates accepted"], rows, markdown=True), "",
     ])
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    return bench_output.run_benchmark(argv, __doc__.split("\n\n")[0], "bench_engine_medusa", ROOT, measure,
+    return run_benchmark(argv, __doc__.split("\n\n")[0], "bench_engine_medusa", ROOT, measure,
                                       markdown, lambda report: {"docs/serving.md": headline(report)})
 
 

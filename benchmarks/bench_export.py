@@ -26,7 +26,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from hf_accel import Int4Linear, Int8Linear, WeightOnlyConfig, bench, bench_output, quantize_model, reference
+from hf_accel import Int4Linear, Int8Linear, WeightOnlyConfig, bench, quantize_model, reference
+from hf_accel.bench.output import run_benchmark
 from hf_accel.export import VLLM_VERSION, compressed, export_vllm
 from hf_accel.reference import evaluate
 
@@ -138,7 +139,7 @@ def headline(report: dict[str, Any]) -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    return bench_output.run_benchmark(argv, __doc__.split("\n\n")[0], NAME, ROOT, measure, render, headline)
+    return run_benchmark(argv, __doc__.split("\n\n")[0], NAME, ROOT, measure, render, headline)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from hf_accel import bench_output, reference
+from hf_accel import reference
+from hf_accel.bench.output import run_benchmark
 from hf_accel.finetune import FinetuneConfig, LoraSettings, domain_splits, report_markdown, run_finetune
 from hf_accel.finetune.command import REFERENCE_HEADS
 from hf_accel.speculative.medusa_heads import MedusaHeads
@@ -50,7 +51,7 @@ def headline(report: dict[str, Any]) -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    return bench_output.run_benchmark(argv, __doc__.split("\n\n")[0], NAME, ROOT, measure, render, headline)
+    return run_benchmark(argv, __doc__.split("\n\n")[0], NAME, ROOT, measure, render, headline)
 
 
 if __name__ == "__main__":

@@ -27,10 +27,12 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from hf_accel import bench, bench_output, reference
+from hf_accel import bench, reference
+from hf_accel.bench.output import benchmark_parser, run_benchmark
+from hf_accel.display import format_table
+from hf_accel.medusa_training.command import REFERENCE_HEADS_DIR
 from hf_accel.speculative.medusa import medusa_generate
 from hf_accel.speculative.stats import SpeculativeStats
-from hf_accel.medusa_training.command import REFERENCE_HEADS_DIR
 from hf_accel.speculative.medusa_heads import MedusaHeads
 from hf_accel.speculative.tree import DEFAULT_TREE, sparse_tree
 
@@ -176,7 +178,7 @@ def batch_table(results: dict[str, dict]) -> str:
              r["rows_equal_to_plain"]] for size, r in results.items()]
     headers = ["batch", "candidates per step", "tokens per row per target forward", "speed x plain, median (range)",
                "total time x plain", "plain tok/s", "Medusa tok/s", "rows equal to plain"]
-    return bench.format_table(headers, rows, markdown=True)
+    return format_table(headers, rows, markdown=True)
 
 
 def tree_table(results: dict[str, dict]) -> str:
@@ -186,7 +188,7 @@ def tree_table(results: dict[str, dict]) -> str:
              f"{r['speedup_total_time']:.2f}x", r["outputs_equal_to_plain"]] for name, r in results.items()]
     headers = ["tree", "candidates per step", "tokens per target forward", "accepted per step at depth 1, 2, ...",
                "speed x plain, median (range)", "total time x plain", "outputs equal to plain"]
-    return bench.format_table(headers, rows, markdown=True)
+    return format_table(headers, rows, markdown=True)
 
 
 def headline(report: dict[str, Any]) -> str:
@@ -220,7 +222,7 @@ def headline(report: dict[str, Any]) -> str:
         f"Batches (default tree, greedy): {plan['batches']} left-padded batches per size of held-out prompts of "
         f"{plan['prompt_len'] // 2}-{plan['prompt_len']} tokens, {plan['new_tokens']} new tokens per row; tok/s "
         f"counts every row's tokens:", "", batch_table(batches), "",
-        bench.format_table(["target", "measured", "met"], targets, markdown=True),
+        format_table(["target", "measured", "met"], targets, markdown=True),
     ])
 
 
@@ -232,14 +234,14 @@ def markdown(report: dict[str, Any]) -> str:
         f"{hw['transformers']}; the machine was shared with other jobs, so compare ratios, not absolutes",
         f"- {report['model']}", "", headline(report), "",
         "Tokens per second (medians):", "",
-        bench.format_table(["mode", "tree", "plain tok/s", "Medusa tok/s"], [
+        format_table(["mode", "tree", "plain tok/s", "Medusa tok/s"], [
             [mode, name, f"{r['plain_tokens_per_s']:.1f}", f"{r['medusa_tokens_per_s']:.1f}"]
             for mode in ("greedy", "sampling") for name, r in report[mode].items()], markdown=True), "",
     ])
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = bench_output.benchmark_parser(__doc__.split("\n\n")[0], "bench_medusa")
+    parser = benchmark_parser(__doc__.split("\n\n")[0], "bench_medusa")
     parser.add_argument("--batches-only", action="store_true",
                         help="only the default tree at batch 1 / 4 / 8 (prints the table, writes nothing)")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=None,
@@ -254,7 +256,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             results = measure_batches(model, heads, tokenizer, plan)
         print("\n" + batch_table(results))
         return results
-    return bench_output.run_benchmark(argv, __doc__.split("\n\n")[0], "bench_medusa", ROOT, measure, markdown,
+    return run_benchmark(argv, __doc__.split("\n\n")[0], "bench_medusa", ROOT, measure, markdown,
                                       lambda report: {"docs/medusa.md": headline(report)})
 
 

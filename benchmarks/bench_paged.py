@@ -21,7 +21,9 @@ from typing import Any
 
 import torch
 
-from hf_accel import bench, bench_output
+from hf_accel import bench
+from hf_accel.bench.output import run_benchmark
+from hf_accel.display import format_bytes, format_table
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMAND = ".venv/bin/python benchmarks/bench_paged.py"
@@ -138,7 +140,7 @@ def markdown(report: dict[str, Any]) -> str:
         f"transformers {hw['transformers']}; the machine was shared with other jobs, so compare ratios, not absolutes",
         f"- model: {report['model']}", f"- dtype {report['dtype']}, greedy decoding for speed, seed {report['seed']}",
         f"- method: {report['method']}", "",
-        "## Targets", "", bench.format_table(["target", "measured", "met"], target_rows(report), markdown=True), "",
+        "## Targets", "", format_table(["target", "measured", "met"], target_rows(report), markdown=True), "",
         "## Decode speed",
     ]
     for scenario in report["speed"]:
@@ -146,13 +148,14 @@ def markdown(report: dict[str, Any]) -> str:
         lines += ["", f"### {scenario['name']}, {scenario['new_tokens']} new tokens, median of "
                       f"{scenario['repeats']} repeats", "",
                   bench.results_table(results, markdown=True), "", _spread_text(results)]
-    rows = [[r["name"], bench.format_bytes(r["kv_bytes"]), f"{r['kv_ratio']:.3f}x", f"{100 * r['agreement']:.1f}%"]
-            for r in sampling["results"]]
+    rows = [[r["name"], format_bytes(r["kv_bytes"], decimals=1), f"{r['kv_ratio']:.3f}x",
+             f"{100 * r['agreement']:.1f}%"] for r in sampling["results"]]
     lines += ["", f"## KV memory: {sampling['num_samples']} sampled sequences from one {sampling['prompt_len']}-token "
               f"prompt, {sampling['new_tokens']} new tokens", "",
-              bench.format_table(["strategy", "KV bytes", "x DynamicCache", "sampled-token agreement"], rows, True), "",
+              format_table(["strategy", "KV bytes", "x DynamicCache", "sampled-token agreement"], rows, True), "",
               f"Paged: {sampling['paged_used_blocks']} blocks in use of a {sampling['paged_pool_blocks']}-block pool "
-              f"({bench.format_bytes(sampling['paged_used_bytes'])} in use); the prompt's full blocks are stored once.",
+              f"({format_bytes(sampling['paged_used_bytes'], decimals=1)} in use); the prompt's full blocks are "
+              "stored once.",
               "", "## Block waste", "", _waste_text(report["waste"])]
     return "\n".join(lines) + "\n"
 
@@ -177,7 +180,7 @@ def _waste_text(waste: dict[str, Any]) -> str:
 def headline(report: dict[str, Any], link: str) -> str:
     """The targets table plus how noisy the speed ratios were, for the README and docs/caches.md."""
     ratios = [b / s for scenario in report["speed"] for b, s in zip(*_decode_seconds(scenario, "hf_accel paged"))]
-    return (bench.format_table(["target", "measured", "met"], target_rows(report), markdown=True) + "\n\n"
+    return (format_table(["target", "measured", "met"], target_rows(report), markdown=True) + "\n\n"
             f"Per-repeat speed ratios of the paged cache to DynamicCache ranged {min(ratios):.2f}x-{max(ratios):.2f}x "
             f"in this run (a shared machine); the table gives their medians. From `{COMMAND}`; "
             f"all tables: [docs/bench_paged.md]({link}).")
@@ -211,7 +214,7 @@ def run(plan: Plan, quick: bool) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    return bench_output.run_benchmark(
+    return run_benchmark(
         argv, __doc__.split("\n\n")[0], "bench_paged", ROOT, lambda quick: run(QUICK if quick else FULL, quick),
         markdown, lambda report: {"README.md": headline(report, "docs/bench_paged.md"),
                                   "docs/caches.md": headline(report, "bench_paged.md")})

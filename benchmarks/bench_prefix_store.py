@@ -26,8 +26,10 @@ from typing import Any
 import torch
 from transformers.generation.streamers import BaseStreamer
 
-from hf_accel import PrefixStore, bench, bench_output, reference
-from hf_accel.bench_inputs import describe_model
+from hf_accel import PrefixStore, bench, reference
+from hf_accel.bench import describe_model
+from hf_accel.bench.output import run_benchmark
+from hf_accel.display import format_bytes, format_table
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMAND = ".venv/bin/python benchmarks/bench_prefix_store.py"
@@ -185,7 +187,7 @@ def summary_table(report: dict[str, Any]) -> str:
              f"{s['prefill_ratio']:.3f}x", f"{1000 * s['ttft_call_1_s']:.1f}", f"{1000 * s['ttft_calls_2_on_s']:.1f}",
              f"{s['ttft_ratio']:.3f}x", f"{s['total_s']:.2f}"] for name, s in report["summary"].items()]
     calls = report["plan"]["num_calls"]
-    return bench.format_table(
+    return format_table(
         ["strategy", "prefill call 1 (ms)", f"prefill calls 2-{calls}, median (ms)", "prefill 2.. / 1",
          "TTFT call 1 (ms)", f"TTFT calls 2-{calls}, median (ms)", "TTFT 2.. / 1", f"total, {calls} calls (s)"],
         rows, markdown=True)
@@ -203,7 +205,7 @@ def headline(report: dict[str, Any], link: str) -> str:
             f"{max(store['prefill_ratio_per_round']):.3f}x within single rounds: one call per round, so noisier); "
             f"their time to first token, generate's own setup included, is {store['ttft_ratio']:.3f}x the first "
             f"call's and {report['store_vs_paged_ttft']:.3f}x the paged cache's without the store; "
-            f"the store held {bench.format_bytes(stats['bytes'])} ({stats['blocks']} blocks) after the "
+            f"the store held {format_bytes(stats['bytes'], decimals=1)} ({stats['blocks']} blocks) after the "
             f"{plan['num_calls']} calls.\n\n{summary_table(report)}\n\nFrom `{COMMAND}`; details: [{link}]({link}).")
 
 
@@ -230,13 +232,13 @@ def markdown(report: dict[str, Any]) -> str:
             f"{name} " + ", ".join(f"{x:.3f}x" for x in s["prefill_ratio_per_round"]) + " / "
             + ", ".join(f"{x:.3f}x" for x in s["ttft_ratio_per_round"])
             for name, s in report["summary"].items()) + ".", "",
-        f"Store after a round: {stats['blocks']} blocks, {bench.format_bytes(stats['bytes'])}; {stats['hits']} hits, "
-        f"{stats['misses']} misses, {stats['tokens_saved']} prompt tokens not computed.", "",
+        f"Store after a round: {stats['blocks']} blocks, {format_bytes(stats['bytes'], decimals=1)}; "
+        f"{stats['hits']} hits, {stats['misses']} misses, {stats['tokens_saved']} prompt tokens not computed.", "",
     ])
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    return bench_output.run_benchmark(
+    return run_benchmark(
         argv, __doc__.split("\n\n")[0], "bench_prefix_store", ROOT,
         lambda quick: run(QUICK if quick else FULL, quick), markdown,
         lambda report: {"README.md": headline(report, "docs/bench_prefix_store.md"),

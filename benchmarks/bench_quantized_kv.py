@@ -31,7 +31,9 @@ import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, StoppingCriteria
 
-from hf_accel import QuantizedKVCache, bench, bench_output, reference
+from hf_accel import QuantizedKVCache, bench, reference
+from hf_accel.bench.output import run_benchmark
+from hf_accel.display import format_bytes, format_table
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMAND = ".venv/bin/python benchmarks/bench_quantized_kv.py"
@@ -235,13 +237,13 @@ def markdown(report: dict[str, Any]) -> str:
         f"sinks (rows '{NO_SINKS.strip()}': `num_fp_sink_tokens=0`); quanto: "
         f"{'optimum-quanto ' + report['quanto_version'] if report['quanto_version'] else 'not installed'}, same "
         "bits, group and residual", f"- method: {report['method']}", "",
-        "## Targets", "", bench.format_table(["target", "measured", "met"], target_rows(report), markdown=True), "",
+        "## Targets", "", format_table(["target", "measured", "met"], target_rows(report), markdown=True), "",
         f"## KV memory, {memory['context']}-token prompt + {memory['new_tokens']} generated tokens, 16-bit model", "",
         "Model in bf16: the same bytes as fp16 (2 per element); codes, scales, minima, sinks and residual all "
         "counted.", "",
-        bench.format_table(["cache", "bytes at the end", "x 16-bit DynamicCache (end)", "mean over decode", "max"],
-                           [[r["name"], bench.format_bytes(r["end_bytes"]), f"{r['end_ratio']:.3f}x",
-                             f"{r['mean_ratio']:.3f}x", f"{r['max_ratio']:.3f}x"] for r in memory["results"]], True),
+        format_table(["cache", "bytes at the end", "x 16-bit DynamicCache (end)", "mean over decode", "max"],
+                     [[r["name"], format_bytes(r["end_bytes"], decimals=1), f"{r['end_ratio']:.3f}x",
+                       f"{r['mean_ratio']:.3f}x", f"{r['max_ratio']:.3f}x"] for r in memory["results"]], True),
         "", "## Decode speed",
     ]
     for scenario in report["speed"]:
@@ -256,7 +258,7 @@ def markdown(report: dict[str, Any]) -> str:
               f"through the cache after a {quality['prompt_len']}-token prefill (teacher forcing). Greedy agreement: "
               f"{quality['agreement_new_tokens']} tokens generated from the first {quality['agreement_prompt_len']} "
               "tokens of each row, position by position against DynamicCache.", "",
-              bench.format_table(["cache", "perplexity", "vs DynamicCache", "greedy agreement"], rows, True)]
+              format_table(["cache", "perplexity", "vs DynamicCache", "greedy agreement"], rows, True)]
     return "\n".join(lines) + "\n"
 
 
@@ -283,12 +285,12 @@ def run(plan: Plan, quick: bool) -> dict[str, Any]:
 
 
 def headlines(report: dict[str, Any]) -> dict[str, str]:
-    table = bench.format_table(["target", "measured", "met"], target_rows(report), markdown=True)
+    table = format_table(["target", "measured", "met"], target_rows(report), markdown=True)
     return {"docs/caches.md": f"{table}\n\nFrom `{COMMAND}`; all tables: [bench_quantized_kv.md](bench_quantized_kv.md)."}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    return bench_output.run_benchmark(argv, __doc__.split("\n\n")[0], "bench_quantized_kv", ROOT,
+    return run_benchmark(argv, __doc__.split("\n\n")[0], "bench_quantized_kv", ROOT,
                                       lambda quick: run(QUICK if quick else FULL, quick), markdown, headlines)
 
 

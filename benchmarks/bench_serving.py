@@ -30,8 +30,8 @@ import torch
 from transformers import ContinuousBatchingConfig, GenerationConfig
 
 from hf_accel import Engine, SamplingParams, bench, reference
-from hf_accel.bench_inputs import describe_model
-from hf_accel.bench_output import benchmark_parser, output_root, run_benchmark
+from hf_accel.bench import describe_model
+from hf_accel.bench.output import benchmark_parser, output_root, run_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 NAME = "bench_serving"

@@ -26,7 +26,9 @@ import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 
-from hf_accel import SinkCache, bench, bench_output, reference
+from hf_accel import SinkCache, bench, reference
+from hf_accel.bench.output import run_benchmark
+from hf_accel.display import format_bytes, format_table
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMAND = ".venv/bin/python benchmarks/bench_sink.py"
@@ -198,17 +200,17 @@ def stream_table(stream: dict[str, Any]) -> str:
     rows = []
     for name in ("sink", "DynamicCache"):
         kv, sec = stream["kv_bytes"][name], stream["seconds_per_token"][name]
-        rows.append([name, bench.format_bytes(kv["1x"]), bench.format_bytes(kv["10x"]), f"{1e3 * sec['1x']:.2f}",
-                     f"{1e3 * sec['10x']:.2f}", f"{sec['10x'] / sec['1x']:.2f}x"])
+        rows.append([name, format_bytes(kv["1x"], decimals=1), format_bytes(kv["10x"], decimals=1),
+                     f"{1e3 * sec['1x']:.2f}", f"{1e3 * sec['10x']:.2f}", f"{sec['10x'] / sec['1x']:.2f}x"])
     headers = ["cache", "KV at 1x window", "KV at 10x", "ms/token at 1x", "ms/token at 10x", "10x / 1x time"]
-    return bench.format_table(headers, rows, markdown=True)
+    return format_table(headers, rows, markdown=True)
 
 
 def perplexity_table(ppl: dict[str, Any]) -> str:
     if "results" not in ppl:
         return f"Skipped: {ppl['skipped']}"
     rows = [[r["name"], f"{r['perplexity']:.3f}", f"{r['ratio_to_in_window']:.3f}x"] for r in ppl["results"]]
-    return bench.format_table(["strategy", "perplexity", "x in-window"], rows, markdown=True)
+    return format_table(["strategy", "perplexity", "x in-window"], rows, markdown=True)
 
 
 def headline(report: dict[str, Any], link: str) -> str:
@@ -217,7 +219,7 @@ def headline(report: dict[str, Any], link: str) -> str:
     where = ("" if "results" not in ppl else f"Perplexity: {ppl['model']}, {ppl['rows']} held-out streams of "
              f"{ppl['stream_len']} tokens (trained context {ppl['max_position_embeddings']}), window "
              f"{ppl['window_length']}, scored past the first window.\n\n")
-    return (bench.format_table(["target", "measured", "met"], target_rows(report), markdown=True) + "\n\n"
+    return (format_table(["target", "measured", "met"], target_rows(report), markdown=True) + "\n\n"
             + stream_table(report["stream"]) + "\n\n" + where + perplexity_table(ppl) + "\n\n"
             + f"From `{COMMAND}`; method and hardware: [{Path(link).name}]({link}).")
 
@@ -230,7 +232,7 @@ def markdown(report: dict[str, Any]) -> str:
         f"- hardware: {hw['cpu']}, {hw['torch_threads']} torch thread(s), torch {hw['torch']}, transformers "
         f"{hw['transformers']}; the machine was shared with other jobs, so compare ratios, not absolutes",
         f"- stream model: {report['model']}, fp32, batch 1", "", "## Targets", "",
-        bench.format_table(["target", "measured", "met"], target_rows(report), markdown=True), "",
+        format_table(["target", "measured", "met"], target_rows(report), markdown=True), "",
         f"## Memory and speed: one row decoded to {stream['tokens']} tokens (10x a window of {stream['window_length']}"
         f", {stream['num_sink_tokens']} sinks)", "",
         "Both caches decode the same tokens; copies taken at 1x the window and the caches at 10x then take "
@@ -262,7 +264,7 @@ def run(plan: Plan, quick: bool) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    return bench_output.run_benchmark(argv, __doc__.split("\n\n")[0], "bench_sink", ROOT,
+    return run_benchmark(argv, __doc__.split("\n\n")[0], "bench_sink", ROOT,
                                       lambda quick: run(QUICK if quick else FULL, quick), markdown,
                                       lambda report: {"docs/caches.md": headline(report, "bench_sink.md")})
 

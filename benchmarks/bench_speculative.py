@@ -27,7 +27,8 @@ import torch
 
 import hf_accel
 from hf_accel import bench, reference
-from hf_accel.bench_output import benchmark_parser, output_root, write_results
+from hf_accel.bench.output import benchmark_parser, output_root, write_results
+from hf_accel.display import format_table
 
 ROOT = Path(__file__).resolve().parents[1]
 NAME = "bench_speculative"
@@ -182,7 +183,7 @@ def table(measurement: dict[str, Any]) -> str:
              " ".join(f"{a:.2f}" for a in r.get("acceptance_by_position", [])[:8]) or "-",
              _cell(r, "mean_draft_length", "{:.1f}"), _cell(r, "greedy_agreement", "{:.1%}")]
             for r in measurement["rows"]]
-    return bench.format_table(headers, rows, markdown=True)
+    return format_table(headers, rows, markdown=True)
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -194,7 +195,7 @@ def markdown(report: dict[str, Any]) -> str:
         parts.append(f"### {m['mode']}, batch {m['batch_size']} (prompts {m['prompt_lengths']}, {m['new_tokens']} new "
                      f"tokens, {m['generate_kwargs']})\n\n{table(m)}")
     rows = [[t["target"], f"{t['measured']:.2f}x", "yes" if t["met"] else "**no**"] for t in report["targets"]]
-    parts.append("### Targets\n\n" + bench.format_table(["target", "measured", "met"], rows, markdown=True))
+    parts.append("### Targets\n\n" + format_table(["target", "measured", "met"], rows, markdown=True))
     return "\n\n".join(parts) + "\n"
 
 

@@ -32,7 +32,9 @@ from typing import Any
 import torch
 
 import hf_accel
-from hf_accel import bench, bench_output, reference
+from hf_accel import bench, reference
+from hf_accel.bench.output import benchmark_parser, output_root, write_results
+from hf_accel.display import format_bytes, format_table
 from hf_accel.reference import evaluate
 from hf_accel.reference.presets import MODEL_PRESETS
 
@@ -226,13 +228,13 @@ def results_table(scenario: dict[str, Any]) -> str:
     with_ppl = base["perplexity"] is not None
     rows = []
     for r in results:
-        row = [r["name"], bench.format_bytes(r["weight_bytes"]), f"{r['weight_bytes'] / base['weight_bytes']:.2f}x",
-               f"{r['decode_tokens_per_s']:.1f}", f"{r['speed_vs_fp32']:.2f}x"]
+        row = [r["name"], format_bytes(r["weight_bytes"], decimals=1),
+               f"{r['weight_bytes'] / base['weight_bytes']:.2f}x", f"{r['decode_tokens_per_s']:.1f}", f"{r['speed_vs_fp32']:.2f}x"]
         if with_ppl:
             row += [f"{r['perplexity']:.3f}", f"{100 * (r['perplexity'] / base['perplexity'] - 1):+.2f}%"]
         rows.append(row)
     headers = ["variant", "weight bytes", "x fp32", "decode tok/s", "speed x fp32 (paired)"]
-    return bench.format_table(headers + (["perplexity", "vs fp32"] if with_ppl else []), rows, markdown=True)
+    return format_table(headers + (["perplexity", "vs fp32"] if with_ppl else []), rows, markdown=True)
 
 
 def _scenario_lines(title: str, scenario: dict[str, Any], what: str) -> list[str]:
@@ -252,7 +254,7 @@ def markdown(report: dict[str, Any]) -> str:
         f"Regenerate with `{report['command']}` ({report['runtime_s']:.0f} s here).", "",
         f"- hardware: {hw['cpu']}, {hw['torch_threads']} torch thread(s), torch {hw['torch']}, transformers "
         f"{hw['transformers']}; shared with a training job, so compare ratios, not absolutes", "",
-        "## Targets", "", bench.format_table(["target", "measured", "met"], target_rows(report), True), "",
+        "## Targets", "", format_table(["target", "measured", "met"], target_rows(report), True), "",
         *_scenario_lines("Reference target (small: per-layer overhead bounds decode)", report["reference"],
                          "the weights fit in the CPU's caches: decode time is per-layer work (Python, small "
                          "kernels), which smaller weights do not shrink"),
@@ -265,7 +267,7 @@ def markdown(report: dict[str, Any]) -> str:
 def headline(report: dict[str, Any]) -> str:
     """The text between the markers in docs/weight-quantization.md."""
     return "\n\n".join([
-        bench.format_table(["target", "measured", "met"], target_rows(report), True),
+        format_table(["target", "measured", "met"], target_rows(report), True),
         f"Reference target ({report['reference']['model_summary']}):", results_table(report["reference"]),
         f"Large random Llama ({report['large']['model_summary']}), speed and bytes only (random weights):",
         results_table(report["large"]),
@@ -274,15 +276,15 @@ def headline(report: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args = bench_output.benchmark_parser(__doc__.split("\n\n")[0], NAME).parse_args(argv)
+    args = benchmark_parser(__doc__.split("\n\n")[0], NAME).parse_args(argv)
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)  # a warning per int8 matmul otherwise
     with bench.torch_threads(args.threads):
         report = run(QUICK if args.quick else FULL, quick=args.quick)
     text = markdown(report)
     print("\n" + text)
-    out = bench_output.output_root(args, ROOT)
+    out = output_root(args, ROOT)
     if out is not None:
-        bench_output.write_results(out, NAME, report, text, {"docs/weight-quantization.md": headline(report)})
+        write_results(out, NAME, report, text, {"docs/weight-quantization.md": headline(report)})
     return report
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from hf_accel import reference
-from hf_accel.bench import format_table
+from hf_accel.display import format_table
 from hf_accel.reference.held_out import read_provenance
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -3,6 +3,8 @@
 An object lists what it wants shown in `summary()` (label -> value, in display order); `RichDisplay` turns that
 into both forms, so the two never disagree. `Table` does the same for a comparison (rows under named columns).
 Values are shown as `str(value)`, floats with 3 significant digits (whole from 1000 up), sequences as `[a b c]`.
+This module is hf_accel's one owner of byte sizes (`format_bytes`) and of text tables (`format_table`: aligned or
+GitHub markdown; `Table` aligns its text form the same way), for reprs, `hf-accel bench` and benchmarks/ alike.
 """
 
 from __future__ import annotations
@@ -17,14 +19,36 @@ _TABLE_STYLE = "border-collapse:collapse;font-size:0.9em"
 _CELL_STYLE = "padding:1px 8px;text-align:left"
 
 
-def format_bytes(num_bytes: int) -> str:
-    """`1536` -> `'1.5 KiB'`: binary units, one decimal below 100, none above."""
+def format_bytes(num_bytes: float, decimals: int | None = None) -> str:
+    """`1536` -> `'1.5 KiB'`, in binary units up to TiB; whole bytes below 1 KiB. `decimals=None` (compact, for
+    reprs): one decimal below 100 of a unit, none from 100 up (`'200 KiB'`); a number: always that many
+    (`decimals=1`: `'200.0 KiB'`, so a column of a table lines up)."""
     size, unit = float(num_bytes), "B"
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(size) < 1024 or unit == "TiB":
             break
         size /= 1024
-    return f"{int(size)} B" if unit == "B" else f"{size:.1f} {unit}" if abs(size) < 100 else f"{size:.0f} {unit}"
+    if unit == "B":
+        return f"{size:.0f} B"
+    places = decimals if decimals is not None else 1 if abs(size) < 100 else 0
+    return f"{size:.{places}f} {unit}"
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]], markdown: bool = False) -> str:
+    """Aligned text table with a rule of dashes under the headers, or a GitHub markdown table."""
+    if markdown:
+        lines = [headers, ["---"] * len(headers), *rows]
+        return "\n".join("| " + " | ".join(cells) + " |" for cells in lines)
+    widths = _column_widths([headers, *rows])
+    return "\n".join(_aligned(cells, widths) for cells in [headers, ["-" * w for w in widths], *rows])
+
+
+def _column_widths(lines: Sequence[Sequence[object]]) -> list[int]:
+    return [max(len(str(cell)) for cell in column) for column in zip(*lines)]
+
+
+def _aligned(cells: Sequence[object], widths: Sequence[int]) -> str:
+    return "  ".join(str(cell).ljust(width) for cell, width in zip(cells, widths)).rstrip()
 
 
 def format_value(value: object) -> str:
@@ -64,7 +88,8 @@ def html_grid(title: str, columns: Sequence[str], rows: Sequence[Sequence[object
 
 @dataclass(slots=True, repr=False)
 class Table:
-    """Rows under named columns: an HTML table in Jupyter, aligned text elsewhere (`str`); for comparisons.
+    """Rows under named columns: an HTML table in Jupyter, aligned text elsewhere (`str`), GitHub markdown for docs
+    (`markdown()`); for comparisons.
 
     Example: `Table("decode", ["cache", "tokens/s"], [["DynamicCache", 210.0], ["paged", 205.3]])`.
     """
@@ -79,10 +104,16 @@ class Table:
             raise ValueError(f"every row of `rows` must have {len(self.columns)} values (one per column), got {widths}")
 
     def __str__(self) -> str:
-        cells = [list(self.columns)] + [[format_value(v) for v in row] for row in self.rows]
-        widths = [max(len(row[i]) for row in cells) for i in range(len(self.columns))]
-        lines = ["  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip() for row in cells]
-        return "\n".join([self.title, *lines])
+        cells = [list(self.columns), *self._text_rows()]
+        widths = _column_widths(cells)
+        return "\n".join([self.title, *(_aligned(row, widths) for row in cells)])
+
+    def markdown(self) -> str:
+        """`title:`, a blank line, then the rows as a GitHub markdown table (values shown as in the text form)."""
+        return f"{self.title}:\n\n" + format_table(self.columns, self._text_rows(), markdown=True)
+
+    def _text_rows(self) -> list[list[str]]:
+        return [[format_value(value) for value in row] for row in self.rows]
 
     def __repr__(self) -> str:
         return str(self)

@@ -84,8 +84,8 @@ def test_bench_rejects_too_few_new_tokens(capsys):
 
 
 def test_prompt_lengths_spread_from_half_to_full():
-    assert cli.prompt_lengths(512, 1) == [512]
-    assert cli.prompt_lengths(512, 4) == [256, 341, 426, 512]
+    assert bench.prompt_lengths(512, 1) == [512]
+    assert bench.prompt_lengths(512, 4) == [256, 341, 426, 512]
 
 
 def test_make_prompts_left_pads():

@@ -19,7 +19,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from .. import reference
-from ..cli import at_least
+from ..arguments import at_least
 from ..quant.presets import PRESETS
 from ..speculative.medusa_heads import MedusaHeads
 from .data import domain_splits

@@ -1,14 +1,15 @@
 """Quality and speed checks of the fine-tune path: each side's greedy decoding of the same prompts, timed
-interleaved in one process, compared with the first side (plain `generate` on the float model).
+interleaved in one process (`hf_accel.bench.timing.time_interleaved`), compared with the first side (plain
+`generate` on the float model).
 
     sides = [Side("float", merged), Side("int8 + Medusa", quantized, heads)]
     speeds = compare_speed(sides, prompts, new_tokens=64, repeats=2)   # prompts: [n, prompt_len] ids
 
-Rules: batch 1 (Medusa decodes one row at a time), `eos_token_id=None` and `min_new_tokens` so every side makes
-exactly `new_tokens` tokens; one warm-up pass over the prompts, then `repeats` passes in which every prompt runs on
-every side in turn, so load on a shared machine hits all sides alike. A side's speed is its new tokens over its
-total seconds (prefill included); its ratio is the median over (repeat, prompt) of baseline seconds / its seconds.
-Agreement is the fraction of generated positions equal to the baseline's.
+Rules: batch 1 (each prompt is its own call), `eos_token_id=None` and `min_new_tokens` so every side makes
+exactly `new_tokens` tokens; one warm-up round, then `repeats` rounds in which every prompt runs on every side in
+turn (the order reversed every other round), so load on a shared machine hits all sides alike. A side's speed is
+its new tokens over its total seconds (prefill included); its ratio is the median over (repeat, prompt) of baseline
+seconds / its seconds. Agreement is the fraction of generated positions equal to the baseline's.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel
 
-from ..bench import token_agreement
+from ..bench.results import token_agreement
+from ..bench.timing import time_interleaved
 from ..reference.evaluate import perplexity
 from ..speculative.medusa import medusa_generate
 from ..speculative.medusa_heads import MedusaHeads
@@ -72,21 +74,26 @@ def compare_speed(sides: list[Side], prompts: torch.Tensor, new_tokens: int = 64
         raise ValueError("need at least one side and a non-empty [n, prompt_len] `prompts`")
     if new_tokens < 1 or repeats < 1:
         raise ValueError(f"`new_tokens` and `repeats` must be >= 1, got {new_tokens}, {repeats}")
-    stats = {side.name: SpeculativeStats() for side in sides}
-    tokens = {side.name: [greedy_tokens(side, row[None], new_tokens) for row in prompts] for side in sides}  # warm-up
-    seconds: dict[str, list[float]] = {side.name: [] for side in sides}
-    for _ in range(repeats):
-        for row in prompts:
-            for side in sides:
-                started = time.perf_counter()
-                greedy_tokens(side, row[None], new_tokens, stats[side.name])
-                seconds[side.name].append(time.perf_counter() - started)
+    stats = {side.name: SpeculativeStats() for side in sides}  # warm-up included: greedy repeats every step exactly
+
+    def call(key: tuple[int, int]) -> tuple[float, torch.Tensor]:  # key: (prompt index, side index)
+        side = sides[key[1]]
+        started = time.perf_counter()
+        tokens = greedy_tokens(side, prompts[key[0]][None], new_tokens, stats[side.name])
+        return time.perf_counter() - started, tokens
+
+    rows = range(prompts.shape[0])
+    timings = time_interleaved([(row, index) for row in rows for index in range(len(sides))], call, repeats)
+    # per side, in (repeat, prompt) order: the pairs the baseline ratio is taken over
+    seconds = {side.name: [timings.seconds[(row, index)][repeat] for repeat in range(repeats) for row in rows]
+               for index, side in enumerate(sides)}
+    tokens = {side.name: torch.cat([timings.outputs[(row, index)] for row in rows]) for index, side in enumerate(sides)}
     base = sides[0].name
     return [SpeedResult(
         name=side.name,
         tokens_per_s=new_tokens * len(seconds[side.name]) / sum(seconds[side.name]),
         speed_ratio=statistics.median(b / s for b, s in zip(seconds[base], seconds[side.name])),
-        agreement=token_agreement(torch.cat(tokens[side.name]), torch.cat(tokens[base])),
+        agreement=token_agreement(tokens[side.name], tokens[base]),
         tokens_per_step=stats[side.name].tokens_per_forward if side.medusa_heads is not None else None,
         seconds=[round(s, 4) for s in seconds[side.name]],
     ) for side in sides]

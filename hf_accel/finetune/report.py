@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..bench import format_table
-from ..display import Table, format_value
+from ..display import Table
 
 STAGE_NAMES = {"base": "base model", "finetuned": "fine-tuned (LoRA merged)", "quantized": "fine-tuned, quantized"}
 EVAL_NAMES = {"domain": "held-out domain text", "original": "base model's own held-out domain"}
@@ -49,11 +48,6 @@ def report_tables(report: dict[str, Any]) -> list[Table]:
     return [perplexity_table(report), speed_table(report), time_table(report)]
 
 
-def _markdown(table: Table) -> str:
-    rows = [[format_value(value) for value in row] for row in table.rows]
-    return f"{table.title}:\n\n" + format_table(table.columns, rows, markdown=True)
-
-
 def report_markdown(report: dict[str, Any]) -> str:
     """The tables of `report` as markdown, with the model, data and hardware they were measured on."""
     hw, data, lora = report["hardware"], report["data"], report["settings"]["lora"]
@@ -67,7 +61,7 @@ def report_markdown(report: dict[str, Any]) -> str:
         f"self-distilled rows, initialised from {report['medusa']['initialised_from']}; weights: "
         f"{report['settings']['quant'] or 'float'}.",
     ]
-    tables = "\n\n".join(_markdown(table) for table in report_tables(report))
+    tables = "\n\n".join(table.markdown() for table in report_tables(report))
     return "\n".join(lines) + "\n\n" + tables + "\n\n" + report["speed_rule"].capitalize() + ".\n"
 
 

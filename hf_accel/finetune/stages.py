@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from ..bench import hardware
+from ..bench.output import hardware
 from ..quant.presets import PRESETS, load_model
 from ..reference.evaluate import greedy_agreement
 from ..speculative.medusa_heads import MedusaHeads

@@ -106,11 +106,6 @@ def unpack(packed: torch.Tensor, nbits: int) -> torch.Tensor:
     return torch.cat(planes, dim=-1)
 
 
-def packed_width(width: int, nbits: int) -> int:
-    """Bytes per row of `width` codes."""
-    return width * nbits // 8
-
-
 def _grouped(x: torch.Tensor, group_size: int, axis: int) -> torch.Tensor:
     # axis -2: [..., n, D] -> [..., n // G, G, D];  axis -1: [..., n, D] -> [..., n, D // G, G]
     if axis == -2:

@@ -13,12 +13,12 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel, StaticCache
 
-from .bench_inputs import BenchModel
-from .engine.engine import Engine
-from .engine.sampling_params import SamplingParams
-from .quant.quantizer import WeightOnlyConfig, quantize_model
-from .speculative.draft import draft_generate
-from .speculative.medusa import medusa_generate
+from ..engine.engine import Engine
+from ..engine.sampling_params import SamplingParams
+from ..quant.quantizer import WeightOnlyConfig, quantize_model
+from ..speculative.draft import draft_generate
+from ..speculative.medusa import medusa_generate
+from .models import BenchModel
 
 
 def quantized_int4(model: PreTrainedModel) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""What every script under benchmarks/ shares: its command line and where it writes its results.
+"""What every script under benchmarks/ shares: its command line, the machine it states (`hardware`), and where it
+writes its results.
 
 A script `benchmarks/bench_<name>.py` writes `benchmarks/results/bench_<name>.json` (the full report) and
 `docs/bench_<name>.md` (its tables), and replaces the text between `<!-- bench_<name>:start -->` and
@@ -9,11 +10,33 @@ from __future__ import annotations
 
 import argparse
 import json
+import platform
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from .bench import torch_threads
+import torch
+import transformers
+
+from .timing import torch_threads
+
+
+def hardware() -> dict[str, Any]:
+    """CPU model (from /proc/cpuinfo where present), torch threads, versions."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "torch_threads": torch.get_num_threads(),
+        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
 
 
 def benchmark_parser(description: str, name: str) -> argparse.ArgumentParser:

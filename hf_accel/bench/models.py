@@ -1,9 +1,8 @@
 """What benchmarks run on: the model (hf_accel's reference target by default, a random-weight Llama when its assets
-are missing, or any causal LM by path or hub id), its tokenizer and draft, and the prompts."""
+are missing, or any causal LM by path or hub id), its tokenizer, draft and Medusa heads (`BenchModel`)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -11,8 +10,8 @@ from transformers import (
     AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerBase,
 )
 
-from . import reference
-from .speculative.medusa_heads import MedusaHeads
+from .. import reference
+from ..speculative.medusa_heads import MedusaHeads
 
 RANDOM_MODEL_NOTE = (
     "random-weight Llama built from a config: speed, memory and cache agreement are meaningful, the generated text "
@@ -89,35 +88,3 @@ def describe_model(model: PreTrainedModel) -> str:
         f"{config.model_type}, {params / 1e6:.1f}M params, hidden {config.hidden_size}, "
         f"{config.num_hidden_layers} layers, {config.num_key_value_heads} KV heads"
     )
-
-
-def text_prompts(tokenizer: PreTrainedTokenizerBase, lengths: Sequence[int]) -> dict[str, torch.Tensor]:
-    """Left-padded prompts of the given lengths cut from the held-out text shipped in the package (standard-library
-    files the reference models never trained on: `reference.held_out_sequences`), tokenized by `tokenizer`; row r
-    starts at a different place in the text."""
-    rows = reference.held_out_sequences(tokenizer, max(lengths), max_rows=len(lengths))
-    if rows.shape[0] < len(lengths):
-        raise ValueError(f"the held-out text shipped in the package gives {rows.shape[0]} rows of {max(lengths)} "
-                         f"tokens; asked for {len(lengths)} (lower the prompt length or the batch size)")
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    width = max(lengths)
-    input_ids = torch.full((len(lengths), width), pad, dtype=torch.long)
-    attention_mask = torch.zeros((len(lengths), width), dtype=torch.long)
-    for row, length in enumerate(lengths):
-        input_ids[row, width - length :] = rows[row, :length]
-        attention_mask[row, width - length :] = 1
-    return {"input_ids": input_ids, "attention_mask": attention_mask}
-
-
-def make_prompts(
-    lengths: Sequence[int], vocab_size: int, pad_token_id: int = 0, seed: int = 0
-) -> dict[str, torch.Tensor]:
-    """Random prompts of the given lengths, left-padded: `input_ids` and `attention_mask`, `[len(lengths), max]`."""
-    generator = torch.Generator().manual_seed(seed)
-    width = max(lengths)
-    input_ids = torch.full((len(lengths), width), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(lengths), width), dtype=torch.long)
-    for row, length in enumerate(lengths):
-        input_ids[row, width - length :] = torch.randint(1, vocab_size, (length,), generator=generator)
-        attention_mask[row, width - length :] = 1
-    return {"input_ids": input_ids, "attention_mask": attention_mask}

@@ -1,0 +1,113 @@
+"""Same-process interleaved timing: the loop every comparison runs through (`time_interleaved`, also behind
+`hf_accel.finetune.compare_speed`), its use for generation strategies (`compare_strategies`), and the thread count.
+
+Rules every measurement here follows (shared by `hf-accel bench` and `benchmarks/`):
+- all strategies run in one process on one model, interleaved (the order alternates every repeat), after warm-up;
+- decode time = time(generate N new tokens) - time(generate 1 new token), so prefill is excluded;
+- a strategy's decode time is the median over repeats; its speed ratio to the baseline (the first strategy) is the
+  median of per-repeat ratios, each taken within one repeat, so slow drift in machine load cancels out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import torch
+from tqdm.auto import tqdm
+from transformers import PreTrainedModel
+
+from .results import StrategyResult, summarize
+from .strategies import STRATEGIES, Strategy
+
+Key = TypeVar("Key", bound=Hashable)
+
+
+@dataclass(slots=True)
+class Timings(Generic[Key]):
+    """What `time_interleaved` measured: each key's seconds, one per measured round in round order, and the output
+    of its last call."""
+
+    seconds: dict[Key, list[float]]
+    outputs: dict[Key, Any]
+
+
+def time_interleaved(
+    keys: Sequence[Key], measure: Callable[[Key], tuple[float, Any]], repeats: int, warmup: int = 1
+) -> Timings[Key]:
+    """`warmup + repeats` rounds of `measure(key)` -> (seconds, output) over every key, in the order of `keys` and
+    reversed every other round, so no key always runs first after another; warm-up rounds' seconds are dropped."""
+    seconds: dict[Key, list[float]] = {key: [] for key in keys}
+    outputs: dict[Key, Any] = {}
+    for repeat in range(warmup + repeats):
+        for key in keys if repeat % 2 == 0 else list(reversed(keys)):
+            elapsed, outputs[key] = measure(key)
+            if repeat >= warmup:
+                seconds[key].append(elapsed)
+    return Timings(seconds, outputs)
+
+
+def run_generate(
+    model: PreTrainedModel, inputs: dict[str, torch.Tensor], strategy: Strategy, new_tokens: int, **kwargs: Any
+) -> tuple[float, Any]:
+    """Seconds taken and the output (with `sequences` and `past_key_values`) for exactly `new_tokens`: the strategy's
+    own `run` when it has one, else `generate` with its kwargs."""
+    if strategy.run is not None:
+        start = time.perf_counter()
+        output = strategy.run(model, inputs, new_tokens)
+        return time.perf_counter() - start, output
+    max_len = inputs["input_ids"].shape[1] + new_tokens
+    options = {"do_sample": False, **kwargs, **strategy.generate_kwargs(model, max_len)}
+    start = time.perf_counter()
+    with torch.inference_mode():
+        output = model.generate(
+            **inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, return_dict_in_generate=True, **options
+        )
+    return time.perf_counter() - start, output
+
+
+def compare_strategies(
+    model: PreTrainedModel,
+    inputs: dict[str, torch.Tensor],
+    new_tokens: int,
+    strategies: Sequence[Strategy] = STRATEGIES,
+    repeats: int = 3,
+    warmup: int = 1,
+    on_step: Callable[[str], None] | None = None,
+    progress: bool = True,
+) -> list[StrategyResult]:
+    """Time decode of every strategy, interleaved, and compare with `strategies[0]`; `on_step` after each run pair,
+    a `tqdm.auto` bar over the runs unless `progress=False`. A strategy with a `model_variant` runs on that variant of
+    `model`, built once before any timing."""
+    if new_tokens < 2:
+        raise ValueError(f"`new_tokens` must be at least 2 to measure decode, got {new_tokens}")
+    by_name = {s.name: s for s in strategies}
+    models = {s.name: model if s.model_variant is None else s.model_variant(model) for s in strategies}
+    bar = tqdm(total=(warmup + repeats) * len(strategies), desc="compare", unit="run", leave=False,
+               disable=not progress)
+
+    def decode(name: str) -> tuple[float, Any]:  # time(new_tokens) - time(1 token): prefill excluded
+        prefill_time, _ = run_generate(models[name], inputs, by_name[name], 1)
+        total_time, output = run_generate(models[name], inputs, by_name[name], new_tokens)
+        bar.update()
+        if on_step is not None:
+            on_step(name)
+        return total_time - prefill_time, output
+
+    timings = time_interleaved(list(by_name), decode, repeats, warmup)
+    bar.close()
+    return summarize(strategies, timings.seconds, timings.outputs, inputs, new_tokens)
+
+
+@contextlib.contextmanager
+def torch_threads(num: int) -> Iterator[None]:
+    """Run the block with `num` torch CPU threads, then restore the previous count."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(num)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
