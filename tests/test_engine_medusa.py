@@ -20,6 +20,8 @@ from conformance import make_model
 from engine_helpers import assert_greedy_equal, greedy_reference, random_prompts
 from hf_accel import Engine, MedusaHeads, SamplingParams, reference
 from hf_accel.engine.medusa_proposer import MedusaProposer
+from hf_accel.engine.outputs import RequestTiming
+from hf_accel.engine.sequence import Request, Sequence, make_sequences
 from hf_accel.engine.scheduler import draft_width
 from hf_accel.reference import ASSETS_DIR
 from hf_accel.server import command
@@ -55,7 +57,16 @@ def reference_prompts(lengths: list[int]) -> list[list[int]]:
     return [row[:n].tolist() for row, n in zip(rows, lengths)]
 
 
+def decoding_sequence(tokens: list[int], temperature: float = 0.0) -> Sequence:
+    """A sequence whose prompt is computed but its last token: it decodes next."""
+    request = Request("r", None, tokens, SamplingParams(max_tokens=8, temperature=temperature), 0, RequestTiming(0.0))
+    make_sequences(request, lambda params: None)
+    request.sequences[0].num_computed_tokens = len(tokens) - 1
+    return request.sequences[0]
+
+
 def assert_pool_free(engine: Engine) -> None:
+    assert engine.core.proposer.num_tracked == 0  # the proposer keeps nothing of finished sequences
     blocks = engine.core.blocks
     assert blocks.num_free_blocks == blocks.num_blocks  # every block free, or held only by the prefix cache
     assert blocks.pool.num_used_blocks == blocks.num_cached_blocks
@@ -117,10 +128,19 @@ def test_proposer_matches_the_heads():
             block.layers[0].weight.normal_(std=0.3)
     proposer = MedusaProposer(heads, num_speculative_tokens=2)
     hidden = torch.randn(5, heads.config.hidden_size)
+    seqs = [decoding_sequence([3, 4, 5]) for _ in range(5)]
+    assert not any(proposer.can_propose(seq) for seq in seqs)  # no state kept yet
+    for seq, row in zip(seqs, hidden):
+        proposer.observe(seq, row)
+    assert all(proposer.can_propose(seq) for seq in seqs)
     with torch.no_grad():
         expected = heads(hidden).argmax(dim=-1)[:2].T.tolist()
-    assert proposer.propose(hidden, 2) == expected
-    assert proposer.propose(hidden, 1) == [row[:1] for row in expected]
+    assert proposer.propose(seqs, 2) == expected
+    assert proposer.propose(seqs[::-1], 1) == [row[:1] for row in expected[::-1]]
+    sampled = decoding_sequence([3, 4], temperature=0.7)
+    proposer.observe(sampled, hidden[0])  # sampled rows are never verified greedily: nothing kept
+    proposer.forget(seqs[0])
+    assert not proposer.can_propose(sampled) and not proposer.can_propose(seqs[0]) and proposer.num_tracked == 4
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         MedusaProposer(heads, num_speculative_tokens=4)
     with pytest.raises(TypeError, match="medusa_heads"):

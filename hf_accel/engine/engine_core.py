@@ -76,7 +76,8 @@ class EngineCore:
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         k = self.proposer.num_speculative_tokens if self.proposer is not None else 0
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, k,
-                                                   config.max_speculative_batch_tokens), self.blocks)
+                                                   config.max_speculative_batch_tokens), self.blocks,
+                                   *([] if self.proposer is None else [self.proposer.can_propose]))
         self.kv = KVPool(shape, num_blocks, config.block_size, dtype, device)
         self.runner = ModelRunner(model, self.kv, keep_hidden=self.proposer is not None)
         self.spec_stats = SpecDecodeStats()
@@ -123,21 +124,20 @@ class EngineCore:
             if not seq.is_finished:
                 self.scheduler.remove(seq)
         request.fail(error)
-        request.timing.finished = time.perf_counter()
-        del self.requests[request.request_id]
+        self._retire(request)
         self.num_failed_requests += 1
         self._failed.append(request)
 
     def abort(self, request_id: str) -> Request | None:
         """Stop a request now, freeing its blocks; None if it is unknown or already finished."""
-        request = self.requests.pop(request_id, None)
+        request = self.requests.get(request_id)
         if request is None:
             return None
         for seq in request.sequences:
             if not seq.is_finished:
                 self.scheduler.remove(seq)
                 seq.finish("abort")
-        request.timing.finished = time.perf_counter()
+        self._retire(request)
         return request
 
     def step(self) -> list[Request]:
@@ -155,10 +155,17 @@ class EngineCore:
         changed = {s.seq.request.request_id: s.seq.request for s in out.sampling}
         for request in changed.values():
             if request.is_finished and request.error is None:
-                request.timing.finished = time.perf_counter()
-                del self.requests[request.request_id]
+                self._retire(request)
         failed = self._take_failed()
         return failed + [request for request in changed.values() if request.error is None]
+
+    def _retire(self, request: Request) -> None:
+        """A finished request (done, aborted or failed) leaves: its end time, and no state kept for its samples."""
+        request.timing.finished = time.perf_counter()
+        del self.requests[request.request_id]
+        if self.proposer is not None:
+            for seq in request.sequences:
+                self.proposer.forget(seq)
 
     def _mark_scheduled(self, batch: ScheduledBatch, now: float) -> None:
         """A request scheduled for the first time: its queue time ends, its prefix-cache hits (every sample's) count
@@ -197,8 +204,7 @@ class EngineCore:
                     self.fail(scheduled.seq.request, error)
 
     def _propose_for(self, speculating: list[ScheduledSeq]) -> None:
-        hidden = torch.stack([s.seq.hidden for s in speculating])
-        proposals = self.proposer.propose(hidden, max(s.num_drafts for s in speculating))
+        proposals = self.proposer.propose([s.seq for s in speculating], max(s.num_drafts for s in speculating))
         for scheduled, proposal in zip(speculating, proposals):
             scheduled.draft_token_ids = proposal[: scheduled.num_drafts]
 
@@ -239,8 +245,8 @@ class EngineCore:
             sampled = verdict.tokens[0, : accepted + 1].tolist()
         logprobs = token_logprobs(out.logits[rows][: len(sampled)], sampled, [seq.params.logprobs] * len(sampled))
         num_appended = self._append_all(seq, sampled, logprobs, now)
-        if not seq.is_finished and self.proposer is not None and not seq.params.needs_processing:
-            seq.hidden = out.hidden[rows.start + num_appended - 1]
+        if not seq.is_finished and self.proposer is not None:
+            self.proposer.observe(seq, out.hidden[rows.start + num_appended - 1])
         return min(len(sampled) - 1, num_appended)  # K/V is valid for the last token and the kept candidates
 
     def _take_failed(self) -> list[Request]:

@@ -8,7 +8,7 @@ Rules:
   hits) are free, and only in order: the head of the queue is never overtaken;
 - when a running sequence cannot get a block, the last running sequence in order is preempted by recompute: its
   blocks are freed and it waits again with its tokens so far, to be prefilled anew (outputs are unchanged);
-- speculation (Medusa heads): a decode that `can_speculate` also computes `k` candidates, `k` from `draft_width`
+- speculation (Medusa heads): a decode the proposer `can_propose` for also computes `k` candidates, `k` from `draft_width`
   (decodes x (1 + k) within `max_speculative_batch_tokens`), capped by its tokens left and the step's budget; the
   candidates count in the budget and get blocks, but never preempt: without free blocks it decodes plainly.
 """
@@ -16,6 +16,7 @@ Rules:
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .block_manager import BlockManager
@@ -80,11 +81,14 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    """Waiting and running queues over a `BlockManager`."""
+    """Waiting and running queues over a `BlockManager`; `can_propose` says which decodes a proposer has candidates
+    for (none without one)."""
 
-    def __init__(self, config: SchedulerConfig, blocks: BlockManager):
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager,
+                 can_propose: Callable[[Sequence], bool] = lambda seq: False):
         self.config = config
         self.blocks = blocks
+        self.can_propose = can_propose
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -130,7 +134,7 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            drafts = min(width, seq.num_tokens_left - 1, budget - 1) if width and seq.can_speculate else 0
+            drafts = min(width, seq.num_tokens_left - 1, budget - 1) if width and self.can_propose(seq) else 0
             if drafts > 0 and self.blocks.allocate(seq, 1 + drafts):  # candidates never preempt anyone
                 batch.add(seq, 1 + drafts, drafts)
                 budget -= 1 + drafts

@@ -44,7 +44,6 @@ class Sequence:
     block_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_preemptions: int = 0
-    hidden: torch.Tensor | None = None  # [hidden_size] final hidden state that produced the last token (Medusa)
     output: CompletionOutput = field(init=False)
     num_reported_tokens: int = 0  # output tokens (and their text) handed out in DELTA reports
     num_reported_chars: int = 0
@@ -81,10 +80,9 @@ class Sequence:
 
     @property
     def can_speculate(self) -> bool:
-        """Whether heads can propose for it now: decoding, plain greedy, with a hidden state and room for a
-        candidate (the step's last verified position also yields a token)."""
-        return (self.hidden is not None and self.num_uncomputed_tokens == 1 and not self.params.needs_processing
-                and self.num_tokens_left > 1)
+        """Whether candidates may be verified for it now: decoding, plain greedy, and room for a candidate (the
+        step's last verified position also yields a token)."""
+        return self.num_uncomputed_tokens == 1 and not self.params.needs_processing and self.num_tokens_left > 1
 
     @property
     def sort_key(self) -> tuple[int, int, int]:
