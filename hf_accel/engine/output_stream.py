@@ -13,22 +13,29 @@ Rules:
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Hashable
+from collections.abc import AsyncIterator, Callable, Hashable
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from .errors import EngineDeadError
 from .outputs import RequestOutput, RequestOutputKind
 from .sampling_params import SamplingParams
 
-if TYPE_CHECKING:
-    from .engine import Engine
+
+class RequestSink(Protocol):
+    """What a stream needs of an engine (`Engine` is one): adding a request with a listener, and aborting it."""
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None, request_id: str | None,
+                    listener: Callable[[RequestOutput | BaseException], None],
+                    output_kind: RequestOutputKind) -> str: ...
+
+    def abort(self, request_id: str) -> None: ...
 
 
 class OutputStream:
     """The reports of a group of engine requests, one per key, read by one asyncio consumer."""
 
-    def __init__(self, engine: Engine, output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE):
+    def __init__(self, engine: RequestSink, output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE):
         self.engine, self.output_kind = engine, output_kind
         self._loop = asyncio.get_running_loop()
         self._reports: asyncio.Queue[tuple[Hashable, RequestOutput | BaseException]] = asyncio.Queue()
