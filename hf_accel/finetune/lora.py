@@ -18,6 +18,8 @@ from datasets import Dataset
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import PreTrainedModel, PrinterCallback, Trainer, TrainingArguments, default_data_collator
 
+from ..cache.settings import check_int
+
 # every linear layer of a Llama-style block: attention and MLP
 DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -46,8 +48,7 @@ class LoraSettings:
 
     def __post_init__(self) -> None:
         for name in ("rank", "alpha", "steps", "batch_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"`{name}` must be >= 1, got {getattr(self, name)}")
+            check_int(name, getattr(self, name), 1, "an int >= 1")
         if not 0 <= self.dropout < 1:
             raise ValueError(f"`dropout` must be in [0, 1), got {self.dropout}")
         if self.lr <= 0 or self.warmup_steps < 0:

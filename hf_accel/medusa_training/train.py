@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from ..cache.settings import check_int
 from ..reference.corpus import pack_sequences
 from ..speculative.medusa_heads import MedusaHeads
 
@@ -58,8 +59,7 @@ class MedusaTrainConfig:
 
     def __post_init__(self) -> None:
         for name in ("num_heads", "num_layers", "steps", "batch_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"`{name}` must be >= 1, got {getattr(self, name)}")
+            check_int(name, getattr(self, name), 1, "an int >= 1")
         if self.seq_len < self.num_heads + 2:
             raise ValueError(f"`seq_len` must be at least num_heads + 2 = {self.num_heads + 2}, got {self.seq_len}")
         if not 0 < self.decay_factor <= 1:

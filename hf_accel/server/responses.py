@@ -38,11 +38,12 @@ class CompletionChoice(ChoiceFields):
 
 
 class ResponseFields(BaseModel):
-    """What every completion response and chunk carries."""
+    """What every completion response and chunk carries (`usage`: in a stream, only its last chunk's)."""
 
     id: str
     created: int
     model: str
+    usage: Usage | None = None
 
 
 class CompletionResponse(ResponseFields):
@@ -50,7 +51,6 @@ class CompletionResponse(ResponseFields):
 
     object: Literal["text_completion"] = "text_completion"
     choices: list[CompletionChoice]
-    usage: Usage | None = None
 
 
 class TopLogprob(BaseModel):
@@ -96,7 +96,6 @@ class ChatChunkChoice(ChoiceFields):
 class ChatCompletionChunk(ResponseFields):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     choices: list[ChatChunkChoice]
-    usage: Usage | None = None
 
 
 class ModelCard(BaseModel):
