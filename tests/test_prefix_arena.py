@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from hf_accel.cache.prefix_arena import PrefixArena
-from hf_accel.engine.kv_pool import KVShape
+from hf_accel.cache.kv_shape import KVShape
 
 SHAPE = KVShape(num_layers=2, kv_heads=2, head_dim=4)
 

@@ -12,19 +12,17 @@ from __future__ import annotations
 
 import torch
 from transformers import PreTrainedConfig
-from transformers.cache_utils import Cache, get_layer_types_and_kwargs
+from transformers.cache_utils import Cache
 
 from ..display import CacheDisplay
 from ..registry import PrefillHooks
 from .block_pool import BlockPool
 from .block_table import BlockTables
+from .kv_shape import ATTENTION_KINDS, KVShape
 from .paged_config import PagedCacheConfig
 from .paged_group import PagedGroup
 from .paged_layer import PagedLayer, PagedSlidingLayer
 from .prefix_store import PrefixStore
-
-SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
-
 
 class PagedCache(CacheDisplay, PrefillHooks, Cache):
     """KV cache in fixed-size blocks with reference-counted sharing, for the ordinary `generate` loop.
@@ -57,7 +55,7 @@ class PagedCache(CacheDisplay, PrefillHooks, Cache):
         self._saved_recording: list[bool] | None = None  # set between before_prefill and after_prefill with a store
         self._prefix_chains: list[list[bytes]] | None = None  # the prompt rows' block keys, from load to save
         self.max_cache_len = max_cache_len
-        windows = _layer_windows(config)
+        windows = KVShape.from_config(config, ATTENTION_KINDS, "PagedCache").sliding_windows
         fixed = self.settings.num_blocks is not None or self.settings.max_memory is not None
         groups: dict[int | None, PagedGroup] = {}
         layers, self.group_of_layer = [], []
@@ -184,21 +182,3 @@ class PagedCache(CacheDisplay, PrefillHooks, Cache):
         used, total = sum(p.num_used_blocks for p in pools), sum(p.num_blocks for p in pools)
         return {**super().summary(), "blocks_used": f"{used}/{total}"}
 
-
-def _layer_windows(config: PreTrainedConfig) -> list[int | None]:
-    """Per layer: its sliding window, or None for layers that keep every token (full and chunked attention)."""
-    layer_types, layer_kwargs = _checked_layer_types(config)
-    return [kwargs["sliding_window"] if kind == "sliding_attention" else None
-            for kind, kwargs in zip(layer_types, layer_kwargs)]
-
-
-def _checked_layer_types(config: PreTrainedConfig) -> tuple[list[str], list[dict]]:
-    if getattr(config, "is_encoder_decoder", False):
-        raise ValueError("PagedCache supports decoder-only models; `config` is an encoder-decoder config")
-    layer_types, layer_kwargs = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
-    unsupported = sorted(set(layer_types) - set(SUPPORTED_LAYER_TYPES))
-    if unsupported:
-        raise ValueError(
-            f"PagedCache supports layer types {SUPPORTED_LAYER_TYPES}; this model's `config` has {unsupported}"
-        )
-    return layer_types, layer_kwargs

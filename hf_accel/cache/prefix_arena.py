@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..engine.kv_pool import KVShape
+from .kv_shape import KVShape
 
 
 class PrefixArena:

@@ -1,7 +1,6 @@
-"""PrefixIndex: the prompt blocks a `PrefixStore` keeps, keyed by the engine's hash chain, in LRU order. Plain Python.
+"""PrefixIndex: the prompt blocks a `PrefixStore` keeps, keyed by the block hash chain, in LRU order. Plain Python.
 
-A block's key is `block_key(parent key, its token ids)` (`hf_accel/engine/block_manager.py`), so equal keys mean equal
-prefixes. Rules:
+A block's key is `block_key(parent key, its token ids)` (`block_hash.py`), so equal keys mean equal prefixes. Rules:
 - an entry is kept only while its parent is kept: chains are evicted leaves first;
 - touching an entry touches its ancestors after it, so a parent is always more recently used than its children and
   the least recently used entry is always a leaf: eviction pops the oldest entry;

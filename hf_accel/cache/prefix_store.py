@@ -4,7 +4,7 @@ their prefill.
 Used through the paged cache: `model.generate(**inputs, cache_implementation="paged", cache_config={"prefix_store":
 store})` (or `PagedCache(model.config, prefix_store=store)`). Around generate's prefill (hf_accel/registry.py):
 - `load`: row `r` of the batch has `p_r` left-pad columns and its real tokens start with `h_r` stored tokens (whole
-  blocks, keyed by the engine's `block_key` chain, never the row's last token). The cache is filled with the first
+  blocks, keyed by the `block_key` chain (`block_hash.py`), never the row's last token). The cache is filled with the first
   `k = min_r(p_r + h_r)` columns (at most `width - 1`): zeros for pads (masked, never attended), stored K/V for the
   rest. generate then computes only columns `k ..`; a row with a longer hit recomputes a few of its tokens.
 - `save`: every row's full blocks of real tokens that the store lacks are copied out of the cache, all layers.
@@ -28,8 +28,8 @@ import torch
 from transformers import PreTrainedConfig, PreTrainedModel
 
 from ..display import RichDisplay, format_bytes
-from ..engine.block_manager import block_key
-from ..engine.kv_pool import KVShape
+from .block_hash import block_keys
+from .kv_shape import ATTENTION_KINDS, KVShape
 from .paged_config import parse_bytes
 from .prefix_arena import PrefixArena
 from .prefix_index import PrefixEntry, PrefixIndex
@@ -72,7 +72,7 @@ class PrefixStore(RichDisplay):
             raise TypeError(f"`model` must be a transformers PreTrainedModel, got {type(model).__name__}")
         check_int("block_size", block_size, 1, "a positive int")
         self.block_size = block_size
-        self.shape = KVShape.from_config(model.config)
+        self.shape = KVShape.from_config(model.config, ATTENTION_KINDS, "PrefixStore", "model")
         self.dtype = model.dtype
         self.config = model.config
         self._model = weakref.ref(model)
@@ -171,15 +171,8 @@ class PrefixStore(RichDisplay):
                     arena.free(slot)
 
     def _chains(self, input_ids: torch.Tensor, pads: list[int]) -> list[list[bytes]]:
-        """Each row's keys of its full blocks of real tokens, chained as the engine's `block_key`s are."""
-        width, chains = input_ids.shape[1], []
-        for row, pad in zip(input_ids.tolist(), pads):
-            keys, parent = [], None
-            for start in range(pad, width - self.block_size + 1, self.block_size):
-                parent = block_key(parent, row[start : start + self.block_size])
-                keys.append(parent)
-            chains.append(keys)
-        return chains
+        """Each row's keys of its full blocks of real tokens (`block_keys`, as the engine keys its blocks)."""
+        return [list(block_keys(row[pad:], self.block_size)) for row, pad in zip(input_ids.tolist(), pads)]
 
     def _fill(self, cache: PagedCache, hits: list[list[PrefixEntry]], pads: list[int], skip: int,
               device: torch.device) -> None:

@@ -29,11 +29,12 @@ from __future__ import annotations
 
 import torch
 from transformers import PreTrainedConfig
-from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, CacheLayerMixin, get_layer_types_and_kwargs
+from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, CacheLayerMixin
 
 from ..display import CacheDisplay
 from ..quant import ops
 from ..quant.ops import QuantizedTensor
+from .kv_shape import KVShape
 from .quantized_config import DEFAULT_FP_SINK_TOKENS, QuantizedKVConfig
 from .sink import leading_pad_counts
 
@@ -245,16 +246,17 @@ class QuantizedKVCache(CacheDisplay, Cache):
     def __init__(self, config: PreTrainedConfig, nbits: int = 4, group_size: int | None = None,
                  residual_length: int | None = None, num_fp_sink_tokens: int = DEFAULT_FP_SINK_TOKENS,
                  attention_mask: torch.Tensor | None = None):
-        text_config = _decoder_config(config)
+        if not isinstance(config, PreTrainedConfig):
+            raise TypeError(f"`config` must be a transformers PreTrainedConfig, got {type(config).__name__}")
+        shape = KVShape.from_config(config, tuple(DYNAMIC_LAYER_TYPE_MAPPING), "QuantizedKVCache")
         settings = QuantizedKVConfig(nbits=nbits, group_size=group_size, residual_length=residual_length,
                                      num_fp_sink_tokens=num_fp_sink_tokens)
-        self.settings = settings.for_head_dim(_head_dim(text_config))
+        self.settings = settings.for_head_dim(shape.head_dim)
         self.num_sink_columns = _sink_columns(num_fp_sink_tokens, attention_mask)
-        layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
         layers = [
             QuantizedKVLayer(self.settings, self.num_sink_columns) if kind == "full_attention"
             else DYNAMIC_LAYER_TYPE_MAPPING[kind](**kwargs)
-            for kind, kwargs in zip(layer_types, layer_kwargs)
+            for kind, kwargs in zip(shape.layer_types, shape.layer_kwargs)
         ]
         super().__init__(layers=layers)
 
@@ -276,15 +278,3 @@ def _layer_bytes(layer: CacheLayerMixin) -> int:
     held = (getattr(layer, "keys", None), getattr(layer, "values", None))
     return sum(t.numel() * t.element_size() for t in held if isinstance(t, torch.Tensor))
 
-
-def _decoder_config(config: PreTrainedConfig) -> PreTrainedConfig:
-    if not isinstance(config, PreTrainedConfig):
-        raise TypeError(f"`config` must be a transformers PreTrainedConfig, got {type(config).__name__}")
-    if getattr(config, "is_encoder_decoder", False):
-        raise ValueError("QuantizedKVCache supports decoder-only models; `config` is an encoder-decoder config")
-    return config.get_text_config(decoder=True)
-
-
-def _head_dim(config: PreTrainedConfig) -> int:
-    head_dim = getattr(config, "head_dim", None)
-    return head_dim if isinstance(head_dim, int) else config.hidden_size // config.num_attention_heads

@@ -2,7 +2,7 @@
 
 Allocation is `BlockPool`'s (the paged cache's allocator); this module adds per-sequence block lists and the prefix
 cache. Rules:
-- a full block's key is a SHA-256 over (its parent block's key, its token ids), so equal keys mean equal prefixes;
+- a full block's key is `block_key` (cache/block_hash.py): equal keys mean equal prefixes;
 - the prefix cache holds one reference on every block it indexes; a cached block that no sequence uses
   (reference count 1) is *evictable*: kept, and evicted least-recently-used first when blocks run short;
 - a sequence reuses cached blocks only for tokens before its last one (the last token must be computed to sample);
@@ -12,11 +12,10 @@ cache. Rules:
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from ..cache.block_hash import block_keys
 from ..cache.block_pool import BlockPool
 from .sequence import Sequence
 
@@ -31,13 +30,6 @@ class PrefixCacheStats:
     @property
     def hit_rate(self) -> float:
         return self.hits / self.queries if self.queries else 0.0
-
-
-def block_key(parent: bytes | None, tokens: list[int]) -> bytes:
-    """Key of a full block: SHA-256 of the parent's key and the block's token ids."""
-    digest = hashlib.sha256(parent or b"")
-    digest.update(array("q", tokens).tobytes())  # 8 bytes per id: one C call, no per-token Python
-    return digest.digest()
 
 
 class BlockManager:
@@ -84,10 +76,9 @@ class BlockManager:
         """Cached blocks holding the leading full blocks of `seq` (all but its last token), in order."""
         if not self.enable_prefix_caching:
             return []
-        blocks, parent = [], None
-        for start in range(0, seq.num_tokens - 1 - self.block_size + 1, self.block_size):
-            parent = block_key(parent, seq.token_ids[start : start + self.block_size])
-            block = self._block_of.get(parent)
+        blocks = []
+        for key in block_keys(seq.token_ids[: seq.num_tokens - 1], self.block_size):
+            block = self._block_of.get(key)
             if block is None:
                 break
             blocks.append(block)
@@ -126,8 +117,8 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         keys = self._seq_keys.setdefault(seq.seq_id, [])
-        for j in range(len(keys), seq.num_computed_tokens // self.block_size):
-            key = block_key(keys[-1] if keys else None, seq.token_ids[j * self.block_size : (j + 1) * self.block_size])
+        new_tokens = seq.token_ids[len(keys) * self.block_size : seq.num_computed_tokens]
+        for j, key in enumerate(block_keys(new_tokens, self.block_size, keys[-1] if keys else None), len(keys)):
             keys.append(key)
             block = seq.block_ids[j]
             if key not in self._block_of and block not in self._key_of:

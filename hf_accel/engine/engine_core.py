@@ -19,11 +19,12 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from ..cache.kv_shape import KVShape
 from ..speculative.medusa_heads import MedusaHeads
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .detokenizer import Detokenizer
-from .kv_pool import KVPool, KVShape
+from .kv_pool import KVPool
 from .limits import EngineLimits, check_request, context_length
 from .medusa_proposer import MedusaProposer, SpecDecodeStats, accepted_prefix
 from .model_runner import ModelRunner, StepOutput
