@@ -4,10 +4,12 @@ their prefill.
 Used through the paged cache: `model.generate(**inputs, cache_implementation="paged", cache_config={"prefix_store":
 store})` (or `PagedCache(model.config, prefix_store=store)`). Around generate's prefill (hf_accel/registry.py):
 - `load`: row `r` of the batch has `p_r` left-pad columns and its real tokens start with `h_r` stored tokens (whole
-  blocks, keyed by the `block_key` chain (`block_hash.py`), never the row's last token). The cache is filled with the first
+  blocks, keyed by `block_keys`, never the row's last token). The cache is filled with the first
   `k = min_r(p_r + h_r)` columns (at most `width - 1`): zeros for pads (masked, never attended), stored K/V for the
   rest. generate then computes only columns `k ..`; a row with a longer hit recomputes a few of its tokens.
 - `save`: every row's full blocks of real tokens that the store lacks are copied out of the cache, all layers.
+The store deals only in keys and tensors: the cache reads and writes its own pools (`PagedCache.fill_columns`,
+`gather_blocks`) and hands the store those two functions.
 Stored keys are post-RoPE. That is valid at any padding because generate's position ids start at 0 at each row's
 first real token (`attention_mask.cumsum(-1) - 1`). Sliding-window layers keep every prompt token while the prefill
 runs, so their blocks can be stored too.
@@ -21,8 +23,8 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from transformers import PreTrainedConfig, PreTrainedModel
@@ -34,9 +36,6 @@ from .paged_config import parse_bytes
 from .prefix_arena import PrefixArena
 from .prefix_index import PrefixEntry, PrefixIndex
 from .settings import check_int
-
-if TYPE_CHECKING:  # paged.py imports this module
-    from .paged import PagedCache
 
 
 @dataclass(slots=True)
@@ -121,11 +120,12 @@ class PrefixStore(RichDisplay):
                 "memory": f"{format_bytes(stats.bytes)} / {format_bytes(stats.max_bytes)}", "hits": stats.hits,
                 "misses": stats.misses, "tokens_saved": stats.tokens_saved, "evictions": stats.evictions}
 
-    def load(self, cache: PagedCache, input_ids: torch.Tensor,
-             attention_mask: torch.Tensor | None) -> list[list[bytes]] | None:
-        """Fill an empty paged `cache` with the stored columns every row of `input_ids` `[rows, width]` starts with
-        (see the module docstring); nothing when no row hits. Returns each row's chain of full-block keys, for
-        `save` after the prefill (None when the padding is not left padding: nothing is loaded or saved)."""
+    def load(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+             fill_columns: Callable[[torch.Tensor], None]) -> list[list[bytes]] | None:
+        """Hand `fill_columns` the stored columns every row of `input_ids` `[rows, width]` starts with, as
+        `[num_layers, 2, rows, columns, kv_heads, head_dim]` (see the module docstring; called under the lock, as the
+        tensor may view the arena); no call when no row hits. Returns each row's chain of full-block keys, for `save`
+        after the prefill (None when the padding is not left padding: nothing is loaded or saved)."""
         pads = left_padding(input_ids, attention_mask)
         if pads is None:
             return None
@@ -139,14 +139,16 @@ class PrefixStore(RichDisplay):
             self._misses += sum(1 for hit in hits if not hit)
             self._tokens_saved += sum(max(skip - pad, 0) for pad in pads) if skip > min(pads) else 0
             if skip > min(pads):  # some row skips real tokens
-                self._fill(cache, hits, pads, skip, input_ids.device)
+                fill_columns(self._stored_columns(hits, pads, skip, input_ids.device))
         return chains
 
-    def save(self, cache: PagedCache, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+    def save(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+             gather_blocks: Callable[[list[tuple[int, int]]], torch.Tensor],
              chains: list[list[bytes]] | None = None) -> None:
-        """Store every row's full blocks of real tokens that the store lacks, copied from `cache` (all layers), which
-        holds the prompt `input_ids` `[rows, width]` in full. `chains`: what `load` returned for these rows, if it
-        ran (saves hashing the prompt twice)."""
+        """Store every row's full blocks of real tokens that the store lacks, read by `gather_blocks((row, first
+        column) pairs)` as `[num_layers, 2, blocks, block_size, kv_heads, head_dim]` from a cache holding the prompt
+        `input_ids` `[rows, width]` in full. `chains`: what `load` returned for these rows, if it ran (saves hashing
+        the prompt twice)."""
         pads = left_padding(input_ids, attention_mask)
         if pads is None:
             return
@@ -160,7 +162,7 @@ class PrefixStore(RichDisplay):
         if not wanted:
             return
         # [num_layers, 2, blocks, block_size, kv_heads, head_dim], in `wanted` order
-        blocks = self._copy_blocks(cache, [(r, column) for _, r, column in wanted.values()], input_ids.device)
+        blocks = gather_blocks([(r, column) for _, r, column in wanted.values()])
         with self._lock:
             arena = self._arena
             for i, (key, (parent, _, _)) in enumerate(wanted.items()):
@@ -174,10 +176,11 @@ class PrefixStore(RichDisplay):
         """Each row's keys of its full blocks of real tokens (`block_keys`, as the engine keys its blocks)."""
         return [list(block_keys(row[pad:], self.block_size)) for row, pad in zip(input_ids.tolist(), pads)]
 
-    def _fill(self, cache: PagedCache, hits: list[list[PrefixEntry]], pads: list[int], skip: int,
-              device: torch.device) -> None:
-        """Write each row's first `skip` columns into the empty `cache`: zeros for pad columns (masked, never
-        attended), then the row's stored K/V. Called under the lock (it reads the arena)."""
+    def _stored_columns(self, hits: list[list[PrefixEntry]], pads: list[int], skip: int,
+                        device: torch.device) -> torch.Tensor:
+        """`[num_layers, 2, rows, skip, kv_heads, head_dim]`: each row's first `skip` columns, zeros for pad columns
+        (masked, never attended) then the row's stored K/V. Called under the lock (it reads the arena); one unpadded
+        row (the common case) may be a view of the arena."""
         shape, block_size, rows = self.shape, self.block_size, []
         for pad, hit in zip(pads, hits):
             stored = max(skip - pad, 0)  # real tokens of this row before column `skip`, all in its hit blocks
@@ -189,30 +192,7 @@ class PrefixStore(RichDisplay):
                                     dtype=self.dtype, device=device)
                 row = zeros if row is None else torch.cat([zeros, row], dim=2)
             rows.append(row)
-        # [num_layers, 2, rows, skip, kv_heads, head_dim]; one unpadded row (the common case) may be an arena view
-        dense = rows[0].unsqueeze(2) if len(rows) == 1 else torch.stack(rows, dim=2)
-        with torch.no_grad():
-            for layer in range(shape.num_layers):
-                cache.update(dense[layer, 0].transpose(1, 2), dense[layer, 1].transpose(1, 2), layer)
-
-    def _copy_blocks(self, cache: PagedCache, starts: list[tuple[int, int]],
-                     device: torch.device) -> torch.Tensor:
-        """`[num_layers, 2, len(starts), block_size, kv_heads, head_dim]`: the blocks of row `r` from column `c`."""
-        rows = torch.tensor([r for r, _ in starts], device=device)[:, None]
-        offsets = torch.arange(self.block_size, device=device)
-        cols = torch.tensor([c for _, c in starts], device=device)[:, None] + offsets
-        positions = list(range(cache.get_seq_length()))
-        slots_of_group: dict[int, torch.Tensor] = {}  # id(group) -> [blocks * block_size] slots to read
-        per_layer = []
-        for layer, group in enumerate(cache.group_of_layer):
-            if id(group) not in slots_of_group:
-                slots_of_group[id(group)] = group.slots_of(positions, device)[rows, cols].reshape(-1)
-            slots = slots_of_group[id(group)]
-            pools = (cache.layers[layer].key_pool, cache.layers[layer].value_pool)
-            per_layer.append(torch.stack([p.view(-1, *p.shape[2:]).index_select(0, slots) for p in pools]))
-        return torch.stack(per_layer).view(self.shape.num_layers, 2, len(starts), self.block_size,
-                                           self.shape.kv_heads, self.shape.head_dim)
-
+        return rows[0].unsqueeze(2) if len(rows) == 1 else torch.stack(rows, dim=2)
 
 def left_padding(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[int] | None:
     """Left-pad columns of each row (`attention_mask` None: no padding); None when some row's mask is not
