@@ -48,6 +48,7 @@ class BlockPool:
         self._cached_free: OrderedDict[int, None] = OrderedDict()  # cached free blocks, eviction order
         self._block_of: dict[bytes, int] = {}  # key -> cached block
         self._key_of: dict[int, bytes] = {}  # cached block -> key
+        self.num_evictions = 0  # cached blocks handed out by `allocate` (their keys forgotten)
 
     @property
     def num_blocks(self) -> int:
@@ -138,6 +139,7 @@ class BlockPool:
     def _evict_oldest(self) -> int:
         block, _ = self._cached_free.popitem(last=False)
         del self._block_of[self._key_of.pop(block)]
+        self.num_evictions += 1
         return block
 
     def _is_free_run(self, start: int, num: int) -> bool:

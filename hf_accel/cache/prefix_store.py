@@ -14,9 +14,12 @@ Stored keys are post-RoPE. That is valid at any padding because generate's posit
 first real token (`attention_mask.cumsum(-1) - 1`). Sliding-window layers keep every prompt token while the prefill
 runs, so their blocks can be stored too.
 
-Blocks live in one `PrefixArena` tensor (a slot per block, freed on eviction, at most `max_memory` plus one block),
-so a hit whose blocks were saved together reads them as one view, copied once into the cache's pools. The lock guards
-the index and the arena: slots are reused after eviction, so `load` reads them under it.
+The index is a `BlockPool` of `max_memory // block bytes` slots (the allocator and prefix index the engine uses):
+every stored block is a free, cached slot, so the pool's free queue is the least-recently-used order. A hit or a save
+makes a chain's blocks the most recent, its first block last, so a block is never evicted before its descendants;
+a block's K/V live in one `PrefixArena` tensor at its slot, so a hit whose blocks were saved together reads them as
+one view, copied once into the cache's pools. The lock guards the index and the arena: slots are reused after
+eviction, so `load` reads them under it.
 """
 
 from __future__ import annotations
@@ -31,10 +34,10 @@ from transformers import PreTrainedConfig, PreTrainedModel
 
 from ..display import RichDisplay, format_bytes
 from .block_hash import block_keys
+from .block_pool import BlockPool
 from .kv_shape import ATTENTION_KINDS, KVShape
 from .paged_config import parse_bytes
 from .prefix_arena import PrefixArena
-from .prefix_index import PrefixEntry, PrefixIndex
 from .settings import check_int
 
 
@@ -80,8 +83,11 @@ class PrefixStore(RichDisplay):
         if max_bytes < self.block_bytes:
             raise ValueError(f"`max_memory` ({max_bytes} bytes) is below one block of this model "
                              f"({self.block_bytes} bytes at block_size={block_size}, {self.dtype})")
-        self._arena = PrefixArena(self.shape, block_size, max_bytes // self.block_bytes + 1, self.dtype, model.device)
-        self._index = PrefixIndex(max_bytes, on_evict=self._arena.free)
+        self.max_bytes = max_bytes
+        # the prefix index: a slot per stored block, keyed by `block_keys`; every stored block is free and cached, so
+        # the pool's free queue is the eviction order (least recently used first)
+        self._slots = BlockPool(max_bytes // self.block_bytes)
+        self._arena = PrefixArena(self.shape, block_size, self._slots.num_blocks, self.dtype, model.device)
         self._lock = threading.Lock()
         self._hits = self._misses = self._tokens_saved = 0
 
@@ -103,14 +109,15 @@ class PrefixStore(RichDisplay):
     def stats(self) -> PrefixStoreStats:
         """Hits, misses, tokens saved, blocks and bytes held, evictions."""
         with self._lock:
-            index = self._index
-            return PrefixStoreStats(self._hits, self._misses, self._tokens_saved, len(index), index.num_bytes,
-                                    index.max_bytes, index.num_evictions)
+            blocks = self._slots.num_cached_blocks
+            return PrefixStoreStats(self._hits, self._misses, self._tokens_saved, blocks, blocks * self.block_bytes,
+                                    self.max_bytes, self._slots.num_evictions)
 
     def clear(self) -> None:
         """Forget every stored block (counters stay)."""
         with self._lock:
-            self._index.clear()
+            evictions, self._slots = self._slots.num_evictions, BlockPool(self._slots.num_blocks)
+            self._slots.num_evictions = evictions
             self._arena.clear()
 
     def summary(self) -> dict[str, object]:
@@ -132,8 +139,7 @@ class PrefixStore(RichDisplay):
         width, chains = input_ids.shape[1], self._chains(input_ids, pads)
         with self._lock:
             # never the row's last token: it must be computed to sample from
-            hits = [self._index.match(chain[: (width - pad - 1) // self.block_size])
-                    for chain, pad in zip(chains, pads)]
+            hits = [self._match(chain[: (width - pad - 1) // self.block_size]) for chain, pad in zip(chains, pads)]
             skip = min(min(pad + len(hit) * self.block_size for pad, hit in zip(pads, hits)), width - 1)
             self._hits += sum(1 for hit in hits if hit)
             self._misses += sum(1 for hit in hits if not hit)
@@ -153,30 +159,57 @@ class PrefixStore(RichDisplay):
         if pads is None:
             return
         chains = self._chains(input_ids, pads) if chains is None else chains
-        wanted: dict[bytes, tuple[bytes | None, int, int]] = {}  # key -> (parent, row, first column), in chain order
+        wanted: dict[bytes, tuple[int, int]] = {}  # key -> (row, first column) of the blocks the store lacks
         with self._lock:
             for r, (chain, pad) in enumerate(zip(chains, pads)):
                 for j, key in enumerate(chain):
-                    if key not in self._index and key not in wanted:
-                        wanted[key] = (chain[j - 1] if j else None, r, pad + j * self.block_size)
+                    if self._slots.cached_block(key) is None and key not in wanted:
+                        wanted[key] = (r, pad + j * self.block_size)
         if not wanted:
             return
         # [num_layers, 2, blocks, block_size, kv_heads, head_dim], in `wanted` order
-        blocks = gather_blocks([(r, column) for _, r, column in wanted.values()])
+        blocks = gather_blocks(list(wanted.values()))
+        position = {key: i for i, key in enumerate(wanted)}
         with self._lock:
-            arena = self._arena
-            for i, (key, (parent, _, _)) in enumerate(wanted.items()):
-                slot = arena.allocate()  # one slot more than the index can hold: a slot is free before eviction
-                if self._index.insert(key, parent, slot, self.block_bytes):
-                    arena.data[:, :, slot] = blocks[:, :, i].to(arena.data.device)
-                else:
-                    arena.free(slot)
+            for chain in chains:
+                self._insert(chain, blocks, position)
+
+    def _match(self, chain: list[bytes]) -> list[int]:
+        """Slots of the longest stored start of `chain`, made the most recently used (the first block last)."""
+        slots = []
+        for key in chain:
+            slot = self._slots.cached_block(key)
+            if slot is None:
+                break
+            slots.append(slot)
+        self._slots.share(slots)
+        self._slots.free(reversed(slots))
+        return slots
+
+    def _insert(self, chain: list[bytes], blocks: torch.Tensor, position: dict[bytes, int]) -> None:
+        """Store the blocks of `chain` found in `position` (their index in `blocks`), up to the last of them. The
+        chain is held while it is stored, so storing a block never evicts its own ancestors (a chain longer than the
+        store stops where it is full); released last block first, so its first block is the most recently used."""
+        end = max((j + 1 for j, key in enumerate(chain) if key in position), default=0)
+        held = []
+        for key in chain[:end]:
+            slot = self._slots.cached_block(key)
+            if slot is not None:
+                self._slots.share([slot])
+            elif key in position and self._slots.can_allocate(1):
+                (slot,) = self._slots.allocate(1)  # evicts the least recently used block when no slot is empty
+                self._arena.write(slot, blocks[:, :, position[key]])
+                self._slots.cache_block(slot, key)
+            else:
+                break  # evicted meanwhile, or the store is full of this chain
+            held.append(slot)
+        self._slots.free(reversed(held))
 
     def _chains(self, input_ids: torch.Tensor, pads: list[int]) -> list[list[bytes]]:
         """Each row's keys of its full blocks of real tokens (`block_keys`, as the engine keys its blocks)."""
         return [list(block_keys(row[pad:], self.block_size)) for row, pad in zip(input_ids.tolist(), pads)]
 
-    def _stored_columns(self, hits: list[list[PrefixEntry]], pads: list[int], skip: int,
+    def _stored_columns(self, hits: list[list[int]], pads: list[int], skip: int,
                         device: torch.device) -> torch.Tensor:
         """`[num_layers, 2, rows, skip, kv_heads, head_dim]`: each row's first `skip` columns, zeros for pad columns
         (masked, never attended) then the row's stored K/V. Called under the lock (it reads the arena); one unpadded
@@ -184,7 +217,7 @@ class PrefixStore(RichDisplay):
         shape, block_size, rows = self.shape, self.block_size, []
         for pad, hit in zip(pads, hits):
             stored = max(skip - pad, 0)  # real tokens of this row before column `skip`, all in its hit blocks
-            slots = [entry.payload for entry in hit[: -(-stored // block_size)]]
+            slots = hit[: -(-stored // block_size)]
             # [num_layers, 2, stored, kv_heads, head_dim], front-padded to `skip` columns
             row = self._arena.read(slots, device)[:, :, :stored] if slots else None
             if stored < skip:
