@@ -36,12 +36,13 @@ from ..quant import ops
 from ..quant.ops import QuantizedTensor
 from .kv_shape import KVShape
 from .quantized_config import DEFAULT_FP_SINK_TOKENS, QuantizedKVConfig
+from .row_layer import RowLayer, RowSelect
 from .sink import leading_pad_counts
 
 KEY_AXIS, VALUE_AXIS = -2, -1  # keys: groups of tokens per channel; values: groups of channels per token
 
 
-class QuantizedKVLayer(CacheLayerMixin):
+class QuantizedKVLayer(RowLayer):
     """One full-attention layer: quantized history plus a full-precision residual window."""
 
     is_sliding = False
@@ -128,15 +129,6 @@ class QuantizedKVLayer(CacheLayerMixin):
         self.sink_keys, self.sink_values = self.sink_keys[:, :, :kept_sinks], self.sink_values[:, :, :kept_sinks]
         self.cumulative_length -= remove
 
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._select_rows(lambda t: t.index_select(0, beam_idx.to(t.device)))
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self._select_rows(lambda t: t.repeat_interleave(repeats, dim=0))
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._select_rows(lambda t: t[indices])
-
     def reset(self) -> None:
         self.residual_keys = self.residual_values = self.sink_keys = self.sink_values = None
         self.quantized_keys = self.quantized_values = None
@@ -184,7 +176,7 @@ class QuantizedKVLayer(CacheLayerMixin):
         self.quantized_keys = _tokens(self.quantized_keys, slice(keep), slice(keep // size)) if keep else None
         self.quantized_values = _tokens(self.quantized_values, slice(keep), slice(keep)) if keep else None
 
-    def _select_rows(self, select) -> None:
+    def _select_rows(self, select: RowSelect) -> None:
         if not self.is_initialized:
             return
         self.residual_keys, self.residual_values = select(self.residual_keys), select(self.residual_values)

@@ -22,16 +22,17 @@ from __future__ import annotations
 
 import torch
 from transformers import PreTrainedConfig
-from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
+from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
 
 from ..display import CacheDisplay
 from .kv_shape import FULL_AND_SLIDING, KVShape
 from .rope import rope_inverse_frequencies, rotate
+from .row_layer import RowLayer, RowSelect
 from .sink_config import SinkCacheConfig
 from .sink_window import SinkStep, SinkWindow
 
 
-class SinkLayer(CacheLayerMixin):
+class SinkLayer(RowLayer):
     """One full-attention layer's window buffer and sinks; executes the `SinkStep` its cache plans."""
 
     is_croppable = True
@@ -148,16 +149,7 @@ class SinkLayer(CacheLayerMixin):
         self.value_buffer[:, :, : step.keep] = values[:, :, -step.keep :]
         return keys, values
 
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._select_rows(lambda t: t.index_select(0, beam_idx.to(t.device)))
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self._select_rows(lambda t: t.repeat_interleave(repeats, dim=0))
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._select_rows(lambda t: t[indices])
-
-    def _select_rows(self, select) -> None:
+    def _select_rows(self, select: RowSelect) -> None:
         if self.is_initialized:
             self.key_buffer, self.value_buffer = select(self.key_buffer), select(self.value_buffer)
             self.sink_keys, self.sink_values = select(self.sink_keys), select(self.sink_values)
