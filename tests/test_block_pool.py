@@ -232,3 +232,83 @@ def test_pool_matches_a_reference_model(num_blocks, growable, steps):
     pool.free(list(held))
     assert pool.num_used_blocks == 0
 
+
+
+# --- cached blocks: the engine's prefix cache ----------------------------------------------------------------------
+
+
+def test_cached_blocks_wait_in_the_free_queue_after_the_uncached_ones():
+    pool = BlockPool(4)
+    assert pool.allocate(3) == [0, 1, 2]
+    pool.cache_block(0, b"a")
+    pool.cache_block(1, b"b")
+    pool.free([2, 1, 0])  # a sequence's blocks, last first
+    assert (pool.num_free_blocks, pool.num_used_blocks, pool.num_cached_blocks) == (4, 0, 2)
+    assert free_list(pool) == [2, 3] and list(pool._cached_free) == [1, 0]
+    assert pool.allocate(3) == [2, 3, 1]  # uncached first, then the least recently freed cached block, evicted
+    assert (pool.cached_block(b"b"), pool.key_of(1), pool.cached_block(b"a"), pool.key_of(0)) == (None, None, 0, b"a")
+    assert pool.allocate(1) == [0] and pool.num_cached_blocks == 0
+
+
+def test_a_prefix_hit_shares_a_cached_free_block_out_of_the_queue():
+    pool = BlockPool(3)
+    assert pool.allocate(2) == [0, 1]
+    pool.cache_block(0, b"a")
+    pool.cache_block(1, b"a")  # the key already names block 0: ignored
+    pool.cache_block(0, b"c")  # block 0 already holds a key: ignored
+    assert (pool.key_of(0), pool.key_of(1), pool.cached_block(b"c")) == (b"a", None, None)
+    pool.free([1, 0])
+    assert free_list(pool) == [1, 2] and list(pool._cached_free) == [0]
+    pool.share([pool.cached_block(b"a")])
+    assert (pool.refcount(0), pool.num_free_blocks, list(pool._cached_free)) == (1, 2, [])
+    assert pool.allocate(2) == [1, 2]
+    with pytest.raises(OutOfBlocksError):
+        pool.allocate(1)  # block 0 is in use again: not evictable
+    pool.free([0])
+    assert list(pool._cached_free) == [0] and pool.allocate(1) == [0]
+
+
+def test_cache_of_free_block_asserts():
+    pool = BlockPool(2)
+    with pytest.raises(AssertionError, match="cache of free block 1"):
+        pool.cache_block(1, b"a")
+
+
+@settings(max_examples=150, deadline=None)
+@given(steps=st.lists(st.tuples(st.sampled_from(["alloc", "free", "cache", "hit"]), st.integers(0, 50)), max_size=50))
+def test_cached_free_queue_matches_a_reference_model(steps):
+    """Free queue = uncached free blocks sorted, then cached free blocks in the order they were freed; allocation
+    takes its front and evicts the cached blocks it takes; a hit shares a cached block out of the queue."""
+    pool = BlockPool(6)
+    held: list[int] = []
+    keys: dict[int, bytes] = {}  # block -> key
+    cached_free: list[int] = []  # eviction order
+    for op, n in steps:
+        if op == "alloc":
+            num = n % 4
+            uncached = [b for b in range(6) if b not in held and b not in keys]
+            if num > len(uncached) + len(cached_free):
+                continue
+            expected = (uncached + cached_free)[:num]
+            assert pool.allocate(num) == expected
+            for block in expected[len(uncached):]:
+                cached_free.remove(block)
+                del keys[block]
+            held += expected
+        elif op == "free" and held:
+            block = held.pop(n % len(held))
+            pool.free([block])
+            if block not in held and block in keys:
+                cached_free.append(block)
+        elif op == "cache" and held:
+            block, key = held[n % len(held)], bytes([n % 7])
+            pool.cache_block(block, key)
+            if block not in keys and key not in keys.values():
+                keys[block] = key
+        elif op == "hit" and cached_free:
+            block = cached_free.pop(n % len(cached_free))
+            pool.share([pool.cached_block(keys[block])])
+            held.append(block)
+        assert [pool.refcount(b) for b in range(6)] == [held.count(b) for b in range(6)]
+        assert list(pool._cached_free) == cached_free
+        assert {b: pool.key_of(b) for b in keys} == keys and pool.num_cached_blocks == len(keys)

@@ -42,7 +42,7 @@ def test_blocks_and_prefix_hits_exact():
     assert first.block_ids == [0, 1, 2] and first.num_computed_tokens == 0
     first.num_computed_tokens = 10
     blocks.cache_full_blocks(first)
-    assert blocks.num_cached_blocks == 2 and blocks.pool.refcount(0) == 2  # the sequence and the cache
+    assert blocks.num_cached_blocks == 2 and blocks.pool.refcount(0) == 1  # the sequence (the cache holds none)
     second = make_seq(list(range(9)) + [99])
     assert blocks.allocate_with_prefix(second, 10)
     assert second.block_ids == [0, 1, 3] and second.num_computed_tokens == 8
@@ -51,8 +51,8 @@ def test_blocks_and_prefix_hits_exact():
     assert blocks.match_prefix(exact) == [0]
     for seq in (first, second):
         blocks.free(seq)
-    assert blocks.pool.num_used_blocks == 2 and blocks.num_free_blocks == 8
-    assert list(blocks._evictable) == [1, 0]  # freed tail first: the tail is evicted first
+    assert blocks.pool.num_used_blocks == 0 and blocks.num_free_blocks == 8 and blocks.num_cached_blocks == 2
+    assert list(blocks.pool._cached_free) == [1, 0]  # freed tail first: the tail is evicted first
 
 
 def test_lru_eviction_when_blocks_run_short():
@@ -62,7 +62,7 @@ def test_lru_eviction_when_blocks_run_short():
     old.num_computed_tokens = 5
     blocks.cache_full_blocks(old)
     blocks.free(old)
-    assert blocks.num_cached_blocks == 2 and blocks.pool.num_free_blocks == 2
+    assert blocks.num_cached_blocks == 2 and blocks.pool.num_free_blocks == 4  # 2 uncached, then 2 cached
     new = make_seq([9, 9, 9, 9, 9, 9, 9])
     assert blocks.allocate_with_prefix(new, 7)
     assert sorted(new.block_ids) == [0, 1, 2, 3] and blocks.num_cached_blocks == 0
@@ -134,7 +134,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             size = self.blocks.block_size
             written = {seq.block_ids[p // size] for p in range(seq.num_computed_tokens, seq.num_computed_tokens + num)}
             for block in written:
-                assert self.blocks.pool.refcount(block) == 1 and block not in self.blocks._key_of, "shared write"
+                assert self.blocks.pool.refcount(block) == 1 and self.blocks.pool.key_of(block) is None, "shared write"
         for s in batch.scheduled:
             if s.samples:
                 s.seq.token_ids.append(1 + s.seq.num_tokens % 3)
@@ -152,8 +152,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     def blocks_balance(self):
         held = [b for seq in self.live for b in seq.block_ids]
         for block in range(self.blocks.num_blocks):
-            expected = held.count(block) + (block in self.blocks._key_of)
-            assert self.blocks.pool.refcount(block) == expected, f"block {block}"
+            assert self.blocks.pool.refcount(block) == held.count(block), f"block {block}"
         for seq in self.live:
             assert len(seq.block_ids) * 2 >= seq.num_computed_tokens
         queued = self.scheduler.waiting + self.scheduler.running

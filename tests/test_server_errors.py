@@ -219,4 +219,4 @@ def test_a_request_whose_sampler_raises_fails_alone_over_http(target, monkeypatc
         assert client.get(f"{live.url}/health").status_code == 200
         assert 'finished_reason="error"' in client.get(f"{live.url}/metrics").text
         blocks = live.engine.core.blocks
-        assert blocks.pool.num_used_blocks == blocks.num_cached_blocks
+        assert blocks.pool.num_used_blocks == 0

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel, StaticCache
 
+from ..cache.kv_shape import config_head_dim
 from ..engine.engine import Engine
 from ..engine.sampling_params import SamplingParams
 from ..quant.quantizer import WeightOnlyConfig, quantize_model
@@ -24,9 +25,8 @@ from .models import BenchModel
 def quantized_int4(model: PreTrainedModel) -> dict[str, Any]:
     """generate kwargs for hf_accel's int4 KV cache: groups of 64 (or the head dimension when smaller), residual 128,
     the default 4 full-precision sinks."""
-    config = model.config.get_text_config(decoder=True)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    settings = {"backend": "hf_accel", "nbits": 4, "group_size": math.gcd(64, head_dim), "residual_length": 128}
+    settings = {"backend": "hf_accel", "nbits": 4, "group_size": math.gcd(64, config_head_dim(model.config)),
+                "residual_length": 128}
     return {"cache_implementation": "quantized", "cache_config": settings}
 
 

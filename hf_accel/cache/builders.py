@@ -5,6 +5,7 @@ from __future__ import annotations
 from transformers import PreTrainedModel
 
 from ..registry import CacheRequest
+from .kv_shape import check_decoder_only
 from .paged import PagedCache
 from .paged_config import PagedCacheConfig
 from .sink import SinkCache
@@ -54,8 +55,7 @@ def build_sink_cache(model: PreTrainedModel, request: CacheRequest) -> SinkCache
 
 
 def _require_cache_support(model: PreTrainedModel, name: str) -> None:
-    if model.config.is_encoder_decoder:
-        raise ValueError(f"cache_implementation={name!r} supports decoder-only models; this model is encoder-decoder")
+    check_decoder_only(model.config, f"cache_implementation={name!r}", "model")
     if not model._supports_default_dynamic_cache():
         raise ValueError(
             f"cache_implementation={name!r} needs a model that uses transformers' Cache API; "

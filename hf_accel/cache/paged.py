@@ -12,19 +12,17 @@ from __future__ import annotations
 
 import torch
 from transformers import PreTrainedConfig
-from transformers.cache_utils import Cache, get_layer_types_and_kwargs
+from transformers.cache_utils import Cache
 
 from ..display import CacheDisplay
 from ..registry import PrefillHooks
 from .block_pool import BlockPool
 from .block_table import BlockTables
+from .kv_shape import ATTENTION_KINDS, KVShape
 from .paged_config import PagedCacheConfig
 from .paged_group import PagedGroup
 from .paged_layer import PagedLayer, PagedSlidingLayer
 from .prefix_store import PrefixStore
-
-SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
-
 
 class PagedCache(CacheDisplay, PrefillHooks, Cache):
     """KV cache in fixed-size blocks with reference-counted sharing, for the ordinary `generate` loop.
@@ -57,7 +55,7 @@ class PagedCache(CacheDisplay, PrefillHooks, Cache):
         self._saved_recording: list[bool] | None = None  # set between before_prefill and after_prefill with a store
         self._prefix_chains: list[list[bytes]] | None = None  # the prompt rows' block keys, from load to save
         self.max_cache_len = max_cache_len
-        windows = _layer_windows(config)
+        windows = KVShape.from_config(config, ATTENTION_KINDS, "PagedCache").sliding_windows
         fixed = self.settings.num_blocks is not None or self.settings.max_memory is not None
         groups: dict[int | None, PagedGroup] = {}
         layers, self.group_of_layer = [], []
@@ -105,18 +103,41 @@ class PagedCache(CacheDisplay, PrefillHooks, Cache):
         self._saved_recording = [group.is_recording_past for group in self.groups]
         for group in self.groups:
             group.is_recording_past = True
-        self._prefix_chains = self.prefix_store.load(self, input_ids, attention_mask)
+        self._prefix_chains = self.prefix_store.load(input_ids, attention_mask, self.fill_columns)
 
     def after_prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
         """Add the prompt's full blocks to the prefix store; sliding layers evict as usual from the next step."""
         if self._saved_recording is None:
             return
         try:
-            self.prefix_store.save(self, input_ids, attention_mask, self._prefix_chains)
+            self.prefix_store.save(input_ids, attention_mask, self.gather_blocks, self._prefix_chains)
         finally:
             for group, recording in zip(self.groups, self._saved_recording):
                 group.is_recording_past = recording
             self._saved_recording = self._prefix_chains = None
+
+    def fill_columns(self, columns: torch.Tensor) -> None:
+        """Write `columns` `[num_layers, 2 (K, V), rows, n, kv_heads, head_dim]` as the first `n` tokens of every
+        row of this empty cache."""
+        with torch.no_grad():
+            for layer in range(len(self.layers)):
+                self.update(columns[layer, 0].transpose(1, 2), columns[layer, 1].transpose(1, 2), layer)
+
+    def gather_blocks(self, starts: list[tuple[int, int]]) -> torch.Tensor:
+        """`[num_layers, 2 (K, V), len(starts), block_size, kv_heads, head_dim]`: for each `(row, column)`, the
+        `block_size` tokens of `row` from `column` on (held tokens only), copied out of every layer's pools."""
+        device = self.layers[0].key_pool.device
+        rows = torch.tensor([r for r, _ in starts], device=device)[:, None]
+        size = self.settings.block_size
+        cols = torch.tensor([c for _, c in starts], device=device)[:, None] + torch.arange(size, device=device)
+        positions = list(range(self.get_seq_length()))
+        slots = {id(group): group.slots_of(positions, device)[rows, cols].reshape(-1) for group in self.groups}
+        per_layer = [
+            torch.stack([pool.view(-1, *pool.shape[2:]).index_select(0, slots[id(group)])
+                         for pool in (layer.key_pool, layer.value_pool)])
+            for layer, group in zip(self.layers, self.group_of_layer)
+        ]
+        return torch.stack(per_layer).unflatten(2, (len(starts), size))
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last `-tokens_to_remove` tokens (a non-positive count, as assisted decoding passes)."""
@@ -184,21 +205,3 @@ class PagedCache(CacheDisplay, PrefillHooks, Cache):
         used, total = sum(p.num_used_blocks for p in pools), sum(p.num_blocks for p in pools)
         return {**super().summary(), "blocks_used": f"{used}/{total}"}
 
-
-def _layer_windows(config: PreTrainedConfig) -> list[int | None]:
-    """Per layer: its sliding window, or None for layers that keep every token (full and chunked attention)."""
-    layer_types, layer_kwargs = _checked_layer_types(config)
-    return [kwargs["sliding_window"] if kind == "sliding_attention" else None
-            for kind, kwargs in zip(layer_types, layer_kwargs)]
-
-
-def _checked_layer_types(config: PreTrainedConfig) -> tuple[list[str], list[dict]]:
-    if getattr(config, "is_encoder_decoder", False):
-        raise ValueError("PagedCache supports decoder-only models; `config` is an encoder-decoder config")
-    layer_types, layer_kwargs = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
-    unsupported = sorted(set(layer_types) - set(SUPPORTED_LAYER_TYPES))
-    if unsupported:
-        raise ValueError(
-            f"PagedCache supports layer types {SUPPORTED_LAYER_TYPES}; this model's `config` has {unsupported}"
-        )
-    return layer_types, layer_kwargs

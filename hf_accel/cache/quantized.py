@@ -29,18 +29,20 @@ from __future__ import annotations
 
 import torch
 from transformers import PreTrainedConfig
-from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, CacheLayerMixin, get_layer_types_and_kwargs
+from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, CacheLayerMixin
 
 from ..display import CacheDisplay
 from ..quant import ops
 from ..quant.ops import QuantizedTensor
+from .kv_shape import KVShape
 from .quantized_config import DEFAULT_FP_SINK_TOKENS, QuantizedKVConfig
+from .row_layer import RowLayer, RowSelect
 from .sink import leading_pad_counts
 
 KEY_AXIS, VALUE_AXIS = -2, -1  # keys: groups of tokens per channel; values: groups of channels per token
 
 
-class QuantizedKVLayer(CacheLayerMixin):
+class QuantizedKVLayer(RowLayer):
     """One full-attention layer: quantized history plus a full-precision residual window."""
 
     is_sliding = False
@@ -127,15 +129,6 @@ class QuantizedKVLayer(CacheLayerMixin):
         self.sink_keys, self.sink_values = self.sink_keys[:, :, :kept_sinks], self.sink_values[:, :, :kept_sinks]
         self.cumulative_length -= remove
 
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._select_rows(lambda t: t.index_select(0, beam_idx.to(t.device)))
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self._select_rows(lambda t: t.repeat_interleave(repeats, dim=0))
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._select_rows(lambda t: t[indices])
-
     def reset(self) -> None:
         self.residual_keys = self.residual_values = self.sink_keys = self.sink_values = None
         self.quantized_keys = self.quantized_values = None
@@ -183,7 +176,7 @@ class QuantizedKVLayer(CacheLayerMixin):
         self.quantized_keys = _tokens(self.quantized_keys, slice(keep), slice(keep // size)) if keep else None
         self.quantized_values = _tokens(self.quantized_values, slice(keep), slice(keep)) if keep else None
 
-    def _select_rows(self, select) -> None:
+    def _select_rows(self, select: RowSelect) -> None:
         if not self.is_initialized:
             return
         self.residual_keys, self.residual_values = select(self.residual_keys), select(self.residual_values)
@@ -245,16 +238,17 @@ class QuantizedKVCache(CacheDisplay, Cache):
     def __init__(self, config: PreTrainedConfig, nbits: int = 4, group_size: int | None = None,
                  residual_length: int | None = None, num_fp_sink_tokens: int = DEFAULT_FP_SINK_TOKENS,
                  attention_mask: torch.Tensor | None = None):
-        text_config = _decoder_config(config)
+        if not isinstance(config, PreTrainedConfig):
+            raise TypeError(f"`config` must be a transformers PreTrainedConfig, got {type(config).__name__}")
+        shape = KVShape.from_config(config, tuple(DYNAMIC_LAYER_TYPE_MAPPING), "QuantizedKVCache")
         settings = QuantizedKVConfig(nbits=nbits, group_size=group_size, residual_length=residual_length,
                                      num_fp_sink_tokens=num_fp_sink_tokens)
-        self.settings = settings.for_head_dim(_head_dim(text_config))
+        self.settings = settings.for_head_dim(shape.head_dim)
         self.num_sink_columns = _sink_columns(num_fp_sink_tokens, attention_mask)
-        layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
         layers = [
             QuantizedKVLayer(self.settings, self.num_sink_columns) if kind == "full_attention"
             else DYNAMIC_LAYER_TYPE_MAPPING[kind](**kwargs)
-            for kind, kwargs in zip(layer_types, layer_kwargs)
+            for kind, kwargs in zip(shape.layer_types, shape.layer_kwargs)
         ]
         super().__init__(layers=layers)
 
@@ -276,15 +270,3 @@ def _layer_bytes(layer: CacheLayerMixin) -> int:
     held = (getattr(layer, "keys", None), getattr(layer, "values", None))
     return sum(t.numel() * t.element_size() for t in held if isinstance(t, torch.Tensor))
 
-
-def _decoder_config(config: PreTrainedConfig) -> PreTrainedConfig:
-    if not isinstance(config, PreTrainedConfig):
-        raise TypeError(f"`config` must be a transformers PreTrainedConfig, got {type(config).__name__}")
-    if getattr(config, "is_encoder_decoder", False):
-        raise ValueError("QuantizedKVCache supports decoder-only models; `config` is an encoder-decoder config")
-    return config.get_text_config(decoder=True)
-
-
-def _head_dim(config: PreTrainedConfig) -> int:
-    head_dim = getattr(config, "head_dim", None)
-    return head_dim if isinstance(head_dim, int) else config.hidden_size // config.num_attention_heads

@@ -15,6 +15,8 @@ import torch
 from transformers import PreTrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from .kv_shape import config_head_dim
+
 
 def rope_inverse_frequencies(config: PreTrainedConfig, layer_type: str = "full_attention") -> torch.Tensor:
     """The fp32 inverse frequencies `[rotary_dim / 2]` the model applies to keys of `layer_type` layers.
@@ -31,8 +33,7 @@ def rope_inverse_frequencies(config: PreTrainedConfig, layer_type: str = "full_a
             f"`config` uses rope_type={rope_type!r}, whose frequencies change with the sequence length"
         )
     if rope_type == "default":
-        head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
-        dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
+        dim = int(config_head_dim(text_config) * params.get("partial_rotary_factor", 1.0))
         return 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     if rope_type not in ROPE_INIT_FUNCTIONS:
         supported = ["default", *sorted(set(ROPE_INIT_FUNCTIONS) - {"dynamic", "longrope"})]

@@ -22,15 +22,17 @@ from __future__ import annotations
 
 import torch
 from transformers import PreTrainedConfig
-from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer, get_layer_types_and_kwargs
+from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
 
 from ..display import CacheDisplay
+from .kv_shape import FULL_AND_SLIDING, KVShape
 from .rope import rope_inverse_frequencies, rotate
+from .row_layer import RowLayer, RowSelect
 from .sink_config import SinkCacheConfig
 from .sink_window import SinkStep, SinkWindow
 
 
-class SinkLayer(CacheLayerMixin):
+class SinkLayer(RowLayer):
     """One full-attention layer's window buffer and sinks; executes the `SinkStep` its cache plans."""
 
     is_croppable = True
@@ -147,16 +149,7 @@ class SinkLayer(CacheLayerMixin):
         self.value_buffer[:, :, : step.keep] = values[:, :, -step.keep :]
         return keys, values
 
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._select_rows(lambda t: t.index_select(0, beam_idx.to(t.device)))
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self._select_rows(lambda t: t.repeat_interleave(repeats, dim=0))
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._select_rows(lambda t: t[indices])
-
-    def _select_rows(self, select) -> None:
+    def _select_rows(self, select: RowSelect) -> None:
         if self.is_initialized:
             self.key_buffer, self.value_buffer = select(self.key_buffer), select(self.value_buffer)
             self.sink_keys, self.sink_values = select(self.sink_keys), select(self.sink_values)
@@ -207,7 +200,8 @@ class SinkCache(CacheDisplay, Cache):
         max_cache_len: int | None = None,
     ):
         self.settings = SinkCacheConfig(window_length=window_length, num_sink_tokens=num_sink_tokens)
-        layer_types, layer_kwargs = _checked_layer_types(config)
+        shape = KVShape.from_config(config, FULL_AND_SLIDING, "SinkCache")
+        layer_types, layer_kwargs = shape.layer_types, shape.layer_kwargs
         pad_counts = None if attention_mask is None else leading_pad_counts(attention_mask)
         has_full = "full_attention" in layer_types
         inv_freq = rope_inverse_frequencies(config, "full_attention") if has_full else torch.empty(0)
@@ -281,14 +275,3 @@ def leading_pad_counts(attention_mask: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"`attention_mask` must be a 2-D tensor [rows, prompt_len], got {attention_mask!r}")
     return (attention_mask.long().cumsum(-1) == 0).sum(-1)
 
-
-def _checked_layer_types(config: PreTrainedConfig) -> tuple[list[str], list[dict]]:
-    if getattr(config, "is_encoder_decoder", False):
-        raise ValueError("SinkCache supports decoder-only models; `config` is an encoder-decoder config")
-    text_config = config.get_text_config(decoder=True)
-    layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
-    unsupported = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
-    if unsupported:
-        raise ValueError(
-            f"SinkCache supports full and sliding attention layers; this model's `config` has {unsupported}")
-    return layer_types, layer_kwargs

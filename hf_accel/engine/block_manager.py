@@ -1,10 +1,10 @@
 """KV blocks of the engine's sequences, with prefix caching across requests. Plain Python, no torch.
 
-Allocation is `BlockPool`'s (the paged cache's allocator); this module adds per-sequence block lists and the prefix
-cache. Rules:
-- a full block's key is a SHA-256 over (its parent block's key, its token ids), so equal keys mean equal prefixes;
-- the prefix cache holds one reference on every block it indexes; a cached block that no sequence uses
-  (reference count 1) is *evictable*: kept, and evicted least-recently-used first when blocks run short;
+Allocation and the prefix cache are `BlockPool`'s (the paged cache's allocator): a full block is cached under its
+`block_key` (cache/block_hash.py), so equal keys mean equal prefixes. This module adds per-sequence block lists.
+Rules:
+- a cached block that no sequence uses is free: it waits at the back of the pool's free queue and is evicted least
+  recently freed first, only after every uncached free block is taken;
 - a sequence reuses cached blocks only for tokens before its last one (the last token must be computed to sample);
 - a block is written only while its sole reference is the writing sequence (cached blocks are full, never written);
 - `allocate` checks the whole need first and changes nothing when it cannot be met.
@@ -12,11 +12,9 @@ cache. Rules:
 
 from __future__ import annotations
 
-import hashlib
-from array import array
-from collections import OrderedDict
 from dataclasses import dataclass
 
+from ..cache.block_hash import block_keys
 from ..cache.block_pool import BlockPool
 from .sequence import Sequence
 
@@ -33,13 +31,6 @@ class PrefixCacheStats:
         return self.hits / self.queries if self.queries else 0.0
 
 
-def block_key(parent: bytes | None, tokens: list[int]) -> bytes:
-    """Key of a full block: SHA-256 of the parent's key and the block's token ids."""
-    digest = hashlib.sha256(parent or b"")
-    digest.update(array("q", tokens).tobytes())  # 8 bytes per id: one C call, no per-token Python
-    return digest.digest()
-
-
 class BlockManager:
     """Blocks of every sequence, over one `BlockPool` of `num_blocks` blocks of `block_size` tokens.
 
@@ -54,9 +45,6 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.stats = PrefixCacheStats()
-        self._block_of: dict[bytes, int] = {}  # key -> cached block
-        self._key_of: dict[int, bytes] = {}  # cached block -> key
-        self._evictable: OrderedDict[int, None] = OrderedDict()  # cached blocks no sequence uses, LRU first
         self._seq_keys: dict[int, list[bytes]] = {}  # seq_id -> keys of its leading full blocks
 
     @property
@@ -65,12 +53,12 @@ class BlockManager:
 
     @property
     def num_free_blocks(self) -> int:
-        """Blocks a sequence could get now: free ones plus evictable cached ones."""
-        return self.pool.num_free_blocks + len(self._evictable)
+        """Blocks a sequence could get now: free ones, cached ones no sequence uses included."""
+        return self.pool.num_free_blocks
 
     @property
     def num_cached_blocks(self) -> int:
-        return len(self._key_of)
+        return self.pool.num_cached_blocks
 
     @property
     def usage(self) -> float:
@@ -84,10 +72,9 @@ class BlockManager:
         """Cached blocks holding the leading full blocks of `seq` (all but its last token), in order."""
         if not self.enable_prefix_caching:
             return []
-        blocks, parent = [], None
-        for start in range(0, seq.num_tokens - 1 - self.block_size + 1, self.block_size):
-            parent = block_key(parent, seq.token_ids[start : start + self.block_size])
-            block = self._block_of.get(parent)
+        blocks = []
+        for key in block_keys(seq.token_ids[: seq.num_tokens - 1], self.block_size):
+            block = self.pool.cached_block(key)
             if block is None:
                 break
             blocks.append(block)
@@ -101,16 +88,14 @@ class BlockManager:
         hits = self.match_prefix(seq)
         num_new = max(min(num_new_tokens, seq.num_tokens - len(hits) * self.block_size), 0)
         need = -(-(len(hits) * self.block_size + num_new) // self.block_size) - len(hits)
-        if need + reserve > self.num_free_blocks - sum(1 for b in hits if b in self._evictable):
+        if need + reserve > self.num_free_blocks - sum(1 for b in hits if self.pool.refcount(b) == 0):
             return False
-        for block in hits:
-            self._evictable.pop(block, None)
         self.pool.share(hits)
-        seq.block_ids = list(hits) + self._take(need)
+        seq.block_ids = hits + self.pool.allocate(need)
         seq.num_computed_tokens = len(hits) * self.block_size
         self.stats.queries += seq.num_tokens
         self.stats.hits += seq.num_computed_tokens
-        self._seq_keys[seq.seq_id] = [self._key_of[b] for b in hits]
+        self._seq_keys[seq.seq_id] = [self.pool.key_of(b) for b in hits]
         return True
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
@@ -118,7 +103,7 @@ class BlockManager:
         need = self.blocks_needed(seq, num_new_tokens)
         if need > self.num_free_blocks:
             return False
-        seq.block_ids.extend(self._take(need))
+        seq.block_ids.extend(self.pool.allocate(need))
         return True
 
     def cache_full_blocks(self, seq: Sequence) -> None:
@@ -126,35 +111,14 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         keys = self._seq_keys.setdefault(seq.seq_id, [])
-        for j in range(len(keys), seq.num_computed_tokens // self.block_size):
-            key = block_key(keys[-1] if keys else None, seq.token_ids[j * self.block_size : (j + 1) * self.block_size])
+        new_tokens = seq.token_ids[len(keys) * self.block_size : seq.num_computed_tokens]
+        for j, key in enumerate(block_keys(new_tokens, self.block_size, keys[-1] if keys else None), len(keys)):
             keys.append(key)
-            block = seq.block_ids[j]
-            if key not in self._block_of and block not in self._key_of:
-                self._block_of[key], self._key_of[block] = block, key
-                self.pool.share([block])
+            self.pool.cache_block(seq.block_ids[j], key)
 
     def free(self, seq: Sequence) -> None:
-        """Drop the sequence's blocks (last block first, so a prefix outlives its tails in the LRU order)."""
-        for block in reversed(seq.block_ids):
-            self.pool.free([block])
-            if block in self._key_of and self.pool.refcount(block) == 1:
-                self._evictable[block] = None
+        """Drop the sequence's blocks (last block first, so a prefix outlives its tails in the eviction order)."""
+        self.pool.free(reversed(seq.block_ids))
         seq.block_ids = []
         seq.num_computed_tokens = 0
         self._seq_keys.pop(seq.seq_id, None)
-
-    def reset_prefix_cache(self) -> None:
-        """Forget every evictable cached block (blocks in use stay cached until freed)."""
-        while self._evictable:
-            self._evict_one()
-
-    def _take(self, num: int) -> list[int]:
-        while self.pool.num_free_blocks < num:
-            self._evict_one()
-        return self.pool.allocate(num)
-
-    def _evict_one(self) -> None:
-        block, _ = self._evictable.popitem(last=False)
-        del self._block_of[self._key_of.pop(block)]
-        self.pool.free([block])

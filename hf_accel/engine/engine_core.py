@@ -19,12 +19,13 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from ..cache.kv_shape import KVShape
 from ..speculative.medusa_heads import MedusaHeads
 from ..speculative.verify import greedy_accept
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .detokenizer import Detokenizer
-from .kv_pool import KVPool, KVShape
+from .kv_pool import KVPool
 from .limits import EngineLimits, check_request, context_length
 from .medusa_proposer import MedusaProposer, SpecDecodeStats
 from .model_runner import ModelRunner, StepOutput
@@ -70,7 +71,7 @@ class EngineCore:
         if medusa_heads is not None:
             self.proposer = MedusaProposer(medusa_heads, config.num_speculative_tokens)
             medusa_heads.check_compatible(model)
-        shape = KVShape.from_config(model.config)
+        shape = KVShape.from_config(model.config, caller="the engine", argument="model")
         dtype, device = model.dtype, next(model.parameters()).device
         num_blocks = config.num_blocks(shape.bytes_per_token(dtype), self.max_model_len)
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)

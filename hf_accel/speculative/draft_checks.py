@@ -7,6 +7,8 @@ from transformers.cache_utils import get_layer_types_and_kwargs
 
 from .loop import GenerateCall
 
+from ..cache.kv_shape import check_decoder_only
+
 _IGNORED_MODEL_KWARGS = ("attention_mask", "position_ids", "past_key_values", "use_cache", "logits_to_keep")
 
 
@@ -16,8 +18,8 @@ def check_inputs(call: GenerateCall, draft_model: PreTrainedModel | None) -> Non
     cache = model_kwargs.get("past_key_values")
     if draft_model is None:
         raise ValueError("draft_generate needs `draft_model=` (a small causal LM with the same tokenizer)")
-    if model.config.is_encoder_decoder or draft_model.config.is_encoder_decoder:
-        raise ValueError("draft_generate supports decoder-only models; `model` or `draft_model` is encoder-decoder")
+    check_decoder_only(model.config, "draft_generate", "model")
+    check_decoder_only(draft_model.config, "draft_generate", "draft_model")
     vocab, draft_vocab = model.get_output_embeddings().out_features, draft_model.get_output_embeddings().out_features
     if vocab != draft_vocab:
         raise ValueError(f"`draft_model` predicts {draft_vocab} tokens, the model {vocab}: they must share a vocabulary")
