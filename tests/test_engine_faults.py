@@ -248,7 +248,8 @@ def text_engine():
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
-@given(kwargs=hostile_params, prompt=st.one_of(st.text(min_size=1, max_size=40), st.sampled_from(["", "\x00", "é" * 40])))
+@given(kwargs=hostile_params,
+       prompt=st.one_of(st.text(min_size=1, max_size=40), st.sampled_from(["", "\x00", "é" * 40])))
 def test_hostile_parameters_never_stop_the_engine(text_engine, kwargs, prompt):
     model, tokenizer, engine = text_engine
     try:

@@ -8,9 +8,10 @@ Rules:
   hits) are free, and only in order: the head of the queue is never overtaken;
 - when a running sequence cannot get a block, the last running sequence in order is preempted by recompute: its
   blocks are freed and it waits again with its tokens so far, to be prefilled anew (outputs are unchanged);
-- speculation (Medusa heads): a decode the proposer `can_propose` for also computes `k` candidates, `k` from `draft_width`
-  (decodes x (1 + k) within `max_speculative_batch_tokens`), capped by its tokens left and the step's budget; the
-  candidates count in the budget and get blocks, but never preempt: without free blocks it decodes plainly.
+- speculation (Medusa heads): a decode the proposer `can_propose` for also computes `k` candidates, `k` from
+  `draft_width` (decodes x (1 + k) within `max_speculative_batch_tokens`), capped by its tokens left and the step's
+  budget; the candidates count in the budget and get blocks, but never preempt: without free blocks it decodes
+  plainly.
 """
 
 from __future__ import annotations
