@@ -1,6 +1,6 @@
 """Where one engine step's time goes, at 1, 8 and 64 decoding sequences (issue 24's "measure first").
 
-Method: the reference target in fp32 on one thread; `n` held-out prompts of 128 tokens are added (DELTA outputs, as
+Method: the reference target in fp32 on one thread; `n` held-out prompts of 256 tokens are added (DELTA outputs, as
 the server asks) and prefilled, then `steps` decode steps are timed, every sequence decoding. Each stage is timed by
 wrapping the function that does it (`time.perf_counter`, no profiler): scheduling, the runner's metadata (step
 tensors and block tables), the model forward, and inside it the paged attention's K/V write, gather (each sequence's
@@ -46,7 +46,7 @@ class Plan:
     tiny: bool
 
 
-FULL = Plan(batch_sizes=(1, 8, 64), prompt_len=128, steps=32, tiny=False)
+FULL = Plan(batch_sizes=(1, 8, 64), prompt_len=256, steps=32, tiny=False)  # about the serving mix's mean context
 QUICK = Plan(batch_sizes=(1, 4), prompt_len=16, steps=4, tiny=True)
 
 
