@@ -108,8 +108,11 @@ def profile_batch(model, prompts: torch.Tensor, steps: int) -> dict[str, Any]:
     params = SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True)
     for row in prompts:
         engine.add_request(row.tolist(), params, output_kind=RequestOutputKind.DELTA)
-    while any(seq.num_uncomputed_tokens > 1 for seq in engine.core.scheduler.running) or engine.core.scheduler.waiting:
-        engine.step()  # prefill (and a first decode for most)
+    scheduler = engine.core.scheduler
+    engine.step()  # the requests reach the scheduler (through the engine's inbox) and start their prefill
+    while scheduler.waiting or any(seq.num_uncomputed_tokens > 1 for seq in scheduler.running):
+        engine.step()
+    engine.step()  # one decode step untimed: every sequence decodes from here on
     clock = StageClock()
     with instrumented(engine, clock):
         started = time.perf_counter()
