@@ -3,9 +3,9 @@
 Method: the reference target in fp32 on one thread; `n` held-out prompts of 256 tokens are added (DELTA outputs, as
 the server asks) and prefilled, then `steps` decode steps are timed, every sequence decoding. Each stage is timed by
 wrapping the function that does it (`time.perf_counter`, no profiler): scheduling, the runner's metadata (step
-tensors and block tables), the model forward, and inside it the paged attention's K/V write, gather (each sequence's
-blocks copied out of the pool) and compute; sampling (and logprobs), appending tokens (stop rules, detokenization),
-the scheduler's postprocess, and the reports to listeners. "other" is the step's time no stage claims.
+tensors and block tables), the model forward, and inside it the paged attention's K/V write, gather (blocks copied
+out of the pool: prefill chunks always, decodes only without the in-place kernel) and compute; sampling (and
+logprobs), appending tokens (stop rules, detokenization), the scheduler's postprocess, and the reports to listeners. "other" is the step's time no stage claims.
 
 Regenerate benchmarks/results/bench_engine_step.json and docs/bench_engine_step.md:
     .venv/bin/python benchmarks/bench_engine_step.py
@@ -93,6 +93,9 @@ def instrumented(engine: Engine, clock: StageClock) -> Iterator[None]:
     saved = [(owner, attr, getattr(owner, attr)) for owner, attr in patches]
     for owner, attr, function in saved:
         setattr(owner, attr, clock.wrap(names[attr], function))
+    kernel = attention.paged_decode_kernel()  # in-place decode attention: timed as attention compute
+    saved.append((attention, "paged_decode_kernel", attention.paged_decode_kernel))
+    attention.paged_decode_kernel = lambda: None if kernel is None else clock.wrap("attention compute", kernel)
     attention.register_attention()  # the registry holds the function object: register the timed one
     try:
         yield

@@ -54,3 +54,19 @@ def test_bad_shapes_are_refused():
     with pytest.raises(RuntimeError, match="length out of the block table"):
         kernel(torch.randn(2, 4, 1, 8), pool, pool, torch.zeros(2, 1, dtype=torch.long), torch.tensor([5, 1]), 1.0,
                0, 0.0)
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "gemma2"])  # GQA; every layer sliding; sliding + soft-capping
+def test_engine_tokens_equal_with_and_without_the_kernel(arch, monkeypatch):
+    from conformance import make_model
+    from engine_helpers import random_prompts
+    from hf_accel import Engine, SamplingParams
+    from hf_accel.engine import attention
+
+    model = make_model(arch, torch.float32, "eager" if arch == "gemma2" else "sdpa")
+    prompts = random_prompts([5, 17, 30, 9], seed=4)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    with_kernel = [out.token_ids for out in Engine(model, block_size=4).generate(prompts, params)]
+    monkeypatch.setattr(attention, "paged_decode_kernel", lambda: None)  # the gather path
+    gathered = [out.token_ids for out in Engine(model, block_size=4).generate(prompts, params)]
+    assert with_kernel == gathered

@@ -18,6 +18,7 @@ from transformers import PreTrainedModel
 
 from .attention import ATTENTION_NAME, DecodeGroup, PrefillRow, StepAttention, register_attention
 from .kv_pool import KVPool
+from .paged_kernel import paged_decode_kernel
 from .scheduler import ScheduledBatch, ScheduledSeq
 from .sequence import Sequence
 
@@ -60,6 +61,7 @@ class ModelRunner:
             raise ValueError(f"`model` ({type(model).__name__}) does not use transformers' AttentionInterface, "
                              "which the engine needs")
         register_attention()
+        paged_decode_kernel()  # built (or found in torch's cache) now, not during the first request
         self.model, self.kv, self.keep_hidden = model, kv, keep_hidden
         self.device = next(model.parameters()).device
 

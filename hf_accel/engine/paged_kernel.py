@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import threading
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -28,11 +29,19 @@ SWITCH = "HF_ACCEL_PAGED_KERNEL"
 CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=fast"]
 
 
-@functools.cache
+_BUILD_LOCK = threading.Lock()  # one build and one fake registration, whichever thread asks first
+
+
 def paged_decode_kernel() -> Callable[..., torch.Tensor] | None:
     """`torch.ops.hf_accel.paged_decode_attention`, built on first call; None when switched off or not buildable."""
     if os.environ.get(SWITCH, "1") == "0":
         return None
+    with _BUILD_LOCK:
+        return _built_kernel()
+
+
+@functools.cache
+def _built_kernel() -> Callable[..., torch.Tensor] | None:
     try:
         from torch.utils.cpp_extension import load
 
