@@ -5,7 +5,8 @@ the server asks) and prefilled, then `steps` decode steps are timed, every seque
 wrapping the function that does it (`time.perf_counter`, no profiler): scheduling, the runner's metadata (step
 tensors and block tables), the model forward, and inside it the paged attention's K/V write, gather (blocks copied
 out of the pool: prefill chunks always, decodes only without the in-place kernel) and compute; sampling (and
-logprobs), appending tokens (stop rules, detokenization), the scheduler's postprocess, and the reports to listeners. "other" is the step's time no stage claims.
+logprobs), appending tokens (stop rules, detokenization), the scheduler's postprocess, and the reports to listeners.
+"other" is the step's time no stage claims.
 
 Regenerate benchmarks/results/bench_engine_step.json and docs/bench_engine_step.md:
     .venv/bin/python benchmarks/bench_engine_step.py
