@@ -120,7 +120,8 @@ void attend_row_head(const scalar_t* query, const scalar_t* keys, const scalar_t
 at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key_pool, const at::Tensor& value_pool,
                                   const at::Tensor& block_table, const at::Tensor& lengths, double scale,
                                   int64_t window, double softcap) {
-  TORCH_CHECK(query.dim() == 4 && key_pool.dim() == 4, "query [rows, heads, q, dim], pools [kv_heads, blocks, size, dim]");
+  TORCH_CHECK(query.dim() == 4 && key_pool.dim() == 4,
+              "query [rows, heads, q, dim], pools [kv_heads, blocks, size, dim]");
   TORCH_CHECK(key_pool.sizes() == value_pool.sizes(), "key and value pools differ in shape");
   TORCH_CHECK(query.scalar_type() == key_pool.scalar_type() && key_pool.scalar_type() == value_pool.scalar_type(),
               "query and pools must share a dtype");
