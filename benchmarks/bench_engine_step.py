@@ -94,9 +94,9 @@ def instrumented(engine: Engine, clock: StageClock) -> Iterator[None]:
     saved = [(owner, attr, getattr(owner, attr)) for owner, attr in patches]
     for owner, attr, function in saved:
         setattr(owner, attr, clock.wrap(names[attr], function))
-    kernel = attention.paged_decode_kernel()  # in-place decode attention: timed as attention compute
-    saved.append((attention, "paged_decode_kernel", attention.paged_decode_kernel))
-    attention.paged_decode_kernel = lambda: None if kernel is None else clock.wrap("attention compute", kernel)
+    if runner.decode_kernel is not None:  # in-place decode attention: timed as attention compute
+        saved.append((runner, "decode_kernel", runner.decode_kernel))
+        runner.decode_kernel = clock.wrap("attention compute", runner.decode_kernel)
     attention.register_attention()  # the registry holds the function object: register the timed one
     try:
         yield

@@ -61,12 +61,12 @@ def test_engine_tokens_equal_with_and_without_the_kernel(arch, monkeypatch):
     from conformance import make_model
     from engine_helpers import random_prompts
     from hf_accel import Engine, SamplingParams
-    from hf_accel.engine import attention
+    from hf_accel.engine import model_runner
 
     model = make_model(arch, torch.float32, "eager" if arch == "gemma2" else "sdpa")
     prompts = random_prompts([5, 17, 30, 9], seed=4)
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     with_kernel = [out.token_ids for out in Engine(model, block_size=4).generate(prompts, params)]
-    monkeypatch.setattr(attention, "paged_decode_kernel", lambda: None)  # the gather path
+    monkeypatch.setattr(model_runner, "paged_decode_kernel", lambda: None)  # engines built now gather
     gathered = [out.token_ids for out in Engine(model, block_size=4).generate(prompts, params)]
     assert with_kernel == gathered

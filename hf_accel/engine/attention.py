@@ -5,14 +5,15 @@ One engine step runs the model once on all scheduled tokens packed into one row 
 per sequence: decoding sequences in groups of equal query count, each group at once (one query each for plain
 decodes, the last token plus its candidates for speculating ones; K/V gathered from their slots, padded and masked),
 then each prefill chunk on its own (causal from its first position). Decode groups read the pool in place through the
-C++ kernel of `paged_kernel.py` when it is built (else their blocks are gathered into a padded tensor for sdpa);
-prefill chunks gather theirs (one copy per chunk, then sdpa's matmuls). The metadata travels in the forward's
+C++ kernel of `paged_kernel.py` when the runner has it (`StepAttention.decode_kernel`; else their blocks are gathered
+into a padded tensor for sdpa); prefill chunks gather theirs (one copy per chunk, then sdpa's matmuls). The metadata travels in the forward's
 kwargs as `hf_accel_step` (the way transformers' own continuous batching passes `cu_seq_lens`), so no model code
 is forked and no state hides in globals. Grouped-query heads are folded into the query axis (no K/V repeat).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -20,7 +21,6 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from .kv_pool import KVPool
-from .paged_kernel import paged_decode_kernel
 
 ATTENTION_NAME = "hf_accel_paged"
 
@@ -79,6 +79,7 @@ class StepAttention:
     write_slots: torch.Tensor  # [num_tokens] slot of each packed token
     decodes: list[DecodeGroup]
     prefills: list[PrefillRow]
+    decode_kernel: Callable[..., torch.Tensor] | None = None  # `paged_kernel`'s in-place op; None: gather
     _masks: dict[tuple, torch.Tensor] = field(default_factory=dict)
 
     def prefill_mask(self, i: int, window: int | None, groups: int, softcap: float | None) -> torch.Tensor | None:
@@ -123,25 +124,33 @@ def paged_attention(
     keys.view(heads, -1, dim).index_copy_(1, step.write_slots, key[0].to(keys.dtype))
     values.view(heads, -1, dim).index_copy_(1, step.write_slots, value[0].to(values.dtype))
     out = query.new_empty(query.shape[2], query.shape[1], query.shape[3])  # [num_tokens, heads, head_dim]
-    kernel = paged_decode_kernel()
     for group in step.decodes:
-        rows, num = group.index.shape
         flat = group.index.reshape(-1)
-        q = query[0][:, flat].view(query.shape[1], rows, num, dim).transpose(0, 1)  # [rows, heads, num, head_dim]
-        if kernel is not None:
-            scale = scaling if scaling is not None else dim**-0.5
-            attended = kernel(q.to(keys.dtype), keys, values, group.blocks, group.lengths, scale,
-                              sliding_window or 0, softcap or 0.0).to(query.dtype)
-        else:
-            k, v = (_gather(pool, group.blocks) for pool in (keys, values))  # [rows, kv_heads, len, dim]
-            attended = _attend(q, k, v, group.mask(size, sliding_window, query.shape[1] // heads), scaling, softcap)
-        out[flat] = attended.transpose(1, 2).reshape(rows * num, -1, dim)
+        out[flat] = _attend_decodes(step, group, query, keys, values, scaling, sliding_window, softcap)
     for i, row in enumerate(step.prefills):
         q = query[:, :, row.start : row.start + row.num_tokens]  # [1, heads, num_tokens, head_dim]
         k, v = (_gather(pool, row.kv_blocks[None])[:, :, : row.kv_length] for pool in (keys, values))
         mask = step.prefill_mask(i, sliding_window, query.shape[1] // keys.shape[0], softcap)
         out[row.start : row.start + row.num_tokens] = _attend(q, k, v, mask, scaling, softcap)[0].transpose(0, 1)
     return out[None], None
+
+
+def _attend_decodes(step: StepAttention, group: DecodeGroup, query: torch.Tensor, keys: torch.Tensor,
+                    values: torch.Tensor, scaling: float | None, window: int | None,
+                    softcap: float | None) -> torch.Tensor:
+    """One decode group's attention, `[rows * num_queries, heads, head_dim]`: in place through the step's kernel,
+    else over its blocks gathered into a padded tensor."""
+    rows, num = group.index.shape
+    heads, dim = query.shape[1], query.shape[3]
+    q = query[0][:, group.index.reshape(-1)].view(heads, rows, num, dim).transpose(0, 1)  # [rows, heads, num, dim]
+    if step.decode_kernel is not None:
+        scale = scaling if scaling is not None else dim**-0.5
+        attended = step.decode_kernel(q.to(keys.dtype), keys, values, group.blocks, group.lengths, scale,
+                                      window or 0, softcap or 0.0).to(query.dtype)
+    else:
+        k, v = (_gather(pool, group.blocks) for pool in (keys, values))  # [rows, kv_heads, len, dim]
+        attended = _attend(q, k, v, group.mask(keys.shape[2], window, heads // keys.shape[0]), scaling, softcap)
+    return attended.transpose(1, 2).reshape(rows * num, heads, dim)
 
 
 def _gather(pool: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:

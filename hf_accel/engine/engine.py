@@ -34,7 +34,7 @@ from .config import EngineConfig
 from .engine_core import EngineCore, EngineStats
 from .listeners import Listener, Listeners
 from .model_runner import paged_attention_implementation
-from .errors import EngineDeadError
+from .errors import EngineDeadError, describe
 from .output_stream import OutputStream
 from .outputs import RequestOutput, RequestOutputKind, RequestTiming
 from .prompts import encode_prompt, prompt_list
@@ -95,7 +95,7 @@ class Engine(RichDisplay):
     @property
     def dead_reason(self) -> str | None:
         """What stopped the loop (`"<error type>: <message>"`), or None while it is healthy."""
-        return None if self._dead is None else f"{type(self._dead).__name__}: {self._dead}"
+        return None if self._dead is None else describe(self._dead)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, listener: Listener | None = None,

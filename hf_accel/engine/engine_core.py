@@ -214,7 +214,7 @@ class EngineCore:
         for the heads; returns the candidates each speculating sequence kept, by `seq_id`. A sequence whose handling
         raises fails its request alone."""
         plain = [i for i, s in enumerate(out.sampling) if not s.num_drafts]
-        emitted: dict[int, list[int]] = {}
+        emitted = self._verify(out, [i for i, s in enumerate(out.sampling) if s.num_drafts])
         if plain:
             sampled = sample(out.logits[[out.starts[i] for i in plain]], [out.sampling[i].seq for i in plain])
             for row, i in enumerate(plain):
@@ -222,33 +222,43 @@ class EngineCore:
                     self.fail(out.sampling[i].seq.request, sampled.errors[row])
                 else:
                     emitted[i] = [sampled.tokens[row]]
-        targets = out.logits.argmax(dim=-1).tolist() if len(plain) < len(out.sampling) else []
         num_accepted = {}
         for i, scheduled in enumerate(out.sampling):
             if scheduled.seq.is_finished:  # its request failed earlier in this step
                 continue
             try:
-                num_accepted[scheduled.seq.seq_id] = self._commit_one(out, i, emitted.get(i), targets, now)
+                num_accepted[scheduled.seq.seq_id] = self._commit_one(out, i, emitted[i], now)
             except Exception as error:
                 self.fail(scheduled.seq.request, error)
         return num_accepted
 
-    def _commit_one(self, out: StepOutput, i: int, sampled: list[int] | None, targets: list[int],
-                    now: float) -> int:
-        """Sampling sequence `i`'s part of `_commit`: `sampled` is its drawn token (None when it verified
-        candidates, whose target argmaxes are `targets[out.rows(i)]`). Returns the candidates it kept."""
-        scheduled, rows = out.sampling[i], out.rows(i)
-        seq, drafts = scheduled.seq, scheduled.draft_token_ids
-        if scheduled.num_drafts:
-            verdict = greedy_accept(torch.tensor([drafts]), torch.tensor([targets[rows]]))
-            accepted = int(verdict.num_accepted[0])
-            self.spec_stats.record(len(drafts), accepted)
-            sampled = verdict.tokens[0, : accepted + 1].tolist()
-        logprobs = token_logprobs(out.logits[rows][: len(sampled)], sampled, [seq.params.logprobs] * len(sampled))
-        num_appended = self._append_all(seq, sampled, logprobs, now)
+    def _verify(self, out: StepOutput, speculating: list[int]) -> dict[int, list[int]]:
+        """The tokens each speculating sampling sequence `i` emits: its accepted candidates, then the target's
+        token; one `greedy_accept` over all sequences of a candidate count."""
+        by_width: dict[int, list[int]] = {}
+        for i in speculating:
+            by_width.setdefault(out.sampling[i].num_drafts, []).append(i)
+        emitted = {}
+        for width, members in by_width.items():
+            device = out.logits.device
+            drafts = torch.tensor([out.sampling[i].draft_token_ids for i in members], device=device)
+            rows = torch.tensor([list(range(out.starts[i], out.starts[i] + width + 1)) for i in members],
+                                device=device)
+            verdict = greedy_accept(drafts, out.logits[rows].argmax(dim=-1))  # targets: [members, width + 1]
+            for i, accepted, tokens in zip(members, verdict.num_accepted.tolist(), verdict.tokens.tolist()):
+                self.spec_stats.record(width, accepted)
+                emitted[i] = tokens[: accepted + 1]
+        return emitted
+
+    def _commit_one(self, out: StepOutput, i: int, tokens: list[int], now: float) -> int:
+        """Sampling sequence `i`'s part of `_commit`: append `tokens` (its draw, or its verified candidates and the
+        target's token) under every stop rule. Returns the candidates it kept."""
+        seq, rows = out.sampling[i].seq, out.rows(i)
+        logprobs = token_logprobs(out.logits[rows][: len(tokens)], tokens, [seq.params.logprobs] * len(tokens))
+        num_appended = self._append_all(seq, tokens, logprobs, now)
         if not seq.is_finished and self.proposer is not None:
             self.proposer.observe(seq, out.hidden[rows.start + num_appended - 1])
-        return min(len(sampled) - 1, num_appended)  # K/V is valid for the last token and the kept candidates
+        return min(len(tokens) - 1, num_appended)  # K/V is valid for the last token and the kept candidates
 
     def _take_failed(self) -> list[Request]:
         failed, self._failed = self._failed, []

@@ -61,7 +61,7 @@ class ModelRunner:
             raise ValueError(f"`model` ({type(model).__name__}) does not use transformers' AttentionInterface, "
                              "which the engine needs")
         register_attention()
-        paged_decode_kernel()  # built (or found in torch's cache) now, not during the first request
+        self.decode_kernel = paged_decode_kernel()  # built (or found in torch's cache) now, once per engine
         self.model, self.kv, self.keep_hidden = model, kv, keep_hidden
         self.device = next(model.parameters()).device
 
@@ -107,7 +107,7 @@ class ModelRunner:
                     seq.block_ids[: -(-(seq.num_computed_tokens + num) // size)], device=self.device))
                 for seq, start, num in prefills]
         groups = [self._decode_group(num, members) for num, members in decodes.items()]
-        return StepAttention(self.kv, write_slots, groups, rows)
+        return StepAttention(self.kv, write_slots, groups, rows, self.decode_kernel)
 
     def _decode_group(self, num: int, members: list) -> DecodeGroup:
         # block table [rows, max_blocks] of the tokens each attends over, padded with block 0 (masked by lengths)

@@ -67,7 +67,7 @@ class RequestError:
     def from_exception(cls, error: BaseException) -> RequestError:
         return cls(type(error).__name__, str(error), isinstance(error, (ValueError, TypeError, OverflowError)))
 
-    def __str__(self) -> str:
+    def __str__(self) -> str:  # as `errors.describe` names the error it came from
         return f"{self.type}: {self.message}"
 
 

@@ -109,8 +109,7 @@ def install_error_handlers(app: FastAPI) -> None:
         return APIError(error.status_code, message, code=phrase.lower().replace(" ", "_")).response()
 
     async def on_engine_dead(request: Request, error: EngineDeadError) -> JSONResponse:
-        cause = error.__cause__
-        return engine_dead(None if cause is None else f"{type(cause).__name__}: {cause}").response()
+        return engine_dead(error.reason).response()
 
     async def on_unexpected(request: Request, error: Exception) -> JSONResponse:
         return APIError(500, f"Internal server error: {type(error).__name__}: {error}").response()

@@ -65,7 +65,8 @@ class ChoiceDelta:
         self.text += sample.text
         self.token_ids += sample.token_ids
         if sample.logprobs is not None:
-            self.logprobs = (self.logprobs or []) + sample.logprobs
+            self.logprobs = self.logprobs if self.logprobs is not None else []
+            self.logprobs += sample.logprobs
         self.finish_reason, self.stop_reason = sample.finish_reason, sample.stop_reason
 
 

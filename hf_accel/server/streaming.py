@@ -42,8 +42,7 @@ async def stream_choices(requests: EngineRequests, chunk: Callable[[ChoiceDelta]
         if usage_chunk is not None:
             yield event(usage_chunk(requests.choices.usage()))
     except EngineDeadError as error:
-        cause = error.__cause__
-        yield event(engine_dead(None if cause is None else f"{type(cause).__name__}: {cause}").body())
+        yield event(engine_dead(error.reason).body())
     except APIError as error:
         yield event(error.body())
     finally:
