@@ -3,8 +3,9 @@
 Method: the reference target in fp32 on one thread; `n` held-out prompts of 256 tokens are added (DELTA outputs, as
 the server asks) and prefilled, then `steps` decode steps are timed, every sequence decoding. Each stage is timed by
 wrapping the function that does it (`time.perf_counter`, no profiler): scheduling, the runner's metadata (step
-tensors and block tables), the model forward, and inside it the paged attention's K/V write, gather (blocks copied
-out of the pool: prefill chunks always, decodes only without the in-place kernel) and compute; sampling (and
+tensors and block tables), the model forward, and inside it the attention: the registered function's own glue
+("attention call"), the gather (blocks copied out of the pool: only without the in-place kernel) and the K/V write plus
+attention compute (one kernel call per layer with the in-place kernel); sampling (and
 logprobs), appending tokens (stop rules, detokenization), the scheduler's postprocess, and the reports to listeners.
 "other" is the step's time no stage claims.
 
@@ -34,9 +35,9 @@ from hf_accel.engine import attention, engine_core
 ROOT = Path(__file__).resolve().parents[1]
 NAME = "bench_engine_step"
 COMMAND = ".venv/bin/python benchmarks/bench_engine_step.py"
-STAGES = ("schedule", "metadata", "forward", "K/V write, masks", "gather", "attention compute", "sampling", "append",
+STAGES = ("schedule", "metadata", "forward", "attention call", "gather", "K/V write + attention", "sampling", "append",
           "postprocess", "outputs", "other")
-FORWARD_PARTS = ("K/V write, masks", "gather", "attention compute")  # inside "forward"
+FORWARD_PARTS = ("attention call", "gather", "K/V write + attention")  # inside "forward"
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,18 +86,15 @@ def instrumented(engine: Engine, clock: StageClock) -> Iterator[None]:
     patches = [
         (core.scheduler, "schedule"), (core.scheduler, "postprocess"), (runner, "execute"),
         (runner.model, "forward"), (core, "_append_all"), (engine, "_deliver"),
-        (attention, "paged_attention"), (attention, "_gather"), (attention, "_attend"),
+        (attention, "paged_attention"), (attention, "_gather"), (runner, "attend"),
         (engine_core, "sample"), (engine_core, "token_logprobs"),
     ]
     names = {"schedule": "schedule", "postprocess": "postprocess", "execute": "metadata", "forward": "forward",
-             "_append_all": "append", "_deliver": "outputs", "paged_attention": "K/V write, masks", "_gather": "gather",
-             "_attend": "attention compute", "sample": "sampling", "token_logprobs": "sampling"}
+             "_append_all": "append", "_deliver": "outputs", "paged_attention": "attention call", "_gather": "gather",
+             "attend": "K/V write + attention", "sample": "sampling", "token_logprobs": "sampling"}
     saved = [(owner, attr, getattr(owner, attr)) for owner, attr in patches]
     for owner, attr, function in saved:
         setattr(owner, attr, clock.wrap(names[attr], function))
-    if runner.decode_kernel is not None:  # in-place decode attention: timed as attention compute
-        saved.append((runner, "decode_kernel", runner.decode_kernel))
-        runner.decode_kernel = clock.wrap("attention compute", runner.decode_kernel)
     attention.register_attention()  # the registry holds the function object: register the timed one
     try:
         yield

@@ -5,7 +5,7 @@ docs table is written."""
 import json
 
 from hf_accel import Engine, SamplingParams, bench
-from hf_accel.engine.paged_kernel import paged_decode_kernel
+from hf_accel.engine.paged_kernel import paged_attention_kernel
 
 
 def test_bench_engine_step_quick_adds_up_and_writes_the_docs_table(tmp_path, load_benchmark):
@@ -20,8 +20,8 @@ def test_bench_engine_step_quick_adds_up_and_writes_the_docs_table(tmp_path, loa
         stages = result["stage_ms"]
         assert set(stages) == set(script.STAGES) and all(ms >= 0 for ms in stages.values()), stages
         assert abs(sum(stages.values()) - result["step_ms"]) <= 0.05 * result["step_ms"]
-        assert stages["forward"] > 0 and stages["attention compute"] > 0
-        assert (stages["gather"] > 0) == (paged_decode_kernel() is None)  # decodes read the pool in place
+        assert stages["forward"] > 0 and stages["K/V write + attention"] > 0
+        assert (stages["gather"] > 0) == (paged_attention_kernel() is None)  # attention reads the pool in place
     doc = (tmp_path / "docs/serving.md").read_text()
     assert "old" not in doc and "| **step** |" in doc
 

@@ -1,59 +1,84 @@
-"""The C++ paged decode attention against the gather path it replaces (blocks copied out, sdpa over them): the same
-outputs for one and several queries per row, grouped-query heads, sliding windows, soft-capping, fp32 and bf16,
-scattered blocks and ragged lengths; registered as a custom op with a fake implementation."""
+"""The C++ paged attention against the gather path (blocks copied out, sdpa over them): the same K/V writes and
+outputs for decodes, speculative candidates and prefill chunks mixed in one call, grouped-query heads, sliding
+windows, soft-capping, fp32 and bf16, scattered blocks and ragged lengths; registered as a custom op that mutates the
+pools, with a fake implementation."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from hf_accel.engine.attention import DecodeGroup, _attend, _gather
-from hf_accel.engine.paged_kernel import paged_decode_kernel
+from hf_accel.engine.attention import gathered_attention
+from hf_accel.engine.paged_kernel import paged_attention_kernel
 
-kernel = paged_decode_kernel()
+kernel = paged_attention_kernel()
 pytestmark = pytest.mark.skipif(kernel is None, reason="the paged attention kernel could not be built here")
 
 
-def reference(q, keys, values, blocks, lengths, block_size, window, softcap, scale):
-    group = DecodeGroup(index=torch.zeros(q.shape[0], q.shape[2], dtype=torch.long), blocks=blocks, lengths=lengths)
-    k, v = (_gather(pool, blocks) for pool in (keys, values))
-    mask = group.mask(block_size, window, q.shape[1] // keys.shape[0])
-    return _attend(q, k, v, mask, scale, softcap)
+def step_inputs(dtype, heads, kv_heads, num_queries, lengths, dim=32, block_size=4, num_blocks=128, seed=0):
+    """A step's arguments: sequence s computes its last `num_queries[s]` of `lengths[s]` tokens, blocks scattered."""
+    gen = torch.Generator().manual_seed(seed)
+    seqs, width = len(lengths), -(-max(lengths) // block_size)
+    pools = [torch.randn(kv_heads, num_blocks, block_size, dim, generator=gen).to(dtype) for _ in range(2)]
+    table = torch.randperm(num_blocks, generator=gen)[: seqs * width].view(seqs, width)
+    slots = torch.cat([table[s, torch.arange(n - q, n) // block_size] * block_size + torch.arange(n - q, n) % block_size
+                       for s, (q, n) in enumerate(zip(num_queries, lengths))])
+    tokens = sum(num_queries)
+    # as the model hands them over: [heads, tokens, dim] views of [tokens, heads, dim]
+    query, key, value = (torch.randn(tokens, h, dim, generator=gen).to(dtype).transpose(0, 1)
+                         for h in (heads, kv_heads, kv_heads))
+    query_start = torch.tensor([0, *torch.tensor(num_queries).cumsum(0).tolist()])
+    return [query, key, value, *pools, slots, table, query_start, torch.tensor(lengths), dim**-0.5]
+
+
+def run(attend, inputs, window, softcap):
+    inputs = [x.clone() if isinstance(x, torch.Tensor) else x for x in inputs]
+    return attend(*inputs, window, softcap), inputs[3], inputs[4]
 
 
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("heads, kv_heads", [(4, 4), (8, 2)])
-@pytest.mark.parametrize("num_queries", [1, 4])
-@pytest.mark.parametrize("window, softcap", [(None, None), (5, None), (None, 30.0)])
-def test_kernel_equals_gather_then_sdpa(dtype, atol, heads, kv_heads, num_queries, window, softcap):
-    gen = torch.Generator().manual_seed(0)
-    block_size, num_blocks, dim, rows = 4, 32, 32, 5
-    keys = torch.randn(kv_heads, num_blocks, block_size, dim, generator=gen).to(dtype)
-    values = torch.randn(kv_heads, num_blocks, block_size, dim, generator=gen).to(dtype)
-    lengths = torch.tensor([num_queries, 7, 13, 16, 21])  # ragged, one exactly a query's worth
-    blocks = torch.randperm(num_blocks, generator=gen)[: rows * 6].view(rows, 6)  # scattered over the pool
-    q = torch.randn(rows, heads, num_queries, dim, generator=gen).to(dtype)
-    scale = dim**-0.5
-    got = kernel(q, keys, values, blocks, lengths, scale, window or 0, softcap or 0.0)
-    expected = reference(q, keys, values, blocks, lengths, block_size, window, softcap, scale)
+@pytest.mark.parametrize("window, softcap", [(0, 0.0), (5, 0.0), (0, 30.0)])
+@pytest.mark.parametrize("block_size, dim", [(4, 32), (16, 64), (16, 40)])  # (16, 64): the register-tiled loops
+def test_kernel_equals_gather_then_sdpa(dtype, atol, heads, kv_heads, window, softcap, block_size, dim):
+    # decodes (one query), a speculating decode (3), a prefill chunk from 0 and one resumed mid-sequence (both longer
+    # than the kernel's 32-query task), a decode exactly as long as its queries
+    num_queries, lengths = [1, 3, 40, 37, 1, 1], [7, 13, 40, 50, 21, 1]
+    inputs = step_inputs(dtype, heads, kv_heads, num_queries, lengths, dim=dim, block_size=block_size)
+    got, got_keys, got_values = run(kernel, inputs, window, softcap)
+    expected, keys, values = run(gathered_attention, inputs, window, softcap)
+    assert torch.equal(got_keys, keys) and torch.equal(got_values, values)  # the same writes, bit for bit
     torch.testing.assert_close(got.float(), expected.float(), atol=atol, rtol=atol)
 
 
-def test_kernel_is_a_custom_op_with_a_fake():
-    q = torch.empty(2, 4, 1, 8, device="meta")
-    pool = torch.empty(2, 3, 4, 8, device="meta")
-    out = torch.ops.hf_accel.paged_decode_attention(q, pool, pool, torch.empty(2, 3, dtype=torch.long, device="meta"),
-                                                    torch.empty(2, dtype=torch.long, device="meta"), 0.5, 0, 0.0)
-    assert out.shape == q.shape and out.device.type == "meta"
+def test_kernel_reads_strided_queries_and_writes_contiguous_output():
+    inputs = step_inputs(torch.float32, 4, 2, [2, 5], [9, 5])
+    assert not inputs[0].is_contiguous()
+    got, _, _ = run(kernel, inputs, 0, 0.0)
+    contiguous, _, _ = run(kernel, [inputs[0].contiguous(), *inputs[1:]], 0, 0.0)
+    assert got.is_contiguous() and got.shape == (7, 4, 32)
+    torch.testing.assert_close(got, contiguous, atol=0, rtol=0)
+
+
+def test_kernel_is_a_custom_op_that_mutates_the_pools_with_a_fake():
+    schema = torch.ops.hf_accel.paged_attention.default._schema
+    assert [arg.name for arg in schema.arguments if arg.alias_info and arg.alias_info.is_write] == ["key_pool",
+                                                                                                    "value_pool"]
+    meta = [x.to("meta") if isinstance(x, torch.Tensor) else x for x in step_inputs(torch.float32, 4, 2, [1, 2], [3, 4])]
+    out = torch.ops.hf_accel.paged_attention(*meta, 0, 0.0)
+    assert out.shape == (3, 4, 32) and out.device.type == "meta"
 
 
 def test_bad_shapes_are_refused():
-    q, pool = torch.randn(2, 3, 1, 8), torch.randn(2, 3, 4, 8)
+    inputs = step_inputs(torch.float32, 4, 2, [1, 2], [3, 4])
     with pytest.raises(RuntimeError, match="multiple of kv_heads"):
-        kernel(q, pool, pool, torch.zeros(2, 3, dtype=torch.long), torch.ones(2, dtype=torch.long), 1.0, 0, 0.0)
+        kernel(torch.randn(3, 3, 32).transpose(0, 1), *inputs[1:], 0, 0.0)
     with pytest.raises(RuntimeError, match="length out of the block table"):
-        kernel(torch.randn(2, 4, 1, 8), pool, pool, torch.zeros(2, 1, dtype=torch.long), torch.tensor([5, 1]), 1.0,
-               0, 0.0)
+        kernel(*inputs[:8], torch.tensor([3, 400]), inputs[9], 0, 0.0)
+    with pytest.raises(RuntimeError, match="slot out of pool"):
+        kernel(*inputs[:5], torch.tensor([0, 1, 10**6]), *inputs[6:], 0, 0.0)
+    with pytest.raises(RuntimeError, match="block id out of pool"):
+        kernel(*inputs[:6], inputs[6] + 1000, *inputs[7:], 0, 0.0)
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "gemma2"])  # GQA; every layer sliding; sliding + soft-capping
@@ -67,6 +92,6 @@ def test_engine_tokens_equal_with_and_without_the_kernel(arch, monkeypatch):
     prompts = random_prompts([5, 17, 30, 9], seed=4)
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     with_kernel = [out.token_ids for out in Engine(model, block_size=4).generate(prompts, params)]
-    monkeypatch.setattr(model_runner, "paged_decode_kernel", lambda: None)  # engines built now gather
+    monkeypatch.setattr(model_runner, "paged_attention_kernel", lambda: None)  # engines built now gather
     gathered = [out.token_ids for out in Engine(model, block_size=4).generate(prompts, params)]
     assert with_kernel == gathered

@@ -1,20 +1,20 @@
 """Attention over the engine's block pool, registered with transformers' `AttentionInterface`.
 
 One engine step runs the model once on all scheduled tokens packed into one row (`[1, num_tokens]`, per-token
-`position_ids`). For each layer, the registered function writes the step's new K/V into their slots, then attends
-per sequence: decoding sequences in groups of equal query count, each group at once (one query each for plain
-decodes, the last token plus its candidates for speculating ones; K/V gathered from their slots, padded and masked),
-then each prefill chunk on its own (causal from its first position). Decode groups read the pool in place through the
-C++ kernel of `paged_kernel.py` when the runner has it (`StepAttention.decode_kernel`; else their blocks are gathered
-into a padded tensor for sdpa); prefill chunks gather theirs (one copy per chunk, then sdpa's matmuls). The metadata travels in the forward's
-kwargs as `hf_accel_step` (the way transformers' own continuous batching passes `cu_seq_lens`), so no model code
-is forked and no state hides in globals. Grouped-query heads are folded into the query axis (no K/V repeat).
+`position_ids`). For each layer the registered function makes one call that writes the step's new K/V into their
+slots and attends every sequence's queries (a decode's one, a speculating decode's last token and candidates, a prefill
+chunk's many; causal, sliding windows and soft-capping as the layer asks) over that sequence's blocks: the C++ kernel
+of `paged_kernel.py`, which reads the pool in place, or, where it cannot be built, `gathered_attention` (the blocks
+copied out, sdpa over them). The step's metadata (slots, block table, query starts, lengths: tensors only) travels in
+the forward's kwargs as `hf_accel_step` (the way transformers' own continuous batching passes `cu_seq_lens`), so no
+model code is forked, no state hides in globals, and a compiled model step sees the attention as one opaque op.
+Grouped-query heads are folded into the query axis (no K/V repeat).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -26,79 +26,16 @@ ATTENTION_NAME = "hf_accel_paged"
 
 
 @dataclass(slots=True)
-class PrefillRow:
-    """A chunk of `num_tokens` queries starting at packed index `start`, at positions `first_position ...`; it
-    attends over the first `first_position + num_tokens` tokens of its blocks `kv_blocks` (`[num_blocks]` ids)."""
-
-    start: int
-    num_tokens: int
-    first_position: int
-    kv_blocks: torch.Tensor
-
-    @property
-    def kv_length(self) -> int:
-        return self.first_position + self.num_tokens
-
-
-@dataclass(slots=True)
-class DecodeGroup:
-    """Sequences that each compute their last `num_queries` tokens this step, attended in one batched call: queries
-    `index` `[rows, num_queries]` (packed indices), blocks `blocks` `[rows, max_blocks]` (padded), and `lengths`
-    `[rows]` tokens each row attends over (its queries included), so query i of row r sits at position
-    `lengths[r] - num_queries + i`."""
-
-    index: torch.Tensor
-    blocks: torch.Tensor
-    lengths: torch.Tensor
-    _masks: dict[tuple, torch.Tensor] = field(default_factory=dict)
-
-    @property
-    def num_queries(self) -> int:
-        return self.index.shape[1]
-
-    def mask(self, block_size: int, window: int | None, groups: int) -> torch.Tensor:
-        """`[rows, 1, groups * num_queries, max_blocks * block_size]` (one query: `[rows, 1, 1, ...]`, broadcast over
-        the folded heads) True where a query may attend: causal, within `window` if any. Built once per step."""
-        key = (window, groups)
-        if key not in self._masks:
-            columns = torch.arange(self.blocks.shape[1] * block_size, device=self.blocks.device)
-            offsets = torch.arange(self.num_queries, device=self.blocks.device) - self.num_queries + 1
-            positions = (self.lengths[:, None] - 1 + offsets)[:, :, None]  # [rows, num_queries, 1]
-            mask = columns <= positions
-            if window is not None:  # transformers' sliding rule: key position > query position - window
-                mask &= columns > positions - window
-            self._masks[key] = mask[:, None] if self.num_queries == 1 else mask.repeat(1, groups, 1)[:, None]
-        return self._masks[key]
-
-
-@dataclass(slots=True)
 class StepAttention:
-    """What every layer needs to know about one engine step (the `hf_accel_step` forward kwarg)."""
+    """What every layer needs to know about one engine step (the `hf_accel_step` forward kwarg): `seqs` sequences
+    whose queries are packed back to back."""
 
     kv: KVPool
-    write_slots: torch.Tensor  # [num_tokens] slot of each packed token
-    decodes: list[DecodeGroup]
-    prefills: list[PrefillRow]
-    decode_kernel: Callable[..., torch.Tensor] | None = None  # `paged_kernel`'s in-place op; None: gather
-    _masks: dict[tuple, torch.Tensor] = field(default_factory=dict)
-
-    def prefill_mask(self, i: int, window: int | None, groups: int, softcap: float | None) -> torch.Tensor | None:
-        """`[groups * num_tokens, kv_len]` True where chunk `i`'s queries may attend, rows repeated for the `groups`
-        query heads folded onto each K/V head (see `_attend`); None when sdpa's own causal mask is exact (a chunk from
-        position 0, no window, no folding, no soft-capping). Built once per step, shared by every layer."""
-        row = self.prefills[i]
-        if row.first_position == 0 and window is None and groups == 1 and softcap is None:
-            return None
-        key = ("prefill", i, window, groups)
-        if key not in self._masks:
-            device = row.kv_blocks.device
-            queries = torch.arange(row.first_position, row.kv_length, device=device)[:, None]
-            columns = torch.arange(row.kv_length, device=device)
-            mask = columns <= queries
-            if window is not None:
-                mask &= columns > queries - window
-            self._masks[key] = mask.repeat(groups, 1)  # folded query rows are (group, position)
-        return self._masks[key]
+    slots: torch.Tensor  # [num_tokens] pool slot of each packed token
+    block_table: torch.Tensor  # [seqs, max_blocks] pool block of each logical block (padded with block 0)
+    query_start: torch.Tensor  # [seqs + 1] sequence s owns packed tokens query_start[s] .. query_start[s + 1]
+    kv_lengths: torch.Tensor  # [seqs] tokens sequence s attends over, its queries the last of them
+    attend: Callable[..., torch.Tensor]  # `paged_kernel`'s op or `gathered_attention` (same signature)
 
 
 def paged_attention(
@@ -120,37 +57,45 @@ def paged_attention(
         raise ValueError(f"attention implementation {ATTENTION_NAME!r} runs only inside hf_accel.Engine steps")
     step, layer = hf_accel_step, module.layer_idx
     keys, values = step.kv.keys[layer], step.kv.values[layer]  # [kv_heads, num_blocks, block_size, head_dim]
-    heads, blocks, size, dim = keys.shape
-    keys.view(heads, -1, dim).index_copy_(1, step.write_slots, key[0].to(keys.dtype))
-    values.view(heads, -1, dim).index_copy_(1, step.write_slots, value[0].to(values.dtype))
-    out = query.new_empty(query.shape[2], query.shape[1], query.shape[3])  # [num_tokens, heads, head_dim]
-    for group in step.decodes:
-        flat = group.index.reshape(-1)
-        out[flat] = _attend_decodes(step, group, query, keys, values, scaling, sliding_window, softcap)
-    for i, row in enumerate(step.prefills):
-        q = query[:, :, row.start : row.start + row.num_tokens]  # [1, heads, num_tokens, head_dim]
-        k, v = (_gather(pool, row.kv_blocks[None])[:, :, : row.kv_length] for pool in (keys, values))
-        mask = step.prefill_mask(i, sliding_window, query.shape[1] // keys.shape[0], softcap)
-        out[row.start : row.start + row.num_tokens] = _attend(q, k, v, mask, scaling, softcap)[0].transpose(0, 1)
-    return out[None], None
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out = step.attend(query[0].to(keys.dtype), key[0].to(keys.dtype), value[0].to(keys.dtype), keys, values,
+                      step.slots, step.block_table, step.query_start, step.kv_lengths, scale, sliding_window or 0,
+                      softcap or 0.0)
+    return out[None].to(query.dtype), None
 
 
-def _attend_decodes(step: StepAttention, group: DecodeGroup, query: torch.Tensor, keys: torch.Tensor,
-                    values: torch.Tensor, scaling: float | None, window: int | None,
-                    softcap: float | None) -> torch.Tensor:
-    """One decode group's attention, `[rows * num_queries, heads, head_dim]`: in place through the step's kernel,
-    else over its blocks gathered into a padded tensor."""
-    rows, num = group.index.shape
-    heads, dim = query.shape[1], query.shape[3]
-    q = query[0][:, group.index.reshape(-1)].view(heads, rows, num, dim).transpose(0, 1)  # [rows, heads, num, dim]
-    if step.decode_kernel is not None:
-        scale = scaling if scaling is not None else dim**-0.5
-        attended = step.decode_kernel(q.to(keys.dtype), keys, values, group.blocks, group.lengths, scale,
-                                      window or 0, softcap or 0.0).to(query.dtype)
-    else:
-        k, v = (_gather(pool, group.blocks) for pool in (keys, values))  # [rows, kv_heads, len, dim]
-        attended = _attend(q, k, v, group.mask(keys.shape[2], window, heads // keys.shape[0]), scaling, softcap)
-    return attended.transpose(1, 2).reshape(rows * num, heads, dim)
+def gathered_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_pool: torch.Tensor,
+                       value_pool: torch.Tensor, slots: torch.Tensor, block_table: torch.Tensor,
+                       query_start: torch.Tensor, kv_lengths: torch.Tensor, scale: float, window: int,
+                       softcap: float) -> torch.Tensor:
+    """The kernel's rule (see csrc/paged_attention.cpp for the shapes) with the blocks copied out of the pool: `query`
+    `[heads, tokens, dim]` -> `[tokens, heads, dim]`. Sequences with the same query count attend in one batched
+    call."""
+    heads, tokens, dim = query.shape
+    kv_heads = key_pool.shape[0]
+    key_pool.view(kv_heads, -1, dim).index_copy_(1, slots, key)
+    value_pool.view(kv_heads, -1, dim).index_copy_(1, slots, value)
+    out = query.new_empty(tokens, heads, dim)
+    num_queries = query_start[1:] - query_start[:-1]
+    for num in num_queries.unique().tolist():
+        rows = (num_queries == num).nonzero()[:, 0]
+        index = query_start[rows, None] + torch.arange(num, device=query.device)  # [rows, num] packed tokens
+        q = query[:, index].transpose(0, 1)  # [rows, heads, num, dim]
+        k, v = (_gather(pool, block_table[rows]) for pool in (key_pool, value_pool))
+        mask = _mask(kv_lengths[rows], num, k.shape[2], window, heads // kv_heads)
+        out[index.reshape(-1)] = _attend(q, k, v, mask, scale, softcap or None).transpose(1, 2).reshape(-1, heads, dim)
+    return out
+
+
+def _mask(lengths: torch.Tensor, num: int, columns: int, window: int, groups: int) -> torch.Tensor:
+    """`[rows, 1, groups * num, columns]` True where a query may attend: query i of row r sits at position
+    `lengths[r] - num + i`; causal, and within `window` (> 0) by transformers' sliding rule."""
+    positions = (lengths[:, None] - num + torch.arange(num, device=lengths.device))[:, :, None]  # [rows, num, 1]
+    cols = torch.arange(columns, device=lengths.device)
+    mask = cols <= positions
+    if window > 0:  # key position > query position - window
+        mask &= cols > positions - window
+    return mask.repeat(1, groups, 1)[:, None]  # folded query rows are (group, position)
 
 
 def _gather(pool: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
@@ -161,16 +106,14 @@ def _gather(pool: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     return pool.index_select(1, blocks.reshape(-1)).view(heads, rows, n * size, dim).transpose(0, 1)
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float | None,
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
             softcap: float | None) -> torch.Tensor:
     """`q` `[b, heads, q_len, d]`, `k` / `v` `[b, kv_heads, kv_len, d]` -> `[b, heads, q_len, d]`. Query heads sharing
     a K/V head are folded into the query axis (no K/V repeat), so `mask` is given for the folded rows: broadcastable to
-    `[b, 1, groups * q_len, kv_len]`, or None for plain causal attention."""
+    `[b, 1, groups * q_len, kv_len]`."""
     batch, heads, q_len, dim = q.shape
     q = q.reshape(batch, k.shape[1], heads // k.shape[1] * q_len, dim)  # head h uses kv head h // groups
-    if mask is None:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-    elif softcap is None:
+    if softcap is None:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     else:
         out = _eager(q, k, v, mask, scale, softcap)
@@ -179,9 +122,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
 
 def _eager(q, k, v, mask, scale, softcap) -> torch.Tensor:
     # scores: [b, kv_heads, groups * q_len, kv_len], tanh soft-capped as Gemma 2 does
-    scores = (q @ k.transpose(-1, -2)) * (scale if scale is not None else q.shape[-1] ** -0.5)
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
+    scores = torch.tanh((q @ k.transpose(-1, -2)) * scale / softcap) * softcap
     scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
     return torch.softmax(scores.float(), dim=-1).to(v.dtype) @ v
 

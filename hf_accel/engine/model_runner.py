@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from .attention import ATTENTION_NAME, DecodeGroup, PrefillRow, StepAttention, register_attention
+from .attention import ATTENTION_NAME, StepAttention, gathered_attention, register_attention
 from .kv_pool import KVPool
-from .paged_kernel import paged_decode_kernel
+from .paged_kernel import paged_attention_kernel
 from .scheduler import ScheduledBatch, ScheduledSeq
 from .sequence import Sequence
 
@@ -61,61 +61,48 @@ class ModelRunner:
             raise ValueError(f"`model` ({type(model).__name__}) does not use transformers' AttentionInterface, "
                              "which the engine needs")
         register_attention()
-        self.decode_kernel = paged_decode_kernel()  # built (or found in torch's cache) now, once per engine
-        self.model, self.kv, self.keep_hidden = model, kv, keep_hidden
         self.device = next(model.parameters()).device
+        # built (or found in torch's cache) now, once per engine; the kernel is CPU code
+        kernel = paged_attention_kernel() if self.device.type == "cpu" else None
+        self.attend = kernel if kernel is not None else gathered_attention
+        self.model, self.kv, self.keep_hidden = model, kv, keep_hidden
 
     def execute(self, batch: ScheduledBatch) -> StepOutput:
         """Run one step; keeps the rows of the sequences whose last token this step computes (and their
         candidates, `draft_token_ids`, `num_drafts` of them)."""
         tokens, positions, slots, keep, sampling, starts = [], [], [], [], [], []
-        decodes: dict[int, list] = {}  # queries per sequence -> (seq, packed start) of the sequences computing them
-        prefills = []
+        query_start, kv_lengths, tables = [0], [], []
+        size = self.kv.block_size
         for scheduled in batch.scheduled:
             seq, num, drafts = scheduled.seq, scheduled.num_new, scheduled.num_drafts
             start, first = len(tokens), seq.num_computed_tokens
             tokens += seq.token_ids[first : first + num - drafts] + scheduled.draft_token_ids
             positions += range(first, first + num)
             slots += self._slots(seq, first, first + num)
-            if num == 1 or drafts:
-                decodes.setdefault(num, []).append((seq, start))
-            else:
-                prefills.append((seq, start, num))
+            query_start.append(len(tokens))
+            kv_lengths.append(first + num)
+            tables.append(seq.block_ids[: -(-(first + num) // size)])
             if scheduled.samples:
                 starts.append(len(keep))
                 keep += range(start + num - 1 - drafts, start + num)
                 sampling.append(scheduled)
-        step = self._step_attention(torch.tensor(slots, device=self.device), decodes, prefills)
-        keep_index = torch.tensor(keep, device=self.device)
+        width = max(map(len, tables))
+        step = StepAttention(
+            self.kv, self._tensor(slots), self._tensor([table + [0] * (width - len(table)) for table in tables]),
+            self._tensor(query_start), self._tensor(kv_lengths), self.attend)
+        keep_index = self._tensor(keep)
         with torch.inference_mode(), paged_attention_implementation(self.model):
             out = self.model(
-                input_ids=torch.tensor([tokens], device=self.device),
-                position_ids=torch.tensor([positions], device=self.device),
+                input_ids=self._tensor([tokens]), position_ids=self._tensor([positions]),
                 use_cache=False, logits_to_keep=keep_index, hf_accel_step=step,
                 output_hidden_states=self.keep_hidden,
             )
         hidden = out.hidden_states[-1][0, keep_index] if self.keep_hidden else None
         return StepOutput(out.logits[0].float(), hidden, sampling, starts)
 
+    def _tensor(self, values: list) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)
+
     def _slots(self, seq: Sequence, start: int, stop: int) -> list[int]:
         size, blocks = self.kv.block_size, seq.block_ids
         return [blocks[p // size] * size + p % size for p in range(start, stop)]
-
-    def _step_attention(self, write_slots: torch.Tensor, decodes: dict[int, list], prefills: list) -> StepAttention:
-        size = self.kv.block_size
-        rows = [PrefillRow(start, num, seq.num_computed_tokens, torch.tensor(
-                    seq.block_ids[: -(-(seq.num_computed_tokens + num) // size)], device=self.device))
-                for seq, start, num in prefills]
-        groups = [self._decode_group(num, members) for num, members in decodes.items()]
-        return StepAttention(self.kv, write_slots, groups, rows, self.decode_kernel)
-
-    def _decode_group(self, num: int, members: list) -> DecodeGroup:
-        # block table [rows, max_blocks] of the tokens each attends over, padded with block 0 (masked by lengths)
-        lengths = [seq.num_computed_tokens + num for seq, _ in members]
-        width = -(-max(lengths) // self.kv.block_size)
-        table = [(seq.block_ids + [0] * width)[:width] for seq, _ in members]
-        return DecodeGroup(
-            index=torch.tensor([range(start, start + num) for _, start in members], device=self.device),
-            blocks=torch.tensor(table, device=self.device),
-            lengths=torch.tensor(lengths, device=self.device),
-        )

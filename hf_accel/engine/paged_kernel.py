@@ -1,13 +1,14 @@
-"""The engine's in-place paged decode attention: `csrc/paged_attention.cpp`, a C++ kernel built with torch's
-`cpp_extension` at first use and registered as the custom op `torch.ops.hf_accel.paged_decode_attention` (with a fake
-implementation, so a compiled model step can trace around it).
+"""The engine's in-place paged attention: `csrc/paged_attention.cpp`, a C++ kernel built with torch's `cpp_extension`
+at first use and registered as the custom op `torch.ops.hf_accel.paged_attention` (it mutates the two pools it
+writes, and has a fake implementation, so a compiled model step traces around it as one opaque node).
 
-It reads each decoding sequence's K/V where they lie in the block pool (block table and lengths), so a step copies
-no context; see the .cpp file for the shapes and the masking rule. Building needs a C++ compiler, the Python headers
+For one layer of one step it writes the step's new K/V into their slots, then every sequence's queries (decodes,
+speculative candidates, prefill chunks) attend over that sequence's blocks where they lie (block table, lengths), so
+a step copies no context; see the .cpp file for the shapes and the masking rule. Building needs a C++ compiler, the Python headers
 and `ninja` (all on the machines this project runs on); the first build takes about half a minute and is cached by
 torch (`~/.cache/torch_extensions`, or `$TORCH_EXTENSIONS_DIR`). Where it cannot be built, or with
-`HF_ACCEL_PAGED_KERNEL=0`, `paged_decode_kernel()` returns None and the engine gathers the blocks instead (the same
-results up to float rounding).
+`HF_ACCEL_PAGED_KERNEL=0`, `paged_attention_kernel()` returns None and the engine runs `attention.gathered_attention`
+instead (the same rule over blocks copied out of the pool, sdpa on them: the same results up to float rounding).
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trap
 _BUILD_LOCK = threading.Lock()  # one build and one fake registration, whichever thread asks first
 
 
-def paged_decode_kernel() -> Callable[..., torch.Tensor] | None:
-    """`torch.ops.hf_accel.paged_decode_attention`, built on first call; None when switched off or not buildable."""
+def paged_attention_kernel() -> Callable[..., torch.Tensor] | None:
+    """`torch.ops.hf_accel.paged_attention`, built on first call; None when switched off or not buildable."""
     if os.environ.get(SWITCH, "1") == "0":
         return None
     with _BUILD_LOCK:
@@ -46,15 +47,16 @@ def _built_kernel() -> Callable[..., torch.Tensor] | None:
         from torch.utils.cpp_extension import load
 
         # -march=native: built where it runs (torch's own kernels dispatch at run time instead); the name carries the
-        # CPU's feature flags so a build cache shared between different CPUs never hands one the other's binary
-        load(name=f"hf_accel_paged_attention_{_cpu_tag()}", sources=[str(SOURCE)],
+        # CPU's feature flags so a build cache shared between different CPUs never hands one the other's binary, and
+        # the source's hash so two versions of hf_accel never rebuild over each other
+        load(name=f"hf_accel_paged_attention_{_cpu_tag()}_{_source_tag()}", sources=[str(SOURCE)],
              extra_cflags=CFLAGS, is_python_module=False, verbose=False)
     except Exception as error:  # no compiler, headers or ninja: the gather path still works
         warnings.warn(f"hf_accel: the paged attention kernel could not be built ({type(error).__name__}: {error}); "
                       "the engine gathers K/V blocks instead", RuntimeWarning, stacklevel=2)
         return None
-    torch.library.register_fake("hf_accel::paged_decode_attention")(_fake)
-    return torch.ops.hf_accel.paged_decode_attention
+    torch.library.register_fake("hf_accel::paged_attention")(_fake)
+    return torch.ops.hf_accel.paged_attention
 
 
 def _cpu_tag() -> str:
@@ -67,6 +69,12 @@ def _cpu_tag() -> str:
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:12]
 
 
-def _fake(query: torch.Tensor, key_pool: torch.Tensor, value_pool: torch.Tensor, block_table: torch.Tensor,
-          lengths: torch.Tensor, scale: float, window: int, softcap: float) -> torch.Tensor:
-    return torch.empty_like(query)
+def _source_tag() -> str:
+    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+
+
+def _fake(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_pool: torch.Tensor,
+          value_pool: torch.Tensor, slots: torch.Tensor, block_table: torch.Tensor, query_start: torch.Tensor,
+          kv_lengths: torch.Tensor, scale: float, window: int, softcap: float) -> torch.Tensor:
+    heads, tokens, dim = query.shape  # -> [tokens, heads, dim]
+    return query.new_empty(tokens, heads, dim)

@@ -1,12 +1,19 @@
-// Decode attention that reads the engine's block pool in place (no per-step copy of the context).
+// One engine step's attention for one layer, over the block pool in place: the step's new K/V are written into
+// their slots, then every sequence's queries (a decode's one, a speculating decode's few, a prefill chunk's many)
+// attend over that sequence's blocks where they lie. No context is copied.
 //
-// query       [rows, heads, num_queries, dim]   row r's queries sit at positions lengths[r] - num_queries + i
-// key_pool    [kv_heads, num_blocks, block_size, dim]   (value_pool the same)
-// block_table [rows, max_blocks] int64: the pool block of each of row r's logical blocks
-// lengths     [rows] int64: tokens row r attends over (its queries included)
-// Query head h reads K/V head h / (heads / kv_heads). Query i of row r attends to columns c with
-// c <= position(i) and, with a window w > 0, c > position(i) - w (transformers' sliding rule). With softcap > 0 the
-// scores are tanh-capped as Gemma 2 does. Accumulation is in fp32 whatever the storage dtype.
+// query       [heads, tokens, dim]      the step's packed queries (any strides; dim contiguous)
+// key, value  [kv_heads, tokens, dim]   the step's new K/V (any strides; dim contiguous)
+// key_pool    [kv_heads, num_blocks, block_size, dim] contiguous (value_pool the same); written in place
+// slots       [tokens] int64            pool slot (block * block_size + offset) of each packed token
+// block_table [seqs, max_blocks] int64  the pool block of each of sequence s's logical blocks
+// query_start [seqs + 1] int64          sequence s owns packed tokens query_start[s] .. query_start[s + 1]
+// kv_lengths  [seqs] int64              tokens sequence s attends over; its queries are the last ones, so query i
+//                                       of s sits at position kv_lengths[s] - num_queries(s) + i
+// returns     [tokens, heads, dim]
+// Query head h reads K/V head h / (heads / kv_heads). A query at position p attends to columns c <= p and, with a
+// window w > 0, c > p - w (transformers' sliding rule). With softcap > 0 the scores are tanh-capped as Gemma 2 does.
+// Accumulation is in fp32 whatever the storage dtype.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -14,11 +21,15 @@
 #include <bit>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
 
 namespace {
+
+constexpr int64_t kQueryChunk = 32;     // a long prefill chunk is split into tasks of this many positions
+constexpr int64_t kTransposeFrom = 16;  // query rows (heads x positions) from which K blocks are transposed
 
 // exp(x) for x <= 0 (scores minus their maximum), written so `omp simd` loops vectorize it: exp(x) = 2^n exp(r) with
 // n = round(x / ln 2), r in [-ln2 / 2, ln2 / 2] and Cephes' expf polynomial for exp(r) (relative error ~1e-7).
@@ -37,6 +48,44 @@ inline float exp_nonpositive(float x) {
   return p * std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);
 }
 
+// Shapes and strides every task shares.
+struct Layout {
+  int64_t heads, kv_heads, groups, dim, block_size, max_blocks;
+  int64_t q_head_stride, q_token_stride;  // query strides
+  int64_t pool_head_stride;               // num_blocks * block_size * dim
+  float scale, softcap;
+  int64_t window;
+};
+
+// One task: kv head `kvh` of sequence `seq`, its queries `first_query` .. `last_query` (exclusive) of `num_queries`.
+struct Task {
+  int64_t seq, kvh, first_query, last_query;
+};
+
+// Per-thread working memory, sized once per parallel chunk.
+struct Scratch {
+  std::vector<float> q, scores, acc, block, row, values;
+  std::vector<const float*> rows;  // a task's value rows, as floats
+  Scratch(const Layout& l, int64_t max_length, bool converts)
+      : q(l.groups * kQueryChunk * l.dim), scores(l.groups * kQueryChunk * max_length),
+        acc(l.groups * kQueryChunk * l.dim), block(l.dim * l.block_size), row(l.dim),
+        values(converts ? max_length * l.dim : 0), rows(max_length) {}
+};
+
+template <typename scalar_t>
+void write_new_tokens(const at::Tensor& fresh, const at::Tensor& pool, const int64_t* slots, int64_t tokens) {
+  // fresh [kv_heads, tokens, dim] -> pool rows `slots` of each kv head
+  const int64_t kv_heads = fresh.size(0), dim = fresh.size(2);
+  const int64_t head_stride = fresh.stride(0), token_stride = fresh.stride(1);
+  const int64_t pool_head_stride = pool.size(1) * pool.size(2) * dim;
+  const scalar_t* src = fresh.data_ptr<scalar_t>();
+  scalar_t* dst = pool.data_ptr<scalar_t>();
+  for (int64_t h = 0; h < kv_heads; ++h)
+    for (int64_t t = 0; t < tokens; ++t)
+      std::memcpy(dst + h * pool_head_stride + slots[t] * dim, src + h * head_stride + t * token_stride,
+                  dim * sizeof(scalar_t));
+}
+
 inline float dot(const float* a, const float* b, int64_t dim) {
   float total = 0.f;
 #pragma omp simd reduction(+ : total)
@@ -44,49 +93,148 @@ inline float dot(const float* a, const float* b, int64_t dim) {
   return total;
 }
 
-// Row `c` of a pool as floats: the pool itself for fp32, else converted into `buffer`.
-template <typename scalar_t>
-inline const float* as_float(const scalar_t* row, int64_t dim, float* buffer) {
-  if constexpr (std::is_same_v<scalar_t, float>) {
-    return row;
-  } else {
-    for (int64_t d = 0; d < dim; ++d) buffer[d] = static_cast<float>(row[d]);
-    return buffer;
+// Scores of query rows `q` [num_q, dim] against one block transposed to `kt` [dim, BS] (its first `width` keys valid),
+// into `scores` (row stride `columns`). Four query rows at a time: each row's BS scores stay in registers while the
+// block's dim rows stream past.
+template <int64_t BS>
+void score_block(const float* q, int64_t num_q, int64_t dim, const float* kt, int64_t width, float* scores,
+                 int64_t columns) {
+  int64_t j = 0;
+  for (; j + 4 <= num_q; j += 4) {
+    float a0[BS] = {}, a1[BS] = {}, a2[BS] = {}, a3[BS] = {};
+    const float *q0 = q + j * dim, *q1 = q0 + dim, *q2 = q1 + dim, *q3 = q2 + dim;
+    for (int64_t d = 0; d < dim; ++d) {
+      const float* kd = kt + d * BS;
+#pragma omp simd
+      for (int64_t c = 0; c < BS; ++c) {
+        a0[c] += q0[d] * kd[c];
+        a1[c] += q1[d] * kd[c];
+        a2[c] += q2[d] * kd[c];
+        a3[c] += q3[d] * kd[c];
+      }
+    }
+    std::copy(a0, a0 + width, scores + j * columns);
+    std::copy(a1, a1 + width, scores + (j + 1) * columns);
+    std::copy(a2, a2 + width, scores + (j + 2) * columns);
+    std::copy(a3, a3 + width, scores + (j + 3) * columns);
+  }
+  for (; j < num_q; ++j) {
+    float a[BS] = {};
+    const float* qj = q + j * dim;
+    for (int64_t d = 0; d < dim; ++d) {
+      const float* kd = kt + d * BS;
+#pragma omp simd
+      for (int64_t c = 0; c < BS; ++c) a[c] += qj[d] * kd[c];
+    }
+    std::copy(a, a + width, scores + j * columns);
   }
 }
 
-// Per-thread working memory, sized once per parallel chunk: queries, scores/weights and accumulators of one task.
-struct Scratch {
-  std::vector<float> q, scores, acc, row;
-  Scratch(int64_t num_q, int64_t max_length, int64_t dim)
-      : q(num_q * dim), scores(num_q * max_length), acc(num_q * dim), row(dim) {}
-};
-
+// Scores of `num_q` scaled queries `q` [num_q, dim] against columns [0, columns) of one sequence's K, written to
+// `scores` [num_q, columns]. Few queries (decodes): one dot product per (key, query), each key read once. Many
+// (prefill chunks) with 16-token blocks: each block is transposed to [dim, 16] once and shared by all the queries,
+// whose inner loop then runs over the block's keys without horizontal sums.
 template <typename scalar_t>
-void attend_row_head(const scalar_t* query, const scalar_t* keys, const scalar_t* values, const int64_t* blocks,
-                     int64_t length, int64_t groups, int64_t num_queries, int64_t dim, int64_t block_size,
-                     int64_t block_stride, int64_t query_head_stride, float scale, int64_t window, float softcap,
-                     Scratch& scratch, scalar_t* out) {
-  // one (row, kv head): its `groups` query heads x `num_queries` queries share every K/V row they read
-  const int64_t num_q = groups * num_queries;
-  float* q = scratch.q.data();
-  for (int64_t g = 0; g < groups; ++g)
-    for (int64_t i = 0; i < num_queries; ++i)
-      for (int64_t d = 0; d < dim; ++d)
-        q[(g * num_queries + i) * dim + d] = static_cast<float>(query[g * query_head_stride + i * dim + d]) * scale;
-  float* scores = scratch.scores.data();  // [num_q, length]: scores, then softmax weights
-  for (int64_t c = 0; c < length; ++c) {
-    const float* k = as_float(keys + blocks[c / block_size] * block_stride + (c % block_size) * dim, dim,
-                              scratch.row.data());
-    for (int64_t j = 0; j < num_q; ++j) {
-      const float s = dot(q + j * dim, k, dim);
-      scores[j * length + c] = softcap > 0.f ? std::tanh(s / softcap) * softcap : s;
+void score_columns(const Layout& l, const float* q, int64_t num_q, const scalar_t* keys, const int64_t* blocks,
+                   int64_t columns, Scratch& s, float* scores) {
+  const int64_t size = l.block_size, dim = l.dim;
+  if (num_q >= kTransposeFrom && size == 16) {
+    float* kt = s.block.data();
+    for (int64_t b = 0; b * size < columns; ++b) {
+      const int64_t width = std::min(size, columns - b * size);
+      const scalar_t* k = keys + blocks[b] * size * dim;
+      std::fill(kt, kt + dim * size, 0.f);
+      for (int64_t c = 0; c < width; ++c)
+        for (int64_t d = 0; d < dim; ++d) kt[d * size + c] = static_cast<float>(k[c * dim + d]);
+      score_block<16>(q, num_q, dim, kt, width, scores + b * size, columns);
+    }
+  } else {
+    for (int64_t c = 0; c < columns; ++c) {
+      const scalar_t* row = keys + (blocks[c / size] * size + c % size) * dim;
+      const float* k;
+      if constexpr (std::is_same_v<scalar_t, float>) {
+        k = row;
+      } else {
+        for (int64_t d = 0; d < dim; ++d) s.row[d] = static_cast<float>(row[d]);
+        k = s.row.data();
+      }
+      for (int64_t j = 0; j < num_q; ++j) scores[j * columns + c] = dot(q + j * dim, k, dim);
     }
   }
+  if (l.softcap > 0.f)
+    for (int64_t i = 0; i < num_q * columns; ++i) scores[i] = std::tanh(scores[i] / l.softcap) * l.softcap;
+}
+
+// acc [R, 16] (row stride `dim`) += weights [R, columns] (row stride `columns`) @ value rows `rows[c]` (16 floats
+// from each): R rows x 16 lanes of accumulators stay in registers while the value rows stream past.
+template <int64_t R>
+void accumulate_tile(const float* weights, int64_t columns, const float* const* rows, float* acc, int64_t dim) {
+  float a[R][16] = {};
+  for (int64_t c = 0; c < columns; ++c) {
+    const float* v = rows[c];
+    for (int64_t r = 0; r < R; ++r) {
+      const float w = weights[r * columns + c];
+#pragma omp simd
+      for (int64_t e = 0; e < 16; ++e) a[r][e] += w * v[e];
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) std::copy(a[r], a[r] + 16, acc + r * dim);
+}
+
+// acc [num_q, dim] = weights [num_q, columns] @ V[columns, dim] of one sequence (rows found through its blocks).
+template <typename scalar_t>
+void accumulate_values(const Layout& l, const float* weights, int64_t num_q, int64_t columns, const scalar_t* values,
+                       const int64_t* blocks, Scratch& s, float* acc) {
+  const int64_t dim = l.dim, size = l.block_size;
+  std::fill(acc, acc + num_q * dim, 0.f);
+  if (num_q >= kTransposeFrom && dim % 16 == 0) {
+    // many queries: tiles of 8 rows x 16 lanes; row pointers (fp32: into the pool; else converted copies)
+    const float** rows = s.rows.data();
+    for (int64_t c = 0; c < columns; ++c) {
+      const scalar_t* row = values + (blocks[c / size] * size + c % size) * dim;
+      if constexpr (std::is_same_v<scalar_t, float>) {
+        rows[c] = row;
+      } else {
+        float* converted = s.values.data() + c * dim;
+        for (int64_t d = 0; d < dim; ++d) converted[d] = static_cast<float>(row[d]);
+        rows[c] = converted;
+      }
+    }
+    for (int64_t lane = 0; lane < dim; lane += 16) {
+      if (lane > 0)
+        for (int64_t c = 0; c < columns; ++c) rows[c] += 16;
+      int64_t j = 0;
+      for (; j + 8 <= num_q; j += 8) accumulate_tile<8>(weights + j * columns, columns, rows, acc + j * dim + lane, dim);
+      for (; j < num_q; ++j) accumulate_tile<1>(weights + j * columns, columns, rows, acc + j * dim + lane, dim);
+    }
+    return;
+  }
+  for (int64_t c = 0; c < columns; ++c) {
+    const scalar_t* row = values + (blocks[c / size] * size + c % size) * dim;
+    const float* v;
+    if constexpr (std::is_same_v<scalar_t, float>) {
+      v = row;
+    } else {
+      for (int64_t d = 0; d < dim; ++d) s.row[d] = static_cast<float>(row[d]);
+      v = s.row.data();
+    }
+    for (int64_t j = 0; j < num_q; ++j) {
+      const float wj = weights[j * columns + c];
+      if (wj == 0.f) continue;
+      float* a = acc + j * dim;
+#pragma omp simd
+      for (int64_t d = 0; d < dim; ++d) a[d] += wj * v[d];
+    }
+  }
+}
+
+// Softmax of each row of `scores` over its allowed columns (zero elsewhere); row j is query position `position(j)`.
+void softmax_rows(const Layout& l, float* scores, int64_t num_q, int64_t columns, int64_t num_positions,
+                  int64_t first_position) {
   for (int64_t j = 0; j < num_q; ++j) {
-    const int64_t position = length - num_queries + j % num_queries;
-    const int64_t first = window > 0 ? std::max<int64_t>(position - window + 1, 0) : 0;
-    float* w = scores + j * length;
+    const int64_t position = first_position + j % num_positions;
+    const int64_t first = l.window > 0 ? std::max<int64_t>(position - l.window + 1, 0) : 0;
+    float* w = scores + j * columns;
     float top = -std::numeric_limits<float>::infinity();
     for (int64_t c = first; c <= position; ++c) top = std::max(top, w[c]);
     float total = 0.f;
@@ -96,69 +244,101 @@ void attend_row_head(const scalar_t* query, const scalar_t* keys, const scalar_t
       total += w[c];
     }
     const float inverse = 1.f / total;
-    for (int64_t c = 0; c < length; ++c) w[c] = (c >= first && c <= position) ? w[c] * inverse : 0.f;
+    for (int64_t c = 0; c < columns; ++c) w[c] = (c >= first && c <= position) ? w[c] * inverse : 0.f;
   }
-  float* acc = scratch.acc.data();
-  std::fill(acc, acc + num_q * dim, 0.f);
-  for (int64_t c = 0; c < length; ++c) {
-    const float* v = as_float(values + blocks[c / block_size] * block_stride + (c % block_size) * dim, dim,
-                              scratch.row.data());
-    for (int64_t j = 0; j < num_q; ++j) {
-      const float wj = scores[j * length + c];
-      if (wj == 0.f) continue;
-      float* a = acc + j * dim;
-#pragma omp simd
-      for (int64_t d = 0; d < dim; ++d) a[d] += wj * v[d];
-    }
-  }
-  for (int64_t g = 0; g < groups; ++g)
-    for (int64_t i = 0; i < num_queries; ++i)
-      for (int64_t d = 0; d < dim; ++d)
-        out[g * query_head_stride + i * dim + d] = static_cast<scalar_t>(acc[(g * num_queries + i) * dim + d]);
 }
 
-at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key_pool, const at::Tensor& value_pool,
-                                  const at::Tensor& block_table, const at::Tensor& lengths, double scale,
-                                  int64_t window, double softcap) {
-  TORCH_CHECK(query.dim() == 4 && key_pool.dim() == 4,
-              "query [rows, heads, q, dim], pools [kv_heads, blocks, size, dim]");
+template <typename scalar_t>
+void attend_task(const Layout& l, const Task& task, const scalar_t* query, const scalar_t* key_pool,
+                 const scalar_t* value_pool, const int64_t* block_table, const int64_t* query_start,
+                 const int64_t* kv_lengths, Scratch& s, scalar_t* out) {
+  const int64_t dim = l.dim, num_queries = query_start[task.seq + 1] - query_start[task.seq];
+  const int64_t length = kv_lengths[task.seq];
+  const int64_t num_positions = task.last_query - task.first_query, num_q = l.groups * num_positions;
+  const int64_t first_position = length - num_queries + task.first_query;
+  const int64_t columns = first_position + num_positions;  // through the task's last query (causal)
+  const int64_t* blocks = block_table + task.seq * l.max_blocks;
+  const int64_t pool_offset = task.kvh * l.pool_head_stride;
+  // q rows are (group, position): query head kvh * groups + g at packed token query_start[seq] + first_query + i
+  float* q = s.q.data();
+  for (int64_t g = 0; g < l.groups; ++g)
+    for (int64_t i = 0; i < num_positions; ++i) {
+      const scalar_t* src = query + (task.kvh * l.groups + g) * l.q_head_stride +
+                            (query_start[task.seq] + task.first_query + i) * l.q_token_stride;
+      for (int64_t d = 0; d < dim; ++d) q[(g * num_positions + i) * dim + d] = static_cast<float>(src[d]) * l.scale;
+    }
+  float* scores = s.scores.data();
+  score_columns<scalar_t>(l, q, num_q, key_pool + pool_offset, blocks, columns, s, scores);
+  softmax_rows(l, scores, num_q, columns, num_positions, first_position);
+  float* acc = s.acc.data();
+  accumulate_values<scalar_t>(l, scores, num_q, columns, value_pool + pool_offset, blocks, s, acc);
+  for (int64_t g = 0; g < l.groups; ++g)
+    for (int64_t i = 0; i < num_positions; ++i) {
+      scalar_t* dst = out + ((query_start[task.seq] + task.first_query + i) * l.heads + task.kvh * l.groups + g) * dim;
+      for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<scalar_t>(acc[(g * num_positions + i) * dim + d]);
+    }
+}
+
+at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                           at::Tensor& key_pool, at::Tensor& value_pool, const at::Tensor& slots,
+                           const at::Tensor& block_table, const at::Tensor& query_start, const at::Tensor& kv_lengths,
+                           double scale, int64_t window, double softcap) {
+  TORCH_CHECK(query.dim() == 3 && key.dim() == 3 && value.dim() == 3 && key_pool.dim() == 4,
+              "query [heads, tokens, dim], key/value [kv_heads, tokens, dim], pools [kv_heads, blocks, size, dim]");
   TORCH_CHECK(key_pool.sizes() == value_pool.sizes(), "key and value pools differ in shape");
-  TORCH_CHECK(query.scalar_type() == key_pool.scalar_type() && key_pool.scalar_type() == value_pool.scalar_type(),
-              "query and pools must share a dtype");
+  const auto dtype = key_pool.scalar_type();
+  TORCH_CHECK(query.scalar_type() == dtype && key.scalar_type() == dtype && value.scalar_type() == dtype &&
+                  value_pool.scalar_type() == dtype,
+              "query, key, value and pools must share a dtype");
   TORCH_CHECK(key_pool.is_contiguous() && value_pool.is_contiguous(), "pools must be contiguous");
-  const auto q = query.contiguous();
-  const auto table = block_table.to(at::kLong).contiguous();
-  const auto lens = lengths.to(at::kLong).contiguous();
-  const int64_t rows = q.size(0), heads = q.size(1), num_queries = q.size(2), dim = q.size(3);
-  const int64_t kv_heads = key_pool.size(0), num_blocks = key_pool.size(1), block_size = key_pool.size(2);
+  TORCH_CHECK(query.stride(2) == 1 && key.stride(2) == 1 && value.stride(2) == 1, "head_dim must be contiguous");
+  const int64_t heads = query.size(0), tokens = query.size(1), dim = query.size(2);
+  const int64_t kv_heads = key_pool.size(0), block_size = key_pool.size(2);
   TORCH_CHECK(heads % kv_heads == 0 && key_pool.size(3) == dim, "heads must be a multiple of kv_heads, same dim");
-  TORCH_CHECK(table.size(0) == rows && lens.size(0) == rows, "one block-table row and one length per query row");
-  const int64_t groups = heads / kv_heads;
-  auto out = at::empty_like(q);
+  TORCH_CHECK(key.size(0) == kv_heads && key.size(1) == tokens && key.size(2) == dim && key.sizes() == value.sizes(),
+              "key and value must be [kv_heads, tokens, dim]");
+  const auto slot = slots.to(at::kLong).contiguous();
+  const auto table = block_table.to(at::kLong).contiguous();
+  const auto starts = query_start.to(at::kLong).contiguous();
+  const auto lens = kv_lengths.to(at::kLong).contiguous();
+  const int64_t seqs = lens.size(0), max_blocks = table.size(1);
+  TORCH_CHECK(slot.numel() == tokens, "one slot per packed token");
+  TORCH_CHECK(table.size(0) == seqs && starts.numel() == seqs + 1, "one block-table row, one start per sequence");
+  const int64_t* slot_data = slot.data_ptr<int64_t>();
+  const int64_t* start_data = starts.data_ptr<int64_t>();
+  const int64_t* len_data = lens.data_ptr<int64_t>();
+  const int64_t num_slots = key_pool.size(1) * block_size;
+  for (int64_t t = 0; t < tokens; ++t) TORCH_CHECK(slot_data[t] >= 0 && slot_data[t] < num_slots, "slot out of pool");
+  TORCH_CHECK(start_data[0] == 0 && start_data[seqs] == tokens, "query_start must run from 0 to the token count");
+  std::vector<Task> tasks;
+  int64_t max_length = 0;
+  for (int64_t s = 0; s < seqs; ++s) {
+    const int64_t num_queries = start_data[s + 1] - start_data[s];
+    TORCH_CHECK(num_queries >= 0 && len_data[s] >= num_queries && len_data[s] <= max_blocks * block_size,
+                "length out of the block table");
+    max_length = std::max(max_length, len_data[s]);
+    for (int64_t first = 0; first < num_queries; first += kQueryChunk)
+      for (int64_t h = 0; h < kv_heads; ++h) tasks.push_back({s, h, first, std::min(first + kQueryChunk, num_queries)});
+  }
   const int64_t* table_data = table.data_ptr<int64_t>();
-  const int64_t* lens_data = lens.data_ptr<int64_t>();
-  const int64_t max_blocks = table.size(1);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
-    const scalar_t* q_data = q.data_ptr<scalar_t>();
+  const int64_t num_blocks = key_pool.size(1);
+  for (int64_t i = 0; i < table.numel(); ++i)
+    TORCH_CHECK(table_data[i] >= 0 && table_data[i] < num_blocks, "block id out of pool");
+  auto out = at::empty({tokens, heads, dim}, query.options());
+  const Layout layout{heads, kv_heads, heads / kv_heads, dim, block_size, max_blocks, query.stride(0), query.stride(1),
+                      num_blocks * block_size * dim, static_cast<float>(scale), static_cast<float>(softcap), window};
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "paged_attention", [&] {
+    write_new_tokens<scalar_t>(key, key_pool, slot_data, tokens);
+    write_new_tokens<scalar_t>(value, value_pool, slot_data, tokens);
+    const scalar_t* q_data = query.data_ptr<scalar_t>();
     const scalar_t* k_data = key_pool.data_ptr<scalar_t>();
     const scalar_t* v_data = value_pool.data_ptr<scalar_t>();
     scalar_t* out_data = out.data_ptr<scalar_t>();
-    const int64_t block_stride = block_size * dim;  // consecutive blocks of one kv head
-    const int64_t head_pool_stride = num_blocks * block_stride;
-    const int64_t query_head_stride = num_queries * dim;
-    const int64_t max_length = lens.numel() ? lens.max().item<int64_t>() : 0;
-    at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
-      Scratch scratch(groups * num_queries, max_length, dim);
-      for (int64_t task = begin; task < end; ++task) {
-        const int64_t r = task / kv_heads, kvh = task % kv_heads;
-        const int64_t length = lens_data[r];
-        TORCH_CHECK(length >= num_queries && length <= max_blocks * block_size, "length out of the block table");
-        const int64_t offset = (r * heads + kvh * groups) * query_head_stride;
-        attend_row_head<scalar_t>(q_data + offset, k_data + kvh * head_pool_stride, v_data + kvh * head_pool_stride,
-                                  table_data + r * max_blocks, length, groups, num_queries, dim, block_size,
-                                  block_stride, query_head_stride, static_cast<float>(scale), window,
-                                  static_cast<float>(softcap), scratch, out_data + offset);
-      }
+    at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
+      Scratch scratch(layout, max_length, !std::is_same_v<scalar_t, float>);
+      for (int64_t i = begin; i < end; ++i)
+        attend_task<scalar_t>(layout, tasks[i], q_data, k_data, v_data, table_data, start_data, len_data, scratch,
+                              out_data);
     });
   });
   return out;
@@ -167,8 +347,9 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(hf_accel, m) {
-  m.def("paged_decode_attention(Tensor query, Tensor key_pool, Tensor value_pool, Tensor block_table, "
-        "Tensor lengths, float scale, int window, float softcap) -> Tensor");
+  m.def("paged_attention(Tensor query, Tensor key, Tensor value, Tensor(a!) key_pool, Tensor(b!) value_pool, "
+        "Tensor slots, Tensor block_table, Tensor query_start, Tensor kv_lengths, float scale, int window, "
+        "float softcap) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(hf_accel, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }
+TORCH_LIBRARY_IMPL(hf_accel, CPU, m) { m.impl("paged_attention", &paged_attention); }
