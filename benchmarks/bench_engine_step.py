@@ -7,7 +7,8 @@ tensors and block tables), the model forward, and inside it the attention: the r
 ("attention call"), the gather (blocks copied out of the pool: only without the in-place kernel) and the K/V write plus
 attention compute (one kernel call per layer with the in-place kernel); sampling (and
 logprobs), appending tokens (stop rules, detokenization), the scheduler's postprocess, and the reports to listeners.
-"other" is the step's time no stage claims.
+"other" is the step's time no stage claims. Stages are timed on an eager engine; the same steps then run on the
+default, compiled engine as a whole (its forward is one graph: no stages inside).
 
 Regenerate benchmarks/results/bench_engine_step.json and docs/bench_engine_step.md:
     .venv/bin/python benchmarks/bench_engine_step.py
@@ -85,12 +86,12 @@ def instrumented(engine: Engine, clock: StageClock) -> Iterator[None]:
     core, runner = engine.core, engine.core.runner
     patches = [
         (core.scheduler, "schedule"), (core.scheduler, "postprocess"), (runner, "execute"),
-        (runner.model, "forward"), (core, "_append_all"), (engine, "_deliver"),
-        (attention, "paged_attention"), (attention, "_gather"), (runner, "attend"),
+        (runner.forward, "_forward"), (core, "_append_all"), (engine, "_deliver"),
+        (attention, "paged_attention"), (attention, "gather_blocks"), (runner.forward, "attend"),
         (engine_core, "sample"), (engine_core, "token_logprobs"),
     ]
-    names = {"schedule": "schedule", "postprocess": "postprocess", "execute": "metadata", "forward": "forward",
-             "_append_all": "append", "_deliver": "outputs", "paged_attention": "attention call", "_gather": "gather",
+    names = {"schedule": "schedule", "postprocess": "postprocess", "execute": "metadata", "_forward": "forward",
+             "_append_all": "append", "_deliver": "outputs", "paged_attention": "attention call", "gather_blocks": "gather",
              "attend": "K/V write + attention", "sample": "sampling", "token_logprobs": "sampling"}
     saved = [(owner, attr, getattr(owner, attr)) for owner, attr in patches]
     for owner, attr, function in saved:
@@ -104,9 +105,10 @@ def instrumented(engine: Engine, clock: StageClock) -> Iterator[None]:
         attention.register_attention()
 
 
-def profile_batch(model, prompts: torch.Tensor, steps: int) -> dict[str, Any]:
-    """Add one request per prompt, prefill them all, then time `steps` decode steps stage by stage."""
-    engine = Engine(model, max_num_seqs=len(prompts), max_num_batched_tokens=max(512, prompts.numel()))
+def decoding_engine(model, prompts: torch.Tensor, steps: int, enforce_eager: bool) -> Engine:
+    """An engine with one request per prompt, all prefilled and one decode step past it (untimed)."""
+    engine = Engine(model, max_num_seqs=len(prompts), max_num_batched_tokens=max(512, prompts.numel()),
+                    enforce_eager=enforce_eager)
     params = SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True)
     for row in prompts:
         engine.add_request(row.tolist(), params, output_kind=RequestOutputKind.DELTA)
@@ -115,6 +117,13 @@ def profile_batch(model, prompts: torch.Tensor, steps: int) -> dict[str, Any]:
     while scheduler.waiting or any(seq.num_uncomputed_tokens > 1 for seq in scheduler.running):
         engine.step()
     engine.step()  # one decode step untimed: every sequence decodes from here on
+    return engine
+
+
+def profile_batch(model, prompts: torch.Tensor, steps: int) -> dict[str, Any]:
+    """Time `steps` decode steps stage by stage on an eager engine (a compiled forward hides its stages), then the
+    same steps on the default, compiled engine as a whole."""
+    engine = decoding_engine(model, prompts, steps, enforce_eager=True)
     clock = StageClock()
     with instrumented(engine, clock):
         started = time.perf_counter()
@@ -123,9 +132,16 @@ def profile_batch(model, prompts: torch.Tensor, steps: int) -> dict[str, Any]:
                 engine.step()
         total = time.perf_counter() - started
     per_step = {stage: clock.seconds.get(stage, 0.0) / steps for stage in STAGES}
+    compiled = decoding_engine(model, prompts, steps, enforce_eager=False)
+    started = time.perf_counter()
+    for _ in range(steps):
+        compiled.step()
+    compiled_total = time.perf_counter() - started
     return {"sequences": len(prompts), "steps": steps, "step_ms": total / steps * 1e3,
             "tokens_per_s": len(prompts) * steps / total,
-            "stage_ms": {stage: round(seconds * 1e3, 3) for stage, seconds in per_step.items()}}
+            "stage_ms": {stage: round(seconds * 1e3, 3) for stage, seconds in per_step.items()},
+            "compiled_step_ms": compiled_total / steps * 1e3, "compiled_tokens_per_s": len(prompts) * steps /
+            compiled_total, "compile_seconds": compiled.stats().compile_seconds}
 
 
 def measure(quick: bool) -> dict[str, Any]:
@@ -160,6 +176,12 @@ def render(report: dict[str, Any]) -> str:
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     lines.append("| **step** | " + " | ".join(f"**{r['step_ms']:.2f}**" for r in results) + " |")
     lines.append("| generated tok/s | " + " | ".join(f"{r['tokens_per_s']:.0f}" for r in results) + " |")
+    lines.append("| **step, compiled** | " + " | ".join(f"**{r['compiled_step_ms']:.2f}**" for r in results) + " |")
+    lines.append("| generated tok/s, compiled | " + " | ".join(f"{r['compiled_tokens_per_s']:.0f}" for r in results)
+                 + " |")
+    lines[0] += (" The stages are timed on an eager engine (`enforce_eager=True`: a compiled forward hides them); the "
+                 "compiled rows run the same steps on the default engine, whose forward is compiled once at start "
+                 f"({', '.join(format(r['compile_seconds'], '.1f') for r in results)} s).")
     return "\n".join(lines) + f"\n\nFrom `{report['command']}`.\n"
 
 

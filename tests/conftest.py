@@ -1,5 +1,5 @@
-"""Shared test fixtures: one torch thread everywhere, loading a benchmark script as a module, and the reference target
-with its committed Medusa heads."""
+"""Shared test fixtures: one torch thread everywhere, eager engine steps unless a test is marked `compiled`, loading a
+benchmark script as a module, and the reference target with its committed Medusa heads."""
 
 import importlib.util
 import sys
@@ -20,6 +20,16 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(saved)
+
+
+@pytest.fixture(autouse=True)
+def eager_engines(request, monkeypatch):
+    """Engines built in tests run their model step eagerly (compiling every tiny model would cost seconds per test),
+    unless the test is marked `compiled`, which gets the default, compiled step (tests/test_engine_compiled.py)."""
+    if request.node.get_closest_marker("compiled") is None:
+        from hf_accel import Engine
+
+        monkeypatch.setitem(Engine.__init__.__kwdefaults__, "enforce_eager", True)
 
 
 @pytest.fixture

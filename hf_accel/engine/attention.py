@@ -81,13 +81,13 @@ def gathered_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         rows = (num_queries == num).nonzero()[:, 0]
         index = query_start[rows, None] + torch.arange(num, device=query.device)  # [rows, num] packed tokens
         q = query[:, index].transpose(0, 1)  # [rows, heads, num, dim]
-        k, v = (_gather(pool, block_table[rows]) for pool in (key_pool, value_pool))
-        mask = _mask(kv_lengths[rows], num, k.shape[2], window, heads // kv_heads)
-        out[index.reshape(-1)] = _attend(q, k, v, mask, scale, softcap or None).transpose(1, 2).reshape(-1, heads, dim)
+        k, v = (gather_blocks(pool, block_table[rows]) for pool in (key_pool, value_pool))
+        mask = query_mask(kv_lengths[rows], num, k.shape[2], window, heads // kv_heads)
+        out[index.reshape(-1)] = attend_dense(q, k, v, mask, scale, softcap or None).transpose(1, 2).reshape(-1, heads, dim)
     return out
 
 
-def _mask(lengths: torch.Tensor, num: int, columns: int, window: int, groups: int) -> torch.Tensor:
+def query_mask(lengths: torch.Tensor, num: int, columns: int, window: int, groups: int) -> torch.Tensor:
     """`[rows, 1, groups * num, columns]` True where a query may attend: query i of row r sits at position
     `lengths[r] - num + i`; causal, and within `window` (> 0) by transformers' sliding rule."""
     positions = (lengths[:, None] - num + torch.arange(num, device=lengths.device))[:, :, None]  # [rows, num, 1]
@@ -98,7 +98,7 @@ def _mask(lengths: torch.Tensor, num: int, columns: int, window: int, groups: in
     return mask.repeat(1, groups, 1)[:, None]  # folded query rows are (group, position)
 
 
-def _gather(pool: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+def gather_blocks(pool: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     """`pool` `[kv_heads, num_blocks, block_size, dim]`, `blocks` `[rows, n]` -> `[rows, kv_heads, n * block_size,
     dim]`, each (row, head) slab contiguous."""
     heads, _, size, dim = pool.shape
@@ -106,7 +106,7 @@ def _gather(pool: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     return pool.index_select(1, blocks.reshape(-1)).view(heads, rows, n * size, dim).transpose(0, 1)
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+def attend_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
             softcap: float | None) -> torch.Tensor:
     """`q` `[b, heads, q_len, d]`, `k` / `v` `[b, kv_heads, kv_len, d]` -> `[b, heads, q_len, d]`. Query heads sharing
     a K/V head are folded into the query axis (no K/V repeat), so `mask` is given for the folded rows: broadcastable to

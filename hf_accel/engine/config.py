@@ -24,6 +24,10 @@ class EngineConfig:
             (one per head, a top-1 chain); default: every head.
         max_speculative_batch_tokens: speculate in a step only while (decoding sequences) x (1 + candidates) stays
             within this many tokens; the candidates per sequence shrink to fit, and below one nothing is proposed.
+        enforce_eager: run the model's forward eagerly. By default it is compiled with `torch.compile` once, when the
+            engine starts (`EngineStats.compile_seconds`), wherever the in-place attention kernel is built (CPU), except
+            with Medusa heads (their step returns hidden states, which transformers captures in a way dynamo cannot
+            trace whole).
     """
 
     max_num_seqs: int = 32
@@ -34,6 +38,7 @@ class EngineConfig:
     max_model_len: int | None = None
     num_speculative_tokens: int | None = None
     max_speculative_batch_tokens: int = 24
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         check_int("max_num_seqs", self.max_num_seqs, 1, "a positive int")
@@ -46,8 +51,9 @@ class EngineConfig:
         if self.num_speculative_tokens is not None:
             check_int("num_speculative_tokens", self.num_speculative_tokens, 1, "a positive int or None")
         check_int("max_speculative_batch_tokens", self.max_speculative_batch_tokens, 1, "a positive int")
-        if not isinstance(self.enable_prefix_caching, bool):
-            raise TypeError(f"`enable_prefix_caching` must be a bool, got {self.enable_prefix_caching!r}")
+        for name in ("enable_prefix_caching", "enforce_eager"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"`{name}` must be a bool, got {getattr(self, name)!r}")
 
     def num_blocks(self, bytes_per_token: int, max_model_len: int) -> int:
         """Blocks in the pool; ValueError if they cannot hold one sequence of `max_model_len` tokens."""

@@ -33,7 +33,7 @@ from ..speculative.medusa_heads import MedusaHeads
 from .config import EngineConfig
 from .engine_core import EngineCore, EngineStats
 from .listeners import Listener, Listeners
-from .model_runner import paged_attention_implementation
+from .step_forward import paged_attention_implementation
 from .errors import EngineDeadError, describe
 from .output_stream import OutputStream
 from .outputs import RequestOutput, RequestOutputKind, RequestTiming
@@ -55,18 +55,18 @@ class Engine(RichDisplay):
             batch is small (same outputs; docs/serving.md, "Medusa speculation"); other requests decode plainly.
 
     The keyword-only limits (`max_num_seqs`, `max_num_batched_tokens`, `kv_cache_memory`, `block_size`,
-    `enable_prefix_caching`, `max_model_len`, `num_speculative_tokens`, `max_speculative_batch_tokens`) are the
-    fields of `EngineConfig`, documented there.
+    `enable_prefix_caching`, `max_model_len`, `num_speculative_tokens`, `max_speculative_batch_tokens`,
+    `enforce_eager`) are the fields of `EngineConfig`, documented there.
     """
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None = None, *,
                  max_num_seqs: int = 32, max_num_batched_tokens: int = 512, kv_cache_memory: int | str | None = None,
                  block_size: int = 16, enable_prefix_caching: bool = True, max_model_len: int | None = None,
                  medusa_heads: MedusaHeads | None = None, num_speculative_tokens: int | None = None,
-                 max_speculative_batch_tokens: int = 24):
+                 max_speculative_batch_tokens: int = 24, enforce_eager: bool = False):
         self.config = EngineConfig(max_num_seqs, max_num_batched_tokens, kv_cache_memory, block_size,
                                    enable_prefix_caching, max_model_len, num_speculative_tokens,
-                                   max_speculative_batch_tokens)
+                                   max_speculative_batch_tokens, enforce_eager)
         self.tokenizer = tokenizer
         self.core = EngineCore(model, tokenizer, self.config, medusa_heads)
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()

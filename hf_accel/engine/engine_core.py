@@ -28,7 +28,7 @@ from .detokenizer import Detokenizer
 from .kv_pool import KVPool
 from .limits import EngineLimits, check_request, context_length
 from .medusa_proposer import MedusaProposer, SpecDecodeStats
-from .model_runner import ModelRunner, StepOutput
+from .model_runner import ModelRunner, StepOutput, uses_cuda_graphs
 from .sampler import sample, token_logprobs
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, ScheduledSeq, Scheduler, SchedulerConfig
@@ -58,6 +58,7 @@ class EngineStats:
     spec_decode_num_drafts: int = 0
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
+    compile_seconds: float = 0.0  # compiling the model step at start; 0 when eager
 
 
 class EngineCore:
@@ -79,8 +80,11 @@ class EngineCore:
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, k,
                                                    config.max_speculative_batch_tokens), self.blocks,
                                    *([] if self.proposer is None else [self.proposer.can_propose]))
-        self.kv = KVPool(shape, num_blocks, config.block_size, dtype, device)
-        self.runner = ModelRunner(model, self.kv, keep_hidden=self.proposer is not None)
+        keep_hidden = self.proposer is not None
+        self.kv = KVPool(shape, num_blocks, config.block_size, dtype, device,
+                         spare_block=uses_cuda_graphs(device, config.enforce_eager, keep_hidden))
+        self.runner = ModelRunner(model, self.kv, keep_hidden=keep_hidden, enforce_eager=config.enforce_eager,
+                                  max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len)
         self.spec_stats = SpecDecodeStats()
         self.requests: dict[str, Request] = {}
         self.eos_token_ids = _eos_token_ids(model, tokenizer)
@@ -184,7 +188,7 @@ class EngineCore:
             len(running), len(waiting), self.blocks.usage, self.scheduler.num_preemptions,
             self.blocks.stats.queries, self.blocks.stats.hits, self.prompt_tokens, self.generation_tokens,
             self.num_steps, self.blocks.num_free_blocks, self.blocks.num_blocks, self.spec_stats.num_drafts,
-            self.spec_stats.num_draft_tokens, self.spec_stats.num_accepted_tokens,
+            self.spec_stats.num_draft_tokens, self.spec_stats.num_accepted_tokens, self.runner.forward.compile_seconds,
         )
 
     def _propose(self, batch: ScheduledBatch) -> None:

@@ -15,11 +15,14 @@ from ..cache.kv_shape import KVShape
 
 
 class KVPool:
-    """Per-layer key and value slot tensors for `num_blocks` blocks of `block_size` tokens."""
+    """Per-layer key and value slot tensors for `num_blocks` blocks of `block_size` tokens (plus `spare_block`)."""
 
-    def __init__(self, shape: KVShape, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, shape: KVShape, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
+                 spare_block: bool = False):
         self.shape, self.num_blocks, self.block_size = shape, num_blocks, block_size
-        size = (shape.kv_heads, num_blocks, block_size, shape.head_dim)
+        # one block past the allocator's, written by the padded rows of captured steps and never read
+        self.spare_block = num_blocks if spare_block else None
+        size = (shape.kv_heads, num_blocks + spare_block, block_size, shape.head_dim)
         # keys[layer], values[layer]: [kv_heads, num_blocks, block_size, head_dim]
         self.keys = [torch.zeros(size, dtype=dtype, device=device) for _ in range(shape.num_layers)]
         self.values = [torch.zeros(size, dtype=dtype, device=device) for _ in range(shape.num_layers)]

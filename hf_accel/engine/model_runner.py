@@ -1,7 +1,7 @@
 """One model forward per engine step: the scheduled tokens of every sequence packed into one row.
 
-The model runs its own, unmodified forward with `attn_implementation` switched to hf_accel's paged attention for
-the call (restored after), `use_cache=False` (K/V live in the engine's pool, written by the attention function),
+The model runs its own, unmodified forward (through `step_forward.StepForward`: compiled once per engine, or eager)
+with `attn_implementation` switched to hf_accel's paged attention for the call (restored after), `use_cache=False` (K/V live in the engine's pool, written by the attention function),
 per-token `position_ids`, and `logits_to_keep` set to the last token of each sequence that samples this step, plus
 its candidates when it speculates. With Medusa heads the same forward also returns the final (normed) hidden
 states at those positions (`output_hidden_states`: transformers ties the last entry to the normed output).
@@ -9,33 +9,18 @@ states at those positions (`output_hidden_states`: transformers ties the last en
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedModel
 
-from .attention import ATTENTION_NAME, StepAttention, gathered_attention, register_attention
+from .attention import gathered_attention, register_attention
 from .kv_pool import KVPool
 from .paged_kernel import paged_attention_kernel
 from .scheduler import ScheduledBatch, ScheduledSeq
 from .sequence import Sequence
-
-
-@contextlib.contextmanager
-def paged_attention_implementation(model: PreTrainedModel) -> Iterator[None]:
-    """Run `model` with hf_accel's paged attention inside the block, its own implementation after (a no-op when
-    already inside one: `Engine` switches once per run of steps, so single steps pay nothing)."""
-    saved = model.config._attn_implementation
-    if saved == ATTENTION_NAME:
-        yield
-        return
-    model.set_attn_implementation(ATTENTION_NAME)
-    try:
-        yield
-    finally:
-        model.set_attn_implementation(saved)
+from .cuda_graphs import DecodeGraphs
+from .step_forward import StepForward, StepInputs
 
 
 @dataclass(slots=True)
@@ -53,55 +38,58 @@ class StepOutput:
         return slice(self.starts[i], self.starts[i] + 1 + self.sampling[i].num_drafts)
 
 
-class ModelRunner:
-    """Runs scheduled batches of `model` over the block pool `kv` (`keep_hidden`: also return hidden states)."""
+def uses_cuda_graphs(device: torch.device, enforce_eager: bool, keep_hidden: bool) -> bool:
+    """Whether an engine's decode steps replay CUDA graphs: on CUDA, unless eager is enforced or hidden states are
+    kept (Medusa)."""
+    return device.type == "cuda" and not enforce_eager and not keep_hidden
 
-    def __init__(self, model: PreTrainedModel, kv: KVPool, keep_hidden: bool = False):
+
+class ModelRunner:
+    """Runs scheduled batches of `model` over the block pool `kv` (`keep_hidden`: also return hidden states;
+    `enforce_eager`: never compile the forward, which is otherwise compiled where the in-place kernel is built and no
+    hidden states are kept, and on CUDA never capture decode steps; `max_num_seqs` and `max_model_len` size the
+    CUDA graphs)."""
+
+    def __init__(self, model: PreTrainedModel, kv: KVPool, keep_hidden: bool = False, enforce_eager: bool = False,
+                 max_num_seqs: int = 1, max_model_len: int = 1):
         if not getattr(model, "_supports_attention_backend", False):
             raise ValueError(f"`model` ({type(model).__name__}) does not use transformers' AttentionInterface, "
                              "which the engine needs")
         register_attention()
-        self.device = next(model.parameters()).device
+        self.model, self.kv = model, kv
+        device = next(model.parameters()).device
         # built (or found in torch's cache) now, once per engine; the kernel is CPU code
-        kernel = paged_attention_kernel() if self.device.type == "cpu" else None
+        kernel = paged_attention_kernel() if device.type == "cpu" else None
         self.attend = kernel if kernel is not None else gathered_attention
-        self.model, self.kv, self.keep_hidden = model, kv, keep_hidden
+        # with Medusa heads the step also returns hidden states, which transformers captures with a context manager
+        # dynamo cannot trace: those engines run eagerly
+        compile = kernel is not None and not enforce_eager and not keep_hidden
+        graphs = None
+        if uses_cuda_graphs(device, enforce_eager, keep_hidden):  # decode steps replay graphs; the rest runs eagerly
+            graphs = DecodeGraphs(model, kv, max_num_seqs, max_model_len)
+        self.forward = StepForward(model, kv, self.attend, keep_hidden, compile=compile, graphs=graphs)
+        self.forward.warm_up()
 
     def execute(self, batch: ScheduledBatch) -> StepOutput:
         """Run one step; keeps the rows of the sequences whose last token this step computes (and their
         candidates, `draft_token_ids`, `num_drafts` of them)."""
-        tokens, positions, slots, keep, sampling, starts = [], [], [], [], [], []
-        query_start, kv_lengths, tables = [0], [], []
+        inputs, sampling, starts = StepInputs(), [], []
         size = self.kv.block_size
         for scheduled in batch.scheduled:
             seq, num, drafts = scheduled.seq, scheduled.num_new, scheduled.num_drafts
-            start, first = len(tokens), seq.num_computed_tokens
-            tokens += seq.token_ids[first : first + num - drafts] + scheduled.draft_token_ids
-            positions += range(first, first + num)
-            slots += self._slots(seq, first, first + num)
-            query_start.append(len(tokens))
-            kv_lengths.append(first + num)
-            tables.append(seq.block_ids[: -(-(first + num) // size)])
+            start, first = len(inputs.tokens), seq.num_computed_tokens
+            inputs.tokens += seq.token_ids[first : first + num - drafts] + scheduled.draft_token_ids
+            inputs.positions += range(first, first + num)
+            inputs.slots += self._slots(seq, first, first + num)
+            inputs.query_start.append(len(inputs.tokens))
+            inputs.kv_lengths.append(first + num)
+            inputs.tables.append(seq.block_ids[: -(-(first + num) // size)])
             if scheduled.samples:
-                starts.append(len(keep))
-                keep += range(start + num - 1 - drafts, start + num)
+                starts.append(len(inputs.keep))
+                inputs.keep += range(start + num - 1 - drafts, start + num)
                 sampling.append(scheduled)
-        width = max(map(len, tables))
-        step = StepAttention(
-            self.kv, self._tensor(slots), self._tensor([table + [0] * (width - len(table)) for table in tables]),
-            self._tensor(query_start), self._tensor(kv_lengths), self.attend)
-        keep_index = self._tensor(keep)
-        with torch.inference_mode(), paged_attention_implementation(self.model):
-            out = self.model(
-                input_ids=self._tensor([tokens]), position_ids=self._tensor([positions]),
-                use_cache=False, logits_to_keep=keep_index, hf_accel_step=step,
-                output_hidden_states=self.keep_hidden,
-            )
-        hidden = out.hidden_states[-1][0, keep_index] if self.keep_hidden else None
-        return StepOutput(out.logits[0].float(), hidden, sampling, starts)
-
-    def _tensor(self, values: list) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long, device=self.device)
+        logits, hidden = self.forward(inputs)
+        return StepOutput(logits, hidden, sampling, starts)
 
     def _slots(self, seq: Sequence, start: int, stop: int) -> list[int]:
         size, blocks = self.kv.block_size, seq.block_ids

@@ -68,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-speculative-batch-tokens", type=int, default=24,
                         help="speculate while decoding sequences x (1 + candidates) stays within this "
                              "(default: %(default)s)")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="run the model step eagerly (default: compiled with torch.compile at start)")
     parser.add_argument("--max-queue-len", type=int, default=DEFAULT_MAX_QUEUE_LEN,
                         help="requests waiting for their first token before new ones get 429 (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
@@ -108,7 +110,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
                     max_model_len=args.max_model_len, medusa_heads=heads,
                     num_speculative_tokens=args.num_speculative_tokens,
-                    max_speculative_batch_tokens=args.max_speculative_batch_tokens)
+                    max_speculative_batch_tokens=args.max_speculative_batch_tokens, enforce_eager=args.enforce_eager)
     name = args.served_model_name or args.model or REFERENCE_NAME
     app = create_app(engine, tokenizer, name, api_key=args.api_key or None, max_queue_len=args.max_queue_len)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,

@@ -1,0 +1,146 @@
+"""The model forward of one engine step, eager or compiled once per engine with `torch.compile`.
+
+Compiled (the default where the in-place kernel is built; `enforce_eager=True` turns it off, vLLM's name), the
+model's own forward runs through inductor with dynamic shapes: the packed token count, the number of sequences, the
+block table's width and the kept rows may change every step without recompiling. The attention is one opaque custom
+op (`torch.ops.hf_accel.paged_attention`, mutating the pools in place), so the graph is whole (`fullgraph=True`).
+Two rules keep it to two graphs (one token, several tokens): sizes are never duck-shaped into one symbol because they
+happen to be equal when traced, and the sizes that can be 1 (sequences, block-table width, kept rows), which torch
+would specialize, are padded to at least 2 (an empty sequence, a column of block 0, the last kept row repeated: none
+changes a result). Both graphs are traced and compiled in `warm_up`, at engine start, so `compile_seconds` is the
+whole cost and no request waits for a compile; inductor's on-disk cache (on by default) makes a restart cheaper.
+On a GPU, decode steps replay CUDA graphs instead (`cuda_graphs.py`), captured in the same warm-up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx.experimental._config as symbolic_config
+from transformers import PreTrainedModel
+
+from .attention import ATTENTION_NAME, StepAttention
+from .cuda_graphs import DecodeGraphs
+from .kv_pool import KVPool
+
+
+@contextlib.contextmanager
+def paged_attention_implementation(model: PreTrainedModel) -> Iterator[None]:
+    """Run `model` with hf_accel's paged attention inside the block, its own implementation after (a no-op when
+    already inside one: `Engine` switches once per run of steps, so single steps pay nothing)."""
+    saved = model.config._attn_implementation
+    if saved == ATTENTION_NAME:
+        yield
+        return
+    model.set_attn_implementation(ATTENTION_NAME)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(saved)
+
+
+@dataclass(slots=True)
+class StepInputs:
+    """One step's packed inputs as host lists: `tokens`, `positions` and `slots` per packed token; `query_start`
+    (`seqs + 1` offsets), `kv_lengths` and block `tables` per sequence; `keep`, the packed rows whose logits (and
+    hidden states) the step returns."""
+
+    tokens: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    query_start: list[int] = field(default_factory=lambda: [0])
+    kv_lengths: list[int] = field(default_factory=list)
+    tables: list[list[int]] = field(default_factory=list)
+    keep: list[int] = field(default_factory=list)
+
+    def padded(self) -> StepInputs:
+        """The same step with no size that could be 1 except the token count: an empty sequence (no queries, no
+        context) when there is one, block tables at least 2 wide, at least 2 kept rows."""
+        tables, query_start, kv_lengths = self.tables, self.query_start, self.kv_lengths
+        if len(tables) < 2:
+            tables, query_start, kv_lengths = tables + [[]], query_start + [query_start[-1]], kv_lengths + [0]
+        keep = self.keep + (self.keep[-1:] or [0]) * (2 - len(self.keep))
+        tables = [table + [0] * (2 - len(table)) for table in tables]
+        return StepInputs(self.tokens, self.positions, self.slots, query_start, kv_lengths, tables, keep)
+
+
+class StepForward:
+    """Runs `model` on `StepInputs` over the pool `kv`, returning `(logits [kept, vocab] fp32, hidden [kept, hidden]
+    or None)`; `compile=True` compiles the forward (see the module docstring); `graphs` replays captured CUDA
+    graphs for the steps they cover (`cuda_graphs.DecodeGraphs`)."""
+
+    def __init__(self, model: PreTrainedModel, kv: KVPool, attend, keep_hidden: bool, compile: bool,
+                 graphs: DecodeGraphs | None = None):
+        self.model, self.kv, self.attend, self.keep_hidden, self.graphs = model, kv, attend, keep_hidden, graphs
+        self.device = next(model.parameters()).device
+        self.compiled = compile
+        self.compile_seconds = 0.0
+        self._forward = model  # eager: the module's own __call__ (its hooks, its forward as it is at call time)
+        if compile:
+            self._forward = torch.compile(model, dynamic=True, fullgraph=True)
+
+    def __call__(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        kept = len(inputs.keep)
+        if self.graphs is not None and len(inputs.tokens) == len(inputs.kv_lengths) == kept:  # one token each
+            with paged_attention_implementation(self.model):
+                logits = self.graphs.run(inputs.tokens, inputs.positions, inputs.slots, inputs.tables,
+                                         inputs.kv_lengths)
+            if logits is not None:
+                return logits, None
+        if self.compiled:
+            inputs = inputs.padded()
+        width = max(map(len, inputs.tables))
+        step = StepAttention(
+            self.kv, self._tensor(inputs.slots),
+            self._tensor([table + [0] * (width - len(table)) for table in inputs.tables]),
+            self._tensor(inputs.query_start), self._tensor(inputs.kv_lengths), self.attend)
+        keep = self._tensor(inputs.keep)
+        with torch.inference_mode(), paged_attention_implementation(self.model), \
+                symbolic_config.patch(use_duck_shape=False):
+            out = self._forward(
+                input_ids=self._tensor([inputs.tokens]), position_ids=self._tensor([inputs.positions]),
+                use_cache=False, logits_to_keep=keep, hf_accel_step=step, output_hidden_states=self.keep_hidden,
+            )
+        hidden = out.hidden_states[-1][0, keep[:kept]] if self.keep_hidden else None
+        return out.logits[0, :kept].float(), hidden
+
+    def warm_up(self) -> None:
+        """Compile both graphs now (a no-op when eager), timing it into `compile_seconds`; where compiling fails
+        (a module dynamo cannot trace whole, e.g. weights that repack themselves on first use), warn and run eagerly.
+        Writes K/V only into block 0 of a pool that holds nothing yet (an engine at start). Captures the CUDA
+        graphs, if any, the same way."""
+        started = time.perf_counter()
+        if self.graphs is not None:
+            with paged_attention_implementation(self.model):
+                self.graphs.capture()
+            self.compile_seconds = time.perf_counter() - started
+        if not self.compiled:
+            return
+        try:
+            self._trace_both_graphs()
+        except Exception as error:
+            warnings.warn(f"hf_accel: compiling the engine's model step failed ({type(error).__name__}: "
+                          f"{str(error).splitlines()[0] if str(error) else ''}); the engine runs it eagerly",
+                          RuntimeWarning, stacklevel=2)
+            self.compiled, self._forward = False, self.model
+        self.compile_seconds = time.perf_counter() - started
+
+    def _trace_both_graphs(self) -> None:
+        size = self.kv.block_size
+        for num_tokens in (1, 3):  # one token; several (two sequences)
+            lengths = [num_tokens] if num_tokens == 1 else [1, num_tokens - 1]
+            inputs = StepInputs(tokens=[0] * num_tokens, positions=[0] + list(range(num_tokens - 1)),
+                                slots=list(range(num_tokens)), keep=list(range(num_tokens)))
+            for length in lengths:
+                inputs.query_start.append(inputs.query_start[-1] + length)
+                inputs.kv_lengths.append(length)
+                inputs.tables.append([0] * -(-length // size))
+            self(inputs)
+
+    def _tensor(self, values: list) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)

@@ -1,0 +1,94 @@
+"""The engine's compiled model step (the default; tests elsewhere run eagerly): greedy tokens equal the eager engine's
+and sequential `generate` on Llama (grouped-query), Mistral (every layer sliding) and Gemma 2 (soft-capping), with
+prefill chunks and decodes in the same steps; exactly two graphs, both compiled at start, and no
+recompilation however the step's sizes change; `enforce_eager` and the fallback where compiling fails."""
+
+import pytest
+import torch
+import torch._dynamo.utils as dynamo_utils
+
+from conformance import make_model
+from engine_helpers import assert_greedy_equal, greedy_reference, random_prompts
+from hf_accel import Engine, MedusaHeads, SamplingParams, WeightOnlyConfig, quantize_model
+from hf_accel.engine.paged_kernel import paged_attention_kernel
+from hf_accel.engine.step_forward import StepInputs
+
+pytestmark = [pytest.mark.compiled,
+              pytest.mark.skipif(paged_attention_kernel() is None, reason="the paged attention kernel is not built")]
+
+# ragged prompts, one longer than a prefill chunk (max_num_batched_tokens below), so chunks and decodes share steps
+LENGTHS = [5, 70, 17, 1, 33, 9]
+MAX_TOKENS = [12, 3, 20, 9, 1, 16]
+
+
+def unique_graphs() -> int:
+    return dynamo_utils.counters["stats"]["unique_graphs"]
+
+
+def run(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in MAX_TOKENS[: len(prompts)]]
+    return [out.outputs[0].token_ids for out in engine.generate(prompts, params)]
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "gemma2"])
+def test_compiled_engine_equals_eager_and_generate_without_recompiling(arch):
+    model = make_model(arch, torch.float32, "eager" if arch == "gemma2" else "sdpa")
+    prompts = random_prompts(LENGTHS, seed=2)
+    before = unique_graphs()
+    engine = Engine(model, block_size=4, max_num_seqs=4, max_num_batched_tokens=32)
+    assert engine.core.runner.forward.compiled and engine.stats().compile_seconds > 0
+    assert unique_graphs() - before == 2  # one token; several: both at start
+    compiled = run(engine, prompts) + run(engine, prompts[:1])  # also a step of one sequence prefilling alone
+    assert unique_graphs() - before == 2  # sizes changed every step; nothing recompiled
+    eager = run(Engine(model, block_size=4, max_num_seqs=4, max_num_batched_tokens=32, enforce_eager=True), prompts)
+    for prompt, n, got, expected in zip(prompts, MAX_TOKENS, compiled, eager):
+        assert_greedy_equal(model, prompt, got, expected)  # inductor's fused kernels round differently: ties only
+        assert_greedy_equal(model, prompt, got, greedy_reference(model, prompt, n))
+
+
+def test_medusa_engine_runs_eagerly_and_equals_generate():
+    # its step returns hidden states, captured by transformers with a context manager dynamo cannot trace
+    model = make_model("llama", torch.float32, "sdpa")
+    with torch.random.fork_rng():
+        torch.manual_seed(3)
+        heads = MedusaHeads.for_model(model, num_heads=3, init_from_lm_head=True).eval()
+    engine = Engine(model, medusa_heads=heads, block_size=4, max_num_seqs=4)
+    assert not engine.core.runner.forward.compiled
+    prompts = random_prompts(LENGTHS, seed=5)
+    outputs = run(engine, prompts)
+    assert engine.stats().spec_decode_num_drafts > 0
+    for prompt, n, got in zip(prompts, MAX_TOKENS, outputs):
+        assert_greedy_equal(model, prompt, got, greedy_reference(model, prompt, n))
+
+
+def test_enforce_eager_compiles_nothing():
+    before = unique_graphs()
+    engine = Engine(make_model("llama", torch.float32, "sdpa"), enforce_eager=True)
+    assert not engine.core.runner.forward.compiled and engine.stats().compile_seconds == 0.0
+    run(engine, random_prompts(LENGTHS[:2]))
+    assert unique_graphs() == before
+    with pytest.raises(TypeError, match="enforce_eager"):
+        Engine(make_model("llama", torch.float32, "sdpa"), enforce_eager="yes")
+
+
+def test_a_model_that_cannot_compile_runs_eagerly_with_a_warning():
+    # int4 weights repack themselves on their first forward, which dynamo cannot trace
+    model = quantize_model(make_model("llama", torch.float32, "sdpa"), WeightOnlyConfig(bits=4, group_size=32),
+                           progress=False)
+    with pytest.warns(RuntimeWarning, match="compiling the engine's model step failed"):
+        engine = Engine(model, block_size=4)
+    assert not engine.core.runner.forward.compiled
+    prompts = random_prompts(LENGTHS[:3], seed=1)
+    got = run(engine, prompts)
+    for prompt, n, tokens in zip(prompts, MAX_TOKENS, got):
+        assert_greedy_equal(model, prompt, tokens, greedy_reference(model, prompt, n))
+
+
+def test_padding_keeps_sizes_off_one_and_changes_nothing_real():
+    inputs = StepInputs(tokens=[7], positions=[4], slots=[9], query_start=[0, 1], kv_lengths=[5], tables=[[2]],
+                        keep=[0])
+    padded = inputs.padded()
+    assert padded.query_start == [0, 1, 1] and padded.kv_lengths == [5, 0]  # an empty sequence: no queries, no context
+    assert padded.tables == [[2, 0], [0, 0]] and padded.keep == [0, 0]
+    assert (padded.tokens, padded.positions, padded.slots) == (inputs.tokens, inputs.positions, inputs.slots)
+    assert StepInputs().padded().keep == [0, 0]  # a step that samples nothing (a prefill chunk mid-prompt)
