@@ -1,0 +1,136 @@
+"""The GPU check: what hf_accel's engine does on a CUDA device, for the day one is lent (never in CI).
+
+On CUDA: the reference target in fp32 and bf16, the engine with CUDA graphs for its decode steps (the default) against
+the same engine with `enforce_eager=True`: greedy tokens of held-out requests compared with sequential `generate`,
+graph capture seconds, and decode-step time at 1, 8 and 32 sequences (interleaved, after a warm-up) with the speed-up
+of the graphs. Without CUDA it says so and measures nothing, unless `--device cpu` asks for the same comparison on
+the CPU (compiled step against eager: the script's own check, used by its test).
+
+    .venv/bin/python benchmarks/gpu_check.py            (writes benchmarks/results/gpu_check.json, docs/gpu_check.md)
+    .venv/bin/python benchmarks/gpu_check.py --quick --device cpu
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hf_accel import Engine, SamplingParams, reference
+from hf_accel.bench import torch_threads
+from hf_accel.bench.output import benchmark_parser, hardware, output_root, write_results
+
+ROOT = Path(__file__).resolve().parents[1]
+NAME = "gpu_check"
+COMMAND = ".venv/bin/python benchmarks/gpu_check.py"
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def decoding_engine(model, prompts: list[list[int]], enforce_eager: bool, steps: int) -> Engine:
+    """An engine with the prompts prefilled and decoding (one request each, `steps` + 8 tokens to go)."""
+    engine = Engine(model, max_num_seqs=max(len(prompts), 2), enforce_eager=enforce_eager)
+    for prompt in prompts:
+        engine.add_request(prompt, SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True))
+    engine.step()
+    while engine.core.scheduler.waiting or any(s.num_uncomputed_tokens > 1 for s in engine.core.scheduler.running):
+        engine.step()
+    return engine
+
+
+def greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """Sequential greedy `generate` of one prompt (the reference every engine output is compared with)."""
+    ids = torch.tensor([prompt], device=model.device)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+                         min_new_tokens=max_new_tokens)
+    return out[0, len(prompt):].tolist()
+
+
+def step_ms(engine: Engine, steps: int, device: torch.device) -> float:
+    """Milliseconds per decode step over `steps` steps (the device synchronised before and after)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    started = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return (time.perf_counter() - started) / steps * 1e3
+
+
+def check_dtype(model, tokenizer, device: torch.device, quick: bool) -> dict[str, Any]:
+    """Identical tokens and step times, default engine against eager, for one model."""
+    rows = reference.held_out_sequences(tokenizer, 64, max_rows=32)
+    prompts = [row[: 8 + 7 * i].tolist() for i, row in enumerate(rows[: 4 if quick else 8])]
+    params = SamplingParams(max_tokens=8 if quick else 32, temperature=0, ignore_eos=True)
+    started = time.perf_counter()
+    default = Engine(model, max_num_seqs=8)
+    start_seconds = time.perf_counter() - started
+    outputs = [out.outputs[0].token_ids for out in default.generate(prompts, params)]
+    expected = [greedy(model, prompt, params.max_tokens) for prompt in prompts]
+    forward = default.core.runner.forward
+    result: dict[str, Any] = {
+        "graphs": forward.graphs is not None, "compiled": forward.compiled, "start_seconds": round(start_seconds, 2),
+        "identical": sum(a == b for a, b in zip(outputs, expected)), "requests": len(prompts), "steps": {}}
+    steps = 4 if quick else 32
+    for num_seqs in ((1, 4) if quick else (1, 8, 32)):
+        batch = [row[:48].tolist() for row in rows[:num_seqs]]
+        engines = {"default": decoding_engine(model, batch, False, 3 * steps),
+                   "eager": decoding_engine(model, batch, True, 3 * steps)}
+        times: dict[str, list[float]] = {name: [] for name in engines}
+        for _ in range(3):  # interleaved
+            for name, engine in engines.items():
+                times[name].append(step_ms(engine, steps, device))
+        default_ms, eager_ms = statistics.median(times["default"]), statistics.median(times["eager"])
+        result["steps"][str(num_seqs)] = {"default_ms": round(default_ms, 3), "eager_ms": round(eager_ms, 3),
+                                          "speedup": round(eager_ms / default_ms, 3)}
+    return result
+
+
+def measure(device_name: str, quick: bool) -> dict[str, Any] | None:
+    device = torch.device(device_name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        return None
+    report: dict[str, Any] = {"benchmark": NAME, "command": COMMAND, "hardware": hardware(), "device": str(device),
+                              "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+                              "results": {}}
+    for name in (("fp32",) if quick else tuple(DTYPES)):
+        model, tokenizer = reference.load("target", dtype=DTYPES[name])
+        report["results"][name] = check_dtype(model.to(device), tokenizer, device, quick)
+    return report
+
+
+def render(report: dict[str, Any]) -> str:
+    lines = [f"hf_accel Engine on {report['gpu'] or report['device']}: the default engine (CUDA graphs for decode "
+             "steps on a GPU; compiled step on CPU) against `enforce_eager=True`, reference target.", "",
+             "| dtype | graphs | identical to generate | start s | decode step ms (default / eager / speed-up) |",
+             "| --- | --- | --- | --- | --- |"]
+    for name, r in report["results"].items():
+        steps = "; ".join(f"{n} seq: {s['default_ms']:.2f} / {s['eager_ms']:.2f} / {s['speedup']:.2f}x"
+                          for n, s in r["steps"].items())
+        lines.append(f"| {name} | {r['graphs']} | {r['identical']}/{r['requests']} | {r['start_seconds']} | {steps} |")
+    return "\n".join(lines) + f"\n\nFrom `{report['command']}`.\n"
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any] | None:
+    parser = benchmark_parser(__doc__.split("\n\n")[0], NAME)
+    parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (the same check on the CPU)")
+    args = parser.parse_args(argv)
+    with torch_threads(args.threads):
+        report = measure(args.device, args.quick)
+    if report is None:
+        print("gpu_check: no CUDA device here; nothing measured (run it where one is, or with --device cpu)")
+        return None
+    text = render(report)
+    print("\n" + text)
+    out = output_root(args, ROOT)
+    if out is not None:
+        write_results(out, NAME, report, text)
+    return report
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
