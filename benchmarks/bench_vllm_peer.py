@@ -3,18 +3,17 @@ in its own process on one compute thread (issue 24, item 5).
 
 Offline: bench_serving's mix (`hf_accel.bench.workload.serving_requests`, greedy, EOS ignored) on the reference
 target (64 requests) and a 185M random-weight Llama (hidden 1024, 16 layers, 4 KV heads; 32 requests), saved in fp32
-for both engines. Each round runs one worker process per side (benchmarks/vllm_peer_worker.py: a warm-up, then one
-timed batch call), alternating which goes first. Reported: generated tok/s (median of rounds), the ratio, identical
-outputs (hf_accel vs vLLM, each vs sequential `generate`). Online: `hf-accel serve`, then vLLM's OpenAI server, sent
-the same Poisson load by `hf_accel.server.load` (TTFT, TPOT, ITL, e2e). The peer venv (3.4 GB) lies outside the
-project; without it the vLLM rows are skipped. Not in CI. `--setup` creates it first (about 2 min):
+for both. Each round runs one worker process per side (benchmarks/vllm_peer_worker.py: a warm-up, then one timed
+batch call), alternating which goes first: generated tok/s (median of rounds), ratio, identical outputs (hf_accel vs
+vLLM, each vs sequential `generate`). Online: `hf-accel serve` and vLLM's OpenAI server in turn under the same
+Poisson load (`hf_accel.server.load`: TTFT, TPOT, ITL, e2e). Without the peer venv (3.4 GB, outside the project;
+`--setup` creates it) the vLLM rows are skipped. Not in CI.
     .venv/bin/python benchmarks/bench_vllm_peer.py [--setup] [--vllm-venv PATH] [--offline-only] [--quick] [--out DIR]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -30,8 +29,8 @@ from hf_accel import reference
 from hf_accel.bench import describe_model, random_llama
 from hf_accel.bench.output import benchmark_parser, hardware, output_root, run_benchmark
 from hf_accel.bench.peer import (
-    count_identical, create_venv, free_port, load_server, rounds_summary, run_script, side_order, tokens_per_s,
-    venv_python,
+    count_identical, create_venv, free_port, judged, load_server, median_rows, rounds_summary, run_job, side_order,
+    tokens_per_s, venv_python,
 )
 from hf_accel.bench.workload import Request, compare_outputs, serving_requests
 
@@ -107,15 +106,6 @@ def job(side: str, case: Case, plan: Plan, sequential: bool) -> dict[str, Any]:
             "requests": [[r.prompt, r.max_tokens] for r in case.requests], "warmup": 2, "sequential": sequential}
 
 
-def run_worker(python: Path, request: dict[str, Any], scratch: Path, timeout: float) -> dict[str, Any]:
-    """Run one worker process on `request` (its log: `scratch/<side>-log.txt`) and return its result."""
-    job_path, result_path = scratch / f"{request['side']}-job.json", scratch / f"{request['side']}-result.json"
-    job_path.write_text(json.dumps(request))
-    run_script([str(python), str(WORKER), str(job_path), str(result_path)], side_env(request["side"]),
-               scratch / f"{request['side']}-log.txt", timeout)
-    return json.loads(result_path.read_text())
-
-
 def offline_case(case: Case, plan: Plan, peer: Path | None, scratch: Path) -> dict[str, Any]:
     """Alternate the sides' workers over `plan.rounds` rounds, then compare what they generated."""
     runs: dict[str, list[dict[str, Any]]] = {side: [] for side in SIDES}
@@ -123,7 +113,8 @@ def offline_case(case: Case, plan: Plan, peer: Path | None, scratch: Path) -> di
         for side in side_order(SIDES if peer is not None else SIDES[:1], round_index):
             python = Path(sys.executable) if side == "hf_accel" else peer
             request = job(side, case, plan, sequential=side == "hf_accel" and not runs[side])
-            runs[side].append(run_worker(python, request, scratch, plan.timeout_s))
+            runs[side].append(run_job([str(python), str(WORKER)], request, side_env(side), scratch / side,
+                                      plan.timeout_s))
             print(f"{case.name} round {round_index + 1} {side}: {tokens_per_s(runs[side][-1]):.1f} tok/s", flush=True)
     model = AutoModelForCausalLM.from_pretrained(case.folder, dtype=torch.float32).eval()
     return summarize(model, case, runs)
@@ -155,17 +146,20 @@ def server_command(side: str, python: Path, case: Case, plan: Plan, port: int) -
 
 
 def online(case: Case, plan: Plan, peer: Path | None, scratch: Path) -> dict[str, Any]:
-    """Each server in turn on `case`, sent the same Poisson load at each of `plan.online_rates`."""
+    """Each server in turn on `case`, sent the same Poisson load at each of `plan.online_rates`, alternating which
+    goes first over `plan.rounds` rounds; each number of a side's row is its median over rounds."""
     work = serving_requests(AutoTokenizer.from_pretrained(case.folder), plan.online_requests, plan.prompt_range,
                             plan.max_tokens_range, plan.max_model_len, seed=2)  # bench_serving's online requests
     requests = [(r.prompt, min(r.max_tokens, plan.online_max_tokens)) for r in work]
-    rows: dict[str, Any] = {"model": case.name, "vllm": []}
-    for side, python, port in zip(SIDES, (Path(sys.executable), peer), (free_port(), free_port())):
-        if python is not None:
-            rows[side] = load_server(server_command(side, python, case, plan, port), side_env(side),
-                                     scratch / f"{side}-server.txt", port, SERVED_NAME, requests, plan.online_rates,
-                                     plan.timeout_s)
-    return rows
+    rounds: dict[str, list[Any]] = {side: [] for side in SIDES}
+    for round_index in range(plan.rounds):
+        for side in side_order(SIDES if peer is not None else SIDES[:1], round_index):
+            python, port = Path(sys.executable) if side == "hf_accel" else peer, free_port()
+            rounds[side].append(load_server(server_command(side, python, case, plan, port), side_env(side),
+                                            scratch / f"{side}-server.txt", port, SERVED_NAME, requests,
+                                            plan.online_rates, plan.timeout_s))
+    return {"model": case.name, "rounds": rounds, **{side: median_rows(rounds[side]) if rounds[side] else []
+                                                    for side in SIDES}}
 
 
 def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
@@ -180,9 +174,7 @@ def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
         medians = [r[metric]["median"] for side in SIDES for r in online.get(side, []) if r["rate"] == rate]
         found.append((f"{metric[:4].upper()} p50 / vLLM's at {rate:g} req/s", "<=", 1.0,
                       medians[0] / medians[1] if len(medians) == 2 else None))  # [hf_accel's, vLLM's]
-    return [{"name": name, "goal": f"{op} {goal}", "value": value,
-             "met": None if value is None else (value >= goal if op == ">=" else value <= goal)}
-            for name, op, goal, value in found]
+    return [judged(*target) for target in found]
 
 
 def measure(quick: bool, venv: Path, offline_only: bool) -> dict[str, Any]:
@@ -192,7 +184,8 @@ def measure(quick: bool, venv: Path, offline_only: bool) -> dict[str, Any]:
     print(f"vLLM rows skipped: {skipped}" if skipped else f"vLLM: {peer}", flush=True)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix=f"{NAME}-") as tmp:
-        found = cases(plan, scratch := Path(tmp))
+        scratch = Path(tmp)
+        found = cases(plan, scratch)
         report = {"benchmark": NAME, "command": COMMAND + (" --quick" if quick else ""), "hardware": hardware(),
                   "plan": asdict(plan), "engine_limits": ENGINE_LIMITS, "vllm_env": VLLM_ENV, "vllm_skipped": skipped,
                   "offline": [{"name": case.name, **offline_case(case, plan, peer, scratch)} for case in found]}
@@ -235,10 +228,12 @@ def render(report: dict[str, Any]) -> str:
              *(["", f"vLLM skipped: {report['vllm_skipped']}."] if report["vllm_skipped"] else [])]
     if "online" in report:
         online = report["online"]
-        lines += ["", f"Online on {online['model']}: `hf-accel serve`, then vLLM's OpenAI server, each sent the same "
+        lines += ["", f"Online on the {online['model']}: `hf-accel serve` and vLLM's OpenAI server in turn "
+                  f"(alternating, {plan['rounds']} rounds; each number the median of rounds), each sent the same "
                   f"{plan['online_requests']} streamed completions (at most {plan['online_max_tokens']} tokens) by "
                   "`hf_accel.server.load` at each Poisson rate; latencies in ms, mean/median/p99.", "",
-                  "| rate (req/s) | engine | req/s | output tok/s | TTFT | TPOT | ITL | e2e |", "| --- |" + " --- |" * 7]
+                  "| rate (req/s) | engine | req/s | output tok/s | TTFT | TPOT | ITL | e2e |",
+                  "| --- |" + " --- |" * 7]
         lines += [f"| {r['rate']} | {side} | {r['request_throughput']:.2f} | {r['output_token_throughput']:.1f} | "
                   + " | ".join("/".join(f"{r[k][s]:.0f}" for s in ("mean", "median", "p99"))
                                for k in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")) + " |"
@@ -246,8 +241,8 @@ def render(report: dict[str, Any]) -> str:
     lines += ["", "| target (recorded, not asserted) | measured | met |", "| --- | --- | --- |"]
     lines += [f"| {t['name']} {t['goal']} | " + ("-" if t["value"] is None else f"{t['value']:.2f}")
               + f" | {'-' if t['met'] is None else 'yes' if t['met'] else 'no'} |" for t in report["targets"]]
-    lines += ["", f"Whole run: {report['total_seconds'] / 60:.1f} min.", "", f"![hf_accel vs vLLM]({NAME}.png)"]
-    return "\n".join(lines) + f"\n\nFrom `{report['command']}`.\n"
+    lines += ["", f"![hf_accel vs vLLM]({NAME}.png)"]
+    return "\n".join(lines) + f"\n\nFrom `{report['command']}` ({report['total_seconds'] / 60:.1f} min in all).\n"
 
 
 def plot(report: dict[str, Any], path: Path) -> None:

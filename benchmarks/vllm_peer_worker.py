@@ -4,11 +4,11 @@
     python benchmarks/vllm_peer_worker.py JOB.json RESULT.json
 
 JOB: {"side": "hf_accel" | "vllm", "model": folder, "max_model_len", "max_num_seqs", "max_num_batched_tokens"
-(null: the engine's default), "requests": [[prompt token ids, max_tokens], ...], "warmup": n, "sequential": bool}. Each request is greedy and
-generates exactly its max_tokens (EOS ignored). The first `warmup` requests run once untimed, then all requests are
-timed as one batch call. RESULT: {"side", "seconds" (the timed call), "load_seconds", "outputs" (generated token
-ids per request), "threads", "versions"} and, with "sequential" (hf_accel only), "sequential_outputs" (one greedy
-`generate` per request: the reference) and "sequential_seconds".
+(null: the engine's default), "requests": [[prompt token ids, max_tokens], ...], "warmup": n, "sequential": bool}.
+Each request is greedy and generates exactly its max_tokens (EOS ignored). The first `warmup` requests run once
+untimed, then all requests are timed as one batch call. RESULT: {"side", "seconds" (the timed call), "load_seconds",
+"outputs" (generated token ids per request), "threads", "versions"} and, with "sequential" (hf_accel only),
+"sequential_outputs" (one greedy `generate` per request: the reference) and "sequential_seconds".
 One compute thread: hf_accel sets torch's threads to 1 here; vLLM's worker takes it from VLLM_CPU_OMP_THREADS_BIND,
 which the parent sets.
 """

@@ -6,7 +6,9 @@ import json
 import pytest
 
 from hf_accel import bench, reference
-from hf_accel.bench.peer import count_identical, rounds_summary, side_order, tokens_per_s, venv_python
+from hf_accel.bench.peer import (
+    count_identical, judged, median_rows, rounds_summary, side_order, tokens_per_s, venv_python,
+)
 from hf_accel.bench.workload import Request, serving_requests
 
 
@@ -54,6 +56,15 @@ def test_round_maths():
     assert summary["load_seconds"] == [5.0, 1.0, 1.0] and summary["generated_tokens"] == 2
     assert summary["same_outputs_every_round"]
     assert not rounds_summary([_run([[1]], 1.0), _run([[2]], 1.0)])["same_outputs_every_round"]
+    rounds = [[{"rate": 1.0, "ttft_ms": {"median": 10.0}}, {"rate": "inf", "ttft_ms": {"median": 40.0}}],
+              [{"rate": 1.0, "ttft_ms": {"median": 30.0}}, {"rate": "inf", "ttft_ms": {"median": 20.0}}],
+              [{"rate": 1.0, "ttft_ms": {"median": 20.0}}, {"rate": "inf", "ttft_ms": {"median": 90.0}}]]
+    assert median_rows(rounds) == [{"rate": 1.0, "ttft_ms": {"median": 20.0}},
+                                   {"rate": "inf", "ttft_ms": {"median": 40.0}}]
+    assert judged("a", ">=", 1.0, 1.5)["met"] and not judged("b", "<=", 1.0, 1.5)["met"]
+    assert judged("c", "<=", 1.0, None) == {"name": "c", "goal": "<= 1.0", "value": None, "met": None}
+    with pytest.raises(ValueError):
+        judged("d", "<", 1.0, 0.5)
 
 
 def test_offline_row_ratio_identical_counts_and_targets(load_benchmark):
@@ -67,7 +78,8 @@ def test_offline_row_ratio_identical_counts_and_targets(load_benchmark):
     assert row["hf_accel"]["tokens_per_s"] == 6.0 and row["vllm"]["tokens_per_s"] == 2.0 and row["ratio"] == 3.0
     assert row["sequential_generate_tokens_per_s"] == 2.0
     assert row["identical_hf_accel_vllm"] == 1 and row["hf_accel_vs_sequential"]["identical"] == 2
-    assert row["vllm_vs_sequential"]["identical"] == 1 and len(row["vllm_vs_sequential"]["first_difference_top2_gaps"]) == 1
+    assert row["vllm_vs_sequential"]["identical"] == 1
+    assert len(row["vllm_vs_sequential"]["first_difference_top2_gaps"]) == 1
     online = {"hf_accel": [_load(1.0, 50, 10), _load(4.0, 80, 12)], "vllm": [_load(1.0, 100, 10), _load(4.0, 40, 6)]}
     found = {t["name"]: t for t in script.targets({"offline": [{"name": "m", **row}], "online": online})}
     assert found["x vLLM generated tok/s, m"]["met"] and found["share of requests identical to vLLM's"]["value"] == 0.5
@@ -100,6 +112,7 @@ def test_quick_run_without_the_peer_writes_the_hf_accel_rows(load_benchmark, tok
     assert row["hf_accel_vs_sequential"]["identical"] == row["requests"] and row["hf_accel"]["same_outputs_every_round"]
     online = report["online"]
     assert online["vllm"] == [] and [r["rate"] for r in online["hf_accel"]] == [8.0, "inf"]
+    assert len(online["rounds"]["hf_accel"]) == script.QUICK.rounds
     assert all(r["output_token_throughput"] > 0 for r in online["hf_accel"])
     doc = (tmp_path / "docs/serving.md").read_text()
     assert "old" not in doc and "| random Llama: llama" in doc and "skipped" in doc

@@ -1,6 +1,7 @@
 """A peer engine for side-by-side benchmarks: its own virtual environment (`venv_python`, `create_venv`), a script run
-to completion in another interpreter (`run_script`), a server process that lives for a `with` block (`serving`) or
-for a load test (`load_server`), and the maths over the sides' rounds (`side_order`, `tokens_per_s`, `rounds_summary`, `count_identical`).
+to completion in another interpreter on a JSON job (`run_job`), a server process that lives for a `with` block
+(`serving`) or for a load test (`load_server`), and the maths over the sides' rounds (`side_order`, `tokens_per_s`,
+`rounds_summary`, `count_identical`, `median_rows`, `judged`).
 
 Rules: nothing here knows which engine the peer is; every process gets its environment and a log file from the
 caller, and a process that fails raises RuntimeError quoting the end of its log. A run is a worker's result:
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import signal
 import socket
 import statistics
@@ -46,12 +48,18 @@ def create_venv(venv: Path, install: Sequence[str], uninstall: Sequence[str] = (
     return python
 
 
-def run_script(command: Sequence[str], env: Mapping[str, str], log_path: Path, timeout: float) -> None:
-    """Run `command` to completion (stdout and stderr to `log_path`, at most `timeout` seconds)."""
-    with log_path.open("w") as log:
-        done = subprocess.run(list(command), env=dict(env), stdout=log, stderr=subprocess.STDOUT, timeout=timeout)
+def run_job(command: Sequence[str], job: Mapping[str, Any], env: Mapping[str, str], stem: Path,
+            timeout: float) -> dict[str, Any]:
+    """Run `command JOB RESULT` to completion (at most `timeout` seconds) with `job` written as JSON to
+    `<stem>-job.json`; returns the JSON it wrote to `<stem>-result.json`. Its output goes to `<stem>-log.txt`."""
+    paths = [stem.with_name(f"{stem.name}-{suffix}") for suffix in ("job.json", "result.json", "log.txt")]
+    paths[0].write_text(json.dumps(job))
+    with paths[2].open("w") as log:
+        done = subprocess.run([*command, str(paths[0]), str(paths[1])], env=dict(env), stdout=log,
+                              stderr=subprocess.STDOUT, timeout=timeout)
     if done.returncode != 0:
-        raise RuntimeError(f"{command[:2]} exited with {done.returncode}: {log_path.read_text()[-LOG_TAIL:]}")
+        raise RuntimeError(f"{command[:2]} exited with {done.returncode}: {paths[2].read_text()[-LOG_TAIL:]}")
+    return json.loads(paths[1].read_text())
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -131,3 +139,25 @@ def rounds_summary(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
             "generated_tokens": sum(len(out) for out in runs[0]["outputs"]),
             "same_outputs_every_round": all(run["outputs"] == runs[0]["outputs"] for run in runs),
             "versions": runs[0]["versions"]}
+
+
+def median_rows(rounds: Sequence[Sequence[Mapping[str, Any]]]) -> list[dict[str, Any]]:
+    """Rows of the same measurements over rounds (`rounds[r][i]`: round r's row i) merged into one row each: every
+    number the median over rounds (nested dicts alike), anything else (a label) the first round's."""
+    return [_median_row(rows) for rows in zip(*rounds, strict=True)]
+
+
+def _median_row(rows: Sequence[Any]) -> Any:
+    first = rows[0]
+    if isinstance(first, Mapping):
+        return {key: _median_row([row[key] for row in rows]) for key in first}
+    numeric = isinstance(first, (int, float)) and not isinstance(first, bool)
+    return statistics.median(rows) if numeric else first
+
+
+def judged(name: str, op: str, goal: float, value: float | None) -> dict[str, Any]:
+    """A target as a record: `value op goal` (op ">=" or "<="), `met` None when `value` was not measured."""
+    if op not in (">=", "<="):
+        raise ValueError(f"op must be '>=' or '<=', got {op!r}")
+    met = None if value is None else value >= goal if op == ">=" else value <= goal
+    return {"name": name, "goal": f"{op} {goal}", "value": value, "met": met}
