@@ -17,7 +17,6 @@ and online serving through the HTTP server (`hf_accel.server.load`: Poisson arri
 from __future__ import annotations
 
 import asyncio
-import random
 import statistics
 import sys
 import threading
@@ -32,6 +31,7 @@ from transformers import ContinuousBatchingConfig, GenerationConfig
 from hf_accel import Engine, SamplingParams, bench, reference
 from hf_accel.bench import describe_model
 from hf_accel.bench.output import benchmark_parser, output_root, run_benchmark
+from hf_accel.bench.workload import Request, compare_outputs, engine_outputs, sequential_outputs, serving_requests
 
 ROOT = Path(__file__).resolve().parents[1]
 NAME = "bench_serving"
@@ -58,32 +58,8 @@ FULL = Plan(64, (32, 400), (16, 256), 2, (1, 4, 16, 64), 24, 64, 256, 0.05, 48, 
 QUICK = Plan(6, (8, 40), (4, 12), 1, (1, 4), 4, 4, 32, 0.0, 4, (8.0, float("inf")))
 
 
-@dataclass(frozen=True, slots=True)
-class Request:
-    prompt: list[int]
-    max_tokens: int
-
-
 def workload(tokenizer, plan: Plan, max_len: int, seed: int = 0) -> list[Request]:
-    """Held-out prompts of random lengths, each with a random `max_tokens` that fits the context."""
-    rng = random.Random(seed)
-    rows = reference.held_out_sequences(tokenizer, seq_len=plan.prompt_range[1], max_rows=plan.num_requests)
-    requests = []
-    for i in range(plan.num_requests):
-        length = rng.randint(*plan.prompt_range)
-        top = min(plan.max_tokens_range[1], max_len - length)
-        requests.append(Request(rows[i % len(rows), :length].tolist(), rng.randint(plan.max_tokens_range[0], top)))
-    return requests
-
-
-def run_sequential(model, work: list[Request]) -> list[list[int]]:
-    outputs = []
-    for req in work:
-        ids = torch.tensor([req.prompt])
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=req.max_tokens,
-                             min_new_tokens=req.max_tokens, do_sample=False)
-        outputs.append(out[0, len(req.prompt):].tolist())
-    return outputs
+    return serving_requests(tokenizer, plan.num_requests, plan.prompt_range, plan.max_tokens_range, max_len, seed)
 
 
 def run_static(model, work: list[Request], batch_size: int = 8) -> None:
@@ -114,28 +90,10 @@ def run_transformers_cb(model, work: list[Request], max_len: int) -> None:
                 raise RuntimeError("transformers' continuous batching thread died")
 
 
-def run_engine(engine: Engine, work: list[Request]) -> list[list[int]]:
-    params = [SamplingParams(max_tokens=r.max_tokens, temperature=0, ignore_eos=True) for r in work]
-    return [out.token_ids for out in engine.generate([r.prompt for r in work], params)]
-
-
 def timed(fn, *args) -> tuple[Any, float]:
     start = time.perf_counter()
     result = fn(*args)
     return result, time.perf_counter() - start
-
-
-def compare_outputs(model, work: list[Request], got: list[list[int]], expected: list[list[int]]) -> dict[str, Any]:
-    """Exact matches, and for the others the top-2 logit gap at the first difference (a near tie flips either way
-    between batched and one-row matmuls)."""
-    gaps = []
-    for req, a, b in zip(work, got, expected):
-        if a != b:
-            step = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
-            with torch.no_grad():
-                top = model(torch.tensor([req.prompt + b[:step]])).logits[0, -1].float().topk(2).values
-            gaps.append(float(top[0] - top[1]))
-    return {"requests": len(work), "identical": len(work) - len(gaps), "first_difference_top2_gaps": gaps}
 
 
 def offline(model, tokenizer, plan: Plan) -> dict[str, Any]:
@@ -144,14 +102,14 @@ def offline(model, tokenizer, plan: Plan) -> dict[str, Any]:
     asked = sum(r.max_tokens for r in work)
     engine = Engine(model, tokenizer, max_num_seqs=64, max_num_batched_tokens=512)
     warm = work[:2]
-    run_static(model, warm), run_transformers_cb(model, warm, engine_len), run_engine(engine, warm)
-    reference_out, sequential_s = timed(run_sequential, model, work)
+    run_static(model, warm), run_transformers_cb(model, warm, engine_len), engine_outputs(engine, warm)
+    reference_out, sequential_s = timed(sequential_outputs, model, work)
     seconds: dict[str, list[float]] = {"static batches of 8": [], "transformers CB": [], "hf_accel Engine": []}
     engine_out = None
     for _ in range(plan.repeats):
         seconds["static batches of 8"].append(timed(run_static, model, work)[1])
         seconds["transformers CB"].append(timed(run_transformers_cb, model, work, engine_len)[1])
-        engine_out, engine_s = timed(run_engine, engine, work)
+        engine_out, engine_s = timed(engine_outputs, engine, work)
         seconds["hf_accel Engine"].append(engine_s)
     rates = {"sequential generate": asked / sequential_s}
     rates.update({name: asked / statistics.median(times) for name, times in seconds.items()})
@@ -166,8 +124,8 @@ def sweep(model, tokenizer, plan: Plan) -> dict[str, float]:
     rates = {}
     for seqs in plan.sweep_seqs:
         engine = Engine(model, tokenizer, max_num_seqs=seqs)
-        run_engine(engine, work[:1])
-        rates[str(seqs)] = sum(r.max_tokens for r in work) / timed(run_engine, engine, work)[1]
+        engine_outputs(engine, work[:1])
+        rates[str(seqs)] = sum(r.max_tokens for r in work) / timed(engine_outputs, engine, work)[1]
     return rates
 
 

@@ -25,18 +25,22 @@ def random_llama(
     vocab_size: int = 4096,
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
+    num_heads: int | None = None,
+    num_kv_heads: int | None = None,
+    max_position_embeddings: int = 8192,
 ) -> LlamaForCausalLM:
-    """A random-weight Llama (`hidden_size / 32` heads of 32 dims, half as many KV heads), eval mode, no EOS."""
+    """A random-weight Llama, eval mode, no EOS: MLP width `hidden_size * 8 // 3`, `num_heads` attention heads
+    (default `hidden_size / 32`, of 32 dims) and `num_kv_heads` KV heads (default half as many)."""
     torch.manual_seed(seed)
-    heads = max(hidden_size // 32, 1)
+    heads = num_heads or max(hidden_size // 32, 1)
     config = LlamaConfig(
         hidden_size=hidden_size,
         intermediate_size=hidden_size * 8 // 3,
         num_hidden_layers=num_layers,
         num_attention_heads=heads,
-        num_key_value_heads=max(heads // 2, 1),
+        num_key_value_heads=num_kv_heads or max(heads // 2, 1),
         vocab_size=vocab_size,
-        max_position_embeddings=8192,
+        max_position_embeddings=max_position_embeddings,
         eos_token_id=None,
         bos_token_id=None,
         pad_token_id=0,
