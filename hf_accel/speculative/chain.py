@@ -43,9 +43,9 @@ def verify(decoding: Decoding, model: PreTrainedModel, cache: Cache, candidates:
     """Score `candidates` `[batch, k]` in one target forward and accept a prefix per row.
 
     `history`: the compact tokens with the candidates after each row's history (`RaggedBatch.with_candidates`).
-    `draft_probs`: `[batch, k, vocab]` the distributions the candidates were drawn from, when sampling (a
-    deterministic candidate is one-hot; rows past their `num_candidates` are zero). `num_candidates`: `[batch]`
-    candidates each row proposed (None: all `k`). Returns the verdict and the processed scores and raw logits of
+    `draft_probs`: `[batch, k, vocab]` the distributions the candidates were drawn from, when sampling; None:
+    the candidates are deterministic (a one-hot distribution each). `num_candidates`: `[batch]` candidates each
+    row proposed (None: all `k`). Returns the verdict and the processed scores and raw logits of
     the `k + 1` positions, `[batch, k + 1, vocab]`.
     """
     batch, rules = decoding.batch, decoding.rules
@@ -58,9 +58,18 @@ def verify(decoding: Decoding, model: PreTrainedModel, cache: Cache, candidates:
                           for j in range(k + 1)], dim=1)  # [batch, k + 1, vocab]
     if rules.do_sample:
         target_probs = torch.softmax(scores, dim=-1)
-        draft_probs = target_probs[:, :0] if draft_probs is None else draft_probs  # k == 0: no candidates
+        if draft_probs is None:
+            draft_probs = _one_hot(candidates, num_candidates, target_probs)
         return speculative_sample(candidates, draft_probs, target_probs, num_drafts=num_candidates), scores, logits
     return greedy_accept(candidates, scores.argmax(dim=-1), num_drafts=num_candidates), scores, logits
+
+
+def _one_hot(candidates: torch.Tensor, num_candidates: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    # [batch, k, vocab]: 1 at each candidate, rows past a row's own candidates all zero
+    probs = like.new_zeros((*candidates.shape, like.shape[-1])).scatter_(2, candidates[..., None], 1.0)
+    if num_candidates is not None:
+        probs *= (torch.arange(candidates.shape[1], device=probs.device) < num_candidates[:, None])[..., None]
+    return probs
 
 
 def keep(decoding: Decoding, cache: Cache, verdict: Verdict, scores: torch.Tensor, logits: torch.Tensor, k: int,

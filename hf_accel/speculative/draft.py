@@ -19,7 +19,7 @@ from transformers.cache_utils import Cache
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from . import chain, loop
-from .draft_checks import check_inputs
+from .chain_checks import check_draft_model
 from .draft_length import DraftLength
 from .loop import Decoding, GenerateCall
 from .stats import SpeculativeStats
@@ -90,7 +90,7 @@ def draft_generate(
 
 def _start(call: GenerateCall, draft_model: PreTrainedModel | None, length: DraftLength,
            stats: SpeculativeStats | None) -> DraftRun:
-    check_inputs(call, draft_model)
+    check_draft_model(call, draft_model)
     decoding = loop.start(call, stats)
     cache = call.model_kwargs["past_key_values"]
     cache.activate_past_recording()  # sliding-window layers must keep what a crop may take back

@@ -1,0 +1,117 @@
+"""How many candidates a model-free round verifies: the k that maximises expected tokens per second. Plain Python.
+
+Each round every generating row brings a draft whose tokens carry estimated probabilities (that the token and all
+before it are accepted, `suffix_cache.Draft`). With k candidates per row, row r expects to gain
+`1 + trust * sum(p_r[:k])` tokens; the round costs `a + b * batch * (k + 1)` seconds (a forward over `batch * (k + 1)`
+tokens). k = 0 is a plain decode step, and it is the off-switch: where measured acceptance makes extra candidates cost
+more than they gain, no candidate is verified.
+
+- `trust`: measured accepted / expected accepted, over recent rounds (sums decayed by `DECAY` per speculating round),
+  with a prior of `PRIOR_WEIGHT` expected tokens at trust 1.
+- probes: while switched off nothing is measured, so after `probe_interval` rounds off, one round speculates as if
+  trust were 1. Its outcome is evidence like any round's: when it pays, speculation is back on; when not, the next
+  probe waits twice as long (`FIRST_PROBE_INTERVAL` doubling up to `MAX_PROBE_INTERVAL`).
+- cost: least squares of seconds per round on tokens forwarded, over recent rounds, seeded with the prior that a
+  candidate costs `PRIOR_TOKEN_COST` of a one-token step (CPU-like; measured rounds take over quickly). Or fixed:
+  `token_cost`, the extra cost of one candidate per row relative to a plain step (0: speculate whenever a draft
+  exists).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+DECAY, PRIOR_WEIGHT = 0.9, 1.0
+FIRST_PROBE_INTERVAL, MAX_PROBE_INTERVAL = 8, 128
+PRIOR_TOKEN_COST, COST_DECAY = 0.05, 0.95
+
+
+@dataclass(slots=True)
+class RoundCost:
+    """Seconds per round as `a + b * tokens` (tokens: batch x columns forwarded), least squares over recent rounds
+    (weights decay by `COST_DECAY` per round); `relative(tokens, base)`: cost of `tokens` over cost of `base`."""
+
+    sums: list[float] = field(default_factory=lambda: [0.0] * 5)  # weight, x, y, xx, xy
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        for i, value in enumerate((1.0, tokens, seconds, tokens * tokens, tokens * seconds)):
+            self.sums[i] = self.sums[i] * COST_DECAY + value
+
+    def relative(self, tokens: int, base: int) -> float:
+        w, x, y, xx, xy = self.sums
+        spread = w * xx - x * x
+        if w < 2 or spread <= 1e-9 * max(w * xx, 1.0):  # too few or all rounds alike: the prior slope
+            return 1.0 + PRIOR_TOKEN_COST * (tokens - base)
+        slope = (w * xy - x * y) / spread
+        intercept = (y - slope * x) / w
+        at_base = intercept + slope * base
+        if at_base <= 0:
+            return 1.0 + PRIOR_TOKEN_COST * (tokens - base)
+        return max((intercept + slope * tokens) / at_base, 1.0)
+
+
+@dataclass(slots=True)
+class DraftBudget:
+    """Chooses each round's k (see the module docstring) and learns from the round's outcome.
+
+    Args:
+        max_tokens: the longest chain a round verifies.
+        token_cost: fixed extra cost of one candidate per row, relative to a plain step; None: measured.
+    """
+
+    max_tokens: int = 16
+    token_cost: float | None = None
+    accepted: float = 0.0  # decayed sums of accepted candidates ...
+    expected: float = 0.0  # ... and of their estimated probabilities
+    cost: RoundCost = field(default_factory=RoundCost)
+    num_off_rounds: int = 0  # rounds switched off since the last speculating round
+    probe_interval: int = FIRST_PROBE_INTERVAL
+
+    @property
+    def trust(self) -> float:
+        """Measured accepted / expected accepted candidates, with the prior."""
+        return (self.accepted + PRIOR_WEIGHT) / (self.expected + PRIOR_WEIGHT)
+
+    def choose(self, probabilities: Sequence[Sequence[float]], batch_size: int) -> int:
+        """k for a round in which generating row r's draft has `probabilities[r]` (cumulative, one per token) and
+        the forward runs `batch_size` rows."""
+        k = self._best_k(probabilities, batch_size, self.trust)
+        if k > 0:
+            self.num_off_rounds, self.probe_interval = 0, FIRST_PROBE_INTERVAL
+        elif any(probabilities):  # switched off
+            self.num_off_rounds += 1
+            if self.num_off_rounds >= self.probe_interval:
+                self.num_off_rounds = 0
+                self.probe_interval = min(2 * self.probe_interval, MAX_PROBE_INTERVAL)
+                k = self._best_k(probabilities, batch_size, 1.0)
+        return k
+
+    def _best_k(self, probabilities: Sequence[Sequence[float]], batch_size: int, trust: float) -> int:
+        longest = min(self.max_tokens, max((len(p) for p in probabilities), default=0))
+        gains = [0.0] * (longest + 1)  # gains[k]: expected accepted candidates over rows with k per row
+        for row in probabilities:
+            total = 0.0
+            for k in range(1, longest + 1):
+                total += row[k - 1] if k <= len(row) else 0.0
+                gains[k] += total
+        best_k, best_rate = 0, float(len(probabilities))
+        for k in range(1, longest + 1):
+            rate = (len(probabilities) + trust * gains[k]) / self._relative_cost(k, batch_size)
+            if rate > best_rate:
+                best_k, best_rate = k, rate
+        return best_k
+
+    def update(self, expected: float, accepted: int, k: int, batch_size: int, seconds: float | None) -> None:
+        """After a round of k candidates per row whose drafts expected `expected` accepted candidates in all and got
+        `accepted`; `seconds`: the round's wall time (None: not measured)."""
+        if k > 0 and expected > 0:
+            self.accepted = self.accepted * DECAY + accepted
+            self.expected = self.expected * DECAY + expected
+        if seconds is not None:
+            self.cost.observe(batch_size * (k + 1), seconds)
+
+    def _relative_cost(self, k: int, batch_size: int) -> float:
+        if self.token_cost is not None:
+            return 1.0 + self.token_cost * k
+        return self.cost.relative(batch_size * (k + 1), batch_size)
