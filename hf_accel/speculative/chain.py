@@ -101,6 +101,12 @@ def stop_points(decoding: Decoding, emitted: torch.Tensor, num_emitted: torch.Te
     fired = torch.zeros_like(batch.stopped)
     if not rules.has_stops:
         return num_emitted, fired
+    if not len(rules.criteria):  # EOS only: every emitted token at once
+        steps = torch.arange(emitted.shape[1], device=emitted.device)
+        is_eos = torch.isin(emitted, rules.eos_token_ids) & (steps < num_emitted[:, None])
+        fired = is_eos.any(dim=1) & batch.unfinished & ~batch.stopped
+        first = torch.where(is_eos, steps, emitted.shape[1]).min(dim=1).values
+        return torch.where(fired, first + 1, num_emitted), fired
     for i in range(int(num_emitted[batch.unfinished].max())):
         checked = batch.unfinished & ~batch.stopped & ~fired & (num_emitted > i)
         if not bool(checked.any()):

@@ -147,8 +147,9 @@ def _round(run: NgramRun) -> None:
         if length:
             candidates[row, :length] = torch.tensor(draft.tokens[:length])
     num_candidates = torch.tensor(lengths, device=candidates.device)
-    verdict, scores, logits = chain.verify(run.decoding, run.target, run.cache, candidates,
-                                           batch.with_candidates(candidates), None, num_candidates)
+    history = batch.with_candidates(candidates) if k else batch.tokens
+    verdict, scores, logits = chain.verify(run.decoding, run.target, run.cache, candidates, history, None,
+                                           num_candidates)
     before = batch.num_generated.tolist()
     accepted = int(verdict.num_accepted[batch.unfinished].sum())
     chain.keep(run.decoding, run.cache, verdict, scores, logits, k=k, record=True, num_candidates=num_candidates)

@@ -5,22 +5,26 @@ how often. Plain Python, no torch.
 Shape: a trie of every substring (n-gram) of the stored sequences up to `max_depth` tokens; a node is an n-gram and
 its `count` the number of its occurrences. A node that occurred once grows no children: it is a leaf that stands for
 its whole chain of count-1 descendants, read from its one occurrence in the stored sequence (`seq`, `end`), so a
-sequence adds about one node per token plus one per repeated n-gram, not `max_depth` per token.
+sequence adds about one node per token plus one per repeated n-gram, not `max_depth` per token. Each sequence keeps
+its last `max_depth` suffixes' places in the tree (`_active`), so a token appended costs O(max_depth).
 
 Rules:
 - a node's count is the number of occurrences of its n-gram; the root's is the number of tokens stored;
 - count 1 <=> leaf: `children` is None and `tokens[seq][end - depth : end]` is the n-gram's one occurrence, whose
-  continuation `tokens[seq][end:]` (up to depth `max_depth`) is the leaf's chain, also while `seq` still grows;
+  continuation `tokens[seq][end:]` is the leaf's chain, also while `seq` still grows;
 - a node with count >= 2 has a child for every token that follows one of its occurrences, up to depth `max_depth`;
-  `best` is its child with the highest count (the most recent to reach it on ties);
+  `best` is its child with the highest count (the most recent to reach it on ties); `(seq, end)` is its most recent
+  occurrence;
 - `speculate` follows, from the n-gram matching the context's last m tokens, the most frequent child at each step;
   a token's probability is the product of count(child) / count(parent) along the way (the chance that the path so far
-  continues, as counted), cut below `min_probability`; of the drafts for every match length m the one with the most
-  expected accepted tokens (the sum of the probabilities) wins, the longer match on ties.
+  continues, as counted), cut below `min_probability`; along a leaf's chain, and past depth `max_depth` along the
+  node's most recent occurrence, the probability stays. Of the drafts for every match length m the one with the
+  most expected accepted tokens (the sum of the probabilities) wins, the longer match on ties.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -35,7 +39,7 @@ class _Node:
         self.count = 1
         self.children: dict[int, _Node] | None = None  # None: a leaf (count 1)
         self.best: _Node | None = None
-        self.seq, self.end = seq, end  # the occurrence a leaf reads its chain from
+        self.seq, self.end = seq, end  # a leaf's one occurrence, a node's most recent: tokens[seq][end - depth:end]
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +65,7 @@ class SuffixCache:
     `ngram_generate` and any engine to draft from; share one object across calls and requests.
 
     Args:
-        max_depth: longest n-gram kept (matches and drafts together stay within it).
+        max_depth: longest n-gram counted (and longest match).
         max_sequences: keep at most this many sequences (the oldest quarter is dropped when one more would not fit,
             and the tree rebuilt from the rest); None keeps everything.
     """
@@ -72,6 +76,7 @@ class SuffixCache:
             check_int("max_sequences", max_sequences, 1, "a positive int or None")
         self.max_depth, self.max_sequences = max_depth, max_sequences
         self._sequences: list[list[int]] = []
+        self._active: list[deque[tuple[_Node, int]]] = []  # per sequence: where its last suffixes end (node, read)
         self._root = _Node(-1, -1, 0)
         self._root.count, self._root.children = 0, {}
 
@@ -88,16 +93,21 @@ class SuffixCache:
         if self.max_sequences is not None and len(self._sequences) >= self.max_sequences:
             self._drop_oldest(max(1, self.max_sequences // 4))
         self._sequences.append([])
+        self._active.append(deque())
         seq = len(self._sequences) - 1
         self.extend(seq, token_ids)
         return seq
 
     def extend(self, seq: int, token_ids: Sequence[int]) -> None:
         """Append tokens to stored sequence `seq` (a growing output): every n-gram ending at them is counted."""
-        tokens = self._sequences[seq]
+        tokens, active = self._sequences[seq], self._active[seq]
         for token in token_ids:
             tokens.append(int(token))
-            self._count_endings(seq, tokens)
+            active.append((self._root, 0))  # the new token starts a suffix
+            if len(active) > self.max_depth:
+                active.popleft()
+            for i, (node, read) in enumerate(active):  # suffix i: tokens[start:end - 1] ends at (node, read)
+                active[i] = self._count_ending(seq, tokens, len(tokens) - len(active) + i, node, read)
 
     def count(self, ngram: Sequence[int]) -> int:
         """Occurrences of `ngram` (1 to `max_depth` tokens) in the stored sequences."""
@@ -127,20 +137,18 @@ class SuffixCache:
                 best = draft
         return best
 
-    def _count_endings(self, seq: int, tokens: list[int]) -> None:
-        # the n-grams ending at the new last token: tokens[j:] for the last max_depth starts j
-        end = len(tokens)
-        for start in range(max(0, end - self.max_depth), end):
-            node = self._root
-            for pos in range(start, end - 1):  # walk to the n-gram tokens[start:end - 1]
-                if node.children is None:
-                    break  # a leaf: its one occurrence is this one, and its chain grows by itself
-                node = node.children[tokens[pos]]
-            else:
-                if node.children is not None:
-                    self._count_child(node, tokens[end - 1], seq, end, end - start)
+    def _count_ending(self, seq: int, tokens: list[int], start: int, node: _Node, read: int) -> tuple[_Node, int]:
+        # count tokens[start:] (the n-gram before the new last token ended `read` tokens into `node`'s chain); where
+        # it ends now
+        length = len(tokens) - 1 - start
+        while read and node.children is not None:  # the leaf was split since: go on down the path
+            node = node.children[tokens[start + length - read]]
+            read -= 1
+        if node.children is None:  # a leaf: its one occurrence is this one, and its chain grows by itself
+            return node, read + 1
+        return self._count_child(node, tokens[-1], seq, len(tokens), length + 1), 0
 
-    def _count_child(self, node: _Node, token: int, seq: int, end: int, depth: int) -> None:
+    def _count_child(self, node: _Node, token: int, seq: int, end: int, depth: int) -> _Node:
         # one more occurrence of node's n-gram + token (ending at tokens[seq][end - 1], `depth` tokens long)
         if node is self._root:
             node.count += 1
@@ -151,8 +159,10 @@ class SuffixCache:
             if child.children is None:
                 self._grow_children(child, depth)
             child.count += 1
+            child.seq, child.end = seq, end
         if node.best is None or child.count >= node.best.count:
             node.best = child
+        return child
 
     def _grow_children(self, leaf: _Node, depth: int) -> None:
         # a leaf about to count a second occurrence gets the child its first occurrence continues with
@@ -183,8 +193,8 @@ class SuffixCache:
         tokens: list[int] = []
         probabilities: list[float] = []
         probability, seen = 1.0, node.count - (continuing is not None)  # occurrences before the context's end
-        while len(tokens) < limit and depth + read < self.max_depth:
-            if node.children is None:  # along a leaf's chain: one occurrence, the probability stays
+        while len(tokens) < limit:
+            if node.children is None or depth == self.max_depth:  # along one occurrence: the probability stays
                 token = self._chain_token(node, read, continuing, tokens)
                 if token is None:
                     break
@@ -202,17 +212,17 @@ class SuffixCache:
             probabilities.append(probability)
         return Draft(tokens, probabilities, match_length)
 
-    def _chain_token(self, leaf: _Node, read: int, continuing: int | None, draft: list[int]) -> int | None:
-        chain, index = self._sequences[leaf.seq], leaf.end + read
+    def _chain_token(self, node: _Node, read: int, continuing: int | None, draft: list[int]) -> int | None:
+        chain, index = self._sequences[node.seq], node.end + read
         if index < len(chain):
             return chain[index]
-        if leaf.seq == continuing and index - len(chain) < len(draft):
+        if node.seq == continuing and index - len(chain) < len(draft):
             return draft[index - len(chain)]  # the match runs into the context's end: copy on from the draft
         return None
 
     def _drop_oldest(self, count: int) -> None:
         kept = self._sequences[count:]
-        self._sequences = []
+        self._sequences, self._active = [], []
         self._root = _Node(-1, -1, 0)
         self._root.count, self._root.children = 0, {}
         for tokens in kept:
