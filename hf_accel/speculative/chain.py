@@ -50,8 +50,8 @@ def verify(decoding: Decoding, model: PreTrainedModel, cache: Cache, candidates:
     """
     batch, rules = decoding.batch, decoding.rules
     k = candidates.shape[1]
-    ids = torch.cat([batch.columns[:, -1:], candidates], dim=1)
-    mask = torch.cat([batch.mask, batch.mask.new_ones((batch.mask.shape[0], k))], dim=1)
+    ids = torch.cat([batch.columns[:, -1:], candidates], dim=1) if k else batch.columns[:, -1:]
+    mask = torch.cat([batch.mask, batch.mask.new_ones((batch.mask.shape[0], k))], dim=1) if k else batch.mask
     positions = batch.positions[:, -1:] + torch.arange(k + 1, device=ids.device)
     logits = forward(model, cache, batch, ids, mask, positions, k + 1)
     scores = torch.stack([rules.process(batch.view(history, batch.history_lengths + j), logits[:, j].clone())
@@ -85,7 +85,8 @@ def keep(decoding: Decoding, cache: Cache, verdict: Verdict, scores: torch.Tenso
         num_emitted = num_to_stop
     if record:
         decoding.stats.record_round(k, verdict.num_accepted, num_emitted, active, row_depths=num_candidates)
-    decoding.rules.collect(scores, logits, active.nonzero().squeeze(1), num_emitted)
+    if decoding.rules.scores is not None or decoding.rules.logits is not None:
+        decoding.rules.collect(scores, logits, active.nonzero().squeeze(1), num_emitted)
     most = decoding.emit(verdict.tokens, num_emitted, fired, num_to_stop)
     if record:  # the target forwarded k + 1 columns from the old last column; keep up to the new last column
         cache.crop(-(k - most))

@@ -9,12 +9,14 @@ more than they gain, no candidate is verified.
 - `trust`: measured accepted / expected accepted, over recent rounds (sums decayed by `DECAY` per speculating round),
   with a prior of `PRIOR_WEIGHT` expected tokens at trust 1.
 - probes: while switched off nothing is measured, so after `probe_interval` rounds off, one round speculates as if
-  trust were 1. Its outcome is evidence like any round's: when it pays, speculation is back on; when not, the next
-  probe waits twice as long (`FIRST_PROBE_INTERVAL` doubling up to `MAX_PROBE_INTERVAL`).
-- cost: least squares of seconds per round on tokens forwarded, over recent rounds, seeded with the prior that a
-  candidate costs `PRIOR_TOKEN_COST` of a one-token step (CPU-like; measured rounds take over quickly). Or fixed:
-  `token_cost`, the extra cost of one candidate per row relative to a plain step (0: speculate whenever a draft
-  exists).
+  trust were 1, with at most `PROBE_TOKENS` candidates (a probe measures; it need not pay). Its outcome is evidence
+  like any round's: when it pays, speculation is back on; when not, the next probe waits twice as long
+  (`FIRST_PROBE_INTERVAL` doubling up to `MAX_PROBE_INTERVAL`).
+- cost: a speculating round's seconds relative to a plain round's (`RoundCost`): plain rounds' mean, and a least
+  squares line of speculating rounds' seconds on tokens forwarded, over recent rounds (a forward of more than one
+  token per row costs a step up on CPU: more rows per matmul, a materialised causal mask); until measured, the prior
+  `1 + PRIOR_JUMP + PRIOR_TOKEN_COST * extra tokens` (CPU-like). Or fixed: `token_cost`, the extra cost of one
+  candidate per row relative to a plain step (0: speculate whenever a draft exists).
 """
 
 from __future__ import annotations
@@ -23,32 +25,37 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 DECAY, PRIOR_WEIGHT = 0.9, 1.0
-FIRST_PROBE_INTERVAL, MAX_PROBE_INTERVAL = 8, 128
-PRIOR_TOKEN_COST, COST_DECAY = 0.05, 0.95
+FIRST_PROBE_INTERVAL, MAX_PROBE_INTERVAL, PROBE_TOKENS = 4, 128, 4
+PRIOR_JUMP, PRIOR_TOKEN_COST, COST_DECAY = 0.3, 0.03, 0.95
 
 
 @dataclass(slots=True)
 class RoundCost:
-    """Seconds per round as `a + b * tokens` (tokens: batch x columns forwarded), least squares over recent rounds
-    (weights decay by `COST_DECAY` per round); `relative(tokens, base)`: cost of `tokens` over cost of `base`."""
+    """A round's seconds relative to a plain round's (see the module docstring); weights decay by `COST_DECAY` per
+    observation."""
 
-    sums: list[float] = field(default_factory=lambda: [0.0] * 5)  # weight, x, y, xx, xy
+    plain: list[float] = field(default_factory=lambda: [0.0, 0.0])  # weight, seconds of plain rounds
+    sums: list[float] = field(default_factory=lambda: [0.0] * 5)  # speculating rounds: weight, x, y, xx, xy
 
-    def observe(self, tokens: int, seconds: float) -> None:
+    def observe(self, tokens: int, base: int, seconds: float) -> None:
+        """A round that forwarded `tokens` tokens (`base`: one per row, a plain round) in `seconds`."""
+        if tokens == base:
+            self.plain = [self.plain[0] * COST_DECAY + 1.0, self.plain[1] * COST_DECAY + seconds]
+            return
         for i, value in enumerate((1.0, tokens, seconds, tokens * tokens, tokens * seconds)):
             self.sums[i] = self.sums[i] * COST_DECAY + value
 
     def relative(self, tokens: int, base: int) -> float:
+        """Cost of a round forwarding `tokens` tokens over a plain round's (`base` tokens)."""
+        if tokens == base:
+            return 1.0
         w, x, y, xx, xy = self.sums
+        if self.plain[0] < 1.0 or w < 1.0:  # not measured yet
+            return 1.0 + PRIOR_JUMP + PRIOR_TOKEN_COST * (tokens - base)
+        plain = self.plain[1] / self.plain[0]
         spread = w * xx - x * x
-        if w < 2 or spread <= 1e-9 * max(w * xx, 1.0):  # too few or all rounds alike: the prior slope
-            return 1.0 + PRIOR_TOKEN_COST * (tokens - base)
-        slope = (w * xy - x * y) / spread
-        intercept = (y - slope * x) / w
-        at_base = intercept + slope * base
-        if at_base <= 0:
-            return 1.0 + PRIOR_TOKEN_COST * (tokens - base)
-        return max((intercept + slope * tokens) / at_base, 1.0)
+        slope = (w * xy - x * y) / spread if spread > 1e-9 * w * xx else PRIOR_TOKEN_COST * plain
+        return max((y + slope * (tokens * w - x)) / (w * plain), 1.0)
 
 
 @dataclass(slots=True)
@@ -60,7 +67,7 @@ class DraftBudget:
         token_cost: fixed extra cost of one candidate per row, relative to a plain step; None: measured.
     """
 
-    max_tokens: int = 16
+    max_tokens: int = 32
     token_cost: float | None = None
     accepted: float = 0.0  # decayed sums of accepted candidates ...
     expected: float = 0.0  # ... and of their estimated probabilities
@@ -84,7 +91,7 @@ class DraftBudget:
             if self.num_off_rounds >= self.probe_interval:
                 self.num_off_rounds = 0
                 self.probe_interval = min(2 * self.probe_interval, MAX_PROBE_INTERVAL)
-                k = self._best_k(probabilities, batch_size, 1.0)
+                k = min(self._best_k(probabilities, batch_size, 1.0), PROBE_TOKENS)
         return k
 
     def _best_k(self, probabilities: Sequence[Sequence[float]], batch_size: int, trust: float) -> int:
@@ -109,7 +116,7 @@ class DraftBudget:
             self.accepted = self.accepted * DECAY + accepted
             self.expected = self.expected * DECAY + expected
         if seconds is not None:
-            self.cost.observe(batch_size * (k + 1), seconds)
+            self.cost.observe(batch_size * (k + 1), batch_size, seconds)
 
     def _relative_cost(self, k: int, batch_size: int) -> float:
         if self.token_cost is not None:

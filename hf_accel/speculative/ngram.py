@@ -60,7 +60,7 @@ def ngram_generate(
     generation_config: GenerationConfig,
     suffix_cache: SuffixCache | None = None,
     ngram_settings: NgramSettings | None = None,
-    max_draft_tokens: int = 16,
+    max_draft_tokens: int = 32,
     draft_token_cost: float | None = None,
     ngram_stats: SpeculativeStats | None = None,
     tokenizer: Any = None,
@@ -138,8 +138,8 @@ def _round(run: NgramRun) -> None:
     started = time.perf_counter()
     batch = run.decoding.batch
     drafts = _drafts(run)
-    k = run.budget.choose([d.probabilities for d, active in zip(drafts, batch.unfinished.tolist()) if active],
-                          batch.columns.shape[0])
+    k = run.budget.choose([d.probabilities for d in drafts if d is not None], len(drafts))
+    drafts = [NO_DRAFT if d is None else d for d in drafts]
     lengths = [min(len(d.tokens), k) for d in drafts]
     k = max(lengths)
     candidates = batch.columns.new_full((len(drafts), k), batch.pad_token_id)
@@ -158,12 +158,11 @@ def _round(run: NgramRun) -> None:
     run.budget.update(expected, accepted, k, len(drafts), time.perf_counter() - started)
 
 
-def _drafts(run: NgramRun) -> list[Draft]:
-    batch = run.decoding.batch
-    room = (batch.remaining - 1).clamp_min(0).tolist()  # a round also emits the target's own token
+def _drafts(run: NgramRun) -> list[Draft | None]:
+    # a draft per row; None for finished rows (a row's last token has no room for one: an empty draft)
     limit = run.budget.max_tokens
-    return [proposer.propose(context, min(limit, space)) if space else NO_DRAFT
-            for proposer, context, space in zip(run.proposers, run.contexts, room)]
+    return [None if remaining <= 0 else proposer.propose(context, min(limit, remaining - 1))
+            for proposer, context, remaining in zip(run.proposers, run.contexts, run.decoding.batch.remaining.tolist())]
 
 
 def _grow_contexts(run: NgramRun, before: list[int]) -> None:
