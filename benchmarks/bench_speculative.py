@@ -16,8 +16,9 @@ per position. Tokens per target forward has `SpeculativeStats`' definition: toke
 forward, the prefill not counted (plain decoding is 1.0); from the method's stats where it keeps them, else from the
 forwards counted (exact at batch 1 and for plain decoding).
 
-Add a method (Medusa heads, ...) by writing a function `(pair, case) -> Method | None` and listing it in `METHODS`. Regenerate benchmarks/results/bench_speculative.json, docs/bench_speculative.md and the table in
-docs/speculative.md with:
+Add a method (Medusa heads, ...) by writing a function `(pair, case) -> Method | None` and listing it in `METHODS`.
+Regenerate benchmarks/results/bench_speculative.json, docs/bench_speculative.md and the tables in docs/speculative.md
+with:
     .venv/bin/python benchmarks/bench_speculative.py        (--quick: small lengths, prints only unless --out)
 """
 
@@ -210,7 +211,8 @@ def measure(pair: Pair, case: Case, plan: Plan) -> dict[str, Any]:
                "decode_tokens_per_s": result.decode_tokens_per_s, "x_plain": result.speed_ratio,
                "greedy_agreement": result.agreement if case.mode == "greedy" else None,
                "decode_seconds": result.decode_seconds}
-        for key, other in (("x_stock_assisted", "transformers assisted"), ("x_prompt_lookup", "transformers prompt lookup")):
+        for key, other in (("x_stock_assisted", "transformers assisted"),
+                           ("x_prompt_lookup", "transformers prompt lookup")):
             if other in seconds:
                 row[key] = statistics.median(a / s for a, s in zip(seconds[other], seconds[result.name]))
         rows.append(row | profile(pair, method, inputs, plan.new_tokens))
@@ -227,14 +229,16 @@ def run(plan: Plan) -> dict[str, Any]:
             "prompts": "held-out text (reference corpus split never trained on), left-padded",
             "suffix_cache": f"warmed by {plan.num_earlier_requests} earlier requests ({pair.warm_cache.num_tokens} "
                             "tokens of greedy output for other held-out prompts)",
-            "repeats": plan.repeats, "warmup": plan.warmup, "measurements": measurements, "targets": targets(measurements)}
+            "repeats": plan.repeats, "warmup": plan.warmup, "measurements": measurements,
+            "targets": targets(measurements)}
 
 
 def targets(measurements: list[dict[str, Any]]) -> list[dict[str, Any]]:
     found = []
     for row_name, key, workloads, modes, batch_sizes, goal in TARGETS:
         for m in measurements:
-            if m["workload"] not in workloads or (modes and m["mode"] not in modes) or m["batch_size"] not in batch_sizes:
+            wanted = m["workload"] in workloads and (not modes or m["mode"] in modes) and m["batch_size"] in batch_sizes
+            if not wanted:
                 continue
             row = next((r for r in m["rows"] if r["name"] == row_name and key in r), None)
             if row is not None:
@@ -250,8 +254,8 @@ def _cell(row: dict[str, Any], key: str, fmt: str) -> str:
 
 def table(measurement: dict[str, Any]) -> str:
     headers = ["method", "decode tok/s", "x plain (paired)", "x stock assisted (paired)",
-               "x stock prompt lookup (paired)", "tokens / target forward", "acceptance", "acceptance by draft position",
-               "mean draft length", "drafting rounds", "greedy agreement"]
+               "x stock prompt lookup (paired)", "tokens / target forward", "acceptance",
+               "acceptance by draft position", "mean draft length", "drafting rounds", "greedy agreement"]
     rows = [[r["name"], f"{r['decode_tokens_per_s']:.1f}", f"{r['x_plain']:.2f}x", _cell(r, "x_stock_assisted", "{:.2f}x"),
              _cell(r, "x_prompt_lookup", "{:.2f}x"), f"{r['tokens_per_target_forward']:.2f}",
              _cell(r, "acceptance_rate", "{:.0%}"),

@@ -51,6 +51,7 @@ def test_sampled_tokens_follow_plain_sampling(model):
         for column in range(1, NEW):
             reference = _counts(plain, prompt, column)
             statistic, critical = chi_square(_counts(ngram, prompt, column), reference)
-            assert statistic < critical, f"prompt {prompt}, token {column}: chi-square {statistic:.1f} >= {critical:.1f}"
+            where = f"prompt {prompt}, token {column}"
+            assert statistic < critical, f"{where}: chi-square {statistic:.1f} >= {critical:.1f}"
             statistic, critical = chi_square(_counts(wrong, prompt, column), reference)
-            assert statistic > critical, f"prompt {prompt}, token {column}: a wrong temperature passed ({statistic:.1f})"
+            assert statistic > critical, f"{where}: a wrong temperature passed ({statistic:.1f})"

@@ -13,7 +13,8 @@ from hf_accel import reference
 def test_quick_run_writes_json_markdown_and_target_rows(tmp_path, load_benchmark):
     script = load_benchmark("bench_speculative")
     (tmp_path / "docs").mkdir()
-    (tmp_path / "docs/speculative.md").write_text("x\n<!-- bench_speculative:start -->\nold\n<!-- bench_speculative:end -->\n")
+    markers = "<!-- bench_speculative:start -->\nold\n<!-- bench_speculative:end -->\n"
+    (tmp_path / "docs/speculative.md").write_text("x\n" + markers)
     script.main(["--quick", "--out", str(tmp_path)])
     report = json.loads((tmp_path / "benchmarks/results/bench_speculative.json").read_text())
     cases = {(m["workload"], m["mode"], m["batch_size"]): m for m in report["measurements"]}

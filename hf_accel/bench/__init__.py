@@ -18,7 +18,8 @@ from .timing import compare_strategies, count_forwards, run_generate, torch_thre
 
 __all__ = [
     "RANDOM_MODEL_NOTE", "STRATEGIES", "BenchModel", "Strategy", "StrategyResult", "block_waste", "compare_strategies",
-    "copy_heavy_prompts", "count_forwards", "describe_model", "hardware", "kv_bytes", "load_bench_model", "make_prompts", "prompt_lengths", "quantized_int4",
+    "copy_heavy_prompts", "count_forwards", "describe_model", "hardware", "kv_bytes", "load_bench_model",
+    "make_prompts", "prompt_lengths", "quantized_int4",
     "random_llama", "results_table", "run_generate", "strategies_for", "text_prompts", "token_agreement",
     "torch_threads", "weight_quantized",
 ]

@@ -40,9 +40,11 @@ def check_draft_model(call: GenerateCall, draft_model: PreTrainedModel | None) -
         raise ValueError("draft_generate needs `draft_model=` (a small causal LM with the same tokenizer)")
     check_call(call, "draft_generate")
     check_decoder_only(draft_model.config, "draft_generate", "draft_model")
-    vocab, draft_vocab = call.model.get_output_embeddings().out_features, draft_model.get_output_embeddings().out_features
+    vocab = call.model.get_output_embeddings().out_features
+    draft_vocab = draft_model.get_output_embeddings().out_features
     if vocab != draft_vocab:
-        raise ValueError(f"`draft_model` predicts {draft_vocab} tokens, the model {vocab}: they must share a vocabulary")
+        raise ValueError(f"`draft_model` predicts {draft_vocab} tokens, the model {vocab}: they must share a "
+                         "vocabulary")
     if not draft_model._supports_logits_to_keep():
         raise ValueError("draft_generate needs a `draft_model` whose forward takes `logits_to_keep`")
     if call.input_ids.shape[0] > 1:

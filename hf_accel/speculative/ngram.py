@@ -67,12 +67,8 @@ def ngram_generate(
     hf_accel_streamer: Any = None,
     **model_kwargs: Any,
 ) -> GenerateDecoderOnlyOutput | torch.LongTensor:
-    """Model-free speculative decoding; pass as `model.generate(..., custom_generate=ngram_generate)`.
-
-    Greedy output equals plain greedy `generate`; sampling is lossless (a deterministic draft is a one-hot draft
-    distribution in speculative sampling). Any batch size (left padding, rows accepting different numbers of
-    tokens) and the cache `generate` built (DynamicCache, `cache_implementation="paged"`, `"quantized"` with
-    backend `"hf_accel"`, any croppable cache).
+    """Model-free speculative decoding; pass as `model.generate(..., custom_generate=ngram_generate)`. Greedy output
+    equals plain greedy `generate`, sampling is lossless; any batch size, any croppable cache (as `draft_generate`).
 
     Args:
         suffix_cache: a `SuffixCache` of earlier outputs to draft from; each row's generated tokens are added to it
@@ -142,10 +138,8 @@ def _round(run: NgramRun) -> None:
     drafts = [NO_DRAFT if d is None else d for d in drafts]
     lengths = [min(len(d.tokens), k) for d in drafts]
     k = max(lengths)
-    candidates = batch.columns.new_full((len(drafts), k), batch.pad_token_id)
-    for row, (draft, length) in enumerate(zip(drafts, lengths)):
-        if length:
-            candidates[row, :length] = torch.tensor(draft.tokens[:length])
+    padded = [d.tokens[:n] + [batch.pad_token_id] * (k - n) for d, n in zip(drafts, lengths)]
+    candidates = torch.tensor(padded, dtype=torch.long, device=batch.columns.device).reshape(len(drafts), k)
     num_candidates = torch.tensor(lengths, device=candidates.device)
     history = batch.with_candidates(candidates) if k else batch.tokens
     verdict, scores, logits = chain.verify(run.decoding, run.target, run.cache, candidates, history, None,
@@ -160,9 +154,9 @@ def _round(run: NgramRun) -> None:
 
 def _drafts(run: NgramRun) -> list[Draft | None]:
     # a draft per row; None for finished rows (a row's last token has no room for one: an empty draft)
-    limit = run.budget.max_tokens
-    return [None if remaining <= 0 else proposer.propose(context, min(limit, remaining - 1))
-            for proposer, context, remaining in zip(run.proposers, run.contexts, run.decoding.batch.remaining.tolist())]
+    limit, remaining = run.budget.max_tokens, run.decoding.batch.remaining.tolist()
+    return [None if left <= 0 else proposer.propose(context, min(limit, left - 1))
+            for proposer, context, left in zip(run.proposers, run.contexts, remaining)]
 
 
 def _grow_contexts(run: NgramRun, before: list[int]) -> None:
