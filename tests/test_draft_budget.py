@@ -1,5 +1,5 @@
-"""`DraftBudget`: the k that maximises expected tokens per unit of cost, the off-switch when acceptance does not pay
-and the probe after it, and the measured cost of a round."""
+"""`DraftBudget`: the k that maximises expected tokens per unit of cost, its cap, the off-switch when acceptance does
+not pay and the probe after it, and the measured cost of a round."""
 
 import pytest
 
@@ -25,15 +25,15 @@ def test_speculation_switches_off_when_acceptance_does_not_pay_and_probes_later(
         rounds += 1
     assert rounds < 5 and budget.trust < 0.1
     waits, probes = [], []
-    for _ in range(3):  # switched off: a probe after 4 rounds, then after 8, 16 while probes keep failing
+    for _ in range(3):  # switched off: a probe after 4 rounds, then after 16, 64 while probes keep failing
         off = 0
         while (k := budget.choose(draft, 1)) == 0:
             off += 1
         waits.append(off)
         probes.append(k)
         budget.update(expected=4.0, accepted=0, k=k, batch_size=1, seconds=None)
-    # 4 rounds off then a probe (the first was the while test above), 8, 16: the probe is the last round counted
-    assert waits == [2, 7, 15] and probes == [4, 4, 4] and budget.choose([[], []], 2) == 0
+    # 4 rounds off then a probe (the first was the while test above), 16, 64: the probe is the last round counted
+    assert waits == [2, 15, 63] and probes == [4, 4, 4] and budget.choose([[], []], 2) == 0
     while budget.choose(draft, 1) == 0:
         pass
     for _ in range(3):  # the probe pays, and so do the rounds after it: speculation is back
@@ -44,12 +44,24 @@ def test_speculation_switches_off_when_acceptance_does_not_pay_and_probes_later(
 def test_round_cost_is_learned_from_wall_time():
     cost = RoundCost()
     assert cost.relative(11, 1) == pytest.approx(1.6) and cost.relative(1, 1) == 1.0  # the prior: 0.3 + 0.03 / token
-    cost.observe(1, 1, 0.010)  # a plain round: 10 ms
+    for seconds in (0.010, 0.030, 0.010):  # plain rounds: 10 ms (the median shrugs off a slow one)
+        cost.observe(1, 1, seconds)
     for tokens in (3, 5, 9, 3):
         cost.observe(tokens, 1, 0.012 + 0.001 * tokens)  # 12 ms more than plain, then 1 ms per token
     assert cost.relative(11, 1) == pytest.approx(2.3)
     assert cost.relative(4, 4) == 1.0
     one_k = RoundCost()
-    one_k.observe(1, 1, 0.010)
+    for _ in range(3):
+        one_k.observe(1, 1, 0.010)
     one_k.observe(5, 1, 0.015)  # rounds of one size only: the prior slope from there
     assert one_k.relative(9, 1) == pytest.approx(1.5 + 0.03 * 4)
+
+
+def test_the_cap_on_k_doubles_after_paying_rounds_and_halves_after_a_miss():
+    budget = DraftBudget(max_tokens=32, token_cost=0.0)
+    draft = [[1.0] * 32]
+    ks = []
+    for accepted_share in (1.0, 1.0, 0.1, 0.5):
+        ks.append(k := budget.choose(draft, 1))
+        budget.update(expected=float(k), accepted=int(k * accepted_share), k=k, batch_size=1, seconds=None)
+    assert ks == [8, 16, 32, 16] and budget.choose(draft, 1) == 32

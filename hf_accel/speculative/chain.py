@@ -56,6 +56,9 @@ def verify(decoding: Decoding, model: PreTrainedModel, cache: Cache, candidates:
     logits = forward(model, cache, batch, ids, mask, positions, k + 1)
     scores = torch.stack([rules.process(batch.view(history, batch.history_lengths + j), logits[:, j].clone())
                           for j in range(k + 1)], dim=1)  # [batch, k + 1, vocab]
+    if k == 0:  # a plain step
+        chosen = rules.choose(scores[:, 0])
+        return Verdict(torch.zeros_like(chosen), chosen[:, None]), scores, logits
     if rules.do_sample:
         target_probs = torch.softmax(scores, dim=-1)
         if draft_probs is None:

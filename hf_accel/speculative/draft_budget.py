@@ -8,12 +8,15 @@ more than they gain, no candidate is verified.
 
 - `trust`: measured accepted / expected accepted, over recent rounds (sums decayed by `DECAY` per speculating round),
   with a prior of `PRIOR_WEIGHT` expected tokens at trust 1.
+- `cap` on k: starts at `FIRST_CAP`, doubles (up to `max_tokens`) after a round that accepted at least half of what
+  it expected, halves (down to `PROBE_TOKENS`) after one that did not, so one wrong guess costs a short round.
 - probes: while switched off nothing is measured, so after `probe_interval` rounds off, one round speculates as if
   trust were 1, with at most `PROBE_TOKENS` candidates (a probe measures; it need not pay). Its outcome is evidence
-  like any round's: when it pays, speculation is back on; when not, the next probe waits twice as long
-  (`FIRST_PROBE_INTERVAL` doubling up to `MAX_PROBE_INTERVAL`).
-- cost: a speculating round's seconds relative to a plain round's (`RoundCost`): plain rounds' mean, and a least
-  squares line of speculating rounds' seconds on tokens forwarded, over recent rounds (a forward of more than one
+  like any round's: when it pays, speculation is back on; when not, the next probe waits four times as long
+  (`FIRST_PROBE_INTERVAL`, then x4 up to `MAX_PROBE_INTERVAL`): 3 probes in 128 rounds where nothing repeats.
+- cost: a speculating round's seconds relative to a plain round's (`RoundCost`): plain rounds' median, and a least
+  squares line of speculating rounds' seconds on tokens forwarded, over recent rounds (from 3 rounds on; noise
+  cannot make its slope negative; before, the prior slope through their mean) (a forward of more than one
   token per row costs a step up on CPU: more rows per matmul, a materialised causal mask); until measured, the prior
   `1 + PRIOR_JUMP + PRIOR_TOKEN_COST * extra tokens` (CPU-like). Or fixed: `token_cost`, the extra cost of one
   candidate per row relative to a plain step (0: speculate whenever a draft exists).
@@ -21,26 +24,29 @@ more than they gain, no candidate is verified.
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 DECAY, PRIOR_WEIGHT = 0.9, 1.0
-FIRST_PROBE_INTERVAL, MAX_PROBE_INTERVAL, PROBE_TOKENS = 4, 128, 4
-PRIOR_JUMP, PRIOR_TOKEN_COST, COST_DECAY = 0.3, 0.03, 0.95
+FIRST_PROBE_INTERVAL, MAX_PROBE_INTERVAL, PROBE_TOKENS, FIRST_CAP = 4, 128, 4, 8
+PRIOR_JUMP, PRIOR_TOKEN_COST, COST_DECAY, MIN_FIT_ROUNDS, PLAIN_WINDOW = 0.3, 0.03, 0.95, 3, 16
 
 
 @dataclass(slots=True)
 class RoundCost:
-    """A round's seconds relative to a plain round's (see the module docstring); weights decay by `COST_DECAY` per
-    observation."""
+    """A round's seconds relative to a plain round's (see the module docstring): plain rounds' median over the last
+    `PLAIN_WINDOW` (robust to a slow round on a shared machine), and a line through speculating rounds, whose weights
+    decay by `COST_DECAY` per observation."""
 
-    plain: list[float] = field(default_factory=lambda: [0.0, 0.0])  # weight, seconds of plain rounds
+    plain: deque[float] = field(default_factory=lambda: deque(maxlen=PLAIN_WINDOW))  # seconds of plain rounds
     sums: list[float] = field(default_factory=lambda: [0.0] * 5)  # speculating rounds: weight, x, y, xx, xy
 
     def observe(self, tokens: int, base: int, seconds: float) -> None:
         """A round that forwarded `tokens` tokens (`base`: one per row, a plain round) in `seconds`."""
         if tokens == base:
-            self.plain = [self.plain[0] * COST_DECAY + 1.0, self.plain[1] * COST_DECAY + seconds]
+            self.plain.append(seconds)
             return
         for i, value in enumerate((1.0, tokens, seconds, tokens * tokens, tokens * seconds)):
             self.sums[i] = self.sums[i] * COST_DECAY + value
@@ -50,11 +56,12 @@ class RoundCost:
         if tokens == base:
             return 1.0
         w, x, y, xx, xy = self.sums
-        if self.plain[0] < 1.0 or w < 1.0:  # not measured yet
+        if len(self.plain) < MIN_FIT_ROUNDS or w < 1.0:  # not measured yet
             return 1.0 + PRIOR_JUMP + PRIOR_TOKEN_COST * (tokens - base)
-        plain = self.plain[1] / self.plain[0]
+        plain = statistics.median(self.plain)
         spread = w * xx - x * x
-        slope = (w * xy - x * y) / spread if spread > 1e-9 * w * xx else PRIOR_TOKEN_COST * plain
+        fitted = w >= MIN_FIT_ROUNDS and spread > 1e-9 * w * xx  # a line through rounds of several sizes
+        slope = max((w * xy - x * y) / spread, 0.0) if fitted else PRIOR_TOKEN_COST * plain
         return max((y + slope * (tokens * w - x)) / (w * plain), 1.0)
 
 
@@ -72,8 +79,10 @@ class DraftBudget:
     accepted: float = 0.0  # decayed sums of accepted candidates ...
     expected: float = 0.0  # ... and of their estimated probabilities
     cost: RoundCost = field(default_factory=RoundCost)
+    num_rounds: int = 0  # rounds updated so far (the first one's time holds one-off costs: not measured)
     num_off_rounds: int = 0  # rounds switched off since the last speculating round
     probe_interval: int = FIRST_PROBE_INTERVAL
+    cap: int = FIRST_CAP
 
     @property
     def trust(self) -> float:
@@ -90,12 +99,12 @@ class DraftBudget:
             self.num_off_rounds += 1
             if self.num_off_rounds >= self.probe_interval:
                 self.num_off_rounds = 0
-                self.probe_interval = min(2 * self.probe_interval, MAX_PROBE_INTERVAL)
+                self.probe_interval = min(4 * self.probe_interval, MAX_PROBE_INTERVAL)
                 k = min(self._best_k(probabilities, batch_size, 1.0), PROBE_TOKENS)
         return k
 
     def _best_k(self, probabilities: Sequence[Sequence[float]], batch_size: int, trust: float) -> int:
-        longest = min(self.max_tokens, max((len(p) for p in probabilities), default=0))
+        longest = min(self.max_tokens, self.cap, max((len(p) for p in probabilities), default=0))
         gains = [0.0] * (longest + 1)  # gains[k]: expected accepted candidates over rows with k per row
         for row in probabilities:
             total = 0.0
@@ -115,8 +124,11 @@ class DraftBudget:
         if k > 0 and expected > 0:
             self.accepted = self.accepted * DECAY + accepted
             self.expected = self.expected * DECAY + expected
-        if seconds is not None:
+            paid = 2 * accepted >= expected
+            self.cap = min(2 * self.cap, self.max_tokens) if paid else max(self.cap // 2, PROBE_TOKENS)
+        if seconds is not None and self.num_rounds > 0:
             self.cost.observe(batch_size * (k + 1), batch_size, seconds)
+        self.num_rounds += 1
 
     def _relative_cost(self, k: int, batch_size: int) -> float:
         if self.token_cost is not None:

@@ -145,7 +145,7 @@ def _round(run: NgramRun) -> None:
     verdict, scores, logits = chain.verify(run.decoding, run.target, run.cache, candidates, history, None,
                                            num_candidates)
     before = batch.num_generated.tolist()
-    accepted = int(verdict.num_accepted[batch.unfinished].sum())
+    accepted = int(verdict.num_accepted[batch.unfinished].sum()) if k else 0
     chain.keep(run.decoding, run.cache, verdict, scores, logits, k=k, record=True, num_candidates=num_candidates)
     _grow_contexts(run, before)
     expected = sum(sum(d.probabilities[:length]) for d, length in zip(drafts, lengths))
