@@ -65,3 +65,12 @@ def test_the_cap_on_k_doubles_after_paying_rounds_and_halves_after_a_miss():
         ks.append(k := budget.choose(draft, 1))
         budget.update(expected=float(k), accepted=int(k * accepted_share), k=k, batch_size=1, seconds=None)
     assert ks == [8, 16, 32, 16] and budget.choose(draft, 1) == 32
+
+
+def test_timing_noise_cannot_make_a_speculating_round_free():
+    cost = RoundCost()
+    for _ in range(3):
+        cost.observe(4, 4, 0.010)
+    for tokens in (8, 20, 36):
+        cost.observe(tokens, 4, 0.009)  # speculating rounds timed faster than plain ones: noise
+    assert cost.relative(36, 4) == pytest.approx(1.1)  # never below 1 + MIN_EXTRA_COST: a tiny trust cannot pay

@@ -2,9 +2,9 @@
 
 Each round every generating row brings a draft whose tokens carry estimated probabilities (that the token and all
 before it are accepted, `suffix_cache.Draft`). With k candidates per row, row r expects to gain
-`1 + trust * sum(p_r[:k])` tokens; the round costs `a + b * batch * (k + 1)` seconds (a forward over `batch * (k + 1)`
-tokens). k = 0 is a plain decode step, and it is the off-switch: where measured acceptance makes extra candidates cost
-more than they gain, no candidate is verified.
+`1 + trust * sum(p_r[:k])` tokens and the round costs `cost(batch * (k + 1) tokens forwarded)` plain rounds. k = 0 is
+a plain decode step, and it is the off-switch: where measured acceptance makes extra candidates cost more than they
+gain, no candidate is verified.
 
 - `trust`: measured accepted / expected accepted, over recent rounds (sums decayed by `DECAY` per speculating round),
   with a prior of `PRIOR_WEIGHT` expected tokens at trust 1.
@@ -14,12 +14,13 @@ more than they gain, no candidate is verified.
   trust were 1, with at most `PROBE_TOKENS` candidates (a probe measures; it need not pay). Its outcome is evidence
   like any round's: when it pays, speculation is back on; when not, the next probe waits four times as long
   (`FIRST_PROBE_INTERVAL`, then x4 up to `MAX_PROBE_INTERVAL`): 3 probes in 128 rounds where nothing repeats.
-- cost: a speculating round's seconds relative to a plain round's (`RoundCost`): plain rounds' median, and a least
-  squares line of speculating rounds' seconds on tokens forwarded, over recent rounds (from 3 rounds on; noise
-  cannot make its slope negative; before, the prior slope through their mean) (a forward of more than one
-  token per row costs a step up on CPU: more rows per matmul, a materialised causal mask); until measured, the prior
-  `1 + PRIOR_JUMP + PRIOR_TOKEN_COST * extra tokens` (CPU-like). Or fixed: `token_cost`, the extra cost of one
-  candidate per row relative to a plain step (0: speculate whenever a draft exists).
+- cost: a speculating round's seconds relative to a plain round's (`RoundCost`): the median of recent plain rounds,
+  and a least squares line of speculating rounds' seconds on the tokens they forward (on CPU a forward of more than
+  one token per row costs a step up: a matrix product instead of a matrix-vector one, more logits, a materialised
+  causal mask). The line needs 3 rounds (before: the prior slope through their mean); its slope is never negative and
+  a speculating round never counts cheaper than `1 + MIN_EXTRA_COST` (timing noise on a shared machine). Until
+  measured, the prior `1 + PRIOR_JUMP + PRIOR_TOKEN_COST * extra tokens` (CPU-like). Or fixed: `token_cost`, the
+  extra cost of one candidate per row relative to a plain step (0: speculate whenever a draft exists).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from dataclasses import dataclass, field
 DECAY, PRIOR_WEIGHT = 0.9, 1.0
 FIRST_PROBE_INTERVAL, MAX_PROBE_INTERVAL, PROBE_TOKENS, FIRST_CAP = 4, 128, 4, 8
 PRIOR_JUMP, PRIOR_TOKEN_COST, COST_DECAY, MIN_FIT_ROUNDS, PLAIN_WINDOW = 0.3, 0.03, 0.95, 3, 16
+MIN_EXTRA_COST = 0.1  # a speculating round is never counted cheaper than this over a plain one (timing noise)
 
 
 @dataclass(slots=True)
@@ -42,6 +44,7 @@ class RoundCost:
 
     plain: deque[float] = field(default_factory=lambda: deque(maxlen=PLAIN_WINDOW))  # seconds of plain rounds
     sums: list[float] = field(default_factory=lambda: [0.0] * 5)  # speculating rounds: weight, x, y, xx, xy
+    num_speculating: int = 0
 
     def observe(self, tokens: int, base: int, seconds: float) -> None:
         """A round that forwarded `tokens` tokens (`base`: one per row, a plain round) in `seconds`."""
@@ -50,6 +53,7 @@ class RoundCost:
             return
         for i, value in enumerate((1.0, tokens, seconds, tokens * tokens, tokens * seconds)):
             self.sums[i] = self.sums[i] * COST_DECAY + value
+        self.num_speculating += 1
 
     def relative(self, tokens: int, base: int) -> float:
         """Cost of a round forwarding `tokens` tokens over a plain round's (`base` tokens)."""
@@ -60,9 +64,9 @@ class RoundCost:
             return 1.0 + PRIOR_JUMP + PRIOR_TOKEN_COST * (tokens - base)
         plain = statistics.median(self.plain)
         spread = w * xx - x * x
-        fitted = w >= MIN_FIT_ROUNDS and spread > 1e-9 * w * xx  # a line through rounds of several sizes
+        fitted = self.num_speculating >= MIN_FIT_ROUNDS and spread > 1e-9 * w * xx  # rounds of several sizes
         slope = max((w * xy - x * y) / spread, 0.0) if fitted else PRIOR_TOKEN_COST * plain
-        return max((y + slope * (tokens * w - x)) / (w * plain), 1.0)
+        return max((y + slope * (tokens * w - x)) / (w * plain), 1.0 + MIN_EXTRA_COST)
 
 
 @dataclass(slots=True)
