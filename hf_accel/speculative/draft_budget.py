@@ -4,7 +4,8 @@ Each round every generating row brings a draft whose tokens carry estimated prob
 before it are accepted, `suffix_cache.Draft`). With k candidates per row, row r expects to gain
 `1 + trust * sum(p_r[:k])` tokens and the round costs `cost(batch * (k + 1) tokens forwarded)` plain rounds. k = 0 is
 a plain decode step, and it is the off-switch: where measured acceptance makes extra candidates cost more than they
-gain, no candidate is verified.
+gain (by a `MARGIN`: a round that merely breaks even on noisy estimates is not worth its risk), no candidate is
+verified.
 
 - `trust`: measured accepted / expected accepted, over recent rounds (sums decayed by `DECAY` per speculating round),
   with a prior of `PRIOR_WEIGHT` expected tokens at trust 1.
@@ -34,6 +35,7 @@ DECAY, PRIOR_WEIGHT = 0.9, 1.0
 FIRST_PROBE_INTERVAL, MAX_PROBE_INTERVAL, PROBE_TOKENS, FIRST_CAP = 4, 128, 4, 8
 PRIOR_JUMP, PRIOR_TOKEN_COST, COST_DECAY, MIN_FIT_ROUNDS, PLAIN_WINDOW = 0.3, 0.03, 0.95, 3, 16
 MIN_EXTRA_COST = 0.1  # a speculating round is never counted cheaper than this over a plain one (timing noise)
+MARGIN = 0.1  # speculate only where expected tokens per second beat a plain step's by this much (estimates are noisy)
 
 
 @dataclass(slots=True)
@@ -115,7 +117,7 @@ class DraftBudget:
             for k in range(1, longest + 1):
                 total += row[k - 1] if k <= len(row) else 0.0
                 gains[k] += total
-        best_k, best_rate = 0, float(len(probabilities))
+        best_k, best_rate = 0, len(probabilities) * (1.0 + MARGIN)
         for k in range(1, longest + 1):
             rate = (len(probabilities) + trust * gains[k]) / self._relative_cost(k, batch_size)
             if rate > best_rate:
