@@ -1,21 +1,30 @@
-"""Speculative decoding benchmark: hf_accel's draft-model path against plain generate and transformers' assisted
-decoding, on the project's reference pair (target ~8.9M parameters, draft ~0.9M, same tokenizer).
+"""Speculative decoding benchmark: hf_accel's draft-model and model-free paths against plain generate and
+transformers' assisted decoding and prompt lookup, on the project's reference pair (target 7.3M parameters, draft
+0.7M, same tokenizer).
 
-For greedy and sampling, at batch 1 and batch 4 (left-padded held-out prompts), every method runs in one process,
-interleaved, after a warm-up (`hf_accel.bench.compare_strategies`: decode time = time(N tokens) - time(1 token),
-median of per-repeat paired ratios). One more untimed run per method counts target forwards and, where the method
-reports them, accepted drafts per position. Tokens per target forward has `SpeculativeStats`' definition: tokens a row
-gains per verification forward, the prefill not counted (plain decoding is 1.0); from the method's stats where it
-keeps them, else from the forwards counted (exact at batch 1 and for plain decoding).
+Workloads (`WORKLOADS`), at batch 1 and batch 4 (left-padded held-out prompts): open continuation of held-out code
+(greedy and sampling); copy-heavy: a held-out code block, a blank line, then the block's first 16 tokens again (the
+prompt begins to repeat it, as in editing a file); nothing repeats: open continuation with `no_repeat_ngram_size=2`
+for every method (no bigram of the output occurred before, so no draft copied from the context can be accepted:
+the off-switch's case). `hf_accel ngram + suffix cache` drafts from a `SuffixCache` warmed by earlier requests
+(greedy outputs for other held-out prompts); each timed call gets a copy of it as warmed, never its own outputs.
 
-Add a method (Medusa heads, ...) by writing a function `(pair, mode, batch_size) -> Method | None` and listing it in
-`METHODS`. Regenerate benchmarks/results/bench_speculative.json, docs/bench_speculative.md and the table in
-docs/speculative.md with:
+Every method of a measurement runs in one process, interleaved, after a warm-up
+(`hf_accel.bench.compare_strategies`: decode time = time(N tokens) - time(1 token), median of per-repeat paired
+ratios). One more untimed run per method counts target forwards and, where the method reports them, accepted drafts
+per position. Tokens per target forward has `SpeculativeStats`' definition: tokens a row gains per verification
+forward, the prefill not counted (plain decoding is 1.0); from the method's stats where it keeps them, else from the
+forwards counted (exact at batch 1 and for plain decoding).
+
+Add a method (Medusa heads, ...) by writing a function `(pair, case) -> Method | None` and listing it in `METHODS`.
+Regenerate benchmarks/results/bench_speculative.json, docs/bench_speculative.md and the tables in docs/speculative.md
+with:
     .venv/bin/python benchmarks/bench_speculative.py        (--quick: small lengths, prints only unless --out)
 """
 
 from __future__ import annotations
 
+import copy
 import statistics
 import sys
 from collections.abc import Callable
@@ -33,21 +42,44 @@ from hf_accel.display import format_table
 ROOT = Path(__file__).resolve().parents[1]
 NAME = "bench_speculative"
 COMMAND = ".venv/bin/python benchmarks/bench_speculative.py"
-TARGETS = {"x plain": 2.0, "x stock assisted": 1.2}  # for the hf_accel draft row
 MODES = {"greedy": {"do_sample": False},
          "sampling": {"do_sample": True, "temperature": 0.7, "top_k": 0, "top_p": 1.0}}
+WORKLOADS = {"open": {}, "copy-heavy": {}, "nothing repeats": {"no_repeat_ngram_size": 2}}  # -> generate kwargs
+CASES = (("open", "greedy"), ("open", "sampling"), ("copy-heavy", "greedy"), ("nothing repeats", "greedy"))
+COPY_PREFIX = 16  # tokens of the block the copy-heavy prompt repeats
+NGRAM_ROWS = ("hf_accel ngram", "hf_accel ngram + suffix cache")
+# (row, what it is compared with, workloads and modes where checked (None: all), batch sizes, goal)
+TARGETS = (("hf_accel draft", "x_plain", ("open",), None, (1, 4), 2.0),
+           ("hf_accel draft", "x_stock_assisted", ("open",), None, (1,), 1.2),
+           *((row, "x_plain", ("copy-heavy",), ("greedy",), (1,), 2.5) for row in NGRAM_ROWS),
+           *((row, "x_prompt_lookup", ("open", "copy-heavy"), ("greedy",), (1,), 1.2) for row in NGRAM_ROWS),
+           *((row, "x_plain", ("nothing repeats",), ("greedy",), (1, 4), 0.95) for row in NGRAM_ROWS))
 
 
 @dataclass(frozen=True, slots=True)
 class Plan:
-    prompt_lengths: dict[int, list[int]]  # batch size -> prompt lengths
+    prompt_lengths: dict[int, list[int]]  # batch size -> prompt lengths (copy-heavy: block lengths)
     new_tokens: int
     repeats: int
     warmup: int
+    num_earlier_requests: int  # requests that warm the suffix cache
 
 
-FULL = Plan({1: [128], 4: [128, 112, 96, 80]}, new_tokens=128, repeats=5, warmup=1)
-QUICK = Plan({1: [32], 4: [32, 24, 28, 20]}, new_tokens=16, repeats=1, warmup=1)
+FULL = Plan({1: [128], 4: [128, 112, 96, 80]}, new_tokens=128, repeats=5, warmup=1, num_earlier_requests=32)
+QUICK = Plan({1: [32], 4: [32, 24, 28, 20]}, new_tokens=16, repeats=1, warmup=1, num_earlier_requests=2)
+
+
+@dataclass(frozen=True, slots=True)
+class Case:
+    """One measurement: a workload, a decoding mode, a batch size."""
+
+    workload: str
+    mode: str
+    batch_size: int
+
+    @property
+    def generate_kwargs(self) -> dict[str, Any]:
+        return {**MODES[self.mode], **WORKLOADS[self.workload]}
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +88,7 @@ class Pair:
     draft: torch.nn.Module
     tokenizer: Any
     description: str
+    warm_cache: hf_accel.SuffixCache  # earlier requests' outputs
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,51 +102,83 @@ class Method:
     read_stats: Callable[[Any], dict[str, Any]] | None = None
 
 
-def load_pair() -> Pair:
+def load_pair(plan: Plan) -> Pair:
     target, tokenizer = reference.load("target")
     draft, _ = reference.load("draft")
     return Pair(target, draft, tokenizer,
-                f"reference target ({bench.describe_model(target)}), draft ({bench.describe_model(draft)}), fp32")
+                f"reference target ({bench.describe_model(target)}), draft ({bench.describe_model(draft)}), fp32",
+                warm_cache(target, tokenizer, plan))
 
 
-def plain_method(pair: Pair, mode: str, batch_size: int) -> Method:
+def warm_cache(target: torch.nn.Module, tokenizer: Any, plan: Plan) -> hf_accel.SuffixCache:
+    """A `SuffixCache` holding the greedy outputs of `plan.num_earlier_requests` earlier requests: held-out rows
+    from row 100 on (every 8th), far from the benchmark's prompts (the first rows)."""
+    rows = reference.held_out_sequences(tokenizer, max(plan.prompt_lengths[1]))[100 :: 8][: plan.num_earlier_requests]
+    cache = hf_accel.SuffixCache()
+    for chunk in rows.split(8):
+        target.generate(input_ids=chunk, attention_mask=torch.ones_like(chunk), max_new_tokens=plan.new_tokens,
+                        do_sample=False, custom_generate=hf_accel.ngram_generate, suffix_cache=cache)
+    return cache
+
+
+def prompts(pair: Pair, workload: str, lengths: list[int]) -> dict[str, torch.Tensor]:
+    if workload == "copy-heavy":
+        return bench.copy_heavy_prompts(pair.tokenizer, lengths, COPY_PREFIX)
+    return bench.text_prompts(pair.tokenizer, lengths)
+
+
+def plain_method(pair: Pair, case: Case) -> Method:
     return Method(bench.Strategy("plain generate", "model.generate, DynamicCache (baseline)",
-                                 lambda model, max_len: dict(MODES[mode])))
+                                 lambda model, max_len: case.generate_kwargs))
 
 
-def stock_assisted_method(pair: Pair, mode: str, batch_size: int) -> Method | None:
-    if batch_size != 1:
+def stock_assisted_method(pair: Pair, case: Case) -> Method | None:
+    if case.batch_size != 1 or case.workload != "open":
         return None  # transformers' assisted decoding supports batch size 1 only
     return Method(bench.Strategy("transformers assisted", "assistant_model=draft (stock heuristic draft length)",
-                                 lambda model, max_len: {**MODES[mode], "assistant_model": pair.draft}))
+                                 lambda model, max_len: {**case.generate_kwargs, "assistant_model": pair.draft}))
 
 
-def hf_accel_draft_method(pair: Pair, mode: str, batch_size: int) -> Method:
+def read_speculative_stats(stats: hf_accel.SpeculativeStats) -> dict[str, Any]:
+    lengths = stats.draft_lengths
+    return {"tokens_per_target_forward": stats.tokens_per_forward, "acceptance_rate": stats.acceptance_rate,
+            "acceptance_by_position": stats.acceptance_by_position,
+            "mean_draft_length": statistics.mean(lengths) if lengths else 0.0,
+            "drafting_rounds": sum(n > 0 for n in lengths) / len(lengths) if lengths else 0.0}
+
+
+def hf_accel_draft_method(pair: Pair, case: Case) -> Method | None:
+    if case.workload != "open":
+        return None
+
     def kwargs(model, max_len):
-        return {**MODES[mode], "custom_generate": hf_accel.draft_generate, "draft_model": pair.draft}
-
-    def read(stats: hf_accel.SpeculativeStats) -> dict[str, Any]:
-        return {"tokens_per_target_forward": stats.tokens_per_forward, "acceptance_rate": stats.acceptance_rate,
-                "acceptance_by_position": stats.acceptance_by_position,
-                "mean_draft_length": statistics.mean(stats.draft_lengths) if stats.draft_lengths else 0.0}
+        return {**case.generate_kwargs, "custom_generate": hf_accel.draft_generate, "draft_model": pair.draft}
 
     return Method(bench.Strategy("hf_accel draft", "custom_generate=hf_accel.draft_generate, adaptive draft length",
-                                 kwargs), "draft_stats", hf_accel.SpeculativeStats, read)
+                                 kwargs), "draft_stats", hf_accel.SpeculativeStats, read_speculative_stats)
 
 
-METHODS: tuple[Callable[[Pair, str, int], Method | None], ...] = (plain_method, stock_assisted_method,
-                                                                     hf_accel_draft_method)
+def stock_prompt_lookup_method(pair: Pair, case: Case) -> Method | None:
+    if case.batch_size != 1:
+        return None  # transformers' prompt lookup (assisted decoding) supports batch size 1 only
+    return Method(bench.Strategy("transformers prompt lookup", "prompt_lookup_num_tokens=10",
+                                 lambda model, max_len: {**case.generate_kwargs, "prompt_lookup_num_tokens": 10}))
 
 
-def count_forwards(model: torch.nn.Module, run: Callable[[], Any]) -> int:
-    """Forward calls of `model` (not its submodules) while `run()` executes."""
-    calls = [0]
-    handle = model.register_forward_hook(lambda *args: calls.__setitem__(0, calls[0] + 1))
-    try:
-        run()
-    finally:
-        handle.remove()
-    return calls[0]
+def hf_accel_ngram_methods(pair: Pair, case: Case) -> list[Method]:
+    def kwargs(shared: bool):
+        extra = {"suffix_cache": copy.deepcopy(pair.warm_cache)} if shared else {}  # untimed: built before the clock
+        return {**case.generate_kwargs, "custom_generate": hf_accel.ngram_generate, **extra}
+
+    return [Method(bench.Strategy(name, description, lambda model, max_len, shared=shared: kwargs(shared)),
+                   "ngram_stats", hf_accel.SpeculativeStats, read_speculative_stats)
+            for name, description, shared in (
+                ("hf_accel ngram", "custom_generate=hf_accel.ngram_generate (prompt lookup)", False),
+                ("hf_accel ngram + suffix cache", "suffix_cache=SuffixCache warmed by earlier requests", True))]
+
+
+METHODS: tuple[Callable[[Pair, Case], Method | list[Method] | None], ...] = (
+    plain_method, stock_assisted_method, hf_accel_draft_method, stock_prompt_lookup_method, hf_accel_ngram_methods)
 
 
 def profile(pair: Pair, method: Method, inputs: dict[str, torch.Tensor], new_tokens: int) -> dict[str, Any]:
@@ -123,50 +188,62 @@ def profile(pair: Pair, method: Method, inputs: dict[str, torch.Tensor], new_tok
     max_len = inputs["input_ids"].shape[1] + new_tokens
     options = {**method.strategy.generate_kwargs(pair.target, max_len), **extra}
     torch.manual_seed(0)
-    forwards = count_forwards(pair.target, lambda: pair.target.generate(
+    forwards = bench.count_forwards(pair.target, lambda: pair.target.generate(
         **inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **options))
     found = {"tokens_per_target_forward": (new_tokens - 1) / max(forwards - 1, 1), "target_forwards": forwards}
     return found | (method.read_stats(stats) if stats is not None else {})
 
 
-def measure(pair: Pair, mode: str, batch_size: int, plan: Plan) -> dict[str, Any]:
-    methods = [m for m in (make(pair, mode, batch_size) for make in METHODS) if m is not None]
-    inputs = bench.text_prompts(pair.tokenizer, plan.prompt_lengths[batch_size])
+def measure(pair: Pair, case: Case, plan: Plan) -> dict[str, Any]:
+    made = [make(pair, case) for make in METHODS]
+    methods = [m for item in made for m in (item if isinstance(item, list) else [item]) if m is not None]
+    lengths = plan.prompt_lengths[case.batch_size]
+    inputs = prompts(pair, case.workload, lengths)
+    label = f"{case.workload}, {case.mode}, batch {case.batch_size}"
     torch.manual_seed(0)
     results = bench.compare_strategies(pair.target, inputs, plan.new_tokens, [m.strategy for m in methods],
                                        repeats=plan.repeats, warmup=plan.warmup,
-                                       on_step=lambda name: print(f"  {mode} batch {batch_size}: {name}", flush=True))
+                                       on_step=lambda name: print(f"  {label}: {name}", flush=True))
     seconds = {r.name: r.decode_seconds for r in results}
     rows = []
     for method, result in zip(methods, results):
         row = {"name": result.name, "description": method.strategy.description,
                "decode_tokens_per_s": result.decode_tokens_per_s, "x_plain": result.speed_ratio,
-               "greedy_agreement": result.agreement if mode == "greedy" else None,
+               "greedy_agreement": result.agreement if case.mode == "greedy" else None,
                "decode_seconds": result.decode_seconds}
-        if "transformers assisted" in seconds:
-            row["x_stock_assisted"] = statistics.median(
-                a / s for a, s in zip(seconds["transformers assisted"], seconds[result.name]))
+        for key, other in (("x_stock_assisted", "transformers assisted"),
+                           ("x_prompt_lookup", "transformers prompt lookup")):
+            if other in seconds:
+                row[key] = statistics.median(a / s for a, s in zip(seconds[other], seconds[result.name]))
         rows.append(row | profile(pair, method, inputs, plan.new_tokens))
-    return {"mode": mode, "batch_size": batch_size, "prompt_lengths": plan.prompt_lengths[batch_size],
-            "new_tokens": plan.new_tokens, "generate_kwargs": MODES[mode], "rows": rows}
+    return {"workload": case.workload, "mode": case.mode, "batch_size": case.batch_size,
+            "prompt_lengths": inputs["attention_mask"].sum(1).tolist(), "new_tokens": plan.new_tokens,
+            "generate_kwargs": case.generate_kwargs, "rows": rows}
 
 
 def run(plan: Plan) -> dict[str, Any]:
-    pair = load_pair()
-    measurements = [measure(pair, mode, batch, plan) for mode in MODES for batch in plan.prompt_lengths]
+    pair = load_pair(plan)
+    cases = [Case(workload, mode, batch) for workload, mode in CASES for batch in plan.prompt_lengths]
+    measurements = [measure(pair, case, plan) for case in cases]
     return {"command": COMMAND, "model": pair.description, "hardware": bench.hardware(),
             "prompts": "held-out text (reference corpus split never trained on), left-padded",
-            "repeats": plan.repeats, "warmup": plan.warmup, "measurements": measurements, "targets": targets(measurements)}
+            "suffix_cache": f"warmed by {plan.num_earlier_requests} earlier requests ({pair.warm_cache.num_tokens} "
+                            "tokens of greedy output for other held-out prompts)",
+            "repeats": plan.repeats, "warmup": plan.warmup, "measurements": measurements,
+            "targets": targets(measurements)}
 
 
 def targets(measurements: list[dict[str, Any]]) -> list[dict[str, Any]]:
     found = []
-    for m in measurements:
-        ours = next(r for r in m["rows"] if r["name"] == "hf_accel draft")
-        for key, goal in (("x_plain", TARGETS["x plain"]), ("x_stock_assisted", TARGETS["x stock assisted"])):
-            if key in ours:
-                found.append({"target": f"hf_accel draft {key.replace('_', ' ')} >= {goal}x ({m['mode']}, batch "
-                                        f"{m['batch_size']})", "measured": ours[key], "met": ours[key] >= goal})
+    for row_name, key, workloads, modes, batch_sizes, goal in TARGETS:
+        for m in measurements:
+            wanted = m["workload"] in workloads and (not modes or m["mode"] in modes) and m["batch_size"] in batch_sizes
+            if not wanted:
+                continue
+            row = next((r for r in m["rows"] if r["name"] == row_name and key in r), None)
+            if row is not None:
+                found.append({"target": f"{row_name} {key.replace('_', ' ')} >= {goal}x ({m['workload']}, {m['mode']}, "
+                                        f"batch {m['batch_size']})", "measured": row[key], "met": row[key] >= goal})
     return found
 
 
@@ -176,12 +253,15 @@ def _cell(row: dict[str, Any], key: str, fmt: str) -> str:
 
 
 def table(measurement: dict[str, Any]) -> str:
-    headers = ["method", "decode tok/s", "x plain (paired)", "x stock assisted (paired)", "tokens / target forward",
-               "acceptance", "acceptance by draft position", "mean draft length", "greedy agreement"]
+    headers = ["method", "decode tok/s", "x plain (paired)", "x stock assisted (paired)",
+               "x stock prompt lookup (paired)", "tokens / target forward", "acceptance",
+               "acceptance by draft position", "mean draft length", "drafting rounds", "greedy agreement"]
     rows = [[r["name"], f"{r['decode_tokens_per_s']:.1f}", f"{r['x_plain']:.2f}x", _cell(r, "x_stock_assisted", "{:.2f}x"),
-             f"{r['tokens_per_target_forward']:.2f}", _cell(r, "acceptance_rate", "{:.0%}"),
+             _cell(r, "x_prompt_lookup", "{:.2f}x"), f"{r['tokens_per_target_forward']:.2f}",
+             _cell(r, "acceptance_rate", "{:.0%}"),
              " ".join(f"{a:.2f}" for a in r.get("acceptance_by_position", [])[:8]) or "-",
-             _cell(r, "mean_draft_length", "{:.1f}"), _cell(r, "greedy_agreement", "{:.1%}")]
+             _cell(r, "mean_draft_length", "{:.1f}"), _cell(r, "drafting_rounds", "{:.0%}"),
+             _cell(r, "greedy_agreement", "{:.1%}")]
             for r in measurement["rows"]]
     return format_table(headers, rows, markdown=True)
 
@@ -189,11 +269,12 @@ def table(measurement: dict[str, Any]) -> str:
 def markdown(report: dict[str, Any]) -> str:
     parts = [f"Model: {report['model']}. Hardware: {report['hardware']['cpu']}, {report['hardware']['torch_threads']} "
              f"torch thread(s), torch {report['hardware']['torch']}, transformers {report['hardware']['transformers']}. "
-             f"Prompts: {report['prompts']}. Median of {report['repeats']} interleaved repeats after "
+             f"Prompts: {report['prompts']}. Suffix cache: {report['suffix_cache']}. Median of {report['repeats']} "
+             f"interleaved repeats after "
              f"{report['warmup']} warm-up; ratios are medians of per-repeat paired ratios. From `{report['command']}`."]
     for m in report["measurements"]:
-        parts.append(f"### {m['mode']}, batch {m['batch_size']} (prompts {m['prompt_lengths']}, {m['new_tokens']} new "
-                     f"tokens, {m['generate_kwargs']})\n\n{table(m)}")
+        parts.append(f"### {m['workload']}, {m['mode']}, batch {m['batch_size']} (prompts {m['prompt_lengths']}, "
+                     f"{m['new_tokens']} new tokens, {m['generate_kwargs']})\n\n{table(m)}")
     rows = [[t["target"], f"{t['measured']:.2f}x", "yes" if t["met"] else "**no**"] for t in report["targets"]]
     parts.append("### Targets\n\n" + format_table(["target", "measured", "met"], rows, markdown=True))
     return "\n\n".join(parts) + "\n"

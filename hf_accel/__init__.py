@@ -30,7 +30,10 @@ from .speculative.medusa_heads import MedusaConfig, MedusaHeads
 from .medusa_training.train import train_medusa
 from .speculative.draft import draft_generate
 from .speculative.draft_length import DraftLength
+from .speculative.ngram import ngram_generate
+from .speculative.ngram_proposer import NgramSettings
 from .speculative.stats import SpeculativeStats
+from .speculative.suffix_cache import SuffixCache
 
 __version__ = "0.1.0"
 
@@ -68,6 +71,7 @@ __all__ = [
     "MedusaConfig",
     "MedusaHeads",
     "MedusaStats",
+    "NgramSettings",
     "OutOfBlocksError",
     "PagedCache",
     "PagedCacheConfig",
@@ -81,11 +85,13 @@ __all__ = [
     "SinkCache",
     "SinkCacheConfig",
     "SpeculativeStats",
+    "SuffixCache",
     "WeightOnlyConfig",
     "draft_generate",
     "list_quantization_presets",
     "load_model",
     "medusa_generate",
+    "ngram_generate",
     "quantization_config",
     "quantize_model",
     "register",

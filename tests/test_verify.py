@@ -20,6 +20,24 @@ def test_greedy_with_no_drafts_emits_the_target_token():
     assert verdict.num_accepted.tolist() == [0, 0] and verdict.tokens.tolist() == [[4], [9]]
 
 
+def test_padding_past_a_rows_own_drafts_is_never_accepted():
+    drafts = torch.tensor([[5, 6, 7], [5, 6, 7], [5, 6, 7]])
+    target = torch.tensor([[5, 6, 7, 8], [5, 6, 7, 8], [5, 6, 7, 8]])
+    verdict = greedy_accept(drafts, target, num_drafts=torch.tensor([3, 1, 0]))
+    assert verdict.num_accepted.tolist() == [3, 1, 0]
+    assert verdict.tokens[1, 1].item() == 6 and verdict.tokens[2, 0].item() == 5  # the target's own token there
+
+
+def test_deterministic_drafts_with_padding_sample_the_bonus_from_the_target():
+    # one-hot q for a row's real draft, zero rows past it: the token after the last real draft is drawn from p
+    p = torch.tensor([[[0.0, 1.0, 0.0], [0.0, 0.0, 1.0], [1.0, 0.0, 0.0]]])
+    q = torch.tensor([[[0.0, 1.0, 0.0], [0.0, 0.0, 0.0]]])
+    for seed in range(10):
+        verdict = speculative_sample(torch.tensor([[1, 2]]), q, p, generator=torch.Generator().manual_seed(seed),
+                                     num_drafts=torch.tensor([1]))
+        assert verdict.num_accepted.item() == 1 and verdict.tokens[0, :2].tolist() == [1, 2]
+
+
 def test_shapes_are_checked():
     with pytest.raises(ValueError, match="draft_tokens"):
         greedy_accept(torch.tensor([1, 2]), torch.tensor([[1, 2, 3]]))

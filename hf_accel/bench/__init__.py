@@ -9,16 +9,17 @@
     command     `hf-accel bench`
 """
 
-from .inputs import make_prompts, prompt_lengths, text_prompts
+from .inputs import copy_heavy_prompts, make_prompts, prompt_lengths, text_prompts
 from .models import RANDOM_MODEL_NOTE, BenchModel, describe_model, load_bench_model, random_llama
 from .output import hardware
 from .results import StrategyResult, block_waste, kv_bytes, results_table, token_agreement
 from .strategies import STRATEGIES, Strategy, quantized_int4, strategies_for, weight_quantized
-from .timing import compare_strategies, run_generate, torch_threads
+from .timing import compare_strategies, count_forwards, run_generate, torch_threads
 
 __all__ = [
     "RANDOM_MODEL_NOTE", "STRATEGIES", "BenchModel", "Strategy", "StrategyResult", "block_waste", "compare_strategies",
-    "describe_model", "hardware", "kv_bytes", "load_bench_model", "make_prompts", "prompt_lengths", "quantized_int4",
+    "copy_heavy_prompts", "count_forwards", "describe_model", "hardware", "kv_bytes", "load_bench_model",
+    "make_prompts", "prompt_lengths", "quantized_int4",
     "random_llama", "results_table", "run_generate", "strategies_for", "text_prompts", "token_agreement",
     "torch_threads", "weight_quantized",
 ]

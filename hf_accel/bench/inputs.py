@@ -41,6 +41,18 @@ def text_prompts(tokenizer: PreTrainedTokenizerBase, lengths: Sequence[int]) -> 
     return left_padded([rows[row, :length] for row, length in enumerate(lengths)], pad)
 
 
+def copy_heavy_prompts(tokenizer: PreTrainedTokenizerBase, lengths: Sequence[int],
+                       num_repeated: int = 16) -> dict[str, torch.Tensor]:
+    """`text_prompts` of the given lengths, each followed by a blank line and its own first `num_repeated` tokens:
+    the prompt holds a block of code and begins to repeat it (as in editing a file). Row r has `lengths[r] + 1 +
+    num_repeated` tokens when the blank line is one token."""
+    inputs = text_prompts(tokenizer, lengths)
+    blank = torch.tensor(tokenizer.encode("\n\n"), dtype=torch.long)
+    blocks = [ids[mask.bool()] for ids, mask in zip(inputs["input_ids"], inputs["attention_mask"])]
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    return left_padded([torch.cat([block, blank, block[:num_repeated]]) for block in blocks], pad)
+
+
 def make_prompts(
     lengths: Sequence[int], vocab_size: int, pad_token_id: int = 0, seed: int = 0
 ) -> dict[str, torch.Tensor]:

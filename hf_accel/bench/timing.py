@@ -102,6 +102,17 @@ def compare_strategies(
     return summarize(strategies, timings.seconds, timings.outputs, inputs, new_tokens)
 
 
+def count_forwards(model: torch.nn.Module, run: Callable[[], Any]) -> int:
+    """Forward calls of `model` (not its submodules) while `run()` executes."""
+    calls = [0]
+    handle = model.register_forward_hook(lambda *args: calls.__setitem__(0, calls[0] + 1))
+    try:
+        run()
+    finally:
+        handle.remove()
+    return calls[0]
+
+
 @contextlib.contextmanager
 def torch_threads(num: int) -> Iterator[None]:
     """Run the block with `num` torch CPU threads, then restore the previous count."""

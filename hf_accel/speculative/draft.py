@@ -18,13 +18,11 @@ from transformers import DynamicCache, GenerationConfig, LogitsProcessorList, Pr
 from transformers.cache_utils import Cache
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from . import loop
-from .draft_checks import check_inputs
+from . import chain, loop
+from .chain_checks import check_draft_model
 from .draft_length import DraftLength
 from .loop import Decoding, GenerateCall
-from .ragged_batch import RaggedBatch
 from .stats import SpeculativeStats
-from .verify import Verdict, greedy_accept, speculative_sample
 
 
 @dataclass(slots=True)
@@ -86,55 +84,33 @@ def draft_generate(
     call = GenerateCall(model, input_ids, logits_processor, stopping_criteria, generation_config, hf_accel_streamer,
                         model_kwargs)
     run = _start(call, draft_model, DraftLength(num_draft_tokens, max_draft_tokens), draft_stats)
-    loop.run(run.decoding, lambda: _prefill(run), lambda _: _round(run))
+    loop.run(run.decoding, lambda: chain.prefill(run.decoding, run.target, run.target_cache), lambda _: _round(run))
     return loop.output(run.decoding, generation_config, run.target_cache)
 
 
 def _start(call: GenerateCall, draft_model: PreTrainedModel | None, length: DraftLength,
            stats: SpeculativeStats | None) -> DraftRun:
-    check_inputs(call, draft_model)
+    check_draft_model(call, draft_model)
     decoding = loop.start(call, stats)
     cache = call.model_kwargs["past_key_values"]
     cache.activate_past_recording()  # sliding-window layers must keep what a crop may take back
     return DraftRun(decoding, call.model, draft_model, cache, DynamicCache(), length)
 
 
-def _forward(model, cache, batch: RaggedBatch, ids, mask, positions, keep: int) -> torch.Tensor:
-    """Raw logits `[batch, keep, vocab]` in fp32 for `ids` `[batch, n]` appended to what `cache` holds."""
-    out = model(input_ids=ids, attention_mask=None if batch.is_dense else mask, position_ids=positions,
-                past_key_values=cache, use_cache=True, logits_to_keep=keep)
-    return out.logits[:, -keep:].to(dtype=torch.float32, copy=True)
-
-
-def _prefill(run: DraftRun) -> None:
-    """Target forward over the prompt and its first token, exactly as plain `generate` picks it."""
-    batch, rules = run.decoding.batch, run.decoding.rules
-    logits = _forward(run.target, run.target_cache, batch, batch.columns, batch.mask, batch.positions, 1)[:, 0]
-    scores = rules.process(batch.view(batch.tokens, batch.history_lengths), logits.clone())
-    first = rules.choose(scores)
-    verdict = Verdict(torch.zeros_like(first), first[:, None])
-    _keep(run, verdict, scores[:, None], logits[:, None], k=0, record=False)
-
-
 def _round(run: DraftRun) -> None:
     """Draft k tokens, verify them in one target forward, keep each row's accepted prefix."""
-    batch, rules = run.decoding.batch, run.decoding.rules
+    batch = run.decoding.batch
     k = run.length.next(int(batch.remaining.max()))
     proposal = _propose(run, k)
-    ids = torch.cat([batch.columns[:, -1:], proposal.tokens], dim=1)
-    mask = torch.cat([batch.mask, batch.mask.new_ones((batch.mask.shape[0], k))], dim=1)
-    positions = batch.positions[:, -1:] + torch.arange(k + 1, device=ids.device)
-    logits = _forward(run.target, run.target_cache, batch, ids, mask, positions, k + 1)
-    scores = torch.stack([rules.process(batch.view(proposal.history, batch.history_lengths + j), logits[:, j].clone())
-                          for j in range(k + 1)], dim=1)  # [batch, k + 1, vocab]
-    if rules.do_sample:
-        target_probs = torch.softmax(scores, dim=-1)
-        draft_probs = target_probs[:, :0] if proposal.probs is None else proposal.probs  # k == 0: no drafts
-        verdict = speculative_sample(proposal.tokens, draft_probs, target_probs)
-    else:
-        verdict = greedy_accept(proposal.tokens, scores.argmax(dim=-1))
+    verdict, scores, logits = chain.verify(run.decoding, run.target, run.target_cache, proposal.tokens,
+                                           proposal.history, proposal.probs)
     fewest_accepted = int(verdict.num_accepted[batch.unfinished].min())
-    _keep(run, verdict, scores, logits, k=k, record=True)
+    width_before = batch.width
+    most = chain.keep(run.decoding, run.target_cache, verdict, scores, logits, k=k, record=True)
+    held = min(run.draft_length_seen, width_before + most)  # == new width - 1
+    if run.draft_length_seen > held:
+        run.draft_cache.crop(-(run.draft_length_seen - held))
+        run.draft_length_seen = held
     run.length.update(k, fewest_accepted)
 
 
@@ -148,7 +124,7 @@ def _propose(run: DraftRun, k: int) -> Proposal:
     start = run.draft_length_seen
     ids, mask, positions = batch.columns[:, start:], batch.mask, batch.positions[:, start:]
     for j in range(k):
-        logits = _forward(run.draft, run.draft_cache, batch, ids, mask, positions, 1)[:, 0]
+        logits = chain.forward(run.draft, run.draft_cache, batch, ids, mask, positions, 1)[:, 0]
         scores = rules.process(batch.view(tokens, batch.history_lengths + j), logits)
         if rules.do_sample:
             probs.append(torch.softmax(scores, dim=-1))
@@ -162,45 +138,3 @@ def _propose(run: DraftRun, k: int) -> Proposal:
     run.decoding.stats.num_draft_forwards += k
     run.draft_length_seen = batch.width + k - 1  # the last draft token was never forwarded
     return Proposal(candidates, torch.stack(probs, dim=1) if probs else None, tokens)
-
-
-def _keep(run: DraftRun, verdict: Verdict, scores, logits, k: int, record: bool) -> None:
-    """Cut each row's emitted tokens at its budget and at the first token a stopping criterion fires on, commit
-    them, and crop both caches to the new layout. `scores`, `logits`: `[batch, k + 1, vocab]`."""
-    decoding = run.decoding
-    batch = decoding.batch
-    active = batch.unfinished.clone()
-    num_emitted = torch.minimum(verdict.num_emitted, batch.remaining.clamp_min(1))
-    num_to_stop, fired = _stop_points(decoding, verdict.tokens, num_emitted, scores)
-    if batch.pad_finished:
-        num_emitted = num_to_stop
-    if record:
-        decoding.stats.record_round(k, verdict.num_accepted, num_emitted, active)
-    decoding.rules.collect(scores, logits, active.nonzero().squeeze(1), num_emitted)
-    width_before = batch.width
-    most = decoding.emit(verdict.tokens, num_emitted, fired, num_to_stop)
-    if record:  # the target forwarded k + 1 columns from width_before - 1; keep up to the new last column
-        run.target_cache.crop(-(k - most))
-    held = min(run.draft_length_seen, width_before + most)  # == new width - 1
-    if run.draft_length_seen > held:
-        run.draft_cache.crop(-(run.draft_length_seen - held))
-        run.draft_length_seen = held
-
-
-def _stop_points(decoding: Decoding, emitted: torch.Tensor, num_emitted: torch.Tensor,
-                 scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Check the stopping criteria after each emitted token in order (rows that already stopped once are not
-    checked again); a row keeps its tokens up to the first on which one fires. Returns the cut counts and which
-    rows fired, both `[batch]`."""
-    batch, rules = decoding.batch, decoding.rules
-    fired = torch.zeros_like(batch.stopped)
-    if not rules.has_stops:
-        return num_emitted, fired
-    for i in range(int(num_emitted[batch.unfinished].max())):
-        checked = batch.unfinished & ~batch.stopped & ~fired & (num_emitted > i)
-        if not bool(checked.any()):
-            break
-        stop = rules.fires(batch, emitted[:, : i + 1], scores[:, i], checked)
-        num_emitted = torch.where(stop, i + 1, num_emitted)
-        fired |= stop
-    return num_emitted, fired

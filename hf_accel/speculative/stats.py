@@ -33,7 +33,7 @@ class SpeculativeStats(RichDisplay):
     num_new_tokens: int = 0  # tokens returned per row, summed over rows (the prefill's first token included)
     proposed: list[int] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)
-    draft_lengths: list[int] = field(default_factory=list)  # candidates per row of every round, in order
+    draft_lengths: list[int] = field(default_factory=list)  # candidates per row of every round (or row round), in order
 
     @property
     def tokens_per_forward(self) -> float:
@@ -58,21 +58,27 @@ class SpeculativeStats(RichDisplay):
                 "acceptance_rate": self.acceptance_rate, "acceptance_by_position": self.acceptance_by_position}
 
     def record_round(self, depth: int, num_accepted: torch.Tensor, num_emitted: torch.Tensor, active: torch.Tensor,
-                     num_candidates: int | None = None) -> None:
+                     num_candidates: int | None = None, row_depths: torch.Tensor | None = None) -> None:
         """One verification forward of candidates `depth` positions deep (`num_candidates` per row, default `depth`:
-        a Medusa tree holds more): `num_accepted`, `num_emitted` and `active` (rows generating) are `[batch]`."""
+        a Medusa tree holds more): `num_accepted`, `num_emitted` and `active` (rows generating) are `[batch]`.
+        `row_depths`: `[batch]` chain each row really proposed, when rows differ (`draft_lengths` then gets one entry
+        per generating row)."""
         self.num_target_forwards += 1
-        self.draft_lengths.append(depth if num_candidates is None else num_candidates)
         rows = active.nonzero().squeeze(1)
         accepted = num_accepted[rows].tolist()
+        depths = [depth] * len(accepted) if row_depths is None else row_depths[rows].tolist()
+        if row_depths is None:
+            self.draft_lengths.append(depth if num_candidates is None else num_candidates)
+        else:
+            self.draft_lengths.extend(depths)
         self.num_emitted += int(num_emitted[rows].sum())
         self.num_row_rounds += len(accepted)
         grow = depth - len(self.proposed)
         if grow > 0:
             self.proposed.extend([0] * grow)
             self.accepted.extend([0] * grow)
-        for n in accepted:  # a row that accepted n candidates reached positions 0..n, accepted 0..n-1
-            for j in range(min(n + 1, depth)):
+        for n, row_depth in zip(accepted, depths):  # n accepted: positions 0..n reached, 0..n-1 accepted
+            for j in range(min(n + 1, row_depth)):
                 self.proposed[j] += 1
                 self.accepted[j] += int(j < n)
 

@@ -39,8 +39,10 @@ def _check_shapes(draft_tokens: torch.Tensor, target: torch.Tensor) -> None:
         raise ValueError(f"target scores must be [batch={batch}, k + 1={k + 1}, ...], got {tuple(target.shape)}")
 
 
-def _first_rejection(accepted: torch.Tensor) -> torch.Tensor:
-    # accepted: [batch, k] bool -> [batch] length of the all-True prefix
+def _first_rejection(accepted: torch.Tensor, num_drafts: torch.Tensor | None) -> torch.Tensor:
+    # accepted: [batch, k] bool -> [batch] length of the all-True prefix, at most num_drafts[r]
+    if num_drafts is not None:
+        accepted = accepted & (torch.arange(accepted.shape[1], device=accepted.device) < num_drafts[:, None])
     return accepted.to(torch.long).cumprod(dim=1).sum(dim=1)
 
 
@@ -51,15 +53,18 @@ def _emit(draft_tokens: torch.Tensor, num_accepted: torch.Tensor, last: torch.Te
     return Verdict(num_accepted, tokens)
 
 
-def greedy_accept(draft_tokens: torch.Tensor, target_tokens: torch.Tensor) -> Verdict:
+def greedy_accept(draft_tokens: torch.Tensor, target_tokens: torch.Tensor,
+                  num_drafts: torch.Tensor | None = None) -> Verdict:
     """Greedy prefix match: accept drafts while they equal the target's argmax, then emit the target's token.
 
     Args:
         draft_tokens: `[batch, k]` proposed tokens (k may be 0).
         target_tokens: `[batch, k + 1]` the target's greedy token at each verified position.
+        num_drafts: `[batch]` drafts row r really proposed (its first `num_drafts[r]`; the rest is padding, never
+            accepted); None: all k.
     """
     _check_shapes(draft_tokens, target_tokens)
-    num_accepted = _first_rejection(draft_tokens == target_tokens[:, :-1])
+    num_accepted = _first_rejection(draft_tokens == target_tokens[:, :-1], num_drafts)
     return _emit(draft_tokens, num_accepted, target_tokens.gather(1, num_accepted[:, None]).squeeze(1))
 
 
@@ -68,6 +73,7 @@ def speculative_sample(
     draft_probs: torch.Tensor,
     target_probs: torch.Tensor,
     generator: torch.Generator | None = None,
+    num_drafts: torch.Tensor | None = None,
 ) -> Verdict:
     """Lossless speculative sampling (Leviathan et al. 2023, Chen et al. 2023), per row.
 
@@ -79,6 +85,8 @@ def speculative_sample(
         draft_probs: `[batch, k, vocab]` the draft distributions q they were sampled from.
         target_probs: `[batch, k + 1, vocab]` the target distributions p at the same positions, plus one.
         generator: optional torch generator for the uniform draws and the resampling.
+        num_drafts: `[batch]` drafts row r really proposed (the rest is padding, never accepted: its `draft_probs`
+            rows must be zero, so that the token after row r's last draft is drawn from p); None: all k.
     """
     _check_shapes(draft_tokens, target_probs)
     if draft_probs.shape != (*draft_tokens.shape, target_probs.shape[-1]):
@@ -88,7 +96,7 @@ def speculative_sample(
     q = draft_probs.gather(2, index).squeeze(2)  # [batch, k] q_j(x_j) > 0: x_j was sampled from q_j
     uniform = torch.rand(p.shape, generator=generator, device=p.device, dtype=p.dtype)
     # q <= p: always accept; else accept with prob p / q  (u * q < p avoids dividing)
-    num_accepted = _first_rejection(uniform * q < p)
+    num_accepted = _first_rejection(uniform * q < p, num_drafts)
     rows = torch.arange(draft_tokens.shape[0], device=draft_tokens.device)
     target_at = target_probs[rows, num_accepted]  # [batch, vocab] p at the first rejection (or p_k)
     padded_q = torch.cat([draft_probs, torch.zeros_like(target_probs[:, :1])], dim=1)

@@ -1,0 +1,76 @@
+"""`DraftBudget`: the k that maximises expected tokens per unit of cost, its cap, the off-switch when acceptance does
+not pay and the probe after it, and the measured cost of a round."""
+
+import pytest
+
+from hf_accel.speculative.draft_budget import DraftBudget, RoundCost
+
+
+def test_k_maximises_expected_tokens_per_cost():
+    budget = DraftBudget(max_tokens=8, token_cost=0.25)
+    # trust 1: k tokens cost 1 + k / 4; the draft's third token is unlikely, so k = 2 pays best: (1 + 1.8) / 1.5
+    assert budget.choose([[0.9, 0.9, 0.1, 0.1]], batch_size=1) == 2
+    assert DraftBudget(max_tokens=1, token_cost=0.25).choose([[0.9, 0.9]], batch_size=1) == 1
+    assert DraftBudget(token_cost=0.0).choose([[0.5] * 3, [0.2] * 5], batch_size=2) == 5  # free: the longest
+    assert budget.choose([[], []], batch_size=2) == 0
+
+
+def test_speculation_switches_off_when_acceptance_does_not_pay_and_probes_later():
+    budget = DraftBudget(max_tokens=8, token_cost=0.1)
+    draft = [[1.0] * 8]
+    assert budget.choose(draft, 1) == 8
+    rounds = 1
+    while budget.choose(draft, 1) > 0:  # nothing is ever accepted
+        budget.update(expected=8.0, accepted=0, k=8, batch_size=1, seconds=None)
+        rounds += 1
+    assert rounds < 5 and budget.trust < 0.2
+    waits, probes = [], []
+    for _ in range(3):  # switched off: a probe after 4 rounds, then after 16, 64 while probes keep failing
+        off = 0
+        while (k := budget.choose(draft, 1)) == 0:
+            off += 1
+        waits.append(off)
+        probes.append(k)
+        budget.update(expected=4.0, accepted=0, k=k, batch_size=1, seconds=None)
+    # 4 rounds off then a probe (the first was the while test above), 16, 64: the probe is the last round counted
+    assert waits == [2, 15, 63] and probes == [4, 4, 4] and budget.choose([[], []], 2) == 0
+    while budget.choose(draft, 1) == 0:
+        pass
+    for _ in range(3):  # the probe pays, and so do the rounds after it: speculation is back
+        budget.update(expected=4.0, accepted=4, k=4, batch_size=1, seconds=None)
+    assert budget.choose(draft, 1) == 8 and budget.probe_interval == 4
+
+
+def test_round_cost_is_learned_from_wall_time():
+    cost = RoundCost()
+    assert cost.relative(11, 1) == pytest.approx(1.6) and cost.relative(1, 1) == 1.0  # the prior: 0.3 + 0.03 / token
+    for seconds in (0.010, 0.030, 0.010):  # plain rounds: 10 ms (the median shrugs off a slow one)
+        cost.observe(1, 1, seconds)
+    for tokens in (3, 5, 9, 3):
+        cost.observe(tokens, 1, 0.012 + 0.001 * tokens)  # 12 ms more than plain, then 1 ms per token
+    assert cost.relative(11, 1) == pytest.approx(2.3)
+    assert cost.relative(4, 4) == 1.0
+    one_k = RoundCost()
+    for _ in range(3):
+        one_k.observe(1, 1, 0.010)
+    one_k.observe(5, 1, 0.015)  # rounds of one size only: the prior slope from there
+    assert one_k.relative(9, 1) == pytest.approx(1.5 + 0.03 * 4)
+
+
+def test_the_cap_on_k_doubles_after_paying_rounds_and_halves_after_a_miss():
+    budget = DraftBudget(max_tokens=32, token_cost=0.0)
+    draft = [[1.0] * 32]
+    ks = []
+    for accepted_share in (1.0, 1.0, 0.1, 0.5):
+        ks.append(k := budget.choose(draft, 1))
+        budget.update(expected=float(k), accepted=int(k * accepted_share), k=k, batch_size=1, seconds=None)
+    assert ks == [8, 16, 32, 16] and budget.choose(draft, 1) == 32
+
+
+def test_timing_noise_cannot_make_a_speculating_round_free():
+    cost = RoundCost()
+    for _ in range(3):
+        cost.observe(4, 4, 0.010)
+    for tokens in (8, 20, 36):
+        cost.observe(tokens, 4, 0.009)  # speculating rounds timed faster than plain ones: noise
+    assert cost.relative(36, 4) == pytest.approx(1.1)  # never below 1 + MIN_EXTRA_COST: a tiny trust cannot pay

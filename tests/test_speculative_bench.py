@@ -1,0 +1,39 @@
+"""benchmarks/bench_speculative.py runs end to end in its quick plan and writes its JSON, its markdown and the tables
+docs/speculative.md quotes: every workload and batch size, the model-free rows, transformers' prompt lookup at batch
+1 only, identical greedy tokens, the target rows."""
+
+import json
+
+import pytest
+
+from hf_accel import reference
+
+
+@pytest.mark.skipif(not reference.has_assets(), reason="reference models not built")
+def test_quick_run_writes_json_markdown_and_target_rows(tmp_path, load_benchmark):
+    script = load_benchmark("bench_speculative")
+    (tmp_path / "docs").mkdir()
+    markers = "<!-- bench_speculative:start -->\nold\n<!-- bench_speculative:end -->\n"
+    (tmp_path / "docs/speculative.md").write_text("x\n" + markers)
+    script.main(["--quick", "--out", str(tmp_path)])
+    report = json.loads((tmp_path / "benchmarks/results/bench_speculative.json").read_text())
+    cases = {(m["workload"], m["mode"], m["batch_size"]): m for m in report["measurements"]}
+    assert set(cases) == {(w, mode, b) for w, mode in script.CASES for b in (1, 4)}
+    for (workload, mode, batch), m in cases.items():
+        names = [r["name"] for r in m["rows"]]
+        assert names[0] == "plain generate" and {"hf_accel ngram", "hf_accel ngram + suffix cache"} <= set(names)
+        assert ("transformers prompt lookup" in names) == (batch == 1)
+        assert ("hf_accel draft" in names) == (workload == "open")
+        if mode == "greedy":
+            assert all(r["greedy_agreement"] == 1.0 for r in m["rows"]), workload
+        ngram = next(r for r in m["rows"] if r["name"] == "hf_accel ngram")
+        assert ngram["tokens_per_target_forward"] >= 1.0 and ngram["x_prompt_lookup" if batch == 1 else "x_plain"] > 0
+    copy_prompt = cases[("copy-heavy", "greedy", 1)]["prompt_lengths"]
+    assert copy_prompt == [script.QUICK.prompt_lengths[1][0] + 1 + script.COPY_PREFIX]
+    assert "earlier requests" in report["suffix_cache"]
+    goals = {t["target"] for t in report["targets"]}
+    assert "hf_accel ngram x plain >= 2.5x (copy-heavy, greedy, batch 1)" in goals
+    assert "hf_accel ngram x prompt lookup >= 1.2x (open, greedy, batch 1)" in goals
+    assert "hf_accel ngram + suffix cache x plain >= 0.95x (nothing repeats, greedy, batch 4)" in goals
+    assert "| hf_accel ngram + suffix cache |" in (tmp_path / "docs/bench_speculative.md").read_text()
+    assert "### copy-heavy, greedy, batch 4" in (tmp_path / "docs/speculative.md").read_text()
