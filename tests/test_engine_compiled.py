@@ -9,7 +9,7 @@ import torch._dynamo.utils as dynamo_utils
 
 from conformance import make_model
 from engine_helpers import assert_greedy_equal, greedy_reference, random_prompts
-from hf_accel import Engine, MedusaHeads, SamplingParams, WeightOnlyConfig, quantize_model
+from hf_accel import Engine, MedusaHeads, SamplingParams, WeightOnlyConfig, bench, quantize_model
 from hf_accel.engine.paged_kernel import paged_attention_kernel
 from hf_accel.engine.step_forward import StepInputs
 
@@ -92,3 +92,11 @@ def test_padding_keeps_sizes_off_one_and_changes_nothing_real():
     assert padded.tables == [[2, 0], [0, 0]] and padded.keep == [0, 0]
     assert (padded.tokens, padded.positions, padded.slots) == (inputs.tokens, inputs.positions, inputs.slots)
     assert StepInputs().padded().keep == [0, 0]  # a step that samples nothing (a prefill chunk mid-prompt)
+
+
+def test_many_engines_in_one_process_all_compile():
+    # dynamo's cache is per model class, shared by every engine: past its default limit of 8 graphs (models of 6
+    # vocabulary sizes, 2 graphs each) they would stop compiling
+    engines = [Engine(bench.random_llama(hidden_size=32, num_layers=1, vocab_size=256 + 32 * i), block_size=4)
+               for i in range(6)]
+    assert all(engine.core.runner.forward.compiled for engine in engines)

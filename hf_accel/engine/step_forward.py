@@ -29,6 +29,9 @@ from .cuda_graphs import DecodeGraphs
 from .kv_pool import KVPool
 
 
+RECOMPILE_LIMIT = 256  # graphs of one model class in one process (two per compiled engine)
+
+
 @contextlib.contextmanager
 def paged_attention_implementation(model: PreTrainedModel) -> Iterator[None]:
     """Run `model` with hf_accel's paged attention inside the block, its own implementation after (a no-op when
@@ -122,7 +125,11 @@ class StepForward:
         if not self.compiled:
             return
         try:
-            self._trace_both_graphs()
+            # dynamo keys its cache on the code of the model's class, shared by every engine in the process: each
+            # engine compiled (another model, another config) adds its two graphs there, and the default limit of
+            # 8 would leave the fifth engine eager
+            with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+                self._trace_both_graphs()
         except Exception as error:
             warnings.warn(f"hf_accel: compiling the engine's model step failed ({type(error).__name__}: "
                           f"{str(error).splitlines()[0] if str(error) else ''}); the engine runs it eagerly",
