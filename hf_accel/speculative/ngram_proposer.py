@@ -7,13 +7,14 @@ per sequence.
 
 Both sources are suffix trees with counts (`SuffixCache`): the sequence's own (its prompt and output so far, grown
 as the context grows) and the shared one (earlier outputs). Each proposes its best draft for the context's tail; the
-one with more expected accepted tokens wins (SuffixDecoding's rule), the sequence's own on ties.
+one with more expected accepted tokens wins (SuffixDecoding's rule), the sequence's own on ties; its `source` says
+which ("own" or "shared").
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..cache.settings import check_int
 from .suffix_cache import NO_DRAFT, Draft, SuffixCache
@@ -78,7 +79,5 @@ class NgramProposer:
         rules = self.settings
         cut = (max_tokens, rules.min_probability, rules.tokens_per_match, rules.extra_tokens)
         own = self._own.speculate(context_token_ids, *cut, continuing=self._seq)
-        if self.shared is None:
-            return own
-        shared = self.shared.speculate(context_token_ids, *cut)
-        return shared if shared.score > own.score else own
+        shared = NO_DRAFT if self.shared is None else self.shared.speculate(context_token_ids, *cut)
+        return replace(shared, source="shared") if shared.score > own.score else replace(own, source="own")
