@@ -24,7 +24,8 @@ from .suffix_cache import NO_DRAFT, Draft, SuffixCache
 class NgramSettings:
     """How drafts are matched and cut.
 
-    max_depth: longest n-gram the sequence's own suffix tree keeps (match plus draft).
+    max_depth: longest n-gram the sequence's own suffix tree counts (and longest match; drafts go on past it along
+        the most recent occurrence).
     min_probability: a draft stops before a token whose estimated probability (that it and every token before it
         are right, from the counts) is below this.
     tokens_per_match: a match of m tokens drafts at most `tokens_per_match * m + extra_tokens` tokens.
