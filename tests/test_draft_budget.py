@@ -1,29 +1,34 @@
-"""`DraftBudget`: the k that maximises expected tokens per unit of cost, its cap, the off-switch when acceptance does
-not pay and the probe after it, and the measured cost of a round."""
+"""`DraftBudget`: the k that maximises expected tokens per unit of cost, its cap, trust per draft source, the
+off-switch when acceptance does not pay and the probe after it, and the measured cost of a round."""
 
 import pytest
 
 from hf_accel.speculative.draft_budget import DraftBudget, RoundCost
+from hf_accel.speculative.suffix_cache import Draft
+
+
+def _drafts(*rows: list[float], source: str = "own") -> list[Draft]:
+    return [Draft(list(range(len(p))), list(p), source=source) for p in rows]
 
 
 def test_k_maximises_expected_tokens_per_cost():
     budget = DraftBudget(max_tokens=8, token_cost=0.25)
     # trust 1: k tokens cost 1 + k / 4; the draft's third token is unlikely, so k = 2 pays best: (1 + 1.8) / 1.5
-    assert budget.choose([[0.9, 0.9, 0.1, 0.1]], batch_size=1) == 2
-    assert DraftBudget(max_tokens=1, token_cost=0.25).choose([[0.9, 0.9]], batch_size=1) == 1
-    assert DraftBudget(token_cost=0.0).choose([[0.5] * 3, [0.2] * 5], batch_size=2) == 5  # free: the longest
-    assert budget.choose([[], []], batch_size=2) == 0
+    assert budget.choose(_drafts([0.9, 0.9, 0.1, 0.1]), batch_size=1) == 2
+    assert DraftBudget(max_tokens=1, token_cost=0.25).choose(_drafts([0.9, 0.9]), batch_size=1) == 1
+    assert DraftBudget(token_cost=0.0).choose(_drafts([0.5] * 3, [0.2] * 5), batch_size=2) == 5  # free: the longest
+    assert budget.choose(_drafts([], []), batch_size=2) == 0
 
 
 def test_speculation_switches_off_when_acceptance_does_not_pay_and_probes_later():
     budget = DraftBudget(max_tokens=8, token_cost=0.1)
-    draft = [[1.0] * 8]
+    draft = _drafts([1.0] * 8)
     assert budget.choose(draft, 1) == 8
     rounds = 1
-    while budget.choose(draft, 1) > 0:  # nothing is ever accepted
-        budget.update(expected=8.0, accepted=0, k=8, batch_size=1, seconds=None)
+    while (k := budget.choose(draft, 1)) > 0:  # nothing is ever accepted
+        budget.update(draft, [0], k=k, batch_size=1, seconds=None)
         rounds += 1
-    assert rounds < 5 and budget.trust < 0.2
+    assert rounds < 5 and budget.trust("own") < 0.2
     waits, probes = [], []
     for _ in range(3):  # switched off: a probe after 4 rounds, then after 16, 64 while probes keep failing
         off = 0
@@ -31,14 +36,23 @@ def test_speculation_switches_off_when_acceptance_does_not_pay_and_probes_later(
             off += 1
         waits.append(off)
         probes.append(k)
-        budget.update(expected=4.0, accepted=0, k=k, batch_size=1, seconds=None)
+        budget.update(draft, [0], k=k, batch_size=1, seconds=None)
     # 4 rounds off then a probe (the first was the while test above), 16, 64: the probe is the last round counted
-    assert waits == [2, 15, 63] and probes == [4, 4, 4] and budget.choose([[], []], 2) == 0
+    assert waits == [2, 15, 63] and probes == [4, 4, 4] and budget.choose(_drafts([], []), 2) == 0
     while budget.choose(draft, 1) == 0:
         pass
     for _ in range(3):  # the probe pays, and so do the rounds after it: speculation is back
-        budget.update(expected=4.0, accepted=4, k=4, batch_size=1, seconds=None)
+        budget.update(draft, [4], k=4, batch_size=1, seconds=None)
     assert budget.choose(draft, 1) == 8 and budget.probe_interval == 4
+
+
+def test_trust_is_measured_per_draft_source():
+    budget = DraftBudget(max_tokens=8, token_cost=0.1)
+    own, shared = _drafts([1.0] * 8), _drafts([1.0] * 8, source="shared")
+    for _ in range(3):  # the shared cache's drafts keep failing, the row's own keep being accepted
+        budget.update(own + shared, [8, 0], k=8, batch_size=2, seconds=None)
+    assert budget.trust("own") == pytest.approx(1.0) and budget.trust("shared") < 0.1
+    assert budget.choose(own, 1) == 8 and budget.choose(shared, 1) == 0
 
 
 def test_round_cost_is_learned_from_wall_time():
@@ -59,11 +73,11 @@ def test_round_cost_is_learned_from_wall_time():
 
 def test_the_cap_on_k_doubles_after_paying_rounds_and_halves_after_a_miss():
     budget = DraftBudget(max_tokens=32, token_cost=0.0)
-    draft = [[1.0] * 32]
+    draft = _drafts([1.0] * 32)
     ks = []
     for accepted_share in (1.0, 1.0, 0.1, 0.5):
         ks.append(k := budget.choose(draft, 1))
-        budget.update(expected=float(k), accepted=int(k * accepted_share), k=k, batch_size=1, seconds=None)
+        budget.update(draft, [int(k * accepted_share)], k=k, batch_size=1, seconds=None)
     assert ks == [8, 16, 32, 16] and budget.choose(draft, 1) == 32
 
 
@@ -73,4 +87,4 @@ def test_timing_noise_cannot_make_a_speculating_round_free():
         cost.observe(4, 4, 0.010)
     for tokens in (8, 20, 36):
         cost.observe(tokens, 4, 0.009)  # speculating rounds timed faster than plain ones: noise
-    assert cost.relative(36, 4) == pytest.approx(1.1)  # never below 1 + MIN_EXTRA_COST: a tiny trust cannot pay
+    assert cost.relative(36, 4) == pytest.approx(1.2)  # never below 1 + MIN_EXTRA_COST: a tiny trust cannot pay

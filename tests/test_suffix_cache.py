@@ -103,9 +103,11 @@ def test_shared_cache_wins_when_it_expects_more_and_own_matches_on_ties():
     shared = SuffixCache()
     shared.add([3, 4, 5, 6, 7, 8])
     proposer = NgramProposer(NgramSettings(tokens_per_match=8), shared)
-    assert proposer.propose([1, 2, 3, 4], max_tokens=4).tokens == [5, 6, 7, 8]  # only the shared cache knows
+    draft = proposer.propose([1, 2, 3, 4], max_tokens=4)
+    assert draft.tokens == [5, 6, 7, 8] and draft.source == "shared"  # only the shared cache knows
     own = NgramProposer(NgramSettings(tokens_per_match=8), shared)
-    assert own.propose([3, 4, 9, 3, 4], max_tokens=4).tokens == [9, 3, 4, 9]  # 1.0 per token both: own wins
+    draft = own.propose([3, 4, 9, 3, 4], max_tokens=4)
+    assert draft.tokens == [9, 3, 4, 9] and draft.source == "own"  # 1.0 per token both: own wins
 
 
 def test_oldest_sequences_are_dropped_beyond_max_sequences():

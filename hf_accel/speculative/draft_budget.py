@@ -2,13 +2,14 @@
 
 Each round every generating row brings a draft whose tokens carry estimated probabilities (that the token and all
 before it are accepted, `suffix_cache.Draft`). With k candidates per row, row r expects to gain
-`1 + trust * sum(p_r[:k])` tokens and the round costs `cost(batch * (k + 1) tokens forwarded)` plain rounds. k = 0 is
+`1 + trust(source_r) * sum(p_r[:k])` tokens and the round costs `cost(batch * (k + 1) tokens forwarded)` plain rounds. k = 0 is
 a plain decode step, and it is the off-switch: where measured acceptance makes extra candidates cost more than they
 gain (by a `MARGIN`: a round that merely breaks even on noisy estimates is not worth its risk), no candidate is
 verified.
 
-- `trust`: measured accepted / expected accepted, over recent rounds (sums decayed by `DECAY` per speculating round),
-  with a prior of `PRIOR_WEIGHT` expected tokens at trust 1.
+- `trust(source)`: measured accepted / expected accepted of the drafts from one source (a row's own tokens, the shared
+  cache, ...: their counts are not equally reliable), over recent rounds (sums decayed by `DECAY` per round the source
+  drafted in), with a prior of `PRIOR_WEIGHT` expected tokens at trust 1.
 - `cap` on k: starts at `FIRST_CAP`, doubles (up to `max_tokens`) after a round that accepted at least half of what
   it expected, halves (down to `PROBE_TOKENS`) after one that did not, so one wrong guess costs a short round.
 - probes: while switched off nothing is measured, so after `probe_interval` rounds off, one round speculates as if
@@ -31,10 +32,12 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from .suffix_cache import Draft
+
 DECAY, PRIOR_WEIGHT = 0.9, 1.0
 FIRST_PROBE_INTERVAL, MAX_PROBE_INTERVAL, PROBE_TOKENS, FIRST_CAP = 4, 128, 4, 8
 PRIOR_JUMP, PRIOR_TOKEN_COST, COST_DECAY, MIN_FIT_ROUNDS, PLAIN_WINDOW = 0.3, 0.03, 0.95, 3, 16
-MIN_EXTRA_COST = 0.1  # a speculating round is never counted cheaper than this over a plain one (timing noise)
+MIN_EXTRA_COST = 0.2  # a speculating round is never counted cheaper than this over a plain one (timing noise)
 MARGIN = 0.1  # speculate only where expected tokens per second beat a plain step's by this much (estimates are noisy)
 
 
@@ -82,55 +85,61 @@ class DraftBudget:
 
     max_tokens: int = 32
     token_cost: float | None = None
-    accepted: float = 0.0  # decayed sums of accepted candidates ...
-    expected: float = 0.0  # ... and of their estimated probabilities
+    evidence: dict[str, list[float]] = field(default_factory=dict)  # source -> decayed [accepted, expected]
     cost: RoundCost = field(default_factory=RoundCost)
     num_rounds: int = 0  # rounds updated so far (the first one's time holds one-off costs: not measured)
     num_off_rounds: int = 0  # rounds switched off since the last speculating round
     probe_interval: int = FIRST_PROBE_INTERVAL
     cap: int = FIRST_CAP
 
-    @property
-    def trust(self) -> float:
-        """Measured accepted / expected accepted candidates, with the prior."""
-        return (self.accepted + PRIOR_WEIGHT) / (self.expected + PRIOR_WEIGHT)
+    def trust(self, source: str) -> float:
+        """Measured accepted / expected accepted candidates of drafts from `source`, with the prior."""
+        accepted, expected = self.evidence.get(source, (0.0, 0.0))
+        return (accepted + PRIOR_WEIGHT) / (expected + PRIOR_WEIGHT)
 
-    def choose(self, probabilities: Sequence[Sequence[float]], batch_size: int) -> int:
-        """k for a round in which generating row r's draft has `probabilities[r]` (cumulative, one per token) and
-        the forward runs `batch_size` rows."""
-        k = self._best_k(probabilities, batch_size, self.trust)
+    def choose(self, drafts: Sequence[Draft], batch_size: int) -> int:
+        """k for a round in which the generating rows bring `drafts` and the forward runs `batch_size` rows."""
+        k = self._best_k(drafts, batch_size, probe=False)
         if k > 0:
             self.num_off_rounds, self.probe_interval = 0, FIRST_PROBE_INTERVAL
-        elif any(probabilities):  # switched off
+        elif any(d.tokens for d in drafts):  # switched off
             self.num_off_rounds += 1
             if self.num_off_rounds >= self.probe_interval:
                 self.num_off_rounds = 0
                 self.probe_interval = min(4 * self.probe_interval, MAX_PROBE_INTERVAL)
-                k = min(self._best_k(probabilities, batch_size, 1.0), PROBE_TOKENS)
+                k = min(self._best_k(drafts, batch_size, probe=True), PROBE_TOKENS)
         return k
 
-    def _best_k(self, probabilities: Sequence[Sequence[float]], batch_size: int, trust: float) -> int:
-        longest = min(self.max_tokens, self.cap, max((len(p) for p in probabilities), default=0))
-        gains = [0.0] * (longest + 1)  # gains[k]: expected accepted candidates over rows with k per row
-        for row in probabilities:
-            total = 0.0
-            for k in range(1, longest + 1):
-                total += row[k - 1] if k <= len(row) else 0.0
+    def _best_k(self, drafts: Sequence[Draft], batch_size: int, probe: bool) -> int:
+        longest = min(self.max_tokens, self.cap, max((len(d.tokens) for d in drafts), default=0))
+        gains = [0.0] * (longest + 1)  # gains[k]: trusted expected accepted candidates over rows with k per row
+        for draft in drafts:
+            trust, total = 1.0 if probe else self.trust(draft.source), 0.0
+            for k in range(1, min(longest, len(draft.tokens)) + 1):
+                total += trust * draft.probabilities[k - 1]
                 gains[k] += total
-        best_k, best_rate = 0, len(probabilities) * (1.0 + MARGIN)
+            for k in range(len(draft.tokens) + 1, longest + 1):
+                gains[k] += total
+        best_k, best_rate = 0, len(drafts) * (1.0 + MARGIN)
         for k in range(1, longest + 1):
-            rate = (len(probabilities) + trust * gains[k]) / self._relative_cost(k, batch_size)
+            rate = (len(drafts) + gains[k]) / self._relative_cost(k, batch_size)
             if rate > best_rate:
                 best_k, best_rate = k, rate
         return best_k
 
-    def update(self, expected: float, accepted: int, k: int, batch_size: int, seconds: float | None) -> None:
-        """After a round of k candidates per row whose drafts expected `expected` accepted candidates in all and got
-        `accepted`; `seconds`: the round's wall time (None: not measured)."""
-        if k > 0 and expected > 0:
-            self.accepted = self.accepted * DECAY + accepted
-            self.expected = self.expected * DECAY + expected
-            paid = 2 * accepted >= expected
+    def update(self, drafts: Sequence[Draft], accepted: Sequence[int], k: int, batch_size: int,
+               seconds: float | None) -> None:
+        """After a round of k candidates per row in which the generating rows' `drafts` got `accepted[r]` of their
+        first k accepted; `seconds`: the round's wall time (None: not measured)."""
+        total_accepted, total_expected = 0, 0.0
+        for draft, num in zip(drafts, accepted):
+            expected = sum(draft.probabilities[:k])
+            if expected > 0:
+                evidence = self.evidence.setdefault(draft.source, [0.0, 0.0])
+                evidence[0], evidence[1] = evidence[0] * DECAY + num, evidence[1] * DECAY + expected
+                total_accepted, total_expected = total_accepted + num, total_expected + expected
+        if total_expected > 0:
+            paid = 2 * total_accepted >= total_expected
             self.cap = min(2 * self.cap, self.max_tokens) if paid else max(self.cap // 2, PROBE_TOKENS)
         if seconds is not None and self.num_rounds > 0:
             self.cost.observe(batch_size * (k + 1), batch_size, seconds)

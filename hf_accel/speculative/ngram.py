@@ -28,7 +28,8 @@ from .draft_budget import DraftBudget
 from .loop import Decoding, GenerateCall
 from .ngram_proposer import NgramProposer, NgramSettings
 from .stats import SpeculativeStats
-from .suffix_cache import NO_DRAFT, Draft, SuffixCache
+from .ragged_batch import RaggedBatch
+from .suffix_cache import Draft, SuffixCache
 
 
 @dataclass(slots=True)
@@ -134,22 +135,27 @@ def _round(run: NgramRun) -> None:
     started = time.perf_counter()
     batch = run.decoding.batch
     drafts = _drafts(run)
-    k = run.budget.choose([d.probabilities for d in drafts if d is not None], len(drafts))
-    drafts = [NO_DRAFT if d is None else d for d in drafts]
-    lengths = [min(len(d.tokens), k) for d in drafts]
-    k = max(lengths)
-    padded = [d.tokens[:n] + [batch.pad_token_id] * (k - n) for d, n in zip(drafts, lengths)]
-    candidates = torch.tensor(padded, dtype=torch.long, device=batch.columns.device).reshape(len(drafts), k)
-    num_candidates = torch.tensor(lengths, device=candidates.device)
+    generating = [d for d in drafts if d is not None]
+    candidates, num_candidates = _candidates(drafts, run.budget.choose(generating, len(drafts)), batch)
+    k = candidates.shape[1]
     history = batch.with_candidates(candidates) if k else batch.tokens
     verdict, scores, logits = chain.verify(run.decoding, run.target, run.cache, candidates, history, None,
                                            num_candidates)
     before = batch.num_generated.tolist()
-    accepted = int(verdict.num_accepted[batch.unfinished].sum()) if k else 0
+    accepted = verdict.num_accepted.tolist() if k else [0] * len(drafts)
     chain.keep(run.decoding, run.cache, verdict, scores, logits, k=k, record=True, num_candidates=num_candidates)
     _grow_contexts(run, before)
-    expected = sum(sum(d.probabilities[:length]) for d, length in zip(drafts, lengths))
-    run.budget.update(expected, accepted, k, len(drafts), time.perf_counter() - started)
+    run.budget.update(generating, [n for d, n in zip(drafts, accepted) if d is not None], k, len(drafts),
+                      time.perf_counter() - started)
+
+
+def _candidates(drafts: list[Draft | None], k: int, batch: RaggedBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    # [batch, k'] each row's first (at most) k draft tokens, padded; [batch] how many are its own; k' the longest
+    lengths = [0 if d is None else min(len(d.tokens), k) for d in drafts]
+    k = max(lengths)
+    padded = [(d.tokens[:n] if n else []) + [batch.pad_token_id] * (k - n) for d, n in zip(drafts, lengths)]
+    candidates = torch.tensor(padded, dtype=torch.long, device=batch.columns.device).reshape(len(drafts), k)
+    return candidates, torch.tensor(lengths, device=candidates.device)
 
 
 def _drafts(run: NgramRun) -> list[Draft | None]:

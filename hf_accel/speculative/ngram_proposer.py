@@ -7,13 +7,14 @@ per sequence.
 
 Both sources are suffix trees with counts (`SuffixCache`): the sequence's own (its prompt and output so far, grown
 as the context grows) and the shared one (earlier outputs). Each proposes its best draft for the context's tail; the
-one with more expected accepted tokens wins (SuffixDecoding's rule), the sequence's own on ties.
+one with more expected accepted tokens wins (SuffixDecoding's rule), the sequence's own on ties; its `source` says
+which ("own" or "shared").
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..cache.settings import check_int
 from .suffix_cache import NO_DRAFT, Draft, SuffixCache
@@ -23,7 +24,8 @@ from .suffix_cache import NO_DRAFT, Draft, SuffixCache
 class NgramSettings:
     """How drafts are matched and cut.
 
-    max_depth: longest n-gram the sequence's own suffix tree keeps (match plus draft).
+    max_depth: longest n-gram the sequence's own suffix tree counts (and longest match; drafts go on past it along
+        the most recent occurrence).
     min_probability: a draft stops before a token whose estimated probability (that it and every token before it
         are right, from the counts) is below this.
     tokens_per_match: a match of m tokens drafts at most `tokens_per_match * m + extra_tokens` tokens.
@@ -78,7 +80,5 @@ class NgramProposer:
         rules = self.settings
         cut = (max_tokens, rules.min_probability, rules.tokens_per_match, rules.extra_tokens)
         own = self._own.speculate(context_token_ids, *cut, continuing=self._seq)
-        if self.shared is None:
-            return own
-        shared = self.shared.speculate(context_token_ids, *cut)
-        return shared if shared.score > own.score else own
+        shared = NO_DRAFT if self.shared is None else self.shared.speculate(context_token_ids, *cut)
+        return replace(shared, source="shared") if shared.score > own.score else replace(own, source="own")

@@ -45,11 +45,13 @@ class _Node:
 @dataclass(frozen=True, slots=True)
 class Draft:
     """Proposed continuation of a context: `tokens`, and for each the estimated probability that it and every token
-    before it are right (`probabilities`, non-increasing); `match_length`: context tokens matched (0: no match)."""
+    before it are right (`probabilities`, non-increasing); `match_length`: context tokens matched (0: no match);
+    `source`: where it was found (a proposer's label, e.g. "own" or "shared")."""
 
     tokens: list[int]
     probabilities: list[float]
     match_length: int = 0
+    source: str = ""
 
     @property
     def score(self) -> float:
