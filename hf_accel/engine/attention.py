@@ -83,7 +83,8 @@ def gathered_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         q = query[:, index].transpose(0, 1)  # [rows, heads, num, dim]
         k, v = (gather_blocks(pool, block_table[rows]) for pool in (key_pool, value_pool))
         mask = query_mask(kv_lengths[rows], num, k.shape[2], window, heads // kv_heads)
-        out[index.reshape(-1)] = attend_dense(q, k, v, mask, scale, softcap or None).transpose(1, 2).reshape(-1, heads, dim)
+        attended = attend_dense(q, k, v, mask, scale, softcap or None)  # [rows, heads, num, dim]
+        out[index.reshape(-1)] = attended.transpose(1, 2).reshape(-1, heads, dim)
     return out
 
 

@@ -1,12 +1,12 @@
-"""The engine's in-place paged attention: `csrc/paged_attention.cpp`, a C++ kernel built with torch's `cpp_extension`
-at first use and registered as the custom op `torch.ops.hf_accel.paged_attention` (it mutates the two pools it
-writes, and has a fake implementation, so a compiled model step traces around it as one opaque node).
+"""The engine's in-place paged attention: `csrc/paged_attention.cpp`, a C++ kernel built with torch's `cpp_extension` at
+first use and registered as the custom op `torch.ops.hf_accel.paged_attention` (it mutates the two pools it writes,
+and has a fake implementation, so a compiled model step traces around it as one opaque node).
 
 For one layer of one step it writes the step's new K/V into their slots, then every sequence's queries (decodes,
 speculative candidates, prefill chunks) attend over that sequence's blocks where they lie (block table, lengths), so
-a step copies no context; see the .cpp file for the shapes and the masking rule. Building needs a C++ compiler, the Python headers
-and `ninja` (all on the machines this project runs on); the first build takes about half a minute and is cached by
-torch (`~/.cache/torch_extensions`, or `$TORCH_EXTENSIONS_DIR`). Where it cannot be built, or with
+a step copies no context; see the .cpp file for the shapes and the masking rule. Building needs a C++ compiler, the
+Python headers and `ninja` (all on the machines this project runs on); the first build takes about half a minute and
+is cached by torch (`~/.cache/torch_extensions`, or `$TORCH_EXTENSIONS_DIR`). Where it cannot be built, or with
 `HF_ACCEL_PAGED_KERNEL=0`, `paged_attention_kernel()` returns None and the engine runs `attention.gathered_attention`
 instead (the same rule over blocks copied out of the pool, sdpa on them: the same results up to float rounding).
 """

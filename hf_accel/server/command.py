@@ -54,8 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--served-model-name", default=None,
                         help="the `model` clients send (default: --model, or hf_accel-reference-target)")
     parser.add_argument("--max-num-seqs", type=int, default=32, help="sequences in a batch (default: %(default)s)")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=512,
-                        help="tokens computed per engine step (default: %(default)s)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens a step (default: %(default)s)")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="longest prompt plus output (default: the model's max_position_embeddings)")
     parser.add_argument("--kv-cache-memory", default=None,
@@ -68,8 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-speculative-batch-tokens", type=int, default=24,
                         help="speculate while decoding sequences x (1 + candidates) stays within this "
                              "(default: %(default)s)")
-    parser.add_argument("--enforce-eager", action="store_true",
-                        help="run the model step eagerly (default: compiled with torch.compile at start)")
+    parser.add_argument("--enforce-eager", action="store_true", help="run the model step eagerly (default: compiled)")
     parser.add_argument("--max-queue-len", type=int, default=DEFAULT_MAX_QUEUE_LEN,
                         help="requests waiting for their first token before new ones get 429 (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")

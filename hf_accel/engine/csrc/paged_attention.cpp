@@ -48,6 +48,17 @@ inline float exp_nonpositive(float x) {
   return p * std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);
 }
 
+// A pool row as floats: the row itself for fp32, else converted into `buffer` [dim].
+template <typename scalar_t>
+inline const float* row_as_float(const scalar_t* row, int64_t dim, float* buffer) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    return row;
+  } else {
+    for (int64_t d = 0; d < dim; ++d) buffer[d] = static_cast<float>(row[d]);
+    return buffer;
+  }
+}
+
 // Shapes and strides every task shares.
 struct Layout {
   int64_t heads, kv_heads, groups, dim, block_size, max_blocks;
@@ -150,14 +161,7 @@ void score_columns(const Layout& l, const float* q, int64_t num_q, const scalar_
     }
   } else {
     for (int64_t c = 0; c < columns; ++c) {
-      const scalar_t* row = keys + (blocks[c / size] * size + c % size) * dim;
-      const float* k;
-      if constexpr (std::is_same_v<scalar_t, float>) {
-        k = row;
-      } else {
-        for (int64_t d = 0; d < dim; ++d) s.row[d] = static_cast<float>(row[d]);
-        k = s.row.data();
-      }
+      const float* k = row_as_float(keys + (blocks[c / size] * size + c % size) * dim, dim, s.row.data());
       for (int64_t j = 0; j < num_q; ++j) scores[j * columns + c] = dot(q + j * dim, k, dim);
     }
   }
@@ -204,20 +208,14 @@ void accumulate_values(const Layout& l, const float* weights, int64_t num_q, int
       if (lane > 0)
         for (int64_t c = 0; c < columns; ++c) rows[c] += 16;
       int64_t j = 0;
-      for (; j + 8 <= num_q; j += 8) accumulate_tile<8>(weights + j * columns, columns, rows, acc + j * dim + lane, dim);
+      for (; j + 8 <= num_q; j += 8)
+        accumulate_tile<8>(weights + j * columns, columns, rows, acc + j * dim + lane, dim);
       for (; j < num_q; ++j) accumulate_tile<1>(weights + j * columns, columns, rows, acc + j * dim + lane, dim);
     }
     return;
   }
   for (int64_t c = 0; c < columns; ++c) {
-    const scalar_t* row = values + (blocks[c / size] * size + c % size) * dim;
-    const float* v;
-    if constexpr (std::is_same_v<scalar_t, float>) {
-      v = row;
-    } else {
-      for (int64_t d = 0; d < dim; ++d) s.row[d] = static_cast<float>(row[d]);
-      v = s.row.data();
-    }
+    const float* v = row_as_float(values + (blocks[c / size] * size + c % size) * dim, dim, s.row.data());
     for (int64_t j = 0; j < num_q; ++j) {
       const float wj = weights[j * columns + c];
       if (wj == 0.f) continue;
