@@ -16,6 +16,7 @@ from .cache.quantized import QuantizedKVCache
 from .cache.quantized_config import QuantizedKVConfig
 from .cache.sink import SinkCache
 from .cache.sink_config import SinkCacheConfig
+from .compiled.route import route_generate
 from .engine.engine import Engine
 from .engine.engine_core import EngineStats
 from .engine.errors import ContextLengthExceededError, EngineDeadError
@@ -46,7 +47,7 @@ CACHE_BUILDERS = {
 
 def register() -> None:
     """Register hf_accel with transformers (done on import; idempotent)."""
-    registry.register(CACHE_BUILDERS)
+    registry.register(CACHE_BUILDERS, route_generate)
     _weight_quantizer.register_methods()
 
 

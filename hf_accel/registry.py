@@ -1,7 +1,8 @@
 """The one module that patches transformers: idempotent, reload-safe, reversible.
 
 What it changes (all undone by `unregister`):
-- `GenerationMixin.generate`: our user-facing names ("paged", "sink") are renamed to internal aliases before stock
+- `GenerationMixin.generate`: the router given to `register` sees (and may edit) the kwargs first (compiled generate
+  claims `compile_config` with the paged cache there); our user-facing names ("paged", "sink") are renamed to internal aliases before stock
   `generate` sees them, so the stock continuous-batching shim does not take over "paged" (`model.generate_batch`
   stays available) and a saved generation config never names a cache that needs hf_accel.
 - `GenerationMixin._prepare_cache_for_generation`: our cache names build our caches, and so does the stock name
@@ -72,11 +73,15 @@ class PrefillHooks(abc.ABC):
 CacheBuilder = Callable[..., object]
 
 
-def register(cache_builders: Mapping[str, CacheBuilder]) -> None:
-    """Install the hooks for `cache_builders` (keyed by internal cache name). Safe to call again."""
+# router(model, generate_kwargs): may edit the kwargs of a generate call before stock generate sees them
+GenerateRouter = Callable[[object, dict], None]
+
+
+def register(cache_builders: Mapping[str, CacheBuilder], router: GenerateRouter | None = None) -> None:
+    """Install the hooks for `cache_builders` (keyed by internal cache name) and `router`. Safe to call again."""
     unregister()
     builders = dict(cache_builders)
-    _install(GenerationMixin, "generate", _wrap_generate)
+    _install(GenerationMixin, "generate", functools.partial(_wrap_generate, router))
     _install(GenerationMixin, "_prepare_cache_for_generation", functools.partial(_wrap_prepare_cache, builders))
     _install(GenerationMixin, "_prefill", _wrap_prefill)
     names = tuple(builders)
@@ -108,8 +113,10 @@ def _install(owner: type, attr: str, make_wrapper: Callable[[Callable], Callable
     setattr(owner, attr, wrapper)
 
 
-def _wrap_generate(original: Callable) -> Callable:
+def _wrap_generate(router: GenerateRouter | None, original: Callable) -> Callable:
     def generate(self, *args, **kwargs):
+        if router is not None:
+            router(self, kwargs)
         name = kwargs.get("cache_implementation")
         if isinstance(name, str) and name in USER_NAMES:
             kwargs["cache_implementation"] = USER_NAMES[name]

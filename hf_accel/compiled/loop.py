@@ -1,0 +1,188 @@
+"""`compiled_generate`: the decode loop `generate` runs when `compile_config` is given with `cache_implementation=
+"paged"` (selected by `route.py`; users never pass it themselves).
+
+It follows transformers' `_sample` step for step (the same processors, stopping criteria, padding of finished rows,
+streamer calls and outputs), with three differences that make it fast:
+- K/V live in a static paged layout (`paged_rows.py`) attended in place by hf_accel's paged-attention op, the one the
+  engine uses;
+- the prompts are prefilled packed, without their padding, in one eager forward;
+- every later token is one call of the compiled whole step (`step.py`): attention metadata, forward and token choice
+  in one graph. Only the stopping criteria and the streamer run on the host between steps (and the processors, when
+  the list holds one the graph cannot apply: `token_choice.py`).
+Modes it does not cover fall back to transformers' own loop with the cache generate built, eagerly, with a warning
+naming the reason (`uncovered`).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel, StoppingCriteriaList
+from transformers.generation.configuration_utils import GenerationMode
+from transformers.generation.streamers import BaseStreamer
+from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationMixin
+
+from ..cache.kv_shape import FULL_AND_SLIDING, KVShape
+from ..cache.paged import PagedCache
+from ..cache.paged_config import PagedCacheConfig
+from ..engine.attention import gathered_attention, register_attention
+from ..engine.cuda_graphs import decode_attention
+from ..engine.paged_kernel import paged_attention_kernel
+from ..engine.step_forward import paged_attention_implementation
+from .paged_rows import PagedRows
+from .step import compile_context, compiled_decode_step
+from .token_choice import choose_tokens, needs_host_processors
+
+
+def compiled_generate(model: PreTrainedModel, input_ids: torch.LongTensor, logits_processor: LogitsProcessorList,
+                      stopping_criteria: StoppingCriteriaList, generation_config: GenerationConfig,
+                      hf_accel_streamer: BaseStreamer | None = None,
+                      **model_kwargs) -> GenerateDecoderOnlyOutput | torch.LongTensor:
+    """Greedy or sampled decoding with a compiled whole-step graph over a static paged pool (see the module
+    docstring). Returns what `generate` returns: `sequences` `[batch, prompt + new]`, or with
+    `return_dict_in_generate` a `GenerateDecoderOnlyOutput` (its `past_key_values` is None: the pool lives for the
+    call only)."""
+    reason = uncovered(model, generation_config, model_kwargs)
+    if reason is not None:
+        warnings.warn(f"hf_accel: compile_config is not applied ({reason}); generate decodes eagerly with the paged "
+                      "cache", UserWarning, stacklevel=3)
+        return _stock_decoding(model, input_ids, logits_processor, stopping_criteria, generation_config,
+                               hf_accel_streamer, model_kwargs)
+    return _Decode(model, input_ids, logits_processor, stopping_criteria, generation_config, hf_accel_streamer,
+                   model_kwargs.get("attention_mask")).run()
+
+
+def uncovered(model: PreTrainedModel, config: GenerationConfig, model_kwargs: dict[str, Any]) -> str | None:
+    """Why this call cannot run the compiled loop, or None when it can."""
+    mode = config.get_generation_mode()
+    cache = model_kwargs.get("past_key_values")
+    if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
+        return f"the compiled loop covers greedy decoding and sampling, not {mode.value}"
+    if config.output_attentions or config.output_hidden_states:
+        return "output_attentions / output_hidden_states are not returned by the compiled loop"
+    if model_kwargs.get("inputs_embeds") is not None:
+        return "inputs_embeds: the compiled loop starts from input_ids"
+    if not isinstance(cache, PagedCache) or cache.prefix_store is not None or cache.get_seq_length() != 0:
+        return "the compiled loop needs a fresh paged cache without a prefix store"
+    if not getattr(model, "_supports_attention_backend", False):
+        return f"{type(model).__name__} does not use transformers' AttentionInterface"
+    try:
+        KVShape.from_config(model.config, FULL_AND_SLIDING)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def _stock_decoding(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer,
+                    model_kwargs):
+    if generation_config.get_generation_mode() in (GenerationMode.BEAM_SEARCH, GenerationMode.BEAM_SAMPLE):
+        return GenerationMixin._beam_search(model, input_ids, logits_processor, stopping_criteria,
+                                            generation_config, synced_gpus=False, **model_kwargs)
+    if streamer is not None:
+        streamer.put(input_ids.cpu())
+    return GenerationMixin._sample(model, input_ids, logits_processor, stopping_criteria, generation_config,
+                                   synced_gpus=False, streamer=streamer, **model_kwargs)
+
+
+class _Decode:
+    """One compiled `generate` call: `run()` prefills, then steps until every row stops."""
+
+    def __init__(self, model, input_ids, processors, criteria, config, streamer, attention_mask):
+        self.model, self.processors, self.criteria, self.config = model, processors, criteria, config
+        self.streamer, self.do_sample = streamer, bool(config.do_sample)
+        rows, width = input_ids.shape
+        self.sequences = input_ids.new_zeros((rows, max(config.max_length, width)))
+        self.sequences[:, :width] = input_ids
+        self.length = width  # columns of `sequences` filled
+        mask = attention_mask.bool() if attention_mask is not None else None
+        self.prompts = [input_ids[r] if mask is None else input_ids[r][mask[r]] for r in range(rows)]
+        if min(len(prompt) for prompt in self.prompts) == 0:
+            raise ValueError("`attention_mask` has a row with no tokens: every prompt needs at least one")
+        self.host_processors = needs_host_processors(processors, self.do_sample) or config.output_scores or \
+            config.output_logits
+        self.has_eos = any(hasattr(criterion, "eos_token_id") for criterion in criteria)
+        self.scores: list[torch.Tensor] = []
+        self.logits: list[torch.Tensor] = []
+
+    def run(self) -> GenerateDecoderOnlyOutput | torch.LongTensor:
+        model, config = self.model, self.config
+        lengths = [len(prompt) for prompt in self.prompts]
+        settings = PagedCacheConfig.from_dict(_settings(config.cache_config))
+        rows = PagedRows(model, lengths, max(lengths) + config.max_length - self.length, settings.block_size,
+                         _block_limit(settings, model))
+        kernel = paged_attention_kernel() if rows.device.type == "cpu" else None
+        step = compiled_decode_step(config.compile_config)
+        warpers = () if self.host_processors else tuple(self.processors)
+        register_attention()
+        if self.streamer is not None:
+            self.streamer.put(self.sequences[:, : self.length].cpu())
+        unfinished = torch.ones(rows.rows, dtype=torch.bool, device=rows.device)
+        try:
+            with paged_attention_implementation(model), compile_context():
+                tokens = self._prefill(rows, kernel or gathered_attention)
+                positions = rows.prompt_lengths.clone()
+                while True:
+                    unfinished = self._commit(tokens, unfinished)
+                    if not bool(unfinished.any()) or self.length >= self.sequences.shape[1]:
+                        break
+                    out = step(model, self.sequences[:, self.length - 1], positions, rows.kv, rows.block_table,
+                               kernel or decode_attention, warpers, self.do_sample, self.host_processors)
+                    tokens = self._choose(out) if self.host_processors else out
+                    positions = positions + 1
+        finally:
+            if self.streamer is not None:
+                self.streamer.end()
+        return self._output()
+
+    def _prefill(self, rows: PagedRows, attend) -> torch.Tensor:
+        inputs = rows.prefill(self.prompts, attend)
+        out = self.model(input_ids=inputs.tokens, position_ids=inputs.positions, use_cache=False,
+                         logits_to_keep=inputs.keep, hf_accel_step=inputs.attention)
+        logits = out.logits[0].float()  # [rows, vocab]
+        return self._choose(logits) if self.host_processors else choose_tokens(
+            logits, tuple(self.processors), self.do_sample)
+
+    def _choose(self, logits: torch.Tensor) -> torch.Tensor:
+        """The host path: generate's processors on the tokens so far, then argmax or a draw (as `_sample`)."""
+        scores = self.processors(self.sequences[:, : self.length], logits)
+        if self.config.output_scores:
+            self.scores.append(scores)
+        if self.config.output_logits:
+            self.logits.append(logits)
+        if self.do_sample:
+            return torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+        return scores.argmax(dim=-1)
+
+    def _commit(self, tokens: torch.Tensor, unfinished: torch.Tensor) -> torch.Tensor:
+        """Append a step's tokens (finished rows get the pad token), stream them, and return which rows go on."""
+        if self.has_eos:
+            tokens = torch.where(unfinished, tokens, self.config._pad_token_tensor)
+        self.sequences[:, self.length] = tokens
+        self.length += 1
+        if self.streamer is not None:
+            self.streamer.put(tokens.cpu())
+        scores = self.scores[-1] if self.scores else None
+        return unfinished & ~self.criteria(self.sequences[:, : self.length], scores)
+
+    def _output(self) -> GenerateDecoderOnlyOutput | torch.LongTensor:
+        sequences = self.sequences[:, : self.length]
+        if not self.config.return_dict_in_generate:
+            return sequences
+        return GenerateDecoderOnlyOutput(
+            sequences=sequences, scores=tuple(self.scores) if self.config.output_scores else None,
+            logits=tuple(self.logits) if self.config.output_logits else None, past_key_values=None)
+
+
+def _settings(cache_config: object) -> dict | None:
+    return dict(cache_config) if isinstance(cache_config, dict) else None
+
+
+def _block_limit(settings: PagedCacheConfig, model: PreTrainedModel) -> int | None:
+    """The user's fixed pool size in blocks (`num_blocks`, or `max_memory` over a block's bytes), if any."""
+    if settings.max_memory is None:
+        return settings.num_blocks
+    dtype = next(model.parameters()).dtype
+    per_block = KVShape.from_config(model.config, FULL_AND_SLIDING).bytes_per_token(dtype) * settings.block_size
+    return max(settings.max_memory // per_block, 1)

@@ -1,0 +1,90 @@
+"""The static paged layout of one compiled `generate` call: every row's blocks reserved up front.
+
+Row `r` owns blocks `r * width .. r * width + width - 1` of a pool of `rows * width` blocks, `width` sized so the
+row's prompt and every token it may generate fit (`max_new_tokens`). The block table `[rows, width]` therefore never
+changes during the call, and a decode step's slots and lengths follow from the positions alone
+(`slot = table[r, p // block_size] * block_size + p % block_size`), which is what lets the whole step run in one
+compiled graph with no host-side bookkeeping. Prompts are packed without their left padding: row `r`'s real tokens
+sit at positions `0 .. L_r - 1`, the positions transformers gives them (from the padding mask), and attention reads
+exactly `L_r + generated` tokens per row, so pads are never stored or read. The pool uses the engine's layout
+(`engine/kv_pool.py`) and is attended in place by the same op (`engine/attention.py`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel
+
+from ..cache.block_pool import OutOfBlocksError
+from ..cache.kv_shape import KVShape
+from ..engine.attention import StepAttention
+from ..engine.kv_pool import KVPool
+
+MIN_WIDTH = 2  # a 1-wide block table would be specialized by the compiler: one more graph for short generations
+
+
+@dataclass(slots=True)
+class PrefillInputs:
+    """The prompts packed into one row: `tokens` / `positions` `[1, total]`, `keep` `[rows]` (each row's last
+    packed token: the logits that choose its first new token)."""
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    keep: torch.Tensor
+    attention: StepAttention
+
+
+class PagedRows:
+    """Blocks for `len(prompts)` rows of at most `max_tokens` tokens each, in a pool for `model`'s layers.
+
+    Args:
+        model: the model whose K/V the pool holds (its config gives the shape; its first parameter the dtype/device).
+        prompt_lengths: real (unpadded) prompt tokens per row, each >= 1.
+        max_tokens: tokens any row may reach (longest prompt + new tokens).
+        block_size: tokens per block.
+        num_blocks: the user's fixed pool size, if any: `OutOfBlocksError` when the rows need more.
+    """
+
+    def __init__(self, model: PreTrainedModel, prompt_lengths: list[int], max_tokens: int, block_size: int,
+                 num_blocks: int | None = None):
+        self.rows, self.block_size = len(prompt_lengths), block_size
+        self.width = max(-(-max_tokens // block_size), MIN_WIDTH)
+        needed = self.rows * self.width
+        if num_blocks is not None and needed > num_blocks:
+            raise OutOfBlocksError(needed, num_blocks, num_blocks)
+        weight = next(model.parameters())
+        shape = KVShape.from_config(model.config, caller="compiled generate with a paged cache", argument="model")
+        self.kv = KVPool(shape, needed, block_size, weight.dtype, weight.device)
+        self.device = weight.device
+        # block_table: [rows, width], row r's blocks in order
+        self.block_table = torch.arange(needed, device=self.device).view(self.rows, self.width)
+        self.prompt_lengths = torch.tensor(prompt_lengths, device=self.device)
+
+    def prefill(self, prompts: list[torch.Tensor], attend) -> PrefillInputs:
+        """The packed prefill of `prompts` (1-D token tensors, one per row, no padding)."""
+        lengths = self.prompt_lengths
+        tokens = torch.cat(prompts)[None]
+        query_start = torch.zeros(self.rows + 1, dtype=torch.long, device=self.device)
+        query_start[1:] = lengths.cumsum(0)
+        positions = torch.cat([torch.arange(n, device=self.device) for n in lengths.tolist()])
+        rows = torch.repeat_interleave(torch.arange(self.rows, device=self.device), lengths)
+        slots = self.slots(rows, positions)
+        attention = StepAttention(self.kv, slots, self.block_table, query_start, lengths, attend)
+        return PrefillInputs(tokens, positions[None], query_start[1:] - 1, attention)
+
+    def slots(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Pool slot of token `positions[i]` of row `rows[i]`."""
+        blocks = self.block_table[rows, positions // self.block_size]
+        return blocks * self.block_size + positions % self.block_size
+
+
+def decode_attention_inputs(kv: KVPool, block_table: torch.Tensor, positions: torch.Tensor, attend) -> StepAttention:
+    """A decode step where row `r` computes one token at `positions[r]`: the attention metadata, from tensors only
+    (traced into the compiled step)."""
+    size = kv.block_size
+    rows = positions.shape[0]
+    blocks = block_table.gather(1, (positions // size)[:, None])[:, 0]
+    query_start = torch.arange(rows + 1, device=positions.device)
+    return StepAttention(kv, blocks * size + positions % size, block_table, query_start, positions + 1, attend)

@@ -1,0 +1,59 @@
+"""The whole decode step of compiled generate, as one graph: attention metadata from the positions, the model's own
+forward (attention in place over the pool, `engine/attention.py`), and the next-token choice (`token_choice.py`).
+
+Compiled with `fullgraph=True` (no graph break anywhere: the attention is one opaque custom op) and dynamic sizes, so
+the number of rows and the block table's width are symbols: one graph serves every call of a model at a batch size
+above 1 (a batch of 1 is specialized by the compiler: a second graph), whatever the prompt and output lengths, with
+no recompilation per token. Compiled functions are kept per `CompileConfig` (backend, mode, options); dynamo keys
+its graphs on the code, so every model shares them and the recompile limit is raised while decoding
+(`compile_context`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.fx.experimental._config as symbolic_config
+from transformers import PreTrainedModel
+from transformers.generation.configuration_utils import CompileConfig
+
+from ..engine.kv_pool import KVPool
+from ..engine.step_forward import RECOMPILE_LIMIT
+from .paged_rows import decode_attention_inputs
+from .token_choice import choose_tokens
+
+
+def decode_step(model: PreTrainedModel, tokens: torch.Tensor, positions: torch.Tensor, kv: KVPool,
+                block_table: torch.Tensor, attend: Callable, warpers: tuple, do_sample: bool,
+                return_logits: bool) -> torch.Tensor:
+    """Row `r` computes token `tokens[r]` at `positions[r]` -> `[rows]` next tokens, or with `return_logits` the
+    `[rows, vocab]` fp32 logits (for processors applied outside the graph)."""
+    attention = decode_attention_inputs(kv, block_table, positions, attend)
+    out = model(input_ids=tokens[None], position_ids=positions[None], use_cache=False, hf_accel_step=attention)
+    logits = out.logits[0].float()
+    if return_logits:
+        return logits
+    return choose_tokens(logits, warpers, do_sample)
+
+
+def compiled_decode_step(config: CompileConfig) -> Callable[..., torch.Tensor]:
+    """`decode_step` compiled with `config`'s backend, mode and options (always whole and dynamic)."""
+    options = tuple(sorted((config.options or {}).items()))
+    return _compiled(config.backend, config.mode, options)
+
+
+@functools.cache
+def _compiled(backend, mode: str | None, options: tuple) -> Callable[..., torch.Tensor]:
+    settings = {"options": dict(options)} if options else {"mode": mode}  # torch.compile takes one or the other
+    return torch.compile(decode_step, fullgraph=True, dynamic=True, backend=backend, **settings)
+
+
+@contextlib.contextmanager
+def compile_context() -> Iterator[None]:
+    """Around a decode loop: sizes that happen to be equal when traced stay separate symbols (duck shaping off),
+    and the shared graph cache may hold more than dynamo's default 8 graphs (models x batch-size classes)."""
+    with symbolic_config.patch(use_duck_shape=False), torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+        yield

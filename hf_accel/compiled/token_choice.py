@@ -1,0 +1,40 @@
+"""The next-token choice of a compiled decode step: greedy, or sampling after the warpers that are pure tensor
+functions of the scores (temperature, top-k, top-p, min-p), all traced into the step's graph.
+
+The warpers are transformers' own objects from generate's prepared `logits_processor` list, called as generate would
+call them, so the rule is transformers' by construction. Sampling draws with the exponential race (the argmax of
+`probs / E`, `E ~ Exp(1)`: exactly a draw from `probs`, with no host synchronisation), as gpt-fast does. A list that
+holds any other processor (repetition penalty, min length, bad words, a user's own) is applied outside the graph
+instead (`needs_host_processors`), on the logits the compiled forward returns, with generate's `input_ids`.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import LogitsProcessorList
+from transformers.generation.logits_process import (
+    MinPLogitsWarper,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+IN_GRAPH_WARPERS = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper)
+
+
+def needs_host_processors(processors: LogitsProcessorList, do_sample: bool) -> bool:
+    """Whether `processors` holds anything the compiled step cannot apply itself (greedy: any processor at all)."""
+    if not do_sample:
+        return len(processors) > 0
+    return not all(type(processor) in IN_GRAPH_WARPERS for processor in processors)
+
+
+def choose_tokens(scores: torch.Tensor, warpers: tuple, do_sample: bool) -> torch.Tensor:
+    """`scores` `[rows, vocab]` fp32 -> `[rows]` next tokens: argmax, or a draw after `warpers` (in order)."""
+    if not do_sample:
+        return scores.argmax(dim=-1)
+    for warper in warpers:
+        scores = warper(None, scores)  # these warpers never read input_ids
+    probs = torch.softmax(scores, dim=-1)
+    race = torch.empty_like(probs).exponential_(1)
+    return (probs / race).argmax(dim=-1)

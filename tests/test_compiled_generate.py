@@ -1,0 +1,134 @@
+"""Compiled generate: `compile_config` with `cache_implementation="paged"` runs hf_accel's compiled decode loop (a
+static paged pool attended in place, one whole-step graph per token) on CPU too. Greedy tokens equal eager
+`DynamicCache`'s on Llama (grouped-query), Mistral (every layer sliding) and Gemma 2 (hybrid, soft-capping), batch 1
+and left-padded batches; no recompilation across tokens or across calls with other prompt and output lengths;
+sampling warpers run inside the graph; other processors, scores, EOS padding and streamers as transformers has them;
+uncovered modes fall back to transformers' loop; caches with no static layout raise."""
+
+import pytest
+import torch
+import torch._dynamo.utils as dynamo_utils
+from transformers import CompileConfig, DynamicCache
+from transformers.generation.streamers import BaseStreamer
+
+from conformance import PAD, make_model, make_prompts
+from hf_accel import OutOfBlocksError
+from hf_accel.compiled.loop import compiled_generate
+from hf_accel.compiled.route import route_generate
+
+pytestmark = pytest.mark.compiled
+
+COMPILE = CompileConfig(fullgraph=True)
+
+
+def unique_graphs() -> int:
+    return dynamo_utils.counters["stats"]["unique_graphs"]
+
+
+def run(model, inputs, compiled: bool, **kwargs):
+    extra = {"cache_implementation": "paged", "compile_config": COMPILE} if compiled else {}
+    kwargs.setdefault("max_new_tokens", 12)
+    kwargs.setdefault("do_sample", False)
+    return model.generate(**inputs, pad_token_id=PAD, **extra, **kwargs)
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "gemma2"])
+def test_greedy_equals_dynamic_cache_batch_one_and_padded(arch):
+    model = make_model(arch, torch.float32, "eager" if arch == "gemma2" else "sdpa")
+    for lengths in ([9], [5, 23, 14]):  # Mistral's window is shorter than prompt + output
+        inputs = make_prompts(lengths, seed=len(lengths))
+        expected = run(model, inputs, compiled=False, max_new_tokens=20)
+        assert torch.equal(run(model, inputs, compiled=True, max_new_tokens=20), expected), (arch, lengths)
+
+
+def test_no_recompilation_across_tokens_and_calls():
+    model = make_model("llama", torch.float32, "sdpa")
+    run(model, make_prompts([6, 11]), compiled=True, max_new_tokens=3)  # traces the batch > 1 graph
+    before = unique_graphs()
+    for lengths, new in (([4, 30, 9], 40), ([17, 2], 7), ([3, 3, 3, 3, 3], 25)):
+        inputs = make_prompts(lengths, seed=new)
+        assert torch.equal(run(model, inputs, compiled=True, max_new_tokens=new),
+                           run(model, inputs, compiled=False, max_new_tokens=new))
+    assert unique_graphs() == before  # rows, block-table width and positions are symbols of one graph
+
+
+def test_the_compiled_loop_really_runs_and_returns_its_own_output(monkeypatch):
+    model = make_model("llama", torch.float32, "sdpa")
+    inputs = make_prompts([7, 3])
+    kwargs = {"cache_implementation": "paged", "compile_config": COMPILE}
+    route_generate(model, kwargs)
+    assert kwargs["custom_generate"] is compiled_generate
+    out = run(model, inputs, compiled=True, return_dict_in_generate=True)
+    assert out.past_key_values is None  # the static pool lives for the call only (a PagedCache would be returned)
+
+
+def test_sampling_with_top_k_one_is_greedy_and_sampling_varies():
+    model = make_model("llama", torch.float32, "sdpa")
+    inputs = make_prompts([8, 4], seed=3)
+    greedy = run(model, inputs, compiled=False, max_new_tokens=15)
+    sampled = run(model, inputs, compiled=True, max_new_tokens=15, do_sample=True, top_k=1, temperature=0.7)
+    assert torch.equal(sampled, greedy)  # temperature and top-k applied in the graph, in transformers' order
+    torch.manual_seed(0)
+    draws = {tuple(run(model, inputs, compiled=True, max_new_tokens=15, do_sample=True, top_k=0, top_p=0.99,
+                       temperature=1.5)[0].tolist()) for _ in range(4)}
+    assert len(draws) > 1
+
+
+def test_host_processors_scores_and_eos_match_transformers():
+    model = make_model("llama", torch.float32, "sdpa")
+    inputs = make_prompts([10, 6], seed=4)
+    free = run(model, inputs, compiled=False, max_new_tokens=16)
+    eos = int(free[1, -8])  # a token row 1 emits mid-way: it stops there and is padded after
+    kwargs = dict(max_new_tokens=16, repetition_penalty=1.3, eos_token_id=eos, return_dict_in_generate=True,
+                  output_scores=True, output_logits=True)
+    expected, got = run(model, inputs, compiled=False, **kwargs), run(model, inputs, compiled=True, **kwargs)
+    assert torch.equal(got.sequences, expected.sequences)
+    assert len(got.scores) == len(expected.scores) and len(got.logits) == len(expected.logits)
+    for mine, theirs in zip(got.scores + got.logits, expected.scores + expected.logits):
+        torch.testing.assert_close(mine, theirs, atol=1e-4, rtol=1e-4)
+
+
+class Collect(BaseStreamer):
+    def __init__(self):
+        self.chunks, self.ended = [], False
+
+    def put(self, value):
+        self.chunks.append(value.reshape(-1).tolist())
+
+    def end(self):
+        self.ended = True
+
+
+def test_streamer_gets_the_prompt_then_each_token():
+    model = make_model("llama", torch.float32, "sdpa")
+    inputs = make_prompts([6])
+    streamer = Collect()
+    out = run(model, inputs, compiled=True, streamer=streamer)
+    assert streamer.ended and [t for chunk in streamer.chunks for t in chunk] == out[0].tolist()
+
+
+def test_beam_search_falls_back_to_the_eager_loop_with_a_warning():
+    model = make_model("llama", torch.float32, "sdpa")
+    inputs = make_prompts([6, 9])
+    with pytest.warns(UserWarning, match="compile_config is not applied"):
+        got = run(model, inputs, compiled=True, num_beams=2)
+    assert torch.equal(got, run(model, inputs, compiled=False, num_beams=2))
+
+
+@pytest.mark.parametrize("name,config", [("sink", {"window_length": 8, "num_sink_tokens": 2}),
+                                         ("quantized", {"backend": "hf_accel", "nbits": 4})])
+def test_caches_without_a_static_layout_raise(name, config):
+    model = make_model("llama", torch.float32, "sdpa")
+    with pytest.raises(ValueError, match=f"not '{name}'"):
+        model.generate(**make_prompts([5]), max_new_tokens=2, cache_implementation=name, cache_config=config,
+                       compile_config=COMPILE)
+
+
+def test_fixed_pool_too_small_raises_and_a_passed_cache_is_left_alone():
+    model = make_model("llama", torch.float32, "sdpa")
+    with pytest.raises(OutOfBlocksError):
+        run(model, make_prompts([6, 6]), compiled=True, max_new_tokens=40, cache_config={"num_blocks": 3})
+    kwargs = {"cache_implementation": "paged", "compile_config": COMPILE, "past_key_values": DynamicCache()}
+    route_generate(model, kwargs)
+    assert "custom_generate" not in kwargs
+
