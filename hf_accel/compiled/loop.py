@@ -113,28 +113,33 @@ class _Decode:
         rows = PagedRows(model, lengths, max(lengths) + config.max_length - self.length, settings.block_size,
                          _block_limit(settings, model))
         kernel = paged_attention_kernel() if rows.device.type == "cpu" else None
-        step = compiled_decode_step(config.compile_config)
-        warpers = () if self.host_processors else tuple(self.processors)
         register_attention()
         if self.streamer is not None:
             self.streamer.put(self.sequences[:, : self.length].cpu())
-        unfinished = torch.ones(rows.rows, dtype=torch.bool, device=rows.device)
         try:
             with paged_attention_implementation(model), compile_context():
-                tokens = self._prefill(rows, kernel or gathered_attention)
-                positions = rows.prompt_lengths.clone()
-                while True:
-                    unfinished = self._commit(tokens, unfinished)
-                    if not bool(unfinished.any()) or self.length >= self.sequences.shape[1]:
-                        break
-                    out = step(model, self.sequences[:, self.length - 1], positions, rows.kv, rows.block_table,
-                               kernel or decode_attention, warpers, self.do_sample, self.host_processors)
-                    tokens = self._choose(out) if self.host_processors else out
-                    positions = positions + 1
+                self._decode(rows, self._prefill(rows, kernel or gathered_attention), kernel or decode_attention)
         finally:
             if self.streamer is not None:
                 self.streamer.end()
         return self._output()
+
+    def _decode(self, rows: PagedRows, tokens: torch.Tensor, attend) -> None:
+        """Commit `tokens` (the prefill's), then step until every row stops. The first step runs dynamo's guards
+        (picking or compiling the graph); the later ones, whose inputs differ only in values, skip them."""
+        step = compiled_decode_step(self.config.compile_config)
+        warpers = () if self.host_processors else tuple(self.processors)
+        positions = rows.prompt_lengths.clone()
+        unfinished = self._commit(tokens, torch.ones_like(positions, dtype=torch.bool))
+        with torch.compiler.set_stance("default", skip_guard_eval_unsafe=False):
+            guarded = True
+            while bool(unfinished.any()) and self.length < self.sequences.shape[1]:
+                if not guarded:
+                    torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
+                out = step(self.model, self.sequences[:, self.length - 1], positions, rows.kv, rows.block_table,
+                           attend, warpers, self.do_sample, self.host_processors)
+                unfinished = self._commit(self._choose(out) if self.host_processors else out, unfinished)
+                positions, guarded = positions + 1, False
 
     def _prefill(self, rows: PagedRows, attend) -> torch.Tensor:
         inputs = rows.prefill(self.prompts, attend)

@@ -1,0 +1,198 @@
+"""Compiled generate against transformers' best: decode speed of every cache with and without `compile_config`.
+
+Rows, at batch 1 and batch 8 (held-out code prompts of mixed lengths, left-padded; greedy; EOS off so every row
+decodes the same number of tokens): eager `DynamicCache` (the baseline), transformers' `StaticCache` +
+`compile_config` (forced on CPU with `CompileConfig._compile_all_devices`, as a CPU user must), hf_accel's paged
+cache eager and with `compile_config` (hf_accel's compiled loop: `hf_accel/compiled/`), the sink and int4 KV caches
+eager (with `compile_config` they raise: no static layout yet, stated in the notes), and, when a local llama.cpp
+build and a GGUF of the same weights are given (`LLAMA_BENCH`, `HF_ACCEL_LLAMA_GGUF`), llama.cpp's `llama-bench`
+decode on one thread (another process, so its ratio is not paired; skipped with a message otherwise).
+Method (hf_accel.bench): one process, one warm-up round that also compiles, strategies interleaved, median of
+repeats, paired ratios; decode time = time(N new tokens) - time(1 new token). A compiled row's compile seconds are
+its first call's time minus a warm call's; graphs added after the warm-up round are counted (the target is none).
+
+Regenerate benchmarks/results/bench_compile.json, docs/bench_compile.md and the headlines in README.md and
+docs/caches.md:
+    .venv/bin/python benchmarks/bench_compile.py
+Smoke run (tiny random model, prints only unless --out is given):
+    .venv/bin/python benchmarks/bench_compile.py --quick
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch._dynamo.utils as dynamo_utils
+from transformers import CompileConfig, PreTrainedModel, StaticCache
+
+from hf_accel import bench
+from hf_accel.bench.inputs import bench_prompts
+from hf_accel.bench.output import run_benchmark
+from hf_accel.bench.strategies import Strategy, quantized_int4
+from hf_accel.display import format_table
+
+ROOT = Path(__file__).resolve().parents[1]
+COMMAND = ".venv/bin/python benchmarks/bench_compile.py"
+TARGETS = {"paged_compiled_vs_static_compiled": 1.0, "moonshot_vs_dynamic_batch1": 2.2, "compile_seconds": 60.0}
+
+
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    name: str
+    batch_size: int
+    longest: int  # prompt lengths spread from longest // 2 to longest (hf_accel.bench.prompt_lengths)
+    new_tokens: int
+    repeats: int
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    model: str | None  # "reference" or None: a tiny random Llama
+    scenarios: list[Scenario]
+
+
+FULL = Plan("reference", [Scenario("batch 1, prompt 256, 128 new tokens", 1, 256, 128, repeats=5),
+                          Scenario("batch 8, prompts 128-256, 128 new tokens", 8, 256, 128, repeats=3)])
+QUICK = Plan(None, [Scenario("batch 1, prompt 32", 1, 32, 8, repeats=1),
+                    Scenario("batch 2, prompts 16-32", 2, 32, 8, repeats=1)])
+
+
+def compile_config(all_devices: bool) -> CompileConfig:
+    """`fullgraph=True`; `all_devices` sets transformers' private switch that lets its own loop compile on CPU."""
+    config = CompileConfig(fullgraph=True)
+    if all_devices:
+        config._compile_all_devices = True
+    return config
+
+
+def strategies() -> tuple[Strategy, ...]:
+    """The rows, the eager `DynamicCache` baseline first; every row turns EOS off (`eos_token_id=None`)."""
+    def row(name: str, description: str, extra) -> Strategy:
+        return Strategy(name, description, lambda model, max_len: {"eos_token_id": None, **extra(model, max_len)})
+
+    transformers_compile, ours = compile_config(all_devices=True), compile_config(all_devices=False)
+    paged = {"cache_implementation": "paged", "cache_config": {"block_size": 16}}
+    return (
+        row("DynamicCache", "transformers default, eager (baseline)", lambda m, n: {}),
+        row("StaticCache + compile", "transformers StaticCache, compile_config (inductor, fullgraph)",
+            lambda m, n: {"past_key_values": StaticCache(config=m.config, max_cache_len=n),
+                          "compile_config": transformers_compile}),
+        row("hf_accel paged", "cache_implementation='paged', eager", lambda m, n: paged),
+        row("hf_accel paged + compile", "cache_implementation='paged', compile_config: hf_accel's compiled loop",
+            lambda m, n: {**paged, "compile_config": ours}),
+        row("hf_accel sink", "cache_implementation='sink', window half the longest row (>= 64), 4 sinks, eager",
+            lambda m, n: {"cache_implementation": "sink",
+                          "cache_config": {"window_length": max(n // 2, 64), "num_sink_tokens": 4}}),
+        row("hf_accel int4 KV", "cache_implementation='quantized', hf_accel backend, 4 bits, eager",
+            lambda m, n: quantized_int4(m)),
+    )
+
+
+NOT_COVERED = ["sink and int4 KV with compile_config: they raise a ValueError (their per-step host bookkeeping has "
+               "no static layout yet), so they have eager rows only",
+               "draft_generate / medusa_generate with compile_config: not compiled yet (bench_speculative.py has "
+               "their eager rows)"]
+
+
+def compile_seconds(model: PreTrainedModel, inputs: dict[str, torch.Tensor], strategy: Strategy,
+                    new_tokens: int) -> float:
+    """First call minus a warm call of a compiled row (run before any other call of it in this process)."""
+    first, _ = bench.run_generate(model, inputs, strategy, new_tokens)
+    warm, _ = bench.run_generate(model, inputs, strategy, new_tokens)
+    return max(first - warm, 0.0)
+
+
+def measure_scenario(loaded: bench.BenchModel, scenario: Scenario, rows: tuple[Strategy, ...]) -> dict[str, Any]:
+    inputs = bench_prompts(loaded, bench.prompt_lengths(scenario.longest, scenario.batch_size))
+    compiled = {s.name: round(compile_seconds(loaded.model, inputs, s, scenario.new_tokens), 1)
+                for s in rows if "compile" in s.name}
+    graphs_before = dynamo_utils.counters["stats"]["unique_graphs"]
+    results = bench.compare_strategies(loaded.model, inputs, scenario.new_tokens, rows, repeats=scenario.repeats)
+    return {"scenario": scenario.name, "batch_size": scenario.batch_size, "new_tokens": scenario.new_tokens,
+            "prompt_lengths": inputs["attention_mask"].sum(1).tolist(), "compile_seconds": compiled,
+            "graphs_added_while_timed": dynamo_utils.counters["stats"]["unique_graphs"] - graphs_before,
+            "results": [r.as_dict() for r in results]}
+
+
+def llama_cpp_row(new_tokens: int) -> dict[str, Any]:
+    """llama.cpp's `llama-bench` decode speed on one thread, or why it was skipped."""
+    binary = os.environ.get("LLAMA_BENCH") or shutil.which("llama-bench")
+    gguf = os.environ.get("HF_ACCEL_LLAMA_GGUF")
+    if binary is None or gguf is None or not Path(gguf).is_file():
+        return {"skipped": "no local llama.cpp build and GGUF of the same weights (set LLAMA_BENCH to llama-bench "
+                           "and HF_ACCEL_LLAMA_GGUF to the model file)"}
+    out = subprocess.run([binary, "-m", gguf, "-p", "0", "-n", str(new_tokens), "-t", "1", "-o", "json"],
+                         capture_output=True, text=True, check=True, timeout=600)
+    runs = json.loads(out.stdout)
+    return {"decode_tokens_per_s": float(runs[0]["avg_ts"]), "binary": binary, "gguf": gguf}
+
+
+def load(plan: Plan) -> bench.BenchModel:
+    if plan.model == "reference":
+        return bench.load_bench_model(None)
+    model = bench.random_llama(hidden_size=64, num_layers=2, vocab_size=256)
+    return bench.BenchModel(model, None, None, bench.describe_model(model))
+
+
+def run(plan: Plan) -> dict[str, Any]:
+    loaded = load(plan)
+    rows = strategies()
+    report = {"hardware": bench.hardware(), "model": loaded.description, "targets": TARGETS,
+              "command": COMMAND, "not_covered": NOT_COVERED, "scenarios": []}
+    for scenario in plan.scenarios:
+        print(f"{scenario.name} ...", file=sys.stderr, flush=True)
+        report["scenarios"].append(measure_scenario(loaded, scenario, rows))
+    report["llama_cpp"] = llama_cpp_row(plan.scenarios[0].new_tokens)
+    return report
+
+
+def ratio(scenario: dict[str, Any], name: str, over: str) -> float:
+    by_name = {r["name"]: r for r in scenario["results"]}
+    return by_name[name]["speed_ratio"] / by_name[over]["speed_ratio"]
+
+
+def markdown(report: dict[str, Any]) -> str:
+    lines = [f"# Compiled generate benchmark\n\nModel: {report['model']}. CPU: {report['hardware']['cpu']}, "
+             f"{report['hardware']['torch_threads']} thread(s). Regenerate: `{report['command']}`.\n"]
+    for scenario in report["scenarios"]:
+        headers = ["row", "decode tok/s", "x DynamicCache (paired)", "greedy agreement", "compile s"]
+        table = [[r["name"], f"{r['decode_tokens_per_s']:.1f}", f"{r['speed_ratio']:.2f}x",
+                  f"{100 * r['agreement']:.1f}%", str(scenario["compile_seconds"].get(r["name"], "-"))]
+                 for r in scenario["results"]]
+        lines += [f"## {scenario['scenario']}\n", format_table(headers, table, markdown=True), "",
+                  f"hf_accel paged + compile / StaticCache + compile: "
+                  f"**{ratio(scenario, 'hf_accel paged + compile', 'StaticCache + compile'):.2f}x**; graphs added "
+                  f"after warm-up: {scenario['graphs_added_while_timed']}.\n"]
+    llama = report["llama_cpp"]
+    lines.append("## llama.cpp\n\n" + (f"Skipped: {llama['skipped']}." if "skipped" in llama else
+                                       f"`llama-bench` decode, one thread: {llama['decode_tokens_per_s']:.1f} tok/s."))
+    lines.append("\n## Not covered yet\n\n" + "\n".join(f"- {note}" for note in report["not_covered"]) + "\n")
+    return "\n".join(lines)
+
+
+def headline(report: dict[str, Any], link: str) -> str:
+    parts = []
+    for scenario in report["scenarios"]:
+        by_name = {r["name"]: r["speed_ratio"] for r in scenario["results"]}
+        parts.append(f"batch {scenario['batch_size']}: paged + compile {by_name['hf_accel paged + compile']:.2f}x "
+                     f"eager DynamicCache, StaticCache + compile {by_name['StaticCache + compile']:.2f}x")
+    return f"Compiled generate ([{link}]({link})): " + "; ".join(parts) + "."
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    return run_benchmark(
+        argv, __doc__.split("\n\n")[0], "bench_compile", ROOT, lambda quick: run(QUICK if quick else FULL),
+        markdown, lambda report: {"README.md": headline(report, "docs/bench_compile.md"),
+                                  "docs/caches.md": headline(report, "bench_compile.md")})
+
+
+if __name__ == "__main__":
+    main()
