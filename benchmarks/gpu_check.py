@@ -3,7 +3,10 @@
 On CUDA: the reference target in fp32 and bf16, the engine with CUDA graphs for its decode steps (the default) against
 the same engine with `enforce_eager=True`: greedy tokens of held-out requests compared with sequential `generate`,
 graph capture seconds, and decode-step time at 1, 8 and 32 sequences (interleaved, after a warm-up) with the speed-up
-of the graphs. Without CUDA it says so and measures nothing, unless `--device cpu` asks for the same comparison on
+of the graphs; and compiled `generate` (`cache_implementation="paged"` + `compile_config`, whose default
+`mode="reduce-overhead"` records CUDA graphs) against eager `DynamicCache` and transformers' `StaticCache` +
+`compile_config`: identical tokens, first-call (compile) seconds and milliseconds per token at batch 1 and 8.
+Without CUDA it says so and measures nothing, unless `--device cpu` asks for the same comparison on
 the CPU (compiled step against eager: the script's own check, used by its test).
 
     .venv/bin/python benchmarks/gpu_check.py            (writes benchmarks/results/gpu_check.json, docs/gpu_check.md)
@@ -19,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from transformers import CompileConfig, StaticCache
 
 from hf_accel import Engine, SamplingParams, reference
 from hf_accel.bench import torch_threads
@@ -90,6 +95,49 @@ def check_dtype(model, tokenizer, device: torch.device, quick: bool) -> dict[str
     return result
 
 
+def generate_ms(model, inputs: dict[str, torch.Tensor], new_tokens: int, device: torch.device,
+                **kwargs) -> tuple[float, torch.Tensor]:
+    """Seconds of one greedy `generate` of exactly `new_tokens` (EOS off; the device synchronised) and its output."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    started = time.perf_counter()
+    out = model.generate(**inputs, max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, **kwargs)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - started, out
+
+
+def check_generate(model, tokenizer, device: torch.device, quick: bool) -> dict[str, Any]:
+    """Compiled paged `generate` against eager DynamicCache and StaticCache + compile, batch 1 and 8."""
+    config = CompileConfig()  # mode="reduce-overhead": CUDA graphs on a GPU
+    config._compile_all_devices = True  # lets transformers' own loop compile StaticCache off CUDA too
+    new_tokens = 8 if quick else 64
+    rows = reference.held_out_sequences(tokenizer, 64, max_rows=8)
+    result: dict[str, Any] = {}
+    for batch in ((1, 2) if quick else (1, 8)):
+        inputs = {"input_ids": rows[:batch].to(device), "attention_mask": torch.ones_like(rows[:batch]).to(device)}
+        sides = {"dynamic": {}, "paged + compile": {"cache_implementation": "paged", "compile_config": config},
+                 "static + compile": {"compile_config": config, "past_key_values": None}}
+        first, times, outputs = {}, {name: [] for name in sides}, {}
+        for name, kwargs in sides.items():
+            fresh = dict(kwargs)
+            if "past_key_values" in fresh:
+                fresh["past_key_values"] = StaticCache(config=model.config, max_cache_len=64 + new_tokens)
+            first[name], outputs[name] = generate_ms(model, inputs, new_tokens, device, **fresh)
+        for _ in range(3):
+            for name, kwargs in sides.items():
+                fresh = dict(kwargs)
+                if "past_key_values" in fresh:
+                    fresh["past_key_values"] = StaticCache(config=model.config, max_cache_len=64 + new_tokens)
+                times[name].append(generate_ms(model, inputs, new_tokens, device, **fresh)[0])
+        per_token = {name: statistics.median(t) / new_tokens * 1e3 for name, t in times.items()}
+        result[str(batch)] = {
+            "identical": all(torch.equal(out, outputs["dynamic"]) for out in outputs.values()),
+            "first_call_s": {name: round(t, 1) for name, t in first.items()},
+            "ms_per_token": {name: round(ms, 3) for name, ms in per_token.items()}}
+    return result
+
+
 def measure(device_name: str, quick: bool) -> dict[str, Any] | None:
     device = torch.device(device_name)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -100,6 +148,7 @@ def measure(device_name: str, quick: bool) -> dict[str, Any] | None:
     for name in (("fp32",) if quick else tuple(DTYPES)):
         model, tokenizer = reference.load("target", dtype=DTYPES[name])
         report["results"][name] = check_dtype(model.to(device), tokenizer, device, quick)
+        report["results"][name]["generate"] = check_generate(model, tokenizer, device, quick)
     return report
 
 
@@ -112,6 +161,16 @@ def render(report: dict[str, Any]) -> str:
         steps = "; ".join(f"{n} seq: {s['default_ms']:.2f} / {s['eager_ms']:.2f} / {s['speedup']:.2f}x"
                           for n, s in r["steps"].items())
         lines.append(f"| {name} | {r['graphs']} | {r['identical']}/{r['requests']} | {r['start_seconds']} | {steps} |")
+    lines += ["", "Compiled `generate` (paged + compile_config, reduce-overhead) against eager DynamicCache and "
+              "StaticCache + compile_config:", "",
+              "| dtype | batch | identical | first call s (paged+compile / static+compile) | ms per token "
+              "(dynamic / paged+compile / static+compile) |", "| --- | --- | --- | --- | --- |"]
+    for name, r in report["results"].items():
+        for batch, g in r["generate"].items():
+            first, ms = g["first_call_s"], g["ms_per_token"]
+            lines.append(f"| {name} | {batch} | {g['identical']} | {first['paged + compile']} / "
+                         f"{first['static + compile']} | {ms['dynamic']:.2f} / {ms['paged + compile']:.2f} / "
+                         f"{ms['static + compile']:.2f} |")
     return "\n".join(lines) + f"\n\nFrom `{report['command']}`.\n"
 
 

@@ -1,9 +1,10 @@
-"""Compiled generate: `compile_config` with `cache_implementation="paged"` runs hf_accel's compiled decode loop (a
+"""Compiled generate: `compile_config` with `cache_implementation="paged"` (or "sink") runs hf_accel's compiled decode loop (a
 static paged pool attended in place, one whole-step graph per token) on CPU too. Greedy tokens equal eager
 `DynamicCache`'s on Llama (grouped-query), Mistral (every layer sliding) and Gemma 2 (hybrid, soft-capping), batch 1
 and left-padded batches; no recompilation across tokens or across calls with other prompt and output lengths;
 sampling warpers run inside the graph; other processors, scores, EOS padding and streamers as transformers has them;
-uncovered modes fall back to transformers' loop; caches with no static layout raise."""
+uncovered modes fall back to transformers' loop. The sink cache compiles too (its window and re-rotated sinks over
+a ring of blocks, tokens equal to eager `SinkCache`'s); the quantized cache, with no static layout yet, raises."""
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from transformers.generation.streamers import BaseStreamer
 from conformance import PAD, make_model, make_prompts
 from hf_accel import OutOfBlocksError
 from hf_accel.compiled.loop import compiled_generate
+from hf_accel.compiled.paged_rows import PagedRows
 from hf_accel.compiled.route import route_generate
 
 pytestmark = pytest.mark.compiled
@@ -115,13 +117,37 @@ def test_beam_search_falls_back_to_the_eager_loop_with_a_warning():
     assert torch.equal(got, run(model, inputs, compiled=False, num_beams=2))
 
 
-@pytest.mark.parametrize("name,config", [("sink", {"window_length": 8, "num_sink_tokens": 2}),
-                                         ("quantized", {"backend": "hf_accel", "nbits": 4})])
-def test_caches_without_a_static_layout_raise(name, config):
+SINK = {"cache_implementation": "sink", "cache_config": {"window_length": 12, "num_sink_tokens": 3}}
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_sink_cache_compiled_equals_eager_sink_cache(arch):
+    # window 12 with 3 sinks, prompts shorter and longer than the window, 30 new tokens: rows fill the window at
+    # different steps, then read their re-rotated sinks; Gemma 2's sliding layers keep their own window, no sinks
+    model = make_model(arch, torch.float32, "eager" if arch == "gemma2" else "sdpa")
+    differs_from_dynamic = False
+    for lengths in ([9], [5, 23, 14]):
+        inputs = make_prompts(lengths, seed=len(lengths))
+        expected = run(model, inputs, compiled=False, max_new_tokens=30, **SINK)
+        got = model.generate(**inputs, max_new_tokens=30, do_sample=False, pad_token_id=PAD, compile_config=COMPILE,
+                             **SINK)
+        assert torch.equal(got, expected), (arch, lengths)
+        differs_from_dynamic |= not torch.equal(got, run(model, inputs, compiled=False, max_new_tokens=30))
+    assert differs_from_dynamic  # the window and sinks were in effect
+
+
+def test_sink_ring_memory_does_not_grow_with_the_output():
     model = make_model("llama", torch.float32, "sdpa")
-    with pytest.raises(ValueError, match=f"not '{name}'"):
-        model.generate(**make_prompts([5]), max_new_tokens=2, cache_implementation=name, cache_config=config,
-                       compile_config=COMPILE)
+    sizes = [PagedRows(model, [10, 4], 10 + new, 16, ring_tokens=13).kv.nbytes for new in (20, 200, 2000)]
+    assert sizes[0] == sizes[1] == sizes[2]
+    assert PagedRows(model, [10, 4], 2010, 16).kv.nbytes > 10 * sizes[0]
+
+
+def test_quantized_cache_with_compile_config_raises():
+    model = make_model("llama", torch.float32, "sdpa")
+    with pytest.raises(ValueError, match="not 'quantized'"):
+        model.generate(**make_prompts([5]), max_new_tokens=2, cache_implementation="quantized",
+                       cache_config={"backend": "hf_accel", "nbits": 4}, compile_config=COMPILE)
 
 
 def test_fixed_pool_too_small_raises_and_a_passed_cache_is_left_alone():

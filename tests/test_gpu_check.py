@@ -1,6 +1,6 @@
 """benchmarks/gpu_check.py: without CUDA it measures nothing and says so; `--device cpu --quick` runs the same
-comparison on the CPU (compiled step against eager), finds every output identical to sequential generate, and writes
-its table."""
+comparison on the CPU (compiled step against eager; compiled paged generate against DynamicCache and StaticCache +
+compile), finds every output identical to sequential generate, and writes its tables."""
 
 import json
 
@@ -23,3 +23,6 @@ def test_cpu_run_compares_default_and_eager_engines(load_benchmark, tmp_path):
     assert set(result["steps"]) == {"1", "4"} and all(s["default_ms"] > 0 for s in result["steps"].values())
     assert json.loads((tmp_path / "benchmarks/results/gpu_check.json").read_text())["device"] == "cpu"
     assert "| fp32 | False | 4/4 |" in (tmp_path / "docs/gpu_check.md").read_text()
+    generate = result["generate"]
+    assert set(generate) == {"1", "2"} and all(g["identical"] for g in generate.values())
+    assert all(ms > 0 for g in generate.values() for ms in g["ms_per_token"].values())

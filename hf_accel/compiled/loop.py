@@ -27,13 +27,18 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationM
 from ..cache.kv_shape import FULL_AND_SLIDING, KVShape
 from ..cache.paged import PagedCache
 from ..cache.paged_config import PagedCacheConfig
+from ..cache.sink import SinkCache
+from ..cache.sink_config import SinkCacheConfig
 from ..engine.attention import gathered_attention, register_attention
 from ..engine.cuda_graphs import decode_attention
 from ..engine.paged_kernel import paged_attention_kernel
 from ..engine.step_forward import paged_attention_implementation
 from .paged_rows import PagedRows
+from .sink_rows import SinkRows
 from .step import compile_context, compiled_decode_step
 from .token_choice import choose_tokens, needs_host_processors
+
+SINK_BLOCK_SIZE = 16  # the sink cache's ring of blocks (its settings have no block size)
 
 
 def compiled_generate(model: PreTrainedModel, input_ids: torch.LongTensor, logits_processor: LogitsProcessorList,
@@ -46,12 +51,13 @@ def compiled_generate(model: PreTrainedModel, input_ids: torch.LongTensor, logit
     call only)."""
     reason = uncovered(model, generation_config, model_kwargs)
     if reason is not None:
-        warnings.warn(f"hf_accel: compile_config is not applied ({reason}); generate decodes eagerly with the paged "
-                      "cache", UserWarning, stacklevel=3)
+        warnings.warn(f"hf_accel: compile_config is not applied ({reason}); generate decodes eagerly with "
+                      "its hf_accel cache", UserWarning, stacklevel=3)
         return _stock_decoding(model, input_ids, logits_processor, stopping_criteria, generation_config,
                                hf_accel_streamer, model_kwargs)
+    sink = isinstance(model_kwargs["past_key_values"], SinkCache)
     return _Decode(model, input_ids, logits_processor, stopping_criteria, generation_config, hf_accel_streamer,
-                   model_kwargs.get("attention_mask")).run()
+                   model_kwargs.get("attention_mask"), sink).run()
 
 
 def uncovered(model: PreTrainedModel, config: GenerationConfig, model_kwargs: dict[str, Any]) -> str | None:
@@ -64,8 +70,9 @@ def uncovered(model: PreTrainedModel, config: GenerationConfig, model_kwargs: di
         return "output_attentions / output_hidden_states are not returned by the compiled loop"
     if model_kwargs.get("inputs_embeds") is not None:
         return "inputs_embeds: the compiled loop starts from input_ids"
-    if not isinstance(cache, PagedCache) or cache.prefix_store is not None or cache.get_seq_length() != 0:
-        return "the compiled loop needs a fresh paged cache without a prefix store"
+    if not isinstance(cache, (PagedCache, SinkCache)) or cache.get_seq_length() != 0 or \
+            getattr(cache, "prefix_store", None) is not None:
+        return "the compiled loop needs a fresh paged or sink cache, without a prefix store"
     if not getattr(model, "_supports_attention_backend", False):
         return f"{type(model).__name__} does not use transformers' AttentionInterface"
     try:
@@ -89,8 +96,9 @@ def _stock_decoding(model, input_ids, logits_processor, stopping_criteria, gener
 class _Decode:
     """One compiled `generate` call: `run()` prefills, then steps until every row stops."""
 
-    def __init__(self, model, input_ids, processors, criteria, config, streamer, attention_mask):
+    def __init__(self, model, input_ids, processors, criteria, config, streamer, attention_mask, sink: bool):
         self.model, self.processors, self.criteria, self.config = model, processors, criteria, config
+        self.sink = sink
         self.streamer, self.do_sample = streamer, bool(config.do_sample)
         rows, width = input_ids.shape
         self.sequences = input_ids.new_zeros((rows, max(config.max_length, width)))
@@ -107,24 +115,35 @@ class _Decode:
         self.logits: list[torch.Tensor] = []
 
     def run(self) -> GenerateDecoderOnlyOutput | torch.LongTensor:
-        model, config = self.model, self.config
-        lengths = [len(prompt) for prompt in self.prompts]
-        settings = PagedCacheConfig.from_dict(_settings(config.cache_config))
-        rows = PagedRows(model, lengths, max(lengths) + config.max_length - self.length, settings.block_size,
-                         _block_limit(settings, model))
+        model = self.model
+        rows, sinks = self._layout()
         kernel = paged_attention_kernel() if rows.device.type == "cpu" else None
         register_attention()
         if self.streamer is not None:
             self.streamer.put(self.sequences[:, : self.length].cpu())
         try:
             with paged_attention_implementation(model), compile_context():
-                self._decode(rows, self._prefill(rows, kernel or gathered_attention), kernel or decode_attention)
+                self._decode(rows, sinks, self._prefill(rows, kernel or gathered_attention),
+                             kernel or decode_attention)
         finally:
             if self.streamer is not None:
                 self.streamer.end()
         return self._output()
 
-    def _decode(self, rows: PagedRows, tokens: torch.Tensor, attend) -> None:
+    def _layout(self) -> tuple[PagedRows, SinkRows | None]:
+        """Every row's blocks (all of them; a ring for the sink cache) and the sinks, for this call."""
+        lengths = [len(prompt) for prompt in self.prompts]
+        max_tokens = max(lengths) + self.config.max_length - self.length
+        if not self.sink:
+            settings = PagedCacheConfig.from_dict(_settings(self.config.cache_config))
+            return PagedRows(self.model, lengths, max_tokens, settings.block_size,
+                             _block_limit(settings, self.model)), None
+        sink = SinkCacheConfig.from_dict(_settings(self.config.cache_config))
+        rows = PagedRows(self.model, lengths, max_tokens, SINK_BLOCK_SIZE,
+                         ring_tokens=max(max(lengths), sink.window_length + 1))
+        return rows, SinkRows(self.model, sink, rows)
+
+    def _decode(self, rows: PagedRows, sinks: SinkRows | None, tokens: torch.Tensor, attend) -> None:
         """Commit `tokens` (the prefill's), then step until every row stops. The first step runs dynamo's guards
         (picking or compiling the graph); the later ones, whose inputs differ only in values, skip them."""
         step = compiled_decode_step(self.config.compile_config)
@@ -137,7 +156,7 @@ class _Decode:
                 if not guarded:
                     torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
                 out = step(self.model, self.sequences[:, self.length - 1], positions, rows.kv, rows.block_table,
-                           attend, warpers, self.do_sample, self.host_processors)
+                           attend, warpers, self.do_sample, self.host_processors, sinks)
                 unfinished = self._commit(self._choose(out) if self.host_processors else out, unfinished)
                 positions, guarded = positions + 1, False
 

@@ -4,7 +4,10 @@ Row `r` owns blocks `r * width .. r * width + width - 1` of a pool of `rows * wi
 row's prompt and every token it may generate fit (`max_new_tokens`). The block table `[rows, width]` therefore never
 changes during the call, and a decode step's slots and lengths follow from the positions alone
 (`slot = table[r, p // block_size] * block_size + p % block_size`), which is what lets the whole step run in one
-compiled graph with no host-side bookkeeping. Prompts are packed without their left padding: row `r`'s real tokens
+compiled graph with no host-side bookkeeping. With `ring_tokens` (the sink cache: every layer attends at most a
+window), each row owns only enough blocks for that many tokens plus one, and its table maps logical block `b` to its
+block `b mod R`: a token overwrites one that left every window long ago, and memory stays constant however long the
+row grows. Prompts are packed without their left padding: row `r`'s real tokens
 sit at positions `0 .. L_r - 1`, the positions transformers gives them (from the padding mask), and attention reads
 exactly `L_r + generated` tokens per row, so pads are never stored or read. The pool uses the engine's layout
 (`engine/kv_pool.py`) and is attended in place by the same op (`engine/attention.py`).
@@ -45,25 +48,29 @@ class PagedRows:
         max_tokens: tokens any row may reach (longest prompt + new tokens).
         block_size: tokens per block.
         num_blocks: the user's fixed pool size, if any: `OutOfBlocksError` when the rows need more.
+        ring_tokens: the most tokens of a row any step reads (prompt included), for a ring of blocks; None: keep all.
     """
 
     def __init__(self, model: PreTrainedModel, prompt_lengths: list[int], max_tokens: int, block_size: int,
-                 num_blocks: int | None = None):
+                 num_blocks: int | None = None, ring_tokens: int | None = None):
         self.rows, self.block_size = len(prompt_lengths), block_size
         self.width = max(-(-max_tokens // block_size), MIN_WIDTH)
-        needed = self.rows * self.width
+        # blocks a row owns: all of its logical blocks, or a ring with one block to spare past what a step reads
+        owned = self.width if ring_tokens is None else min(-(-ring_tokens // block_size) + 1, self.width)
+        needed = self.rows * owned
         if num_blocks is not None and needed > num_blocks:
             raise OutOfBlocksError(needed, num_blocks, num_blocks)
         weight = next(model.parameters())
         shape = KVShape.from_config(model.config, caller="compiled generate with a paged cache", argument="model")
         self.kv = KVPool(shape, needed, block_size, weight.dtype, weight.device)
         self.device = weight.device
-        # block_table: [rows, width], row r's blocks in order
-        self.block_table = torch.arange(needed, device=self.device).view(self.rows, self.width)
+        # block_table: [rows, width], logical block b of row r -> row r's block b mod owned
+        columns = torch.arange(self.width, device=self.device) % owned
+        self.block_table = torch.arange(self.rows, device=self.device)[:, None] * owned + columns
         self.prompt_lengths = torch.tensor(prompt_lengths, device=self.device)
 
     def prefill(self, prompts: list[torch.Tensor], attend) -> PrefillInputs:
-        """The packed prefill of `prompts` (1-D token tensors, one per row, no padding)."""
+        """The packed prefill of `prompts` (1-D token tensors, one per row, no padding; a ring holds them whole)."""
         lengths = self.prompt_lengths
         tokens = torch.cat(prompts)[None]
         query_start = torch.zeros(self.rows + 1, dtype=torch.long, device=self.device)
@@ -80,11 +87,16 @@ class PagedRows:
         return blocks * self.block_size + positions % self.block_size
 
 
-def decode_attention_inputs(kv: KVPool, block_table: torch.Tensor, positions: torch.Tensor, attend) -> StepAttention:
+def table_slots(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Pool slots of `positions` `[rows, n]` of each row through `block_table` `[rows, width]` -> `[rows, n]`."""
+    return block_table.gather(1, positions // block_size) * block_size + positions % block_size
+
+
+def decode_attention_inputs(kv: KVPool, block_table: torch.Tensor, positions: torch.Tensor, attend,
+                            full_window: int = 0) -> StepAttention:
     """A decode step where row `r` computes one token at `positions[r]`: the attention metadata, from tensors only
-    (traced into the compiled step)."""
-    size = kv.block_size
+    (traced into the compiled step); `full_window` > 0 limits the layers without a window of their own."""
     rows = positions.shape[0]
-    blocks = block_table.gather(1, (positions // size)[:, None])[:, 0]
+    slots = table_slots(block_table, positions[:, None], kv.block_size)[:, 0]
     query_start = torch.arange(rows + 1, device=positions.device)
-    return StepAttention(kv, blocks * size + positions % size, block_table, query_start, positions + 1, attend)
+    return StepAttention(kv, slots, block_table, query_start, positions + 1, attend, full_window)

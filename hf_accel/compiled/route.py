@@ -1,12 +1,12 @@
-"""Which `generate` calls run hf_accel's compiled loop: `compile_config` with `cache_implementation="paged"`.
+"""Which `generate` calls run hf_accel's compiled loop: `compile_config` with `cache_implementation="paged"` or
+`"sink"`.
 
 transformers compiles a decode step only for caches that are `is_compileable`, and by default only on accelerators.
 With hf_accel's paged cache, `compile_config` selects `loop.compiled_generate` instead, on every device (CPU
 included): the hook in `registry.py` sets it as the call's `custom_generate` when nothing else already claims the
-decoding (a `custom_generate`, an assistant model, prompt lookup, a cache object passed in). The sink and quantized
-caches keep host-side state per step (the sink window re-rotates its sink keys every step; quantized K/V repack a
-residual window into groups) and have no static layout yet: with `compile_config` they raise rather than quietly
-decode eagerly.
+decoding (a `custom_generate`, an assistant model, prompt lookup, a cache object passed in). The quantized cache
+packs its residual window into groups on the host every few steps and has no static layout yet: with
+`compile_config` it raises rather than quietly decode eagerly.
 """
 
 from __future__ import annotations
@@ -24,19 +24,19 @@ _CLAIMS_DECODING = ("custom_generate", "assistant_model", "prompt_lookup_num_tok
 
 def route_generate(model: Any, kwargs: dict[str, Any]) -> None:
     """Set `kwargs["custom_generate"]` to the compiled loop when the call asks for compilation of hf_accel's paged
-    cache; `ValueError` for compilation with a cache that has no static layout."""
+    or sink cache; `ValueError` for compilation with a cache that has no static layout."""
     config = kwargs.get("generation_config")
     compile_config = _setting("compile_config", kwargs, config, model)
     if compile_config is None or _setting("disable_compile", kwargs, config, model):
         return
     name = registry.internal_cache_name(_setting("cache_implementation", kwargs, config, model),
                                         _setting("cache_config", kwargs, config, model))
-    if name in (registry.SINK_ALIAS, registry.QUANTIZED_ALIAS):
-        user_name = "sink" if name == registry.SINK_ALIAS else "quantized"
-        raise ValueError(f"`compile_config` supports cache_implementation='paged' among hf_accel's caches, not "
-                         f"{user_name!r}: its per-step host-side bookkeeping has no static layout yet. Drop "
-                         "`compile_config` to decode eagerly, or use 'paged' to compile")
-    if name == registry.PAGED_ALIAS and not any(kwargs.get(key) is not None for key in _CLAIMS_DECODING):
+    if name == registry.QUANTIZED_ALIAS:
+        raise ValueError("`compile_config` supports cache_implementation='paged' and 'sink' among hf_accel's caches, "
+                         "not 'quantized': its per-step host-side bookkeeping (packing the residual window into "
+                         "groups) has no static layout yet. Drop `compile_config` to decode eagerly")
+    compiled = (registry.PAGED_ALIAS, registry.SINK_ALIAS)
+    if name in compiled and not any(kwargs.get(key) is not None for key in _CLAIMS_DECODING):
         kwargs["custom_generate"] = compiled_generate
 
 

@@ -23,15 +23,20 @@ from transformers.generation.configuration_utils import CompileConfig
 from ..engine.kv_pool import KVPool
 from ..engine.step_forward import RECOMPILE_LIMIT
 from .paged_rows import decode_attention_inputs
+from .sink_rows import SinkRows
 from .token_choice import choose_tokens
 
 
 def decode_step(model: PreTrainedModel, tokens: torch.Tensor, positions: torch.Tensor, kv: KVPool,
                 block_table: torch.Tensor, attend: Callable, warpers: tuple, do_sample: bool,
-                return_logits: bool) -> torch.Tensor:
+                return_logits: bool, sinks: SinkRows | None = None) -> torch.Tensor:
     """Row `r` computes token `tokens[r]` at `positions[r]` -> `[rows]` next tokens, or with `return_logits` the
-    `[rows, vocab]` fp32 logits (for processors applied outside the graph)."""
-    attention = decode_attention_inputs(kv, block_table, positions, attend)
+    `[rows, vocab]` fp32 logits (for processors applied outside the graph); `sinks`: the sink cache's window."""
+    full_window = 0
+    if sinks is not None:
+        sinks.place(kv, block_table, positions)
+        full_window = sinks.full_window
+    attention = decode_attention_inputs(kv, block_table, positions, attend, full_window)
     out = model(input_ids=tokens[None], position_ids=positions[None], use_cache=False, hf_accel_step=attention)
     logits = out.logits[0].float()
     if return_logits:

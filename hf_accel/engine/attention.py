@@ -36,6 +36,7 @@ class StepAttention:
     query_start: torch.Tensor  # [seqs + 1] sequence s owns packed tokens query_start[s] .. query_start[s + 1]
     kv_lengths: torch.Tensor  # [seqs] tokens sequence s attends over, its queries the last of them
     attend: Callable[..., torch.Tensor]  # `paged_kernel`'s op or `gathered_attention` (same signature)
+    full_window: int = 0  # > 0: the window of layers that have none of their own (compiled generate's sink cache)
 
 
 def paged_attention(
@@ -59,8 +60,8 @@ def paged_attention(
     keys, values = step.kv.keys[layer], step.kv.values[layer]  # [kv_heads, num_blocks, block_size, head_dim]
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     out = step.attend(query[0].to(keys.dtype), key[0].to(keys.dtype), value[0].to(keys.dtype), keys, values,
-                      step.slots, step.block_table, step.query_start, step.kv_lengths, scale, sliding_window or 0,
-                      softcap or 0.0)
+                      step.slots, step.block_table, step.query_start, step.kv_lengths, scale,
+                      sliding_window or step.full_window, softcap or 0.0)
     return out[None].to(query.dtype), None
 
 

@@ -1,0 +1,73 @@
+"""The sink cache under compiled generate: a window plus attention sinks over the static paged layout, with the
+tokens `SinkCache` would attend and the positions it would give them (docs/caches.md, "SinkCache").
+
+With N = `window_length` and S = `num_sink_tokens`, a decode step whose query sits at real position p reads:
+- every cached token while p <= N;
+- once p > N, the last N cached positions `p - N .. p - 1`, the first S of which show the row's own first S tokens
+  (its sinks) moved there by RoPE (`delta = p - N`), the query keeping its own position.
+The window is the attention's (`full_window = N + 1` for the layers with no window of their own; sliding layers of
+hybrid models keep theirs, without sinks, as `SinkCache` keeps transformers' sliding layers). The sinks are
+placed by `place`, traced into the compiled step before the forward: each full-attention layer's sink keys and
+values are captured from the pool before anything overwrites them (`captured`), then written, keys re-rotated,
+over the slots of positions `p - N .. p - N + S - 1`, whose own tokens the window no longer shows. The prefill
+attends its whole prompt (a first step of `SinkCache` does). Rows live in a ring of blocks (`PagedRows`,
+`ring_tokens`), so memory stays constant however long a row grows.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import PreTrainedModel
+
+from ..cache.kv_shape import FULL_AND_SLIDING, KVShape
+from ..cache.rope import rope_inverse_frequencies, rotate, rotation
+from ..cache.sink_config import SinkCacheConfig
+from ..engine.kv_pool import KVPool
+from .paged_rows import PagedRows, table_slots
+
+
+class SinkRows:
+    """The sinks of `rows` rows for one compiled `generate` call with `SinkCache` settings `settings`."""
+
+    def __init__(self, model: PreTrainedModel, settings: SinkCacheConfig, rows: PagedRows):
+        self.window, self.num_sinks = settings.window_length, settings.num_sink_tokens
+        shape = KVShape.from_config(model.config, FULL_AND_SLIDING)
+        self.layers = [layer for layer, window in enumerate(shape.sliding_windows) if window is None]
+        self.inv_freq = rope_inverse_frequencies(model.config).to(rows.device)
+        sinks = torch.arange(self.num_sinks, device=rows.device).expand(rows.rows, -1)
+        self.sink_slots = table_slots(rows.block_table, sinks, rows.block_size)  # [rows, S]: where sinks arrive
+        size = (shape.kv_heads, rows.rows, self.num_sinks, shape.head_dim)
+        dtype = rows.kv.keys[0].dtype
+        # per full-attention layer: [kv_heads, rows, S, head_dim] keys (at their own positions) and values
+        self.keys = [torch.zeros(size, dtype=dtype, device=rows.device) for _ in self.layers]
+        self.values = [torch.zeros(size, dtype=dtype, device=rows.device) for _ in self.layers]
+        self.captured = torch.zeros(rows.rows, dtype=torch.bool, device=rows.device)
+
+    @property
+    def full_window(self) -> int:
+        """The attention window of full-attention layers at decode steps: N cached positions and the query."""
+        return self.window + 1
+
+    def place(self, kv: KVPool, block_table: torch.Tensor, positions: torch.Tensor) -> None:
+        """Before a decode step with queries at `positions` `[rows]`: write each full row's sinks over the first S
+        slots of its window (rows not yet full rewrite what they hold: no change)."""
+        if self.num_sinks == 0:
+            return
+        full = positions > self.window  # [rows]
+        targets = (positions - self.window).clamp_min(0)[:, None] + torch.arange(self.num_sinks,
+                                                                                  device=positions.device)
+        slots = table_slots(block_table, targets, kv.block_size).reshape(-1)  # [rows * S]
+        cos, sin = rotation(positions - self.window, self.inv_freq)  # [rows, rotary_dim]
+        show = full[None, :, None, None]
+        for index, layer in enumerate(self.layers):
+            for pools, saved, moved in ((kv.keys, self.keys, True), (kv.values, self.values, False)):
+                flat = pools[layer].view(pools[layer].shape[0], -1, pools[layer].shape[-1])  # [kv_heads, slots, dim]
+                heads, rows, num, dim = saved[index].shape
+                arrived = flat.index_select(1, self.sink_slots.reshape(-1)).view(heads, rows, num, dim)
+                saved[index].copy_(torch.where(self.captured[None, :, None, None], saved[index], arrived))
+                sinks = saved[index]
+                if moved:  # rotate works on [rows, heads, n, dim]
+                    sinks = rotate(sinks.transpose(0, 1), cos, sin).transpose(0, 1)
+                current = flat.index_select(1, slots).view(heads, rows, num, dim)
+                flat.index_copy_(1, slots, torch.where(show, sinks, current).reshape(heads, rows * num, dim))
+        self.captured.copy_(self.captured | full)
