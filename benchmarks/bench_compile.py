@@ -7,7 +7,9 @@ and sink caches eager and with `compile_config` (hf_accel's compiled loop: `hf_a
 is also checked for the same tokens as its eager row), the int4 KV cache eager (with `compile_config` it raises: no
 static layout yet, stated in the notes), and, when a local llama.cpp
 build and a GGUF of the same weights are given (`LLAMA_BENCH`, `HF_ACCEL_LLAMA_GGUF`), llama.cpp's `llama-bench`
-decode on one thread (another process, so its ratio is not paired; skipped with a message otherwise).
+decode on one thread (another process, so its ratio is not paired; skipped with a message otherwise). Also the cost
+of a compiled verify forward (1 + 4 and 1 + 8 tokens of one row) over a compiled decode step, speculative decoding's
+price per round.
 Method (hf_accel.bench): one process, one warm-up round that also compiles, strategies interleaved, median of
 repeats, paired ratios; decode time = time(N new tokens) - time(1 new token). A compiled row's compile seconds are
 its first call's time minus a warm call's; graphs added after the warm-up round are counted (the target is none).
@@ -24,8 +26,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +41,12 @@ from transformers import CompileConfig, PreTrainedModel, StaticCache
 from hf_accel import bench
 from hf_accel.bench.inputs import bench_prompts
 from hf_accel.bench.output import run_benchmark
+from hf_accel.bench.timing import time_interleaved
+from hf_accel.compiled.paged_rows import PagedRows
+from hf_accel.compiled.step import compile_context, compiled_decode_step, compiled_verify_step
+from hf_accel.engine.attention import gathered_attention, register_attention
+from hf_accel.engine.paged_kernel import paged_attention_kernel
+from hf_accel.engine.step_forward import paged_attention_implementation
 from hf_accel.bench.strategies import Strategy, quantized_int4
 from hf_accel.display import format_table
 
@@ -145,6 +155,35 @@ def same_as_eager(model: PreTrainedModel, inputs: dict[str, torch.Tensor], new_t
     return same
 
 
+def verify_cost(model: PreTrainedModel, prompt_len: int, repeats: int) -> dict[str, float]:
+    """Compiled verify forward of 1 + k tokens (k = 4, 8) over one row's 256-token context, in milliseconds and as a
+    multiple of a compiled decode step (target: <= 1.15x), interleaved, median of `repeats` x 20 calls."""
+    rows = PagedRows(model, [prompt_len], prompt_len + 16, 16)
+    attend = paged_attention_kernel() or gathered_attention
+    register_attention()
+    decode, verify = compiled_decode_step(CompileConfig()), compiled_verify_step(CompileConfig())
+    prompt = torch.randint(1, model.config.vocab_size, (prompt_len,))
+    position = torch.tensor([prompt_len])
+    calls = {1: lambda: decode(model, prompt[:1], position, rows.kv, rows.block_table, attend, (), False, False)}
+    for k in (4, 8):
+        tokens = prompt[None, : k + 1]
+        calls[k + 1] = lambda tokens=tokens: verify(model, tokens, position, rows.kv, rows.block_table, attend)
+    with torch.inference_mode(), paged_attention_implementation(model), compile_context():
+        inputs = rows.prefill([prompt], attend)
+        model(input_ids=inputs.tokens, position_ids=inputs.positions, use_cache=False, hf_accel_step=inputs.attention)
+
+        def measure(num: int) -> tuple[float, None]:
+            started = time.perf_counter()
+            for _ in range(20):
+                calls[num]()
+            return (time.perf_counter() - started) / 20 * 1e3, None
+
+        timings = time_interleaved(list(calls), measure, repeats)
+    ms = {num: statistics.median(times) for num, times in timings.seconds.items()}
+    return {"decode_ms": round(ms[1], 3), **{f"verify_{num}_ms": round(ms[num], 3) for num in (5, 9)},
+            **{f"verify_{num}_over_decode": round(ms[num] / ms[1], 3) for num in (5, 9)}}
+
+
 def llama_cpp_row(new_tokens: int) -> dict[str, Any]:
     """llama.cpp's `llama-bench` decode speed on one thread, or why it was skipped."""
     binary = os.environ.get("LLAMA_BENCH") or shutil.which("llama-bench")
@@ -173,6 +212,7 @@ def run(plan: Plan) -> dict[str, Any]:
     for scenario in plan.scenarios:
         print(f"{scenario.name} ...", file=sys.stderr, flush=True)
         report["scenarios"].append(measure_scenario(loaded, scenario, rows))
+    report["verify_cost"] = verify_cost(loaded.model, plan.scenarios[0].longest, plan.scenarios[0].repeats)
     report["llama_cpp"] = llama_cpp_row(plan.scenarios[0].new_tokens)
     return report
 
@@ -197,6 +237,11 @@ def markdown(report: dict[str, Any]) -> str:
                   f"hf_accel paged + compile / StaticCache + compile: "
                   f"**{ratio(scenario, 'hf_accel paged + compile', 'StaticCache + compile'):.2f}x**; graphs added "
                   f"after warm-up: {scenario['graphs_added_while_timed']}.\n"]
+    cost = report["verify_cost"]
+    lines.append("## Verify forward (speculative decoding's)\n\nCompiled, one row over a "
+                 f"{report['scenarios'][0]['prompt_lengths'][0]}-token context: a decode step {cost['decode_ms']:.2f} "
+                 f"ms; 1 + 4 tokens {cost['verify_5_ms']:.2f} ms (**{cost['verify_5_over_decode']:.2f}x**), 1 + 8 "
+                 f"tokens {cost['verify_9_ms']:.2f} ms (**{cost['verify_9_over_decode']:.2f}x**; target <= 1.15x).\n")
     llama = report["llama_cpp"]
     lines.append("## llama.cpp\n\n" + (f"Skipped: {llama['skipped']}." if "skipped" in llama else
                                        f"`llama-bench` decode, one thread: {llama['decode_tokens_per_s']:.1f} tok/s."))

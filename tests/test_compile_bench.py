@@ -21,6 +21,7 @@ def test_quick_run_writes_its_tables(load_benchmark, tmp_path, monkeypatch):
         assert set(scenario["compile_seconds"]) == {"StaticCache + compile", "hf_accel paged + compile",
                                                     "hf_accel sink + compile"}
     assert "skipped" in report["llama_cpp"]
+    assert all(report["verify_cost"][key] > 0 for key in ("decode_ms", "verify_5_ms", "verify_9_ms"))
     saved = json.loads((tmp_path / "benchmarks/results/bench_compile.json").read_text())
     assert saved["scenarios"][0]["scenario"] == report["scenarios"][0]["scenario"]
     page = (tmp_path / "docs/bench_compile.md").read_text()

@@ -16,6 +16,10 @@ from conformance import PAD, make_model, make_prompts
 from hf_accel import OutOfBlocksError
 from hf_accel.compiled.loop import compiled_generate
 from hf_accel.compiled.paged_rows import PagedRows
+from hf_accel.compiled.step import compile_context, compiled_verify_step
+from hf_accel.engine.attention import gathered_attention, register_attention
+from hf_accel.engine.paged_kernel import paged_attention_kernel
+from hf_accel.engine.step_forward import paged_attention_implementation
 from hf_accel.compiled.route import route_generate
 
 pytestmark = pytest.mark.compiled
@@ -158,3 +162,24 @@ def test_fixed_pool_too_small_raises_and_a_passed_cache_is_left_alone():
     route_generate(model, kwargs)
     assert "custom_generate" not in kwargs
 
+
+
+def test_verify_step_gives_the_greedy_token_after_each_candidate_and_rolls_back_in_place():
+    model = make_model("llama", torch.float32, "sdpa")
+    register_attention()
+    rows = PagedRows(model, [7, 12], 30, 4)
+    prompts = [torch.randint(3, 100, (n,), generator=torch.Generator().manual_seed(n)) for n in (7, 12)]
+    verify = compiled_verify_step(COMPILE)
+    attend = paged_attention_kernel() or gathered_attention
+    rounds = [torch.randint(3, 100, (2, 5), generator=torch.Generator().manual_seed(seed)) for seed in (1, 2)]
+    with torch.no_grad(), paged_attention_implementation(model), compile_context():
+        inputs = rows.prefill(prompts, attend)
+        model(input_ids=inputs.tokens, position_ids=inputs.positions, use_cache=False, hf_accel_step=inputs.attention)
+        # the second round starts at the same positions: it overwrites the first one's K/V
+        got = [verify(model, candidates, rows.prompt_lengths, rows.kv, rows.block_table, attend)
+               for candidates in rounds]
+    with torch.no_grad():
+        for verified, candidates in zip(got, rounds):
+            for row, prompt in enumerate(prompts):
+                full = torch.cat([prompt, candidates[row]])[None]
+                assert torch.equal(verified[row], model(full).logits[0, len(prompt) :].argmax(-1))

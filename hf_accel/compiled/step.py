@@ -22,7 +22,8 @@ from transformers.generation.configuration_utils import CompileConfig
 
 from ..engine.kv_pool import KVPool
 from ..engine.step_forward import RECOMPILE_LIMIT
-from .paged_rows import decode_attention_inputs
+from ..engine.attention import StepAttention
+from .paged_rows import decode_attention_inputs, table_slots
 from .sink_rows import SinkRows
 from .token_choice import choose_tokens
 
@@ -42,6 +43,34 @@ def decode_step(model: PreTrainedModel, tokens: torch.Tensor, positions: torch.T
     if return_logits:
         return logits
     return choose_tokens(logits, warpers, do_sample)
+
+
+def verify_step(model: PreTrainedModel, tokens: torch.Tensor, positions: torch.Tensor, kv: KVPool,
+                block_table: torch.Tensor, attend: Callable) -> torch.Tensor:
+    """Row `r` computes the `n` tokens `tokens[r]` `[rows, n]` at positions `positions[r] .. positions[r] + n - 1`
+    (a last token and its candidates, speculative decoding's verify forward) -> `[rows, n]` greedy next tokens.
+    Their K/V are written in place; a later step that starts lower overwrites the rejected ones (rollback is a
+    position, not a copy)."""
+    rows, num = tokens.shape
+    at = positions[:, None] + torch.arange(num, device=positions.device)  # [rows, n]
+    slots = table_slots(block_table, at, kv.block_size).reshape(-1)
+    query_start = torch.arange(rows + 1, device=positions.device) * num
+    attention = StepAttention(kv, slots, block_table, query_start, positions + num, attend)
+    out = model(input_ids=tokens.reshape(1, -1), position_ids=at.reshape(1, -1), use_cache=False,
+                hf_accel_step=attention)
+    return out.logits[0].float().argmax(dim=-1).view(rows, num)
+
+
+def compiled_verify_step(config: CompileConfig) -> Callable[..., torch.Tensor]:
+    """`verify_step` compiled like `compiled_decode_step`."""
+    options = tuple(sorted((config.options or {}).items()))
+    return _compiled_verify(config.backend, config.mode, options)
+
+
+@functools.cache
+def _compiled_verify(backend, mode: str | None, options: tuple) -> Callable[..., torch.Tensor]:
+    settings = {"options": dict(options)} if options else {"mode": mode}
+    return torch.compile(verify_step, fullgraph=True, dynamic=True, backend=backend, **settings)
 
 
 def compiled_decode_step(config: CompileConfig) -> Callable[..., torch.Tensor]:
