@@ -25,7 +25,7 @@ import torch
 from hf_accel import Engine, SamplingParams, bench, reference
 from hf_accel.bench.output import run_benchmark
 from hf_accel.display import format_table
-from hf_accel.engine.config import EngineConfig
+from hf_accel.engine.speculative_config import DEFAULT_MAX_SPECULATIVE_BATCH_TOKENS
 from hf_accel.medusa_training.command import REFERENCE_HEADS_DIR
 from hf_accel.speculative.medusa_heads import MedusaHeads
 
@@ -95,13 +95,12 @@ def measure(quick: bool) -> dict[str, Any]:
     rows = reference.held_out_sequences(tokenizer, seq_len=plan["prompt_len"], max_rows=max(plan["concurrency"]) * 3)
     prompts = [row.tolist() for row in rows[::3]]
     single = [[prompt] for prompt in prompts[: plan["single_stream_prompts"]]]
-    defaults = EngineConfig()
     return {
         "command": COMMAND + (" --quick" if quick else ""),
         "model": "hf_accel reference target, fp32; heads: hf_accel/reference/assets/medusa (4 heads)",
         "hardware": bench.hardware(),
         "settings": {**plan, "default_rule": {"num_speculative_tokens": "every head (4)",
-                                              "max_speculative_batch_tokens": defaults.max_speculative_batch_tokens}},
+                                              "max_speculative_batch_tokens": DEFAULT_MAX_SPECULATIVE_BATCH_TOKENS}},
         "results": {str(c): run_concurrency(model, tokenizer, heads, single if c == 1 else [prompts[:c]], plan)
                     for c in plan["concurrency"]},
     }

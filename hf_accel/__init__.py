@@ -22,6 +22,7 @@ from .engine.engine_core import EngineStats
 from .engine.errors import ContextLengthExceededError, EngineDeadError
 from .engine.outputs import CompletionOutput, RequestOutput, RequestOutputKind
 from .engine.sampling_params import SamplingParams
+from .engine.speculative_config import SpeculativeConfig
 from .quant import quantizer as _weight_quantizer
 from .quant.linear import Int4Linear, Int8Linear
 from .quant.presets import list_quantization_presets, load_model, quantization_config
@@ -85,6 +86,7 @@ __all__ = [
     "SamplingParams",
     "SinkCache",
     "SinkCacheConfig",
+    "SpeculativeConfig",
     "SpeculativeStats",
     "SuffixCache",
     "WeightOnlyConfig",

@@ -127,14 +127,14 @@ def test_a_proposer_failing_for_one_sequence_fails_only_its_request(model, monke
     engine = Engine(model, block_size=4, medusa_heads=heads, max_speculative_batch_tokens=64)
     prompts = random_prompts([5, 23, 9, 17], seed=31)
     victim_prompt = prompts[2]
-    real = engine.core._propose_for
+    real = engine.core.speculation.propose
 
-    def propose_for(speculating):
+    def propose(speculating):
         if any(s.seq.token_ids[: len(victim_prompt)] == victim_prompt for s in speculating):
             raise RuntimeError("the heads broke on this sequence")
         return real(speculating)
 
-    monkeypatch.setattr(engine.core, "_propose_for", propose_for)
+    monkeypatch.setattr(engine.core.speculation, "propose", propose)
     outputs = engine.generate(prompts, GREEDY)
     assert outputs[2].finish_reason == "error" and not outputs[2].error.is_client_error
     for i in (0, 1, 3):

@@ -135,8 +135,9 @@ def test_proposer_matches_the_heads():
     assert all(proposer.can_propose(seq) for seq in seqs)
     with torch.no_grad():
         expected = heads(hidden).argmax(dim=-1)[:2].T.tolist()
-    assert proposer.propose(seqs, 2) == expected
-    assert proposer.propose(seqs[::-1], 1) == [row[:1] for row in expected[::-1]]
+    assert proposer.propose(seqs, [2] * 5) == expected
+    assert proposer.propose(seqs[::-1], [1] * 5) == [row[:1] for row in expected[::-1]]
+    assert proposer.propose(seqs[:2], [1, 2]) == [expected[0][:1], expected[1]]  # per-row counts
     sampled = decoding_sequence([3, 4], temperature=0.7)
     proposer.observe(sampled, hidden[0])  # sampled rows are never verified greedily: nothing kept
     proposer.forget(seqs[0])

@@ -20,14 +20,10 @@ class EngineConfig:
         block_size: tokens per KV block.
         enable_prefix_caching: reuse the K/V of full blocks of earlier prompts.
         max_model_len: longest sequence (prompt plus output); default: the model's `max_position_embeddings`.
-        num_speculative_tokens: with Medusa heads, most candidate tokens a decoding sequence verifies per step
-            (one per head, a top-1 chain); default: every head.
-        max_speculative_batch_tokens: speculate in a step only while (decoding sequences) x (1 + candidates) stays
-            within this many tokens; the candidates per sequence shrink to fit, and below one nothing is proposed.
         enforce_eager: run the model's forward eagerly. By default it is compiled with `torch.compile` once, when the
             engine starts (`EngineStats.compile_seconds`), wherever the in-place attention kernel is built (CPU), except
-            with Medusa heads (their step returns hidden states, which transformers captures in a way dynamo cannot
-            trace whole).
+            with Medusa speculation (its step returns hidden states, which transformers captures in a way dynamo
+            cannot trace whole).
     """
 
     max_num_seqs: int = 32
@@ -36,8 +32,6 @@ class EngineConfig:
     block_size: int = 16
     enable_prefix_caching: bool = True
     max_model_len: int | None = None
-    num_speculative_tokens: int | None = None
-    max_speculative_batch_tokens: int = 24
     enforce_eager: bool = False
 
     def __post_init__(self) -> None:
@@ -48,9 +42,6 @@ class EngineConfig:
             self.kv_cache_memory = parse_bytes(self.kv_cache_memory, "kv_cache_memory")
         if self.max_model_len is not None:
             check_int("max_model_len", self.max_model_len, 1, "a positive int or None")
-        if self.num_speculative_tokens is not None:
-            check_int("num_speculative_tokens", self.num_speculative_tokens, 1, "a positive int or None")
-        check_int("max_speculative_batch_tokens", self.max_speculative_batch_tokens, 1, "a positive int")
         for name in ("enable_prefix_caching", "enforce_eager"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"`{name}` must be a bool, got {getattr(self, name)!r}")

@@ -7,7 +7,7 @@ over static input tensors that every replay refills in place. A graph cannot hol
 that changes, so its attention is `decode_attention`: one query per sequence, the block table padded to the longest
 sequence the engine allows, every size fixed, nothing read back to the host. Rows past a step's real sequences decode
 token 0 at position 0 into the pool's spare block (`KVPool.spare_block`, never handed out), which nothing reads.
-Other steps (prefill chunks, Medusa candidates) run eagerly.
+Other steps (prefill chunks, speculative candidates) run eagerly.
 
 This path is written and its attention is tested on CPU against the kernel (tests/test_cuda_graphs.py); the capture
 itself runs only where CUDA is, and had not been run on a GPU when it was written (see benchmarks/gpu_check.py).

@@ -40,6 +40,7 @@ from .outputs import RequestOutput, RequestOutputKind, RequestTiming
 from .prompts import encode_prompt, prompt_list
 from .sampling_params import SamplingParams
 from .sequence import Request
+from .speculative_config import SpeculativeConfig, speculative_config
 
 logger = logging.getLogger(__name__)
 
@@ -51,24 +52,30 @@ class Engine(RichDisplay):
         model: a decoder-only causal LM whose attention goes through transformers' `AttentionInterface` (Llama,
             Mistral, Qwen2/3, Gemma2/3, Phi3, ...), in any dtype; hf_accel int8/int4 weights work as they are.
         tokenizer: turns string prompts into ids and outputs into text (optional with token-id prompts).
-        medusa_heads: `MedusaHeads` for `model`: plain-greedy requests verify the heads' candidates while the decoding
-            batch is small (same outputs; docs/serving.md, "Medusa speculation"); other requests decode plainly.
+        speculative: a `SpeculativeConfig`: decoding sequences verify candidates ("ngram", "suffix", "medusa") while
+            the decoding batch is small; greedy outputs are plain greedy's, sampling stays lossless (docs/serving.md,
+            "Speculative decoding").
+        medusa_heads: shorthand for `speculative=SpeculativeConfig(method="medusa", model=medusa_heads,
+            num_speculative_tokens=..., max_speculative_batch_tokens=...)` with the two keywords below.
 
     The keyword-only limits (`max_num_seqs`, `max_num_batched_tokens`, `kv_cache_memory`, `block_size`,
-    `enable_prefix_caching`, `max_model_len`, `num_speculative_tokens`, `max_speculative_batch_tokens`,
-    `enforce_eager`) are the fields of `EngineConfig`, documented there.
+    `enable_prefix_caching`, `max_model_len`, `enforce_eager`) are the fields of `EngineConfig`, documented there;
+    `num_speculative_tokens` and `max_speculative_batch_tokens` go with `medusa_heads` and are the fields of
+    `SpeculativeConfig` of the same names.
     """
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None = None, *,
                  max_num_seqs: int = 32, max_num_batched_tokens: int = 512, kv_cache_memory: int | str | None = None,
                  block_size: int = 16, enable_prefix_caching: bool = True, max_model_len: int | None = None,
                  medusa_heads: MedusaHeads | None = None, num_speculative_tokens: int | None = None,
-                 max_speculative_batch_tokens: int = 24, enforce_eager: bool = False):
+                 max_speculative_batch_tokens: int | None = None, enforce_eager: bool = False,
+                 speculative: SpeculativeConfig | None = None):
         self.config = EngineConfig(max_num_seqs, max_num_batched_tokens, kv_cache_memory, block_size,
-                                   enable_prefix_caching, max_model_len, num_speculative_tokens,
-                                   max_speculative_batch_tokens, enforce_eager)
+                                   enable_prefix_caching, max_model_len, enforce_eager)
         self.tokenizer = tokenizer
-        self.core = EngineCore(model, tokenizer, self.config, medusa_heads)
+        self.speculative = speculative_config(speculative, medusa_heads, num_speculative_tokens,
+                                              max_speculative_batch_tokens)
+        self.core = EngineCore(model, tokenizer, self.config, self.speculative)
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._listeners = Listeners()
         self._ids = itertools.count()

@@ -1,4 +1,4 @@
-"""The engine's step, single-threaded: schedule, propose candidates (Medusa heads), run the model once, sample or
+"""The engine's step, single-threaded: schedule, propose candidates (`speculation.py`), run the model once, sample or
 verify, detect stops, free finished blocks.
 
 `EngineCore` is driven by one thread at a time (`Engine` owns the threading); it never blocks and never sleeps.
@@ -14,25 +14,24 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
-
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ..cache.kv_shape import KVShape
-from ..speculative.medusa_heads import MedusaHeads
-from ..speculative.verify import greedy_accept
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .detokenizer import Detokenizer
+from .engine_stats import EngineStats
 from .kv_pool import KVPool
 from .limits import EngineLimits, check_request, context_length
-from .medusa_proposer import MedusaProposer, SpecDecodeStats
 from .model_runner import ModelRunner, StepOutput, uses_cuda_graphs
+from .proposer import Proposer, SpecDecodeStats, make_proposer
 from .sampler import sample, token_logprobs
 from .sampling_params import SamplingParams
-from .scheduler import ScheduledBatch, ScheduledSeq, Scheduler, SchedulerConfig
+from .scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from .sequence import Request, Sequence, make_sequences
+from .speculation import Speculation
+from .speculative_config import SpeculativeConfig
 
 
 logger = logging.getLogger(__name__)
@@ -40,57 +39,37 @@ logger = logging.getLogger(__name__)
 FATAL_ERRORS = (MemoryError, torch.OutOfMemoryError)
 
 
-@dataclass(slots=True)
-class EngineStats:
-    """Counters since start and current gauges, named after vLLM's metrics."""
-
-    num_requests_running: int
-    num_requests_waiting: int
-    kv_cache_usage_perc: float
-    num_preemptions: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    prompt_tokens: int
-    generation_tokens: int
-    num_steps: int
-    num_free_blocks: int
-    num_blocks: int
-    spec_decode_num_drafts: int = 0
-    spec_decode_num_draft_tokens: int = 0
-    spec_decode_num_accepted_tokens: int = 0
-    compile_seconds: float = 0.0  # compiling the model step at start; 0 when eager
-
-
 class EngineCore:
-    """Scheduler, block manager, model runner, sampler and (with `medusa_heads`) proposer of one model."""
+    """Scheduler, block manager, model runner, sampler and (with `speculative`) proposer of one model."""
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, config: EngineConfig,
-                 medusa_heads: MedusaHeads | None = None):
+                 speculative: SpeculativeConfig | None = None):
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.max_model_len = config.max_model_len or context_length(model)
-        self.proposer = None
-        if medusa_heads is not None:
-            self.proposer = MedusaProposer(medusa_heads, config.num_speculative_tokens)
-            medusa_heads.check_compatible(model)
+        self.speculation = None if speculative is None else Speculation(make_proposer(speculative))
+        if speculative is not None and speculative.method == "medusa":
+            speculative.model.check_compatible(model)
         shape = KVShape.from_config(model.config, caller="the engine", argument="model")
         dtype, device = model.dtype, next(model.parameters()).device
         num_blocks = config.num_blocks(shape.bytes_per_token(dtype), self.max_model_len)
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        k = self.proposer.num_speculative_tokens if self.proposer is not None else 0
-        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, k,
-                                                   config.max_speculative_batch_tokens), self.blocks,
+        self.scheduler = Scheduler(_scheduler_config(config, speculative), self.blocks,
                                    *([] if self.proposer is None else [self.proposer.can_propose]))
-        keep_hidden = self.proposer is not None
+        keep_hidden = self.proposer is not None and self.proposer.needs_hidden
         self.kv = KVPool(shape, num_blocks, config.block_size, dtype, device,
                          spare_block=uses_cuda_graphs(device, config.enforce_eager, keep_hidden))
         self.runner = ModelRunner(model, self.kv, keep_hidden=keep_hidden, enforce_eager=config.enforce_eager,
                                   max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len)
-        self.spec_stats = SpecDecodeStats()
         self.requests: dict[str, Request] = {}
         self.eos_token_ids = _eos_token_ids(model, tokenizer)
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.prompt_tokens = self.generation_tokens = self.num_steps = self.num_failed_requests = 0
         self._failed: list[Request] = []  # failed since the last step returned, still to be reported
+
+    @property
+    def proposer(self) -> Proposer | None:
+        """The speculative method's `Proposer`, or None without speculation."""
+        return None if self.speculation is None else self.speculation.proposer
 
     @property
     def has_unfinished(self) -> bool:
@@ -183,12 +162,14 @@ class EngineCore:
 
     def stats(self) -> EngineStats:
         running = {seq.request.request_id for seq in self.scheduler.running}
+        spec = SpecDecodeStats() if self.speculation is None else self.speculation.stats
         waiting = {seq.request.request_id for seq in self.scheduler.waiting} - running
         return EngineStats(
             len(running), len(waiting), self.blocks.usage, self.scheduler.num_preemptions,
             self.blocks.stats.queries, self.blocks.stats.hits, self.prompt_tokens, self.generation_tokens,
-            self.num_steps, self.blocks.num_free_blocks, self.blocks.num_blocks, self.spec_stats.num_drafts,
-            self.spec_stats.num_draft_tokens, self.spec_stats.num_accepted_tokens, self.runner.forward.compile_seconds,
+            self.num_steps, self.blocks.num_free_blocks, self.blocks.num_blocks, spec.num_drafts,
+            spec.num_draft_tokens, spec.num_accepted_tokens, self.runner.forward.compile_seconds,
+            list(spec.accepted_per_position),
         )
 
     def _propose(self, batch: ScheduledBatch) -> None:
@@ -198,27 +179,22 @@ class EngineCore:
         if not speculating:
             return
         try:
-            self._propose_for(speculating)
+            self.speculation.propose(speculating)
         except Exception:
             for scheduled in speculating:
                 try:
-                    self._propose_for([scheduled])
+                    self.speculation.propose([scheduled])
                 except Exception as error:
                     for sibling in scheduled.seq.request.sequences:
                         batch.drop(sibling)
                     self.fail(scheduled.seq.request, error)
 
-    def _propose_for(self, speculating: list[ScheduledSeq]) -> None:
-        proposals = self.proposer.propose([s.seq for s in speculating], max(s.num_drafts for s in speculating))
-        for scheduled, proposal in zip(speculating, proposals):
-            scheduled.draft_token_ids = proposal[: scheduled.num_drafts]
-
     def _commit(self, out: StepOutput, now: float) -> dict[int, int]:
-        """Append each sampling sequence's new tokens (sampled, or verified candidates) and keep its hidden state
-        for the heads; returns the candidates each speculating sequence kept, by `seq_id`. A sequence whose handling
-        raises fails its request alone."""
+        """Append each sampling sequence's new tokens (sampled, or verified candidates) and tell the proposer;
+        returns the candidates each speculating sequence kept, by `seq_id`. A sequence whose handling raises fails
+        its request alone."""
+        emitted = self._verify(out)
         plain = [i for i, s in enumerate(out.sampling) if not s.num_drafts]
-        emitted = self._verify(out, [i for i, s in enumerate(out.sampling) if s.num_drafts])
         if plain:
             sampled = sample(out.logits[[out.starts[i] for i in plain]], [out.sampling[i].seq for i in plain])
             for row, i in enumerate(plain):
@@ -236,22 +212,15 @@ class EngineCore:
                 self.fail(scheduled.seq.request, error)
         return num_accepted
 
-    def _verify(self, out: StepOutput, speculating: list[int]) -> dict[int, list[int]]:
-        """The tokens each speculating sampling sequence `i` emits: its accepted candidates, then the target's
-        token; one `greedy_accept` over all sequences of a candidate count."""
-        by_width: dict[int, list[int]] = {}
-        for i in speculating:
-            by_width.setdefault(out.sampling[i].num_drafts, []).append(i)
-        emitted = {}
-        for width, members in by_width.items():
-            device = out.logits.device
-            drafts = torch.tensor([out.sampling[i].draft_token_ids for i in members], device=device)
-            rows = torch.tensor([list(range(out.starts[i], out.starts[i] + width + 1)) for i in members],
-                                device=device)
-            verdict = greedy_accept(drafts, out.logits[rows].argmax(dim=-1))  # targets: [members, width + 1]
-            for i, accepted, tokens in zip(members, verdict.num_accepted.tolist(), verdict.tokens.tolist()):
-                self.spec_stats.record(width, accepted)
-                emitted[i] = tokens[: accepted + 1]
+    def _verify(self, out: StepOutput) -> dict[int, list[int]]:
+        """The tokens each speculating sampling sequence emits (`Speculation.verify`); those whose verification
+        raised fail alone."""
+        speculating = [i for i, s in enumerate(out.sampling) if s.num_drafts]
+        if not speculating:
+            return {}
+        emitted, errors = self.speculation.verify(out, speculating)
+        for i, error in errors.items():
+            self.fail(out.sampling[i].seq.request, error)
         return emitted
 
     def _commit_one(self, out: StepOutput, i: int, tokens: list[int], now: float) -> int:
@@ -261,7 +230,7 @@ class EngineCore:
         logprobs = token_logprobs(out.logits[rows][: len(tokens)], tokens, [seq.params.logprobs] * len(tokens))
         num_appended = self._append_all(seq, tokens, logprobs, now)
         if not seq.is_finished and self.proposer is not None:
-            self.proposer.observe(seq, out.hidden[rows.start + num_appended - 1])
+            self.proposer.observe(seq, None if out.hidden is None else out.hidden[rows.start + num_appended - 1])
         return min(len(tokens) - 1, num_appended)  # K/V is valid for the last token and the kept candidates
 
     def _take_failed(self) -> list[Request]:
@@ -304,3 +273,10 @@ def _eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | 
     if eos is None:
         return set()
     return {eos} if isinstance(eos, int) else set(eos)
+
+
+def _scheduler_config(config: EngineConfig, speculative: SpeculativeConfig | None) -> SchedulerConfig:
+    if speculative is None:
+        return SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens)
+    return SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, speculative.num_candidates,
+                           speculative.max_speculative_batch_tokens)

@@ -3,8 +3,8 @@
 The model runs its own, unmodified forward (through `step_forward.StepForward`: compiled once per engine, or eager)
 with `attn_implementation` switched to hf_accel's paged attention for the call (restored after), `use_cache=False`
 (K/V live in the engine's pool, written by the attention function), per-token `position_ids`, and `logits_to_keep`
-set to the last token of each sequence that samples this step, plus its candidates when it speculates. With Medusa
-heads the same forward also returns the final (normed) hidden states at those positions (`output_hidden_states`:
+set to the last token of each sequence that samples this step, plus its candidates when it speculates. When the
+proposer needs them (Medusa), the same forward also returns the final (normed) hidden states at those positions (`output_hidden_states`:
 transformers ties the last entry to the normed output).
 """
 

@@ -98,6 +98,18 @@ def _process(logits: torch.Tensor, seqs: list[Sequence], params: SamplingParams)
     return processors(history, logits)
 
 
+def candidate_scores(logits: torch.Tensor, seq: Sequence, draft_token_ids: list[int]) -> torch.Tensor:
+    """`seq`'s processed scores `[k + 1, vocab]` at its last token and each of its `k` candidates: position j is
+    processed as if the first j candidates had been appended (the history a plain step there would see)."""
+    processors = logits_processors(seq.params)
+    if seq.params.repetition_penalty == 1.0:
+        return processors(None, logits)
+    rows = [seq.token_ids + draft_token_ids[:j] for j in range(len(draft_token_ids) + 1)]
+    width = len(rows[-1])
+    history = torch.tensor([row + row[:1] * (width - len(row)) for row in rows], device=logits.device)
+    return processors(history, logits)
+
+
 def token_logprobs(logits: torch.Tensor, tokens: list[int], num_top: list[int | None]) -> list[TokenLogprob | None]:
     """Log-probabilities (from the raw logits) of the chosen tokens and each row's `num_top` best, where asked."""
     wanted = [i for i, k in enumerate(num_top) if k is not None]

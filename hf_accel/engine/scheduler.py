@@ -8,10 +8,11 @@ Rules:
   hits) are free, and only in order: the head of the queue is never overtaken;
 - when a running sequence cannot get a block, the last running sequence in order is preempted by recompute: its
   blocks are freed and it waits again with its tokens so far, to be prefilled anew (outputs are unchanged);
-- speculation (Medusa heads): a decode the proposer `can_propose` for also computes `k` candidates, `k` from
-  `draft_width` (decodes x (1 + k) within `max_speculative_batch_tokens`), capped by its tokens left and the step's
-  budget; the candidates count in the budget and get blocks, but never preempt: without free blocks it decodes
-  plainly.
+- speculation: a decode the proposer `can_propose` for gets room for `k` candidates, `k` from `draft_width`
+  (decodes x (1 + k) within `max_speculative_batch_tokens`), capped by its tokens left and the step's budget; the
+  candidates count in the budget and get blocks, but never preempt: without free blocks it decodes plainly. The
+  proposer may then propose fewer (`ScheduledSeq.keep_drafts`): the step computes only those, and the blocks
+  reserved past them stay with the sequence for its next tokens.
 """
 
 from __future__ import annotations
@@ -52,6 +53,12 @@ class ScheduledSeq:
     num_new: int
     num_drafts: int = 0
     draft_token_ids: list[int] = field(default_factory=list)
+
+    def keep_drafts(self, tokens: list[int]) -> None:
+        """Take the proposed candidates (at most `num_drafts` of them); the step computes only those."""
+        tokens = tokens[: self.num_drafts]
+        self.num_new -= self.num_drafts - len(tokens)
+        self.num_drafts, self.draft_token_ids = len(tokens), tokens
 
     @property
     def samples(self) -> bool:

@@ -3,7 +3,7 @@
 A `Request` holds `n` `Sequence`s (its samples). A sequence's tokens are its prompt followed by its output; the
 first `num_computed_tokens` of them have K/V in the sequence's blocks. The sequence samples a token in a step
 exactly when that step computes its last token (`num_computed_tokens` reaches `num_tokens`); a fresh request and
-one resumed after preemption run the same rule. With Medusa heads, a decoding sequence may also compute candidates
+one resumed after preemption run the same rule. With speculation, a decoding sequence may also compute candidates
 after its last token in the same step (`ScheduledSeq.draft_token_ids`: never part of `token_ids` until accepted).
 """
 
@@ -80,9 +80,9 @@ class Sequence:
 
     @property
     def can_speculate(self) -> bool:
-        """Whether candidates may be verified for it now: decoding, plain greedy, and room for a candidate (the
-        step's last verified position also yields a token)."""
-        return self.num_uncomputed_tokens == 1 and not self.params.needs_processing and self.num_tokens_left > 1
+        """Whether candidates may be verified for it now: decoding, and room for a candidate (the step's last
+        verified position also yields a token). Each proposer adds its own conditions."""
+        return self.num_uncomputed_tokens == 1 and self.num_tokens_left > 1
 
     @property
     def sort_key(self) -> tuple[int, int, int]:

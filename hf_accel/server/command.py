@@ -3,10 +3,11 @@
     hf-accel serve                                   # reference target on http://127.0.0.1:8000/v1
     hf-accel serve --model ./my-llama --quant int8 --api-key "$KEY" --port 9000
     hf-accel serve --medusa-heads PATH               # greedy requests speculate with Medusa heads from PATH
+    hf-accel serve --speculative-config '{"method": "suffix", "num_speculative_tokens": 5}'   # vLLM's flag
     hf-accel serve --model ./docs-model              # a `hf-accel finetune` folder: its hf_accel.json is applied
 
 A model folder with an `hf_accel.json` (written by `hf-accel finetune`) is served with the weight preset and the
-Medusa heads it names, unless `--quant` / `--medusa-heads` are given.
+Medusa heads it names, unless `--quant` / `--medusa-heads` / `--speculative-config` are given.
 
 Ctrl-C (SIGINT) or SIGTERM shuts down gracefully: no new connections, open requests get `--graceful-timeout`
 seconds to finish, then the engine stops.
@@ -24,11 +25,13 @@ import uvicorn
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from ..engine.engine import Engine
+from ..engine.speculative_config import SpeculativeConfig
 from ..quant.presets import list_quantization_presets, load_model
 from ..speculative.medusa_heads import MedusaHeads
 from ..reference import ASSETS_DIR
 from ..serving_config import ServingConfig, read_serving_config
 from .app import DEFAULT_MAX_QUEUE_LEN, create_app
+from .speculative_option import EXAMPLE, parse_speculative_config
 
 REFERENCE_NAME = "hf_accel-reference-target"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -59,14 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="longest prompt plus output (default: the model's max_position_embeddings)")
     parser.add_argument("--kv-cache-memory", default=None,
                         help="KV pool size, bytes or e.g. 2GiB (default: room for max-num-seqs full sequences)")
-    parser.add_argument("--medusa-heads", default=None, metavar="PATH",
-                        help="MedusaHeads.save_pretrained folder for --model: greedy requests verify the heads' "
-                             "candidates (default: the model folder's hf_accel.json, else no speculation)")
-    parser.add_argument("--num-speculative-tokens", type=int, default=None,
-                        help="candidates per speculating step, at most the heads' count (default: every head)")
-    parser.add_argument("--max-speculative-batch-tokens", type=int, default=24,
-                        help="speculate while decoding sequences x (1 + candidates) stays within this "
-                             "(default: %(default)s)")
+    _add_speculative_arguments(parser)
     parser.add_argument("--enforce-eager", action="store_true", help="run the model step eagerly (default: compiled)")
     parser.add_argument("--max-queue-len", type=int, default=DEFAULT_MAX_QUEUE_LEN,
                         help="requests waiting for their first token before new ones get 429 (default: %(default)s)")
@@ -75,6 +71,21 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seconds open requests get to finish on shutdown (default: %(default)s)")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return parser
+
+
+def _add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--medusa-heads", default=None, metavar="PATH",
+                        help="MedusaHeads.save_pretrained folder for --model: greedy requests verify the heads' "
+                             "candidates (default: the model folder's hf_accel.json, else no speculation)")
+    parser.add_argument("--num-speculative-tokens", type=int, default=None,
+                        help="with --medusa-heads: candidates per speculating step, at most the heads' count "
+                             "(default: every head)")
+    parser.add_argument("--max-speculative-batch-tokens", type=int, default=None,
+                        help="with --medusa-heads: speculate while decoding sequences x (1 + candidates) stays "
+                             "within this (default: 24)")
+    parser.add_argument("--speculative-config", default=None, metavar="JSON",
+                        help="speculative decoding as vLLM's flag: a JSON object of SpeculativeConfig fields, e.g. "
+                             f"'{EXAMPLE}'; methods ngram, suffix, medusa (model: the heads' folder)")
 
 
 def load_served_model(path: str | None, quant: str | None,
@@ -98,8 +109,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     quant, heads_path = resolve_serving(args.model, args.quant, args.medusa_heads)
-    if heads_path is None and args.num_speculative_tokens is not None:
-        parser.error("--num-speculative-tokens needs --medusa-heads (or a model folder whose hf_accel.json names heads)")
+    speculative = _speculative(parser, args)
+    if speculative is not None:
+        heads_path = None  # the flag decides, over the folder's hf_accel.json
+    elif heads_path is None and (args.num_speculative_tokens or args.max_speculative_batch_tokens) is not None:
+        parser.error("--num-speculative-tokens and --max-speculative-batch-tokens need --medusa-heads (or a model "
+                     "folder whose hf_accel.json names heads); with --speculative-config, set them in its JSON")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     model, tokenizer = load_served_model(args.model, quant, DTYPES[args.dtype])
@@ -108,9 +123,24 @@ def main(argv: Sequence[str] | None = None) -> int:
                     max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
                     max_model_len=args.max_model_len, medusa_heads=heads,
                     num_speculative_tokens=args.num_speculative_tokens,
-                    max_speculative_batch_tokens=args.max_speculative_batch_tokens, enforce_eager=args.enforce_eager)
+                    max_speculative_batch_tokens=args.max_speculative_batch_tokens, enforce_eager=args.enforce_eager,
+                    speculative=speculative)
     name = args.served_model_name or args.model or REFERENCE_NAME
     app = create_app(engine, tokenizer, name, api_key=args.api_key or None, max_queue_len=args.max_queue_len)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                 timeout_graceful_shutdown=args.graceful_timeout)
     return 0
+
+
+def _speculative(parser: argparse.ArgumentParser, args: argparse.Namespace) -> SpeculativeConfig | None:
+    """`--speculative-config` parsed (exits with the reason when it is wrong, or given with --medusa-heads)."""
+    if args.speculative_config is None:
+        return None
+    if args.medusa_heads is not None or args.num_speculative_tokens is not None \
+            or args.max_speculative_batch_tokens is not None:
+        parser.error("--speculative-config replaces --medusa-heads, --num-speculative-tokens and "
+                     "--max-speculative-batch-tokens (use {\"method\": \"medusa\", \"model\": PATH, ...}); pass one way")
+    try:
+        return parse_speculative_config(args.speculative_config, DTYPES[args.dtype])
+    except ValueError as error:
+        parser.error(str(error))

@@ -18,6 +18,7 @@ are fed by the engine's finish observer from each finished request's timing. A r
 | hf_accel:spec_decode_num_drafts_total     | vllm:spec_decode_num_drafts_total      | counter   |
 | hf_accel:spec_decode_num_draft_tokens_total | vllm:spec_decode_num_draft_tokens_total | counter  |
 | hf_accel:spec_decode_num_accepted_tokens_total | vllm:spec_decode_num_accepted_tokens_total | counter |
+| hf_accel:spec_decode_num_accepted_tokens_per_pos_total{position} | vllm:spec_decode_num_accepted_tokens_per_pos_total | counter |
 | hf_accel:request_success_total             | vllm:request_success_total (+ "error") | counter   |
 | hf_accel:engine_loop_failures_total        | (hf_accel's: 1 once the loop has died)  | counter   |
 | hf_accel:time_to_first_token_seconds       | vllm:time_to_first_token_seconds       | histogram |
@@ -51,10 +52,12 @@ COUNTERS = {
     "prefix_cache_hits": "Prompt tokens found in the prefix cache.",
     "prompt_tokens": "Prompt tokens admitted.",
     "generation_tokens": "Tokens generated.",
-    "spec_decode_num_drafts": "Speculation rounds: a sequence verifying Medusa candidates in a step.",
-    "spec_decode_num_draft_tokens": "Medusa candidate tokens verified.",
-    "spec_decode_num_accepted_tokens": "Medusa candidate tokens accepted (bonus tokens not counted).",
+    "spec_decode_num_drafts": "Speculation rounds: a sequence verifying candidates in a step.",
+    "spec_decode_num_draft_tokens": "Candidate tokens verified.",
+    "spec_decode_num_accepted_tokens": "Candidate tokens accepted (bonus tokens not counted).",
 }
+PER_POSITION = ("spec_decode_num_accepted_tokens_per_pos",
+                "Candidate tokens accepted, by position in the chain (0: the first after the last token).")
 # vLLM's buckets, in seconds
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                 40.0, 80.0, 160.0, 640.0, 2560.0]
@@ -80,6 +83,10 @@ class EngineStatsCollector(Collector):
             counter = CounterMetricFamily(PREFIX + name, help_text, labels=LABELS)
             counter.add_metric([self.model_name], getattr(stats, name))
             yield counter
+        per_position = CounterMetricFamily(PREFIX + PER_POSITION[0], PER_POSITION[1], labels=LABELS + ["position"])
+        for position, count in enumerate(stats.spec_decode_num_accepted_tokens_per_pos):
+            per_position.add_metric([self.model_name, str(position)], count)
+        yield per_position
         failures = CounterMetricFamily(PREFIX + "engine_loop_failures", "Times the engine loop stopped on an error "
                                        "that concerns every request (the server then answers 503).", labels=LABELS)
         failures.add_metric([self.model_name], 0 if self.engine.is_healthy else 1)

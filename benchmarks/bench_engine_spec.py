@@ -1,0 +1,171 @@
+"""Engine speculation benchmark: the serving Engine plain and with `SpeculativeConfig(method="suffix")` (prompt lookup
+plus a suffix cache of earlier outputs, the default rule) at 1, 4, 16 and 64 concurrent requests.
+
+The reference target (fp32), compiled step (the engine's default). Workloads: open continuation of held-out code
+(prompt: a held-out row) and copy-heavy (the row, a blank line, then the row's first 16 tokens again: the prompt
+begins to repeat a block, as in editing a file). Every round gives both engines the same new prompts (held-out rows
+no earlier round used, so the suffix cache holds only other requests' outputs, as a server's would), interleaved,
+after one warm-up round; greedy with `ignore_eos`, so every request makes the same number of tokens; at 1 request a
+few prompts run one after another. Reported per workload and concurrency: output tokens per second over the timed
+rounds, the ratio to plain (total plain time / total time) with the range of per-round ratios, and the mean tokens a
+speculating sequence gains per verification (1 + accepted candidates per round). Outputs must equal plain's.
+
+Regenerate benchmarks/results/bench_engine_spec.json, docs/bench_engine_spec.md and the tables in docs/serving.md
+and docs/speculative.md:
+    .venv/bin/python benchmarks/bench_engine_spec.py        (--quick: 1 and 2 requests, 12 tokens, prints only)
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from hf_accel import Engine, SamplingParams, SpeculativeConfig, bench, reference
+from hf_accel.bench.output import run_benchmark
+from hf_accel.display import format_table
+from hf_accel.engine.speculative_config import DEFAULT_MAX_SPECULATIVE_BATCH_TOKENS, DEFAULT_MODEL_FREE_TOKENS
+
+ROOT = Path(__file__).resolve().parents[1]
+COMMAND = ".venv/bin/python benchmarks/bench_engine_spec.py"
+FULL = {"concurrency": [1, 4, 16, 64], "rounds": 3, "prompt_len": 64, "new_tokens": 48, "single_stream_prompts": 4}
+QUICK = {"concurrency": [1, 2], "rounds": 1, "prompt_len": 24, "new_tokens": 12, "single_stream_prompts": 2}
+WORKLOADS = ("open", "copy-heavy")
+COPY_PREFIX = 16  # tokens of the block the copy-heavy prompt repeats
+PLAIN, SUFFIX = "plain", "suffix"
+TARGETS = {"1": 1.5, "4": 1.5, "64": 0.95}  # issue 26: suffix / plain at these concurrencies
+
+
+class Prompts:
+    """Held-out rows handed out in order, never twice: every round gets prompts no engine has seen."""
+
+    def __init__(self, tokenizer, prompt_len: int, count: int):
+        self.rows = [row.tolist() for row in reference.held_out_sequences(tokenizer, prompt_len, max_rows=count)]
+        self.blank = tokenizer.encode("\n\n")
+        self.next = 0
+
+    def take(self, workload: str, count: int) -> list[list[int]]:
+        rows, self.next = self.rows[self.next : self.next + count], self.next + count
+        assert len(rows) == count, "not enough held-out rows for this plan"
+        return rows if workload == "open" else [row + self.blank + row[:COPY_PREFIX] for row in rows]
+
+
+def groups_for(prompts: Prompts, workload: str, concurrency: int, plan: dict[str, Any]) -> list[list[list[int]]]:
+    """One round's prompt groups: each group runs concurrently, groups one after another."""
+    if concurrency == 1:
+        return [[p] for p in prompts.take(workload, plan["single_stream_prompts"])]
+    return [prompts.take(workload, concurrency)]
+
+
+def run_case(built: dict[str, Engine], prompts: Prompts, workload: str, concurrency: int,
+             plan: dict[str, Any]) -> dict[str, Any]:
+    """Interleaved rounds of every engine on the same new prompts; round 0 is a warm-up."""
+    params = SamplingParams(max_tokens=plan["new_tokens"], temperature=0, ignore_eos=True)
+    times: dict[str, list[float]] = {name: [] for name in built}
+    before = {name: engine.stats() for name, engine in built.items()}
+    total = 0
+    for round_index in range(plan["rounds"] + 1):
+        groups = groups_for(prompts, workload, concurrency, plan)
+        expected = None
+        for name, engine in built.items():
+            started = time.perf_counter()
+            tokens = [out.token_ids for group in groups for out in engine.generate(group, params)]
+            elapsed = time.perf_counter() - started
+            expected = tokens if expected is None else expected
+            assert tokens == expected, f"{name}: outputs differ from plain greedy"
+            if round_index:
+                times[name].append(elapsed)
+        total += round_index and sum(len(group) for group in groups) * plan["new_tokens"]
+    return {name: row(built[name], before[name], times[name], times[PLAIN], total) for name in built}
+
+
+def row(engine: Engine, before, times: list[float], plain: list[float], total: int) -> dict[str, Any]:
+    stats = engine.stats()
+    drafts = stats.spec_decode_num_drafts - before.spec_decode_num_drafts
+    accepted = stats.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens
+    proposed = stats.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens
+    return {
+        "tokens_per_s": round(total / sum(times), 1),
+        "ratio_to_plain": round(sum(plain) / sum(times), 3),
+        "ratio_range": [round(min(p / t for p, t in zip(plain, times)), 3),
+                        round(max(p / t for p, t in zip(plain, times)), 3)],
+        "mean_tokens_per_speculating_step": round(1 + accepted / drafts, 3) if drafts else None,
+        "acceptance_rate": round(accepted / proposed, 3) if proposed else None,
+    }
+
+
+def measure(quick: bool) -> dict[str, Any]:
+    plan = QUICK if quick else FULL
+    model, tokenizer = reference.load("target")
+    per_round = max(max(plan["concurrency"]), plan["single_stream_prompts"])
+    needed = len(WORKLOADS) * len(plan["concurrency"]) * (plan["rounds"] + 1) * per_round
+    prompts = Prompts(tokenizer, plan["prompt_len"], needed)
+    common = dict(max_num_seqs=max(plan["concurrency"]), enable_prefix_caching=False)
+    built = {PLAIN: Engine(model, tokenizer, **common),
+             SUFFIX: Engine(model, tokenizer, speculative=SpeculativeConfig("suffix"), **common)}
+    results = {workload: {str(c): run_case(built, prompts, workload, c, plan) for c in plan["concurrency"]}
+               for workload in WORKLOADS}
+    return {
+        "command": COMMAND + (" --quick" if quick else ""),
+        "model": "hf_accel reference target, fp32, compiled engine step",
+        "hardware": bench.hardware(),
+        "settings": {**plan, "copy_prefix": COPY_PREFIX,
+                     "suffix": {"num_speculative_tokens": DEFAULT_MODEL_FREE_TOKENS,
+                                "max_speculative_batch_tokens": DEFAULT_MAX_SPECULATIVE_BATCH_TOKENS}},
+        "results": results,
+        "targets": {f"{workload}, {c} requests": {"target": target,
+                                                   "ratio": results[workload][c][SUFFIX]["ratio_to_plain"]}
+                    for workload in WORKLOADS for c, target in TARGETS.items() if c in results[workload]},
+    }
+
+
+def headline(report: dict[str, Any]) -> str:
+    """Plain vs suffix per workload and concurrency, for docs/serving.md and docs/speculative.md."""
+    s = report["settings"]
+    rows = []
+    for workload, by_concurrency in report["results"].items():
+        for concurrency, results in by_concurrency.items():
+            plain, suffix = results[PLAIN], results[SUFFIX]
+            gained = suffix["mean_tokens_per_speculating_step"]
+            rows.append([workload, concurrency, f"{plain['tokens_per_s']:.1f}", f"{suffix['tokens_per_s']:.1f}",
+                         f"{suffix['ratio_to_plain']:.2f}x ({suffix['ratio_range'][0]:.2f}-"
+                         f"{suffix['ratio_range'][1]:.2f})", "-" if gained is None else f"{gained:.2f}"])
+    return "\n".join([
+        f"Reference target (fp32, compiled step), {s['prompt_len']}-token held-out prompts (copy-heavy: plus a blank "
+        f"line and the prompt's first {s['copy_prefix']} tokens), {s['new_tokens']} greedy tokens each (1 request: "
+        f"{s['single_stream_prompts']} prompts one after another), {s['rounds']} interleaved rounds on new prompts "
+        f"after a warm-up, {report['hardware']['torch_threads']} torch thread(s) of a shared CPU; "
+        f"`SpeculativeConfig(method=\"suffix\")` with its defaults (up to {s['suffix']['num_speculative_tokens']} "
+        f"candidates, `max_speculative_batch_tokens={s['suffix']['max_speculative_batch_tokens']}`). From "
+        f"`{COMMAND}`; all numbers: [bench_engine_spec.md](bench_engine_spec.md).", "",
+        format_table(["workload", "concurrent requests", "plain tok/s", "suffix tok/s", "ratio (per-round range)",
+                      "tokens per speculating step"], rows, markdown=True), "",
+    ])
+
+
+def markdown(report: dict[str, Any]) -> str:
+    hw = report["hardware"]
+    rows = [[name, f"{t['target']:.2f}x", f"{t['ratio']:.2f}x", "met" if t["ratio"] >= t["target"] else "not met"]
+            for name, t in report["targets"].items()]
+    acceptance = [[workload, c, "-" if r[SUFFIX]["acceptance_rate"] is None else f"{r[SUFFIX]['acceptance_rate']:.0%}"]
+                  for workload, by_c in report["results"].items() for c, r in by_c.items()]
+    return "\n".join([
+        "# Engine speculation benchmark", "", f"Regenerate with `{COMMAND}` (`--quick` for a smoke run).", "",
+        f"- hardware: {hw['cpu']}, {hw['torch_threads']} torch thread(s), torch {hw['torch']}, transformers "
+        f"{hw['transformers']}; the machine was shared with other jobs, so compare ratios, not absolutes",
+        f"- {report['model']}", "", headline(report), "",
+        "Targets (issue 26: suffix / plain):", "",
+        format_table(["case", "target", "measured", ""], rows, markdown=True), "",
+        "Candidates accepted (suffix):", "",
+        format_table(["workload", "concurrent requests", "accepted / proposed"], acceptance, markdown=True), "",
+    ])
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    return run_benchmark(argv, __doc__.split("\n\n")[0], "bench_engine_spec", ROOT, measure, markdown,
+                         lambda report: {"docs/serving.md": headline(report), "docs/speculative.md": headline(report)})
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

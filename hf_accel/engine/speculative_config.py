@@ -1,0 +1,132 @@
+"""`SpeculativeConfig`: how the engine speculates, with vLLM's names (`--speculative-config` takes the same JSON).
+
+    Engine(model, tokenizer, speculative=SpeculativeConfig(method="suffix", num_speculative_tokens=8))
+    Engine(model, tokenizer, speculative=SpeculativeConfig(method="medusa", model=heads))
+
+Methods (one proposer class each, `hf_accel/engine/*_proposer.py`):
+- "ngram": prompt lookup, vLLM's name: candidates continue an earlier occurrence of the sequence's last tokens in its
+  own prompt and output (`prompt_lookup_min` to `prompt_lookup_max` tokens matched);
+- "suffix": prompt lookup plus one `SuffixCache` of the outputs of earlier requests, shared by every request of the
+  engine (SuffixDecoding; vLLM's "suffix"): each decode drafts from whichever source expects more accepted tokens;
+- "medusa": `model` is a `MedusaHeads` for the served model; plain-greedy requests verify a top-1 chain of the heads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..cache.settings import check_int
+from ..speculative.medusa_heads import MedusaHeads
+from ..speculative.ngram_proposer import NgramSettings
+
+METHODS = ("ngram", "suffix", "medusa")
+MODEL_FREE = ("ngram", "suffix")
+DEFAULT_MODEL_FREE_TOKENS = 8  # candidates per step for "ngram" / "suffix" when `num_speculative_tokens` is None
+DEFAULT_MAX_SPECULATIVE_BATCH_TOKENS = 24
+
+
+@dataclass(slots=True)
+class SpeculativeConfig:
+    """Speculative decoding in the engine (see the module docstring for the methods).
+
+    Args:
+        method: one of "ngram", "suffix", "medusa".
+        num_speculative_tokens: most candidates a decoding sequence verifies in one step; default: every head
+            (medusa), 8 (ngram, suffix; drafts are also cut where the match's counts make them unlikely).
+        model: the `MedusaHeads` of the served model ("medusa" only; None for the model-free methods).
+        prompt_lookup_max: longest tail of the sequence matched ("ngram", "suffix"); default 23.
+        prompt_lookup_min: shortest tail whose match may propose ("ngram", "suffix"); default 1.
+        max_speculative_batch_tokens: speculate in a step only while (decoding sequences) x (1 + candidates) stays
+            within this many tokens: the candidates per sequence shrink as the batch grows, and below one the step
+            decodes plainly (a large batch is already compute-bound: candidates would only slow it down).
+        suffix_decoding_max_cached_requests: outputs the "suffix" cache keeps (the oldest quarter is dropped when
+            full); None keeps all.
+    """
+
+    method: str
+    num_speculative_tokens: int | None = None
+    model: MedusaHeads | None = None
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
+    max_speculative_batch_tokens: int = DEFAULT_MAX_SPECULATIVE_BATCH_TOKENS
+    suffix_decoding_max_cached_requests: int | None = 10000
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.method, str) or self.method not in METHODS:
+            raise ValueError(f"`method` must be one of {', '.join(map(repr, METHODS))}, got {self.method!r}")
+        if self.num_speculative_tokens is not None:
+            check_int("num_speculative_tokens", self.num_speculative_tokens, 1, "a positive int or None")
+        check_int("max_speculative_batch_tokens", self.max_speculative_batch_tokens, 1, "a positive int")
+        if self.suffix_decoding_max_cached_requests is not None:
+            check_int("suffix_decoding_max_cached_requests", self.suffix_decoding_max_cached_requests, 1,
+                      "a positive int or None")
+        if self.method == "medusa":
+            self._check_medusa()
+        else:
+            self._check_model_free()
+
+    def _check_medusa(self) -> None:
+        if not isinstance(self.model, MedusaHeads):
+            raise TypeError(f"`model` must be a hf_accel.MedusaHeads for method 'medusa', got "
+                            f"{type(self.model).__name__}")
+        if self.num_speculative_tokens is not None and self.num_speculative_tokens > self.model.num_heads:
+            raise ValueError(f"`num_speculative_tokens` must be at most the heads' {self.model.num_heads}, got "
+                             f"{self.num_speculative_tokens}")
+        for name in ("prompt_lookup_max", "prompt_lookup_min"):
+            if getattr(self, name) is not None:
+                raise ValueError(f"`{name}` is for the methods {', '.join(map(repr, MODEL_FREE))}, not 'medusa'")
+
+    def _check_model_free(self) -> None:
+        if self.model is not None:
+            raise ValueError(f"`model` must be None for method {self.method!r} (it proposes from tokens alone), got "
+                             f"{type(self.model).__name__}")
+        for name in ("prompt_lookup_max", "prompt_lookup_min"):
+            if getattr(self, name) is not None:
+                check_int(name, getattr(self, name), 1, "a positive int or None")
+        if self.lookup_min > self.lookup_max:
+            raise ValueError(f"`prompt_lookup_min` ({self.lookup_min}) must be at most `prompt_lookup_max` "
+                             f"({self.lookup_max})")
+
+    @property
+    def num_candidates(self) -> int:
+        """Candidates per step at most: `num_speculative_tokens`, or the method's default."""
+        if self.num_speculative_tokens is not None:
+            return self.num_speculative_tokens
+        return self.model.num_heads if self.method == "medusa" else DEFAULT_MODEL_FREE_TOKENS
+
+    @property
+    def lookup_max(self) -> int:
+        default = NgramSettings().max_depth - 1
+        return default if self.prompt_lookup_max is None else self.prompt_lookup_max
+
+    @property
+    def lookup_min(self) -> int:
+        return 1 if self.prompt_lookup_min is None else self.prompt_lookup_min
+
+    def ngram_settings(self) -> NgramSettings:
+        """Matching rules of the model-free methods: tails of up to `prompt_lookup_max` tokens."""
+        return NgramSettings(max_depth=self.lookup_max + 1)
+
+
+def speculative_config(speculative: SpeculativeConfig | None, medusa_heads: MedusaHeads | None,
+                       num_speculative_tokens: int | None,
+                       max_speculative_batch_tokens: int | None) -> SpeculativeConfig | None:
+    """The engine's speculation from its keywords: `speculative` as it is, or `medusa_heads` (with the two
+    speculative keywords) as a "medusa" config; ValueError when both are given or the keywords come without heads."""
+    if speculative is not None and not isinstance(speculative, SpeculativeConfig):
+        raise TypeError(f"`speculative` must be a hf_accel.SpeculativeConfig or None, got {type(speculative).__name__}")
+    if speculative is not None and medusa_heads is not None:
+        raise ValueError("pass either `speculative` or `medusa_heads`, not both (`medusa_heads=h` is "
+                         "`speculative=SpeculativeConfig(method='medusa', model=h)`)")
+    keywords = {"num_speculative_tokens": num_speculative_tokens,
+                "max_speculative_batch_tokens": max_speculative_batch_tokens}
+    if medusa_heads is None:
+        for name, value in keywords.items():
+            if value is not None:
+                raise ValueError(f"`{name}` goes with `medusa_heads`; with `speculative`, set it in the "
+                                 "SpeculativeConfig")
+        return speculative
+    if not isinstance(medusa_heads, MedusaHeads):
+        raise TypeError(f"`medusa_heads` must be a hf_accel.MedusaHeads, got {type(medusa_heads).__name__}")
+    limit = DEFAULT_MAX_SPECULATIVE_BATCH_TOKENS if max_speculative_batch_tokens is None else max_speculative_batch_tokens
+    return SpeculativeConfig("medusa", num_speculative_tokens, medusa_heads, max_speculative_batch_tokens=limit)
