@@ -155,6 +155,8 @@ class _Decode:
             while bool(unfinished.any()) and self.length < self.sequences.shape[1]:
                 if not guarded:
                     torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
+                if sinks is not None:
+                    sinks.capture(rows.kv, positions)
                 out = step(self.model, self.sequences[:, self.length - 1], positions, rows.kv, rows.block_table,
                            attend, warpers, self.do_sample, self.host_processors, sinks)
                 unfinished = self._commit(self._choose(out) if self.host_processors else out, unfinished)

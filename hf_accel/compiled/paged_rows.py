@@ -62,7 +62,8 @@ class PagedRows:
             raise OutOfBlocksError(needed, num_blocks, num_blocks)
         weight = next(model.parameters())
         shape = KVShape.from_config(model.config, caller="compiled generate with a paged cache", argument="model")
-        self.kv = KVPool(shape, needed, block_size, weight.dtype, weight.device)
+        # a ring also gets a spare block: the scratch target of writes that must not land anywhere (never read)
+        self.kv = KVPool(shape, needed, block_size, weight.dtype, weight.device, spare_block=ring_tokens is not None)
         self.device = weight.device
         # block_table: [rows, width], logical block b of row r -> row r's block b mod owned
         columns = torch.arange(self.width, device=self.device) % owned

@@ -7,9 +7,10 @@ With N = `window_length` and S = `num_sink_tokens`, a decode step whose query si
   (its sinks) moved there by RoPE (`delta = p - N`), the query keeping its own position.
 The window is the attention's (`full_window = N + 1` for the layers with no window of their own; sliding layers of
 hybrid models keep theirs, without sinks, as `SinkCache` keeps transformers' sliding layers). The sinks are
-placed by `place`, traced into the compiled step before the forward: each full-attention layer's sink keys and
-values are captured from the pool before anything overwrites them (`captured`), then written, keys re-rotated,
-over the slots of positions `p - N .. p - N + S - 1`, whose own tokens the window no longer shows. The prefill
+captured from the pool by `capture` (on the host, the first step a row's window is full: nothing has overwritten
+them yet) and placed by `place`, traced into the compiled step before the forward: each full-attention layer's
+sinks are written, keys re-rotated, over the slots of positions `p - N .. p - N + S - 1`, whose own tokens the
+window no longer shows (rows not yet full write into the pool's spare block). The prefill
 attends its whole prompt (a first step of `SinkCache` does). Rows live in a ring of blocks (`PagedRows`,
 `ring_tokens`), so memory stays constant however long a row grows.
 """
@@ -34,8 +35,10 @@ class SinkRows:
         shape = KVShape.from_config(model.config, FULL_AND_SLIDING)
         self.layers = [layer for layer, window in enumerate(shape.sliding_windows) if window is None]
         self.inv_freq = rope_inverse_frequencies(model.config).to(rows.device)
-        sinks = torch.arange(self.num_sinks, device=rows.device).expand(rows.rows, -1)
-        self.sink_slots = table_slots(rows.block_table, sinks, rows.block_size)  # [rows, S]: where sinks arrive
+        sinks = torch.arange(self.num_sinks, device=rows.device)
+        self.sink_slots = table_slots(rows.block_table, sinks.expand(rows.rows, -1), rows.block_size)  # [rows, S]
+        # where rows not yet full write their sinks: the pool's spare block, which nothing reads
+        self.spare_slots = (rows.kv.spare_block * rows.block_size + sinks % rows.block_size).expand(rows.rows, -1)
         size = (shape.kv_heads, rows.rows, self.num_sinks, shape.head_dim)
         dtype = rows.kv.keys[0].dtype
         # per full-attention layer: [kv_heads, rows, S, head_dim] keys (at their own positions) and values
@@ -48,26 +51,33 @@ class SinkRows:
         """The attention window of full-attention layers at decode steps: N cached positions and the query."""
         return self.window + 1
 
+    def capture(self, kv: KVPool, positions: torch.Tensor) -> None:
+        """Outside the graph, before a decode step with queries at `positions` `[rows]`: copy the sinks of the rows
+        whose window is full for the first time out of the pool (nothing has overwritten them yet)."""
+        due = (positions > self.window) & ~self.captured
+        if self.num_sinks == 0 or not bool(due.any()):
+            return
+        rows = due.nonzero()[:, 0]
+        slots = self.sink_slots[rows].reshape(-1)
+        for index, layer in enumerate(self.layers):
+            for pools, saved in ((kv.keys, self.keys), (kv.values, self.values)):
+                flat = pools[layer].view(pools[layer].shape[0], -1, pools[layer].shape[-1])  # [kv_heads, slots, dim]
+                saved[index][:, rows] = flat.index_select(1, slots).view(flat.shape[0], len(rows), -1, flat.shape[-1])
+        self.captured |= due
+
     def place(self, kv: KVPool, block_table: torch.Tensor, positions: torch.Tensor) -> None:
-        """Before a decode step with queries at `positions` `[rows]`: write each full row's sinks over the first S
-        slots of its window (rows not yet full rewrite what they hold: no change)."""
+        """Inside the graph, before a decode step with queries at `positions` `[rows]`: write each full row's
+        sinks, keys moved by RoPE, over the first S slots of its window (the other rows write to the spare block)."""
         if self.num_sinks == 0:
             return
         full = positions > self.window  # [rows]
         targets = (positions - self.window).clamp_min(0)[:, None] + torch.arange(self.num_sinks,
                                                                                   device=positions.device)
-        slots = table_slots(block_table, targets, kv.block_size).reshape(-1)  # [rows * S]
+        slots = torch.where(full[:, None], table_slots(block_table, targets, kv.block_size), self.spare_slots)
+        slots = slots.reshape(-1)  # [rows * S]
         cos, sin = rotation(positions - self.window, self.inv_freq)  # [rows, rotary_dim]
-        show = full[None, :, None, None]
         for index, layer in enumerate(self.layers):
-            for pools, saved, moved in ((kv.keys, self.keys, True), (kv.values, self.values, False)):
-                flat = pools[layer].view(pools[layer].shape[0], -1, pools[layer].shape[-1])  # [kv_heads, slots, dim]
-                heads, rows, num, dim = saved[index].shape
-                arrived = flat.index_select(1, self.sink_slots.reshape(-1)).view(heads, rows, num, dim)
-                saved[index].copy_(torch.where(self.captured[None, :, None, None], saved[index], arrived))
-                sinks = saved[index]
-                if moved:  # rotate works on [rows, heads, n, dim]
-                    sinks = rotate(sinks.transpose(0, 1), cos, sin).transpose(0, 1)
-                current = flat.index_select(1, slots).view(heads, rows, num, dim)
-                flat.index_copy_(1, slots, torch.where(show, sinks, current).reshape(heads, rows * num, dim))
-        self.captured.copy_(self.captured | full)
+            heads, rows, num, dim = self.keys[index].shape
+            moved = rotate(self.keys[index].transpose(0, 1), cos, sin).transpose(0, 1)  # rotate: [rows, heads, ...]
+            for pool, sinks in ((kv.keys[layer], moved), (kv.values[layer], self.values[index])):
+                pool.view(heads, -1, dim).index_copy_(1, slots, sinks.reshape(heads, rows * num, dim))
