@@ -150,17 +150,18 @@ class _Decode:
         warpers = () if self.host_processors else tuple(self.processors)
         positions = rows.prompt_lengths.clone()
         unfinished = self._commit(tokens, torch.ones_like(positions, dtype=torch.bool))
-        with torch.compiler.set_stance("default", skip_guard_eval_unsafe=False):
+        with torch.compiler.set_stance("default", skip_guard_eval_unsafe=False):  # restored on exit
             guarded = True
             while bool(unfinished.any()) and self.length < self.sequences.shape[1]:
-                if not guarded:
-                    torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
                 if sinks is not None:
                     sinks.capture(rows.kv, positions)
                 out = step(self.model, self.sequences[:, self.length - 1], positions, rows.kv, rows.block_table,
                            attend, warpers, self.do_sample, self.host_processors, sinks)
                 unfinished = self._commit(self._choose(out) if self.host_processors else out, unfinished)
-                positions, guarded = positions + 1, False
+                positions = positions + 1
+                if guarded:
+                    torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
+                    guarded = False
 
     def _prefill(self, rows: PagedRows, attend) -> torch.Tensor:
         inputs = rows.prefill(self.prompts, attend)
