@@ -9,9 +9,10 @@ import pytest
 import torch
 import torch._dynamo.utils as dynamo_utils
 from transformers import CompileConfig
+from transformers.generation.streamers import BaseStreamer
 
-from conformance import PAD, make_model, make_prompts
-from hf_accel import SpeculativeStats, SuffixCache, ngram_generate
+from conformance import PAD, make_draft_model, make_model, make_prompts
+from hf_accel import SpeculativeStats, SuffixCache, draft_generate, ngram_generate
 from hf_accel.compiled.spec_rows import RowTokens
 
 pytestmark = pytest.mark.compiled
@@ -97,3 +98,44 @@ def test_row_tokens_stop_at_eos_and_budget_and_pad():
     prompts = torch.tensor([[0, 3], [4, 4], [0, 0]])
     assert rows.sequences(prompts, pad_token_id=0).tolist() == [
         [0, 3, 5, 6, 8, 9], [4, 4, 7, 2, 0, 0], [0, 0, 1, 1, 1, 1]]
+
+
+def _draft(model, inputs, **kwargs):
+    kwargs.setdefault("max_new_tokens", NEW)
+    return model.generate(**inputs, pad_token_id=PAD, do_sample=False, custom_generate=draft_generate,
+                          draft_model=make_draft_model(model), compile_config=COMPILE, **kwargs)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_compiled_draft_model_equals_plain_greedy(case):
+    arch, lengths = CASES[case]
+    model = _model(arch)
+    stats = SpeculativeStats()
+    for seed in (1, 2):
+        inputs = make_prompts(lengths, seed=seed)
+        out = _draft(model, inputs, draft_stats=stats, return_dict_in_generate=True)
+        assert out.past_key_values is None  # the compiled loop ran (the eager one returns generate's cache)
+        assert torch.equal(out.sequences, _plain(model, inputs)), f"seed {seed}"
+    assert 0 < stats.acceptance_rate < 1 and stats.num_draft_forwards > stats.num_target_forwards
+    assert len(set(stats.draft_lengths)) > 1  # k adapted between rounds
+
+
+def test_compiled_draft_model_eos_and_streamer():
+    model = _model("llama")
+    inputs = make_prompts([9, 15, 5], seed=5)
+    eos = int(_plain(model, inputs)[2, -12])
+    assert torch.equal(_draft(model, inputs, eos_token_id=eos), _plain(model, inputs, eos_token_id=eos))
+    streamer, one = Collect(), make_prompts([11], seed=4)
+    out = _draft(model, one, streamer=streamer)
+    assert streamer.ended and [t for chunk in streamer.chunks for t in chunk] == out[0].tolist()
+
+
+class Collect(BaseStreamer):
+    def __init__(self):
+        self.chunks, self.ended = [], False
+
+    def put(self, value):
+        self.chunks.append(value.reshape(-1).tolist())
+
+    def end(self):
+        self.ended = True

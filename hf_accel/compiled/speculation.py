@@ -96,12 +96,14 @@ def unpadded_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor | Non
 
 def pool_for(model: PreTrainedModel, prompts: list[torch.Tensor], max_new_tokens: int, lookahead: int,
              config: GenerationConfig) -> PagedRows:
-    """A static pool for `prompts` plus `max_new_tokens` and `lookahead` tokens scored past a row's budget; block
-    size from `cache_config` when the call named the paged cache."""
+    """A static pool for `prompts` plus `max_new_tokens`, with room for rounds of up to `lookahead` candidates past
+    a row's budget; block size from `cache_config` when the call named the paged cache."""
     settings = config.cache_config if config.cache_implementation == "paged" else None
     block_size = PagedCacheConfig.from_dict(dict(settings) if isinstance(settings, dict) else None).block_size
     lengths = [len(p) for p in prompts]
-    return PagedRows(model, lengths, max(lengths) + max_new_tokens + lookahead, block_size)
+    # a row's last round may move it up to lookahead + 1 past its budget; frozen there, a finished row's later
+    # rounds write lookahead + 1 more
+    return PagedRows(model, lengths, max(lengths) + max_new_tokens + 2 * (lookahead + 1), block_size)
 
 
 def prefill(model: PreTrainedModel, rows: PagedRows, prompts: list[torch.Tensor], attend) -> torch.Tensor:
