@@ -38,8 +38,8 @@ import torch
 import torch._dynamo.utils as dynamo_utils
 from transformers import CompileConfig, PreTrainedModel, StaticCache
 
-from hf_accel import bench
-from hf_accel.bench.inputs import bench_prompts
+from hf_accel import SpeculativeStats, bench, draft_generate, ngram_generate
+from hf_accel.bench.inputs import bench_prompts, copy_heavy_prompts, left_padded
 from hf_accel.bench.output import run_benchmark
 from hf_accel.bench.timing import time_interleaved
 from hf_accel.compiled.paged_rows import PagedRows
@@ -52,7 +52,8 @@ from hf_accel.display import format_table
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMAND = ".venv/bin/python benchmarks/bench_compile.py"
-TARGETS = {"paged_compiled_vs_static_compiled": 1.0, "moonshot_vs_dynamic_batch1": 2.2, "compile_seconds": 60.0}  # paged + compile over StaticCache + compile; over DynamicCache
+TARGETS = {"paged_compiled_vs_static_compiled": 1.0, "moonshot_vs_dynamic_batch1": 2.2, "compile_seconds": 60.0,
+           "draft_compiled_vs_plain_compiled_batch1": 1.3}  # paged + compile over StaticCache + compile; over DynamicCache
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,8 +117,8 @@ def strategies() -> tuple[Strategy, ...]:
 
 NOT_COVERED = ["int4 KV with compile_config: it raises a ValueError (packing its residual window is host "
                "bookkeeping with no static layout yet), so it has an eager row only",
-               "draft_generate / medusa_generate with compile_config: not compiled yet (bench_speculative.py has "
-               "their eager rows)"]
+               "medusa_generate with compile_config: not compiled yet (bench_speculative.py has its eager rows); "
+               "compiled ngram_generate / draft_generate cover greedy decoding only (sampling decodes eagerly)"]
 
 
 def compile_seconds(model: PreTrainedModel, inputs: dict[str, torch.Tensor], strategy: Strategy,
@@ -184,6 +185,50 @@ def verify_cost(model: PreTrainedModel, prompt_len: int, repeats: int) -> dict[s
             **{f"verify_{num}_over_decode": round(ms[num] / ms[1], 3) for num in (5, 9)}}
 
 
+def speculative_strategies(draft: PreTrainedModel, stats: dict[str, SpeculativeStats]) -> tuple[Strategy, ...]:
+    """Batch-1 speculative rows over plain compiled greedy (the baseline, first); `stats` gets each speculative
+    row's counters."""
+    def row(name: str, description: str, extra: dict[str, Any]) -> Strategy:
+        return Strategy(name, description, lambda model, max_len: {"eos_token_id": None, **extra})
+
+    paged = {"cache_implementation": "paged", "cache_config": {"block_size": 16}}
+    ours = {**paged, "compile_config": compile_config(all_devices=False)}
+    stats.update({name: SpeculativeStats() for name in ("ngram eager", "ngram + compile", "draft + compile")})
+    return (row("plain + compile", "paged cache, compile_config: compiled greedy (baseline)", ours),
+            row("ngram eager", "ngram_generate, paged cache, eager", {**paged, "custom_generate": ngram_generate,
+                                                                     "ngram_stats": stats["ngram eager"]}),
+            row("ngram + compile", "ngram_generate with compile_config: compiled verify",
+                {**ours, "custom_generate": ngram_generate, "ngram_stats": stats["ngram + compile"]}),
+            row("draft + compile", "draft_generate with compile_config: compiled draft steps and verify",
+                {**ours, "custom_generate": draft_generate, "draft_model": draft,
+                 "draft_stats": stats["draft + compile"]}))
+
+
+def speculative_prompts(loaded: bench.BenchModel, longest: int, copy_heavy: bool) -> dict[str, torch.Tensor]:
+    """One held-out code prompt (open continuation), or one that begins to repeat itself (copy-heavy); a random
+    model's random prompt, or its first half twice."""
+    if loaded.tokenizer is not None and copy_heavy:
+        return copy_heavy_prompts(loaded.tokenizer, [longest])
+    if loaded.tokenizer is not None:
+        return bench_prompts(loaded, [longest])
+    ids = bench_prompts(loaded, [longest])["input_ids"][0]
+    return left_padded([ids[: longest // 2].repeat(2) if copy_heavy else ids], 0)
+
+
+def measure_speculation(loaded: bench.BenchModel, draft: PreTrainedModel, scenario: Scenario) -> list[dict[str, Any]]:
+    """Speculative rows at batch 1 on open and copy-heavy prompts, each checked against the baseline's tokens."""
+    out = []
+    for kind in ("open continuation", "copy-heavy"):
+        stats: dict[str, SpeculativeStats] = {}
+        rows = speculative_strategies(draft, stats)
+        inputs = speculative_prompts(loaded, scenario.longest, kind == "copy-heavy")
+        results = bench.compare_strategies(loaded.model, inputs, scenario.new_tokens, rows, repeats=scenario.repeats)
+        out.append({"prompts": kind, "prompt_length": int(inputs["attention_mask"].sum()),
+                    "new_tokens": scenario.new_tokens, "results": [r.as_dict() for r in results],
+                    "tokens_per_forward": {name: round(s.tokens_per_forward, 2) for name, s in stats.items()}})
+    return out
+
+
 def llama_cpp_row(new_tokens: int) -> dict[str, Any]:
     """llama.cpp's `llama-bench` decode speed on one thread, or why it was skipped."""
     binary = os.environ.get("LLAMA_BENCH") or shutil.which("llama-bench")
@@ -212,6 +257,9 @@ def run(plan: Plan) -> dict[str, Any]:
     for scenario in plan.scenarios:
         print(f"{scenario.name} ...", file=sys.stderr, flush=True)
         report["scenarios"].append(measure_scenario(loaded, scenario, rows))
+    draft = loaded.draft if loaded.draft is not None else bench.random_llama(hidden_size=64, num_layers=1,
+                                                                             vocab_size=256)
+    report["speculative"] = measure_speculation(loaded, draft, plan.scenarios[0])
     report["verify_cost"] = verify_cost(loaded.model, plan.scenarios[0].longest, plan.scenarios[0].repeats)
     report["llama_cpp"] = llama_cpp_row(plan.scenarios[0].new_tokens)
     return report
@@ -242,10 +290,24 @@ def markdown(report: dict[str, Any]) -> str:
                  f"{report['scenarios'][0]['prompt_lengths'][0]}-token context: a decode step {cost['decode_ms']:.2f} "
                  f"ms; 1 + 4 tokens {cost['verify_5_ms']:.2f} ms (**{cost['verify_5_over_decode']:.2f}x**), 1 + 8 "
                  f"tokens {cost['verify_9_ms']:.2f} ms (**{cost['verify_9_over_decode']:.2f}x**; target <= 1.15x).\n")
+    lines.append(speculative_markdown(report["speculative"]))
     llama = report["llama_cpp"]
     lines.append("## llama.cpp\n\n" + (f"Skipped: {llama['skipped']}." if "skipped" in llama else
                                        f"`llama-bench` decode, one thread: {llama['decode_tokens_per_s']:.1f} tok/s."))
     lines.append("\n## Not covered yet\n\n" + "\n".join(f"- {note}" for note in report["not_covered"]) + "\n")
+    return "\n".join(lines)
+
+
+def speculative_markdown(sections: list[dict[str, Any]]) -> str:
+    lines = ["## Speculative decoding compiled (batch 1)\n\nRatios are paired over plain compiled greedy (paged + "
+             "compile); tokens per forward are per target verify forward; agreement is with the baseline's tokens.\n"]
+    headers = ["row", "decode tok/s", "x plain + compile (paired)", "tokens / forward", "greedy agreement"]
+    for section in sections:
+        table = [[r["name"], f"{r['decode_tokens_per_s']:.1f}", f"{r['speed_ratio']:.2f}x",
+                  str(section["tokens_per_forward"].get(r["name"], "-")), f"{100 * r['agreement']:.1f}%"]
+                 for r in section["results"]]
+        lines += [f"### {section['prompts']}, prompt {section['prompt_length']}, {section['new_tokens']} new tokens\n",
+                  format_table(headers, table, markdown=True), ""]
     return "\n".join(lines)
 
 

@@ -1,5 +1,7 @@
 """benchmarks/bench_compile.py --quick: every row runs, each compiled row gives its eager row's tokens, nothing is
-added to dynamo's graphs while timed, and the page and JSON are written with the llama.cpp row skipped (no build)."""
+added to dynamo's graphs while timed, the speculative rows (ngram eager and compiled, draft compiled) give plain
+compiled greedy's tokens on open and copy-heavy prompts, and the page and JSON are written with the llama.cpp row
+skipped (no build)."""
 
 import json
 
@@ -20,9 +22,15 @@ def test_quick_run_writes_its_tables(load_benchmark, tmp_path, monkeypatch):
         assert all(r["decode_tokens_per_s"] > 0 for r in scenario["results"])
         assert set(scenario["compile_seconds"]) == {"StaticCache + compile", "hf_accel paged + compile",
                                                     "hf_accel sink + compile"}
+    assert [section["prompts"] for section in report["speculative"]] == ["open continuation", "copy-heavy"]
+    for section in report["speculative"]:
+        assert [r["name"] for r in section["results"]] == ["plain + compile", "ngram eager", "ngram + compile",
+                                                           "draft + compile"]
+        assert all(r["agreement"] == 1.0 and r["decode_tokens_per_s"] > 0 for r in section["results"])
+    assert report["speculative"][1]["tokens_per_forward"]["ngram + compile"] > 1  # copy-heavy: drafts accepted
     assert "skipped" in report["llama_cpp"]
     assert all(report["verify_cost"][key] > 0 for key in ("decode_ms", "verify_5_ms", "verify_9_ms"))
     saved = json.loads((tmp_path / "benchmarks/results/bench_compile.json").read_text())
     assert saved["scenarios"][0]["scenario"] == report["scenarios"][0]["scenario"]
     page = (tmp_path / "docs/bench_compile.md").read_text()
-    assert "| hf_accel paged + compile |" in page and "llama.cpp" in page
+    assert "| hf_accel paged + compile |" in page and "| draft + compile |" in page and "llama.cpp" in page

@@ -39,16 +39,21 @@ def check_draft_model(call: GenerateCall, draft_model: PreTrainedModel | None) -
     if draft_model is None:
         raise ValueError("draft_generate needs `draft_model=` (a small causal LM with the same tokenizer)")
     check_call(call, "draft_generate")
-    check_decoder_only(draft_model.config, "draft_generate", "draft_model")
-    vocab = call.model.get_output_embeddings().out_features
-    draft_vocab = draft_model.get_output_embeddings().out_features
-    if vocab != draft_vocab:
-        raise ValueError(f"`draft_model` predicts {draft_vocab} tokens, the model {vocab}: they must share a "
-                         "vocabulary")
+    check_draft_vocabulary(call.model, draft_model)
     if not draft_model._supports_logits_to_keep():
         raise ValueError("draft_generate needs a `draft_model` whose forward takes `logits_to_keep`")
     if call.input_ids.shape[0] > 1:
         check_full_attention(draft_model, "draft_model", "draft_generate")
+
+
+def check_draft_vocabulary(model: PreTrainedModel, draft_model: PreTrainedModel) -> None:
+    """`draft_model` is a decoder-only LM predicting the same tokens as `model`."""
+    check_decoder_only(draft_model.config, "draft_generate", "draft_model")
+    vocab = model.get_output_embeddings().out_features
+    draft_vocab = draft_model.get_output_embeddings().out_features
+    if vocab != draft_vocab:
+        raise ValueError(f"`draft_model` predicts {draft_vocab} tokens, the model {vocab}: they must share a "
+                         "vocabulary")
 
 
 def check_full_attention(model: PreTrainedModel, name: str, caller: str) -> None:

@@ -6,10 +6,15 @@ Each round the draft proposes k tokens (k adapts, `DraftLength`), the target sco
 `verify.greedy_accept` / `verify.speculative_sample` keep a prefix per row. Rows keep their own lengths through
 holes in the cache layout (`RaggedBatch`), so both caches are only ever cropped, every row alike. Logits processors
 and stopping criteria see each row's compact tokens, one accepted token at a time: nothing past a stop is kept.
+
+With `compile_config=CompileConfig(...)` the draft's and the target's forwards run compiled over static paged pools,
+rejected tokens rolled back in place (`compiled/draft_loop.py`); calls it does not cover (sampling, logits
+processors, other stopping criteria, scores) decode eagerly with a warning.
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,8 +23,10 @@ from transformers import DynamicCache, GenerationConfig, LogitsProcessorList, Pr
 from transformers.cache_utils import Cache
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from ..compiled.draft_loop import compiled_draft_generate
+from ..compiled.speculation import speculation_uncovered, wants_compile
 from . import chain, loop
-from .chain_checks import check_draft_model
+from .chain_checks import check_draft_model, check_draft_vocabulary
 from .draft_length import DraftLength
 from .loop import Decoding, GenerateCall
 from .stats import SpeculativeStats
@@ -77,10 +84,23 @@ def draft_generate(
         draft_stats: a `SpeculativeStats` to add this call's counters to (target forwards, acceptance per position).
         tokenizer: needed by `stop_strings` (generate hands it only to callables that name it).
         hf_accel_streamer: the `streamer=` of `generate` (hf_accel's registry forwards it under this name).
+    With `compile_config` in the generation config, greedy calls without processors run compiled (see the module
+    docstring); their output's `past_key_values` is None.
     Returns what `generate` returns: `sequences` (`[batch, prompt + new]`, finished rows padded with
     `pad_token_id`), or a `GenerateDecoderOnlyOutput` with `scores` / `logits` / `past_key_values` when asked. At
     batch size > 1 the returned cache holds holes (see `RaggedBatch`) and cannot be continued from.
     """
+    if wants_compile(generation_config) and draft_model is not None:
+        reason = speculation_uncovered([model, draft_model], generation_config, logits_processor, stopping_criteria,
+                                       model_kwargs)
+        if reason is None:
+            check_draft_vocabulary(model, draft_model)
+            return compiled_draft_generate(
+                model, draft_model, input_ids, model_kwargs.get("attention_mask"), generation_config,
+                DraftLength(num_draft_tokens, max_draft_tokens),
+                draft_stats if draft_stats is not None else SpeculativeStats(), hf_accel_streamer)
+        warnings.warn(f"hf_accel: compile_config is not applied to draft_generate ({reason}); it decodes eagerly",
+                      UserWarning, stacklevel=3)
     call = GenerateCall(model, input_ids, logits_processor, stopping_criteria, generation_config, hf_accel_streamer,
                         model_kwargs)
     run = _start(call, draft_model, DraftLength(num_draft_tokens, max_draft_tokens), draft_stats)

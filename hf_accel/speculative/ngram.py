@@ -8,11 +8,16 @@ Each round every row's `NgramProposer` drafts from n-gram matches in the row's o
 `DraftBudget` picks how many candidates per row to verify (0: a plain decode step, the off-switch); one target
 forward scores them and `chain` keeps each row's accepted prefix, exactly as `draft_generate` does with a draft
 model's tokens. At the end each row's generated tokens are added to the shared cache.
+
+With `compile_config=CompileConfig(...)` the target's forwards run compiled over a static paged pool, rejected
+candidates rolled back in place (`compiled/ngram_loop.py`); calls it does not cover (sampling, logits processors,
+other stopping criteria, scores) decode eagerly with a warning.
 """
 
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +27,8 @@ from transformers.cache_utils import Cache
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from ..cache.settings import check_int
+from ..compiled.ngram_loop import compiled_ngram_generate
+from ..compiled.speculation import speculation_uncovered, wants_compile
 from . import chain, loop
 from .chain_checks import check_call
 from .draft_budget import DraftBudget
@@ -82,10 +89,22 @@ def ngram_generate(
         ngram_stats: a `SpeculativeStats` to add this call's counters to.
         tokenizer: needed by `stop_strings` (generate hands it only to callables that name it).
         hf_accel_streamer: the `streamer=` of `generate` (hf_accel's registry forwards it under this name).
+    With `compile_config` in the generation config, greedy calls without processors run compiled (see the module
+    docstring); their output's `past_key_values` is None.
     Returns what `generate` returns: `sequences` (`[batch, prompt + new]`, finished rows padded with
     `pad_token_id`), or a `GenerateDecoderOnlyOutput` with `scores` / `logits` / `past_key_values` when asked. At
     batch size > 1 the returned cache holds holes (see `RaggedBatch`) and cannot be continued from.
     """
+    if wants_compile(generation_config):
+        reason = speculation_uncovered([model], generation_config, logits_processor, stopping_criteria, model_kwargs)
+        if reason is None:
+            _check_options(suffix_cache, ngram_settings, max_draft_tokens, draft_token_cost, ngram_stats)
+            return compiled_ngram_generate(
+                model, input_ids, model_kwargs.get("attention_mask"), generation_config,
+                ngram_settings or NgramSettings(), suffix_cache, DraftBudget(max_draft_tokens, draft_token_cost),
+                ngram_stats if ngram_stats is not None else SpeculativeStats(), hf_accel_streamer)
+        warnings.warn(f"hf_accel: compile_config is not applied to ngram_generate ({reason}); it decodes eagerly",
+                      UserWarning, stacklevel=3)
     call = GenerateCall(model, input_ids, logits_processor, stopping_criteria, generation_config, hf_accel_streamer,
                         model_kwargs)
     run = _start(call, suffix_cache, ngram_settings, max_draft_tokens, draft_token_cost, ngram_stats)

@@ -1,0 +1,71 @@
+"""`draft_generate` with `compile_config`: the draft's forwards and the target's verify forward, all compiled.
+
+The draft gets its own static paged pool, prefilled with the prompts. A round of k drafts per row (k from
+`DraftLength`, as in the eager loop):
+- one compiled draft forward of 2 tokens per row, the token before the last and the last (positions `p - 1`, `p`):
+  a row that accepted every candidate last round never fed the draft its final candidate, and feeding the pair always
+  gives every row the same shape (rewriting a K/V that was already right costs nothing extra);
+- k - 1 compiled single-token draft steps (greedy), each on the previous draft token;
+- the target's compiled verify forward of the last token and the k drafts (`speculation.TargetRounds`).
+Draft K/V past a row's accepted tokens are overwritten next round (rollback by position in both pools). Candidates
+stay on the device until the verify's outcome is read: one host synchronisation per round. Greedy output equals
+plain greedy `generate`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from transformers import GenerationConfig, PreTrainedModel
+from transformers.generation.streamers import BaseStreamer
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+from ..engine.step_forward import paged_attention_implementation
+from ..speculative.draft_length import DraftLength
+from ..speculative.stats import SpeculativeStats
+from .paged_rows import PagedRows
+from .speculation import TargetRounds, pool_for, prefill
+from .step import compile_context
+
+
+def compiled_draft_generate(model: PreTrainedModel, draft: PreTrainedModel, input_ids: torch.Tensor,
+                            attention_mask: torch.Tensor | None, config: GenerationConfig, length: DraftLength,
+                            stats: SpeculativeStats,
+                            streamer: BaseStreamer | None) -> GenerateDecoderOnlyOutput | torch.LongTensor:
+    """Greedy draft-model speculation with compiled forwards (see the module docstring); returns what `generate`
+    returns (`past_key_values` None: the pools live for the call only)."""
+    target = TargetRounds(model, input_ids, attention_mask, config, length.max_tokens, stats, streamer)
+    pool = pool_for(draft, target.prompts, target.outputs.max_new_tokens, length.max_tokens, config)
+    with contextlib.ExitStack() as stack:
+        for entered in (paged_attention_implementation(model), paged_attention_implementation(draft),
+                        compile_context()):
+            stack.enter_context(entered)
+        prefill(draft, pool, target.prompts, target.attends.prefill)
+        sequences = target.run(lambda: _round(target, draft, pool, length))
+    if not config.return_dict_in_generate:
+        return sequences
+    return GenerateDecoderOnlyOutput(sequences=sequences, past_key_values=None)
+
+
+def _round(target: TargetRounds, draft: PreTrainedModel, pool: PagedRows, length: DraftLength) -> None:
+    """Draft k tokens per row, verify them, adapt k (a plain compiled step when no row may gain two tokens)."""
+    k = length.next(max(target.outputs.remaining))
+    if k == 0:
+        target.plain_round()
+        return
+    generating = [not done for done in target.outputs.finished]
+    accepted = target.verify_round(_propose(target, draft, pool, k), None)
+    target.stats.num_draft_forwards += k
+    length.update(k, min(n for n, on in zip(accepted, generating) if on))
+
+
+def _propose(target: TargetRounds, draft: PreTrainedModel, pool: PagedRows, k: int) -> torch.Tensor:
+    # [rows, k] greedy draft tokens: a 2-token forward (the token before the last, the last), then k - 1 steps
+    positions, attends = target.positions, target.attends
+    pair = torch.stack([target.previous, target.last], dim=1)  # [rows, 2] at positions - 1, positions
+    tokens = [target.verify(draft, pair, positions - 1, pool.kv, pool.block_table, attends.verify)[:, 1]]
+    for j in range(1, k):
+        tokens.append(target.decode(draft, tokens[-1], positions + j, pool.kv, pool.block_table, attends.decode,
+                                    (), False, False))
+    return torch.stack(tokens, dim=1)

@@ -1,0 +1,207 @@
+"""The target's side of compiled speculative decoding (`ngram_generate` / `draft_generate` with `compile_config`).
+
+Each model gets a static paged pool for the call (`paged_rows.py`, with room for `lookahead` tokens past a row's
+budget: a verify forward writes K/V for every candidate it scores). Row r's state is two numbers on the device:
+`positions[r]`, where its last emitted token goes (that token's K/V is not written yet), and `last[r]`, that token. A
+round verifies `[rows, 1 + k]` tokens (the last token and k candidates per row, padded) in one compiled forward
+(`step.verify_step`), keeps each row's greedy prefix match plus the target's next token (`verify.greedy_accept`), and
+advances `positions[r]` by the tokens kept: the rejected candidates' K/V stay in the pool and the next round
+overwrites them (rollback in place, no copy). A round with k = 0 is one compiled plain decode step. Finished rows
+stay in the batch (fixed shapes: no recompilation) with frozen positions; their tokens are dropped (`RowTokens`).
+
+Covered: greedy decoding without logits processors, stopped by `max_length` / `max_new_tokens` and EOS, any batch
+size and left padding, sliding-window and hybrid models, a streamer at batch 1; `speculation_uncovered` names what is
+not (the caller then decodes eagerly, with a warning).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel, StoppingCriteriaList
+from transformers.generation.configuration_utils import GenerationMode
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
+from transformers.generation.streamers import BaseStreamer
+
+from ..cache.kv_shape import FULL_AND_SLIDING, KVShape
+from ..cache.paged_config import PagedCacheConfig
+from ..engine.attention import gathered_attention, register_attention
+from ..engine.cuda_graphs import decode_attention
+from ..engine.paged_kernel import paged_attention_kernel
+from ..speculative.stats import SpeculativeStats
+from ..speculative.verify import greedy_accept
+from .paged_rows import PagedRows
+from .spec_rows import RowTokens
+from .step import compiled_decode_step, compiled_verify_step
+
+_MODEL_INPUTS = ("attention_mask", "past_key_values", "use_cache", "cache_position", "position_ids", "logits_to_keep")
+
+
+def wants_compile(config: GenerationConfig) -> bool:
+    """Whether the call asked for compilation (`compile_config` set, `disable_compile` not)."""
+    return config.compile_config is not None and not config.disable_compile
+
+
+def speculation_uncovered(models: list[PreTrainedModel], config: GenerationConfig, processors: LogitsProcessorList,
+                          criteria: StoppingCriteriaList, model_kwargs: dict) -> str | None:
+    """Why compiled speculation cannot run this call (the first reason), or None when it can."""
+    if config.get_generation_mode() != GenerationMode.GREEDY_SEARCH:
+        return "compiled speculation covers greedy decoding only (sampling and beams decode eagerly)"
+    if len(processors) > 0:
+        return f"logits processors {[type(p).__name__ for p in processors]} are applied by the eager loop only"
+    other = [type(c).__name__ for c in criteria if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))]
+    if other:
+        return f"stopping criteria {other} are checked by the eager loop only"
+    if config.output_scores or config.output_logits or config.output_attentions or config.output_hidden_states:
+        return "scores, logits, attentions and hidden states are returned by the eager loop only"
+    unknown = sorted(k for k, v in model_kwargs.items() if v is not None and k not in _MODEL_INPUTS)
+    if unknown:
+        return f"model inputs {unknown} are passed by the eager loop only"
+    for model in models:
+        if not getattr(model, "_supports_attention_backend", False):
+            return f"{type(model).__name__} does not use transformers' AttentionInterface"
+        try:
+            KVShape.from_config(model.config, FULL_AND_SLIDING)
+        except ValueError as error:
+            return str(error)
+    return None
+
+
+@dataclass(slots=True)
+class Attends:
+    """The attention rule per kind of forward: the CPU kernel for all, else the gathered / fixed-shape ones."""
+
+    prefill: object
+    decode: object
+    verify: object
+
+    @classmethod
+    def for_device(cls, device: torch.device) -> Attends:
+        register_attention()
+        kernel = paged_attention_kernel() if device.type == "cpu" else None
+        return cls(kernel or gathered_attention, kernel or decode_attention, kernel or gathered_attention)
+
+
+def unpadded_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[torch.Tensor]:
+    """Each row's real prompt tokens (1-D), its left padding removed."""
+    if attention_mask is None:
+        return list(input_ids)
+    prompts = [ids[mask.bool()] for ids, mask in zip(input_ids, attention_mask)]
+    if min(len(p) for p in prompts) == 0:
+        raise ValueError("`attention_mask` has a row with no tokens: every prompt needs at least one")
+    return prompts
+
+
+def pool_for(model: PreTrainedModel, prompts: list[torch.Tensor], max_new_tokens: int, lookahead: int,
+             config: GenerationConfig) -> PagedRows:
+    """A static pool for `prompts` plus `max_new_tokens`, with room for rounds of up to `lookahead` candidates past
+    a row's budget; block size from `cache_config` when the call named the paged cache."""
+    settings = config.cache_config if config.cache_implementation == "paged" else None
+    block_size = PagedCacheConfig.from_dict(dict(settings) if isinstance(settings, dict) else None).block_size
+    lengths = [len(p) for p in prompts]
+    # a row's last round may move it up to lookahead + 1 past its budget; frozen there, a finished row's later
+    # rounds write lookahead + 1 more
+    return PagedRows(model, lengths, max(lengths) + max_new_tokens + 2 * (lookahead + 1), block_size)
+
+
+def prefill(model: PreTrainedModel, rows: PagedRows, prompts: list[torch.Tensor], attend) -> torch.Tensor:
+    """The packed prefill of `prompts` into `rows`' pool -> `[rows]` greedy first tokens."""
+    inputs = rows.prefill(prompts, attend)
+    out = model(input_ids=inputs.tokens, position_ids=inputs.positions, use_cache=False, logits_to_keep=inputs.keep,
+                hf_accel_step=inputs.attention)
+    return out.logits[0].argmax(dim=-1)
+
+
+class TargetRounds:
+    """The target's pool, the rows' positions / last tokens and outputs, and its two kinds of round.
+
+    Args:
+        model: the target.
+        input_ids: `[rows, width]` left-padded prompts; `attention_mask` their mask (None: no padding).
+        config: the call's generation config (max length, EOS, pad token, compile config).
+        lookahead: the most candidates a round verifies.
+        stats: counters to add the rounds to; `streamer`: gets each emitted token at batch 1.
+    """
+
+    def __init__(self, model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                 config: GenerationConfig, lookahead: int, stats: SpeculativeStats,
+                 streamer: BaseStreamer | None):
+        if streamer is not None and input_ids.shape[0] > 1:
+            raise ValueError("`streamer` supports batch size 1 only")
+        self.model, self.input_ids, self.config, self.stats, self.streamer = model, input_ids, config, stats, streamer
+        self.prompts = unpadded_prompts(input_ids, attention_mask)
+        eos = config._eos_token_tensor
+        self.outputs = RowTokens.empty(len(self.prompts), config.max_length - input_ids.shape[1],
+                                       [] if eos is None else eos.reshape(-1).tolist())
+        self.rows = pool_for(model, self.prompts, self.outputs.max_new_tokens, lookahead, config)
+        self.attends = Attends.for_device(self.rows.device)
+        self.decode = compiled_decode_step(config.compile_config)
+        self.verify = compiled_verify_step(config.compile_config)
+        self.positions = self.rows.prompt_lengths.clone()  # [rows] where each row's last token goes
+        self.last = torch.zeros_like(self.positions)  # [rows] each row's last emitted token
+        self.previous = torch.stack([p[-1] for p in self.prompts])  # [rows] the token before it (at positions - 1)
+
+    def run(self, one_round: Callable[[], None]) -> torch.Tensor:
+        """Prefill, then `one_round()` until every row stops (the streamer ends however the loop ends) ->
+        `[rows, width + longest output]` sequences, as greedy `generate` returns them."""
+        try:
+            self._start()
+            while not self.outputs.is_done:
+                one_round()
+        finally:
+            if self.streamer is not None:
+                self.streamer.end()
+        self.stats.num_new_tokens += sum(len(out) for out in self.outputs.generated)
+        pad = self.config._pad_token_tensor  # None only when no EOS is set: no row is padded then
+        return self.outputs.sequences(self.input_ids, 0 if pad is None else int(pad))
+
+    def _start(self) -> None:
+        if self.streamer is not None:
+            self.streamer.put(self.input_ids.cpu())
+        self.last = prefill(self.model, self.rows, self.prompts, self.attends.prefill)
+        for row, token in enumerate(self.last.tolist()):
+            self._emit(row, [token])
+
+    def plain_round(self) -> None:
+        """One compiled decode step: every row gains one token (k = 0, the off-switch)."""
+        active = self._active()
+        tokens = self.decode(self.model, self.last, self.positions, self.rows.kv, self.rows.block_table,
+                             self.attends.decode, (), False, False)
+        for row, token in enumerate(tokens.tolist()):
+            if active[row]:
+                self._emit(row, [token])
+        self.positions = self.positions + torch.tensor(active, device=self.positions.device)
+        self.previous, self.last = self.last, tokens
+        empty = torch.zeros(len(active), dtype=torch.long)
+        self.stats.record_round(0, empty, torch.tensor(active, dtype=torch.long), torch.tensor(active),
+                                row_depths=empty)
+
+    def verify_round(self, candidates: torch.Tensor, num_candidates: torch.Tensor | None) -> list[int]:
+        """Verify `candidates` `[rows, k]` (row r's first `num_candidates[r]` are real; None: all) in one compiled
+        forward; emit and advance. Returns each row's accepted candidates (0 for finished rows)."""
+        active = self._active()
+        tokens = torch.cat([self.last[:, None], candidates], dim=1)  # [rows, 1 + k]
+        predicted = self.verify(self.model, tokens, self.positions, self.rows.kv, self.rows.block_table,
+                                self.attends.verify)
+        verdict = greedy_accept(candidates, predicted, num_candidates)
+        accepted, emitted = verdict.num_accepted.tolist(), verdict.tokens.tolist()
+        kept = [self._emit(r, emitted[r][: n + 1]) if active[r] else 0 for r, n in enumerate(accepted)]
+        moved = torch.tensor(active, device=self.positions.device) * verdict.num_emitted
+        self.positions = self.positions + moved
+        self.previous = tokens.gather(1, verdict.num_accepted[:, None]).squeeze(1)
+        self.last = verdict.tokens.gather(1, verdict.num_accepted[:, None]).squeeze(1)
+        self.stats.record_round(candidates.shape[1], verdict.num_accepted.cpu(), torch.tensor(kept),
+                                torch.tensor(active), row_depths=None if num_candidates is None else
+                                num_candidates.cpu())
+        return [n if on else 0 for n, on in zip(accepted, active)]
+
+    def _active(self) -> list[bool]:
+        return [not done for done in self.outputs.finished]
+
+    def _emit(self, row: int, tokens: list[int]) -> int:
+        kept = self.outputs.emit(row, tokens)
+        if self.streamer is not None and kept:
+            self.streamer.put(torch.tensor(tokens[:kept]))
+        return kept
