@@ -23,13 +23,7 @@ Smoke run (tiny random model, prints only unless --out is given):
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import statistics
-import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,13 +34,8 @@ from transformers import CompileConfig, PreTrainedModel, StaticCache
 
 from hf_accel import SpeculativeStats, bench, draft_generate, ngram_generate
 from hf_accel.bench.inputs import bench_prompts, copy_heavy_prompts, left_padded
+from hf_accel.bench.compiled_costs import llama_cpp_decode, verify_cost
 from hf_accel.bench.output import run_benchmark
-from hf_accel.bench.timing import time_interleaved
-from hf_accel.compiled.paged_rows import PagedRows
-from hf_accel.compiled.step import compile_context, compiled_decode_step, compiled_verify_step
-from hf_accel.engine.attention import gathered_attention, register_attention
-from hf_accel.engine.paged_kernel import paged_attention_kernel
-from hf_accel.engine.step_forward import paged_attention_implementation
 from hf_accel.bench.strategies import Strategy, quantized_int4
 from hf_accel.display import format_table
 
@@ -156,35 +145,6 @@ def same_as_eager(model: PreTrainedModel, inputs: dict[str, torch.Tensor], new_t
     return same
 
 
-def verify_cost(model: PreTrainedModel, prompt_len: int, repeats: int) -> dict[str, float]:
-    """Compiled verify forward of 1 + k tokens (k = 4, 8) over one row's 256-token context, in milliseconds and as a
-    multiple of a compiled decode step (target: <= 1.15x), interleaved, median of `repeats` x 20 calls."""
-    rows = PagedRows(model, [prompt_len], prompt_len + 16, 16)
-    attend = paged_attention_kernel() or gathered_attention
-    register_attention()
-    decode, verify = compiled_decode_step(CompileConfig()), compiled_verify_step(CompileConfig())
-    prompt = torch.randint(1, model.config.vocab_size, (prompt_len,))
-    position = torch.tensor([prompt_len])
-    calls = {1: lambda: decode(model, prompt[:1], position, rows.kv, rows.block_table, attend, (), False, False)}
-    for k in (4, 8):
-        tokens = prompt[None, : k + 1]
-        calls[k + 1] = lambda tokens=tokens: verify(model, tokens, position, rows.kv, rows.block_table, attend)
-    with torch.inference_mode(), paged_attention_implementation(model), compile_context():
-        inputs = rows.prefill([prompt], attend)
-        model(input_ids=inputs.tokens, position_ids=inputs.positions, use_cache=False, hf_accel_step=inputs.attention)
-
-        def measure(num: int) -> tuple[float, None]:
-            started = time.perf_counter()
-            for _ in range(20):
-                calls[num]()
-            return (time.perf_counter() - started) / 20 * 1e3, None
-
-        timings = time_interleaved(list(calls), measure, repeats)
-    ms = {num: statistics.median(times) for num, times in timings.seconds.items()}
-    return {"decode_ms": round(ms[1], 3), **{f"verify_{num}_ms": round(ms[num], 3) for num in (5, 9)},
-            **{f"verify_{num}_over_decode": round(ms[num] / ms[1], 3) for num in (5, 9)}}
-
-
 def speculative_strategies(draft: PreTrainedModel, stats: dict[str, SpeculativeStats]) -> tuple[Strategy, ...]:
     """Batch-1 speculative rows over plain compiled greedy (the baseline, first); `stats` gets each speculative
     row's counters."""
@@ -229,19 +189,6 @@ def measure_speculation(loaded: bench.BenchModel, draft: PreTrainedModel, scenar
     return out
 
 
-def llama_cpp_row(new_tokens: int) -> dict[str, Any]:
-    """llama.cpp's `llama-bench` decode speed on one thread, or why it was skipped."""
-    binary = os.environ.get("LLAMA_BENCH") or shutil.which("llama-bench")
-    gguf = os.environ.get("HF_ACCEL_LLAMA_GGUF")
-    if binary is None or gguf is None or not Path(gguf).is_file():
-        return {"skipped": "no local llama.cpp build and GGUF of the same weights (set LLAMA_BENCH to llama-bench "
-                           "and HF_ACCEL_LLAMA_GGUF to the model file)"}
-    out = subprocess.run([binary, "-m", gguf, "-p", "0", "-n", str(new_tokens), "-t", "1", "-o", "json"],
-                         capture_output=True, text=True, check=True, timeout=600)
-    runs = json.loads(out.stdout)
-    return {"decode_tokens_per_s": float(runs[0]["avg_ts"]), "binary": binary, "gguf": gguf}
-
-
 def load(plan: Plan) -> bench.BenchModel:
     if plan.model == "reference":
         return bench.load_bench_model(None)
@@ -261,7 +208,7 @@ def run(plan: Plan) -> dict[str, Any]:
                                                                              vocab_size=256)
     report["speculative"] = measure_speculation(loaded, draft, plan.scenarios[0])
     report["verify_cost"] = verify_cost(loaded.model, plan.scenarios[0].longest, plan.scenarios[0].repeats)
-    report["llama_cpp"] = llama_cpp_row(plan.scenarios[0].new_tokens)
+    report["llama_cpp"] = llama_cpp_decode(plan.scenarios[0].new_tokens)
     return report
 
 

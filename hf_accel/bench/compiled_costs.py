@@ -1,0 +1,66 @@
+"""Costs the compiled-generate benchmark reports beside its rows: a compiled verify forward over a compiled decode
+step (`verify_cost`, speculative decoding's price per round) and llama.cpp's decode speed on the same weights when a
+local build is given (`llama_cpp_decode`, another process: not a paired ratio)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import CompileConfig, PreTrainedModel
+
+from ..compiled.paged_rows import PagedRows
+from ..compiled.step import compile_context, compiled_decode_step, compiled_verify_step
+from ..engine.attention import gathered_attention, register_attention
+from ..engine.paged_kernel import paged_attention_kernel
+from ..engine.step_forward import paged_attention_implementation
+from .timing import time_interleaved
+
+
+def verify_cost(model: PreTrainedModel, prompt_len: int, repeats: int) -> dict[str, float]:
+    """Compiled verify forward of 1 + k tokens (k = 4, 8) over one row's 256-token context, in milliseconds and as a
+    multiple of a compiled decode step (target: <= 1.15x), interleaved, median of `repeats` x 20 calls."""
+    rows = PagedRows(model, [prompt_len], prompt_len + 16, 16)
+    attend = paged_attention_kernel() or gathered_attention
+    register_attention()
+    decode, verify = compiled_decode_step(CompileConfig()), compiled_verify_step(CompileConfig())
+    prompt = torch.randint(1, model.config.vocab_size, (prompt_len,))
+    position = torch.tensor([prompt_len])
+    calls = {1: lambda: decode(model, prompt[:1], position, rows.kv, rows.block_table, attend, (), False, False)}
+    for k in (4, 8):
+        tokens = prompt[None, : k + 1]
+        calls[k + 1] = lambda tokens=tokens: verify(model, tokens, position, rows.kv, rows.block_table, attend)
+    with torch.inference_mode(), paged_attention_implementation(model), compile_context():
+        inputs = rows.prefill([prompt], attend)
+        model(input_ids=inputs.tokens, position_ids=inputs.positions, use_cache=False, hf_accel_step=inputs.attention)
+
+        def measure(num: int) -> tuple[float, None]:
+            started = time.perf_counter()
+            for _ in range(20):
+                calls[num]()
+            return (time.perf_counter() - started) / 20 * 1e3, None
+
+        timings = time_interleaved(list(calls), measure, repeats)
+    ms = {num: statistics.median(times) for num, times in timings.seconds.items()}
+    return {"decode_ms": round(ms[1], 3), **{f"verify_{num}_ms": round(ms[num], 3) for num in (5, 9)},
+            **{f"verify_{num}_over_decode": round(ms[num] / ms[1], 3) for num in (5, 9)}}
+
+
+def llama_cpp_decode(new_tokens: int) -> dict[str, Any]:
+    """llama.cpp's `llama-bench` decode speed on one thread, or why it was skipped."""
+    binary = os.environ.get("LLAMA_BENCH") or shutil.which("llama-bench")
+    gguf = os.environ.get("HF_ACCEL_LLAMA_GGUF")
+    if binary is None or gguf is None or not Path(gguf).is_file():
+        return {"skipped": "no local llama.cpp build and GGUF of the same weights (set LLAMA_BENCH to llama-bench "
+                           "and HF_ACCEL_LLAMA_GGUF to the model file)"}
+    out = subprocess.run([binary, "-m", gguf, "-p", "0", "-n", str(new_tokens), "-t", "1", "-o", "json"],
+                         capture_output=True, text=True, check=True, timeout=600)
+    runs = json.loads(out.stdout)
+    return {"decode_tokens_per_s": float(runs[0]["avg_ts"]), "binary": binary, "gguf": gguf}
