@@ -30,6 +30,8 @@ from .speculative.medusa_heads import MedusaConfig, MedusaHeads
 from .medusa_training.train import train_medusa
 from .speculative.draft import draft_generate
 from .speculative.draft_length import DraftLength
+from .speculative.eagle import eagle_generate
+from .speculative.eagle_head import EagleConfig, EagleHead
 from .speculative.ngram import ngram_generate
 from .speculative.ngram_proposer import NgramSettings
 from .speculative.stats import SpeculativeStats
@@ -63,6 +65,8 @@ __all__ = [
     "CompletionOutput",
     "ContextLengthExceededError",
     "DraftLength",
+    "EagleConfig",
+    "EagleHead",
     "Engine",
     "EngineDeadError",
     "EngineStats",
@@ -88,6 +92,7 @@ __all__ = [
     "SuffixCache",
     "WeightOnlyConfig",
     "draft_generate",
+    "eagle_generate",
     "list_quantization_presets",
     "load_model",
     "medusa_generate",
