@@ -28,6 +28,7 @@ from .quant.quantizer import WeightOnlyConfig, quantize_model
 from .speculative.medusa import MedusaStats, medusa_generate
 from .speculative.medusa_heads import MedusaConfig, MedusaHeads
 from .medusa_training.train import train_medusa
+from .eagle_training.train import train_eagle
 from .speculative.draft import draft_generate
 from .speculative.draft_length import DraftLength
 from .speculative.eagle import eagle_generate
@@ -100,6 +101,7 @@ __all__ = [
     "quantization_config",
     "quantize_model",
     "register",
+    "train_eagle",
     "train_medusa",
     "unregister",
 ]
