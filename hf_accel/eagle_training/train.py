@@ -38,7 +38,7 @@ class EagleTrainConfig:
         step_decay: loss weight of draft step j is `step_decay ** j`, in (0, 1].
         dtype: "fp32" or "bf16" (CPU/CUDA autocast for the head; master weights stay fp32).
         time_budget_s: stop early after this many seconds of training.
-        checkpoint_every: steps between checkpoints into `output_dir` (0: only at the end).
+        checkpoint_every: steps between checkpoints into `output_dir/step-N` (0: only the end, into `output_dir`).
         seed: data order.
     """
 
@@ -97,8 +97,9 @@ def train_eagle(
     output, `medusa_training.train.self_distilled_rows`).
 
     `options` are `EagleTrainConfig` fields. `head`: start from it (default `EagleHead.for_model(model)`).
-    `output_dir`: where checkpoints and the final head go. `resume_from`: a checkpoint folder; training continues
-    at its step with the same batches.
+    `output_dir`: the final head and its trainer state go there, every `checkpoint_every` steps a checkpoint into
+    `output_dir/step-N`. `resume_from`: one of those folders; training continues at its step with the same batches
+    and learning rates (give the same `steps`: the schedule's length).
     """
     config = EagleTrainConfig(**options)
     rows = token_rows(dataset, config.seq_len, tokenizer, model.generation_config.eos_token_id)
@@ -119,7 +120,7 @@ def train_eagle(
         bar.update()
         bar.set_postfix(loss=f"{loss:.3f}", acc0=f"{accuracy[0]:.2f}", acc_last=f"{accuracy[-1]:.2f}")
         if output_dir is not None and config.checkpoint_every and step % config.checkpoint_every == 0:
-            save_checkpoint(Path(output_dir), head, optimizer, schedule, step)
+            save_checkpoint(Path(output_dir) / f"step-{step}", head, optimizer, schedule, step)
     bar.close()
     result.last_step, result.train_seconds = step, time.perf_counter() - started
     if output_dir is not None:
