@@ -297,8 +297,9 @@ def run(plan: Plan, eagle_only: bool = False) -> dict[str, Any]:
     measurements = [measure(pair, case, plan, EAGLE_METHODS if eagle_only else METHODS) for case in cases]
     return {"command": COMMAND, "model": pair.description, "hardware": bench.hardware(),
             "prompts": "held-out text (reference corpus split never trained on), left-padded",
-            "suffix_cache": f"warmed by {plan.num_earlier_requests} earlier requests ({pair.warm_cache.num_tokens} "
-                            "tokens of greedy output for other held-out prompts)",
+            "suffix_cache": "not used (--eagle)" if eagle_only else (
+                f"warmed by {plan.num_earlier_requests} earlier requests ({pair.warm_cache.num_tokens} tokens of "
+                "greedy output for other held-out prompts)"),
             "repeats": plan.repeats, "warmup": plan.warmup, "measurements": measurements,
             "targets": targets(measurements)}
 

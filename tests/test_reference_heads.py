@@ -11,7 +11,7 @@ import torch
 from hf_accel import EagleHead, MedusaHeads, SpeculativeStats, eagle_generate, reference
 
 EAGLE_DIR = reference.ASSETS_DIR / "eagle"
-MIN_TOKENS_PER_FORWARD = 1.7  # measured 2.04 on these 3 prompts (plain decoding: 1.0; an untrained head: about 1.0)
+MIN_TOKENS_PER_FORWARD = 2.0  # measured 2.52 on these 3 prompts (plain decoding: 1.0; an untrained head: about 1.0)
 
 
 @pytest.fixture(scope="module")

@@ -44,7 +44,8 @@ class EagleConfig:
         feature_layers: three indices into the target's `output_hidden_states` tuple (0 = embeddings, i = after
             decoder layer i; the last entry is the final normed state): the low, middle and high features fused.
         layer_config: the target's text config with one layer (`to_dict()`), from which the decoder layer is built.
-        base_model_name_or_path, base_model_type: where the target came from (informational).
+        base_model_name_or_path: where the target came from (informational).
+        base_model_type: the target config's `model_type` (informational).
     """
 
     hidden_size: int
