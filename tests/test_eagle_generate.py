@@ -10,6 +10,7 @@ import pytest
 import torch
 from conformance import FIRST_WORD, PAD, VOCAB_SIZE, make_model, make_prompts
 from tiny_llama import tiny_llama
+from transformers import DynamicCache
 
 import hf_accel
 from hf_accel import EagleConfig, EagleHead, SpeculativeStats, eagle_generate
@@ -59,17 +60,11 @@ def test_greedy_equals_plain(arch, cache_implementation, lengths):
     stats = SpeculativeStats()
     got = run(model, inputs, cache_implementation=cache_implementation, eagle_stats=stats,
               return_dict_in_generate=True)
-    expected = hf_accel.PagedCache if cache_implementation == "paged" else transformers_dynamic()
+    expected = hf_accel.PagedCache if cache_implementation == "paged" else DynamicCache
     assert type(got.past_key_values) is expected
     assert torch.equal(got.sequences, run(model, inputs, eagle=False, cache_implementation=cache_implementation))
     assert stats.num_new_tokens == NEW * len(lengths)
     assert stats.num_draft_forwards > 0 and sum(stats.proposed) > 0
-
-
-def transformers_dynamic():
-    from transformers import DynamicCache
-
-    return DynamicCache
 
 
 @pytest.mark.parametrize("batch", [1, 4])

@@ -112,13 +112,9 @@ def train_eagle(
     budget = float("inf") if config.time_budget_s is None else config.time_budget_s
     bar = tqdm(total=config.steps, initial=step, desc="train-eagle", disable=not progress)
     while step < config.steps and time.perf_counter() - started < budget:
-        loss, accuracy = _train_step(model, head, optimizer, features, step, config)
+        _record(result, bar, *_train_step(model, head, optimizer, features, step, config))
         schedule.step()
         step += 1
-        result.losses.append(loss)
-        result.accuracies.append(accuracy)
-        bar.update()
-        bar.set_postfix(loss=f"{loss:.3f}", acc0=f"{accuracy[0]:.2f}", acc_last=f"{accuracy[-1]:.2f}")
         if output_dir is not None and config.checkpoint_every and step % config.checkpoint_every == 0:
             save_checkpoint(Path(output_dir) / f"step-{step}", head, optimizer, schedule, step)
     bar.close()
@@ -127,6 +123,13 @@ def train_eagle(
         save_checkpoint(Path(output_dir), head, optimizer, schedule, step)
     head.eval()
     return result
+
+
+def _record(result: EagleTrainResult, bar: tqdm, loss: float, accuracy: list[float]) -> None:
+    result.losses.append(loss)
+    result.accuracies.append(accuracy)
+    bar.update()
+    bar.set_postfix(loss=f"{loss:.3f}", acc0=f"{accuracy[0]:.2f}", acc_last=f"{accuracy[-1]:.2f}")
 
 
 def batch_rows(num_rows: int, step: int, batch_size: int, seed: int) -> torch.Tensor:
