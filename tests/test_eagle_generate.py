@@ -68,15 +68,19 @@ def test_greedy_equals_plain(arch, cache_implementation, lengths):
 
 
 @pytest.mark.parametrize("batch", [1, 4])
-def test_trained_head_drafts_accepted_tokens(batch):
+@pytest.mark.parametrize("min_probability", [0.0, 0.2])
+def test_trained_head_drafts_accepted_tokens(batch, min_probability):
     model = model_for("llama")
     prompts = own_text(model)[:batch, :8]  # the text the head was trained on: it drafts it well
     stats = SpeculativeStats()
     got = model.generate(prompts, max_new_tokens=32, do_sample=False, pad_token_id=PAD,
-                         custom_generate=eagle_generate, eagle_head=trained_head(model), eagle_stats=stats)
+                         custom_generate=eagle_generate, eagle_head=trained_head(model), eagle_stats=stats,
+                         min_draft_probability=min_probability)
     assert torch.equal(got, model.generate(prompts, max_new_tokens=32, do_sample=False, pad_token_id=PAD))
     assert stats.accepted[0] > 0 and stats.tokens_per_forward > 1.1, stats
     assert stats.num_target_forwards < 31 * batch
+    if min_probability == 0.0:  # every round drafts the whole k
+        assert stats.num_draft_forwards == sum(stats.draft_lengths)
 
 
 def test_first_drafts_equal_uncached_head(monkeypatch):
@@ -133,6 +137,9 @@ def test_bad_input():
                        eagle_head=EagleHead.for_model(tiny_llama(num_hidden_layers=3)))
     with pytest.raises(ValueError, match="beam"):
         run(model, inputs, num_beams=2)
+    for bad in (1.0, -0.1, "0.5"):
+        with pytest.raises(ValueError, match="min_draft_probability"):
+            run(model, inputs, min_draft_probability=bad)
     with pytest.raises(ValueError, match="num_draft_tokens"):
         run(model, inputs, num_draft_tokens=0)
     with pytest.raises(ValueError, match="feature_layers"):

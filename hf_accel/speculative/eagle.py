@@ -3,12 +3,14 @@
     head = hf_accel.EagleHead.from_pretrained("./my-head", model)
     out = model.generate(**inputs, custom_generate=hf_accel.eagle_generate, eagle_head=head, max_new_tokens=64)
 
-Each round the head drafts a chain of k tokens autoregressively on its own features and its own small KV cache
+Each round the head drafts a chain of up to k tokens autoregressively on its own features and its own small KV cache
 (`eagle_draft.HeadState`): the first draft step reads the target's fused features of the tokens committed last
 round, every later one the head's own output. The target then scores the k + 1 positions in one forward (with its
 hidden states, the next round's features), and the chain rounds `draft_generate` uses (`chain.py`) keep each row's
 accepted prefix: `verify.greedy_accept`, or lossless `verify.speculative_sample` against the head's processed
-distributions. Rows accept different numbers of tokens through holes (`RaggedBatch`); k adapts (`DraftLength`).
+distributions. Rows accept different numbers of tokens through holes (`RaggedBatch`); k adapts (`DraftLength`), and
+a chain ends early after a draft the head itself gave less than `min_draft_probability` (EAGLE-2's observation: the
+head's confidence predicts acceptance).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class _Run:
     cache: Cache
     head: HeadState
     length: DraftLength
+    min_probability: float  # a chain ends after a draft every generating row gave less than this probability
 
 
 def eagle_generate(
@@ -53,6 +56,7 @@ def eagle_generate(
     eagle_head: EagleHead | None = None,
     num_draft_tokens: int = 4,
     max_draft_tokens: int = 8,
+    min_draft_probability: float = 0.2,
     eagle_stats: SpeculativeStats | None = None,
     tokenizer: Any = None,
     hf_accel_streamer: Any = None,
@@ -68,6 +72,8 @@ def eagle_generate(
         eagle_head: an `EagleHead` trained for this model.
         num_draft_tokens: chain length k of the first round; later rounds adapt (`DraftLength`).
         max_draft_tokens: the longest chain a round may draft.
+        min_draft_probability: a chain ends early after a draft to which the head gave less than this probability
+            in every generating row (the head's confidence predicts acceptance; 0 drafts the whole k), in [0, 1).
         eagle_stats: a `SpeculativeStats` to add this call's counters to (target forwards, tokens per forward,
             acceptance per draft position; `num_draft_forwards` counts head passes).
         tokenizer: needed by `stop_strings` (generate hands it only to callables that name it).
@@ -76,9 +82,11 @@ def eagle_generate(
     `pad_token_id`), or a `GenerateDecoderOnlyOutput` with `scores` / `logits` / `past_key_values` when asked (at
     batch size > 1 the cache holds holes, see `RaggedBatch`: not to be continued from).
     """
+    min_probability = _check_probability(min_draft_probability)
     call = GenerateCall(model, input_ids, logits_processor, stopping_criteria, generation_config, hf_accel_streamer,
                         model_kwargs)
     run = _start(call, eagle_head, DraftLength(num_draft_tokens, max_draft_tokens), eagle_stats)
+    run.min_probability = min_probability
     loop.run(run.decoding, lambda: _prefill(run), lambda _: _round(run))
     return loop.output(run.decoding, generation_config, run.cache)
 
@@ -93,7 +101,13 @@ def _start(call: GenerateCall, head: EagleHead | None, length: DraftLength, stat
     cache = call.model_kwargs["past_key_values"]
     cache.activate_past_recording()  # sliding-window layers must keep what a crop may take back
     state = new_head_state(head, call.input_ids.shape[0], call.input_ids.device)
-    return _Run(decoding, call.model, cache, state, length)
+    return _Run(decoding, call.model, cache, state, length, 0.0)
+
+
+def _check_probability(value: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+        raise ValueError(f"`min_draft_probability` must be a number in [0, 1), got {value!r}")
+    return float(value)
 
 
 def _target_forward(run: _Run, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
@@ -120,6 +134,7 @@ def _round(run: _Run) -> None:
     batch = run.decoding.batch
     k = run.length.next(int(batch.remaining.max()))
     proposal = _propose(run, k)
+    k = proposal.tokens.shape[1]  # the chain may end early
     ids, mask, positions = chain.verify_inputs(batch, proposal.tokens)
     logits, features = _target_forward(run, ids, mask, positions, k + 1)
     verdict, scores, logits = chain.decide(run.decoding, logits, proposal.tokens, proposal.history, proposal.probs)
@@ -138,17 +153,16 @@ def _propose(run: _Run, k: int) -> Proposal:
         return Proposal(candidates, None, history)
     hidden = state.catch_up(run.model, batch)
     for j in range(k):
-        logits = target_logits(run.model, hidden)
-        scores = rules.process(batch.view(history, batch.history_lengths + j), logits)
-        if rules.do_sample:
-            probs.append(torch.softmax(scores, dim=-1))
-            token = torch.multinomial(probs[-1], 1).squeeze(1)
-        else:
-            token = scores.argmax(dim=-1)
+        scores = rules.process(batch.view(history, batch.history_lengths + j), target_logits(run.model, hidden))
+        probs.append(torch.softmax(scores, dim=-1))
+        token = torch.multinomial(probs[-1], 1).squeeze(1) if rules.do_sample else scores.argmax(dim=-1)
         candidates[:, j] = token
         history.scatter_(1, (batch.history_lengths + j)[:, None], token[:, None])
-        if j + 1 < k:
-            hidden = state.draft_step(run.model, batch, hidden, token, j)
+        confident = probs[-1].gather(1, token[:, None])[:, 0] >= run.min_probability
+        if j + 1 == k or not bool((confident & batch.unfinished).any()):
+            break
+        hidden = state.draft_step(run.model, batch, hidden, token, j)
     state.drop_drafts()
-    run.decoding.stats.num_draft_forwards += k
-    return Proposal(candidates, torch.stack(probs, dim=1) if probs else None, history)
+    run.decoding.stats.num_draft_forwards += len(probs)
+    sampled = torch.stack(probs, dim=1) if rules.do_sample else None
+    return Proposal(candidates[:, : len(probs)], sampled, history)
