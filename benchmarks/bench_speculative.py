@@ -16,10 +16,17 @@ per position. Tokens per target forward has `SpeculativeStats`' definition: toke
 forward, the prefill not counted (plain decoding is 1.0); from the method's stats where it keeps them, else from the
 forwards counted (exact at batch 1 and for plain decoding).
 
+`hf_accel eagle` decodes with the reference target's committed EAGLE head (`reference.load_head("eagle")`); its
+"analytic x plain" is tokens per target forward / (1 + mean draft length x c), c the measured cost of one head pass
+relative to one plain decode step of the target (batch 1): the speed-up if a verification forward of k + 1 tokens
+cost what a one-token step does. `--eagle` runs only the open-continuation cases with plain generate and EAGLE and
+writes them as `bench_speculative_eagle` (its own JSON, page and section of docs/speculative.md).
+
 Add a method (Medusa heads, ...) by writing a function `(pair, case) -> Method | None` and listing it in `METHODS`.
 Regenerate benchmarks/results/bench_speculative.json, docs/bench_speculative.md and the tables in docs/speculative.md
 with:
     .venv/bin/python benchmarks/bench_speculative.py        (--quick: small lengths, prints only unless --out)
+    .venv/bin/python benchmarks/bench_speculative.py --eagle   (the EAGLE rows alone)
 """
 
 from __future__ import annotations
@@ -27,12 +34,14 @@ from __future__ import annotations
 import copy
 import statistics
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
 
 import hf_accel
 from hf_accel import bench, reference
@@ -53,7 +62,9 @@ TARGETS = (("hf_accel draft", "x_plain", ("open",), None, (1, 4), 2.0),
            ("hf_accel draft", "x_stock_assisted", ("open",), None, (1,), 1.2),
            *((row, "x_plain", ("copy-heavy",), ("greedy",), (1,), 2.5) for row in NGRAM_ROWS),
            *((row, "x_prompt_lookup", ("open", "copy-heavy"), ("greedy",), (1,), 1.2) for row in NGRAM_ROWS),
-           *((row, "x_plain", ("nothing repeats",), ("greedy",), (1, 4), 0.95) for row in NGRAM_ROWS))
+           *((row, "x_plain", ("nothing repeats",), ("greedy",), (1, 4), 0.95) for row in NGRAM_ROWS),
+           ("hf_accel eagle", "x_plain", ("open",), ("greedy",), (1,), 2.0),
+           ("hf_accel eagle", "tokens_per_target_forward", ("open",), ("greedy",), (1,), 3.0))
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +100,8 @@ class Pair:
     tokenizer: Any
     description: str
     warm_cache: hf_accel.SuffixCache  # earlier requests' outputs
+    eagle_head: hf_accel.EagleHead | None  # the target's committed EAGLE head (None: not trained yet)
+    eagle_cost: float  # one head pass / one plain decode step of the target, batch 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,12 +115,50 @@ class Method:
     read_stats: Callable[[Any], dict[str, Any]] | None = None
 
 
-def load_pair(plan: Plan) -> Pair:
+def load_pair(plan: Plan, eagle_only: bool = False) -> Pair:
     target, tokenizer = reference.load("target")
     draft, _ = reference.load("draft")
+    has_head = (reference.ASSETS_DIR / "eagle" / "eagle_config.json").is_file()
+    head = reference.load_head("eagle", target) if has_head else None
+    cache = hf_accel.SuffixCache() if eagle_only else warm_cache(target, tokenizer, plan)
     return Pair(target, draft, tokenizer,
                 f"reference target ({bench.describe_model(target)}), draft ({bench.describe_model(draft)}), fp32",
-                warm_cache(target, tokenizer, plan))
+                cache, head, head_cost(target, head) if head is not None else 0.0)
+
+
+@torch.no_grad()
+def head_cost(target: torch.nn.Module, head: hf_accel.EagleHead, context: int = 128, repeats: int = 50) -> float:
+    """Median time of one EAGLE draft step (head pass + LM-head readout) over a plain decode step of the target,
+    batch 1, `context` tokens cached by each."""
+    from hf_accel.speculative.eagle_head import target_logits, token_embeddings
+
+    ids = torch.randint(1, 1000, (1, context + 1))
+    target_cache, head_cache = transformers.DynamicCache(), transformers.DynamicCache()
+    out = target(input_ids=ids[:, :-1], past_key_values=target_cache, output_hidden_states=True)
+    features = head.fuse(out.hidden_states)
+    head(features, token_embeddings(target, ids[:, 1:]), torch.arange(context)[None], None, head_cache)
+    position = torch.tensor([[context]])
+
+    def target_step():
+        target(input_ids=ids[:, -1:], past_key_values=target_cache, position_ids=position)
+        target_cache.crop(-1)
+
+    def head_step():
+        hidden = head(features[:, -1:], token_embeddings(target, ids[:, -1:]), position, None, head_cache)
+        target_logits(target, hidden)
+        head_cache.crop(-1)
+
+    return _median_seconds(head_step, repeats) / _median_seconds(target_step, repeats)
+
+
+def _median_seconds(step: Callable[[], Any], repeats: int) -> float:
+    step()  # warm-up
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
 
 
 def warm_cache(target: torch.nn.Module, tokenizer: Any, plan: Plan) -> hf_accel.SuffixCache:
@@ -158,6 +209,22 @@ def hf_accel_draft_method(pair: Pair, case: Case) -> Method | None:
                                  kwargs), "draft_stats", hf_accel.SpeculativeStats, read_speculative_stats)
 
 
+def hf_accel_eagle_method(pair: Pair, case: Case) -> Method | None:
+    if case.workload != "open" or pair.eagle_head is None:
+        return None
+
+    def kwargs(model, max_len):
+        return {**case.generate_kwargs, "custom_generate": hf_accel.eagle_generate, "eagle_head": pair.eagle_head}
+
+    def read(stats: hf_accel.SpeculativeStats) -> dict[str, Any]:
+        found = read_speculative_stats(stats)
+        analytic = found["tokens_per_target_forward"] / (1 + found["mean_draft_length"] * pair.eagle_cost)
+        return found | {"analytic_x_plain": analytic, "head_cost_per_step": pair.eagle_cost}
+
+    return Method(bench.Strategy("hf_accel eagle", "custom_generate=hf_accel.eagle_generate, reference EAGLE head, "
+                                 "adaptive chain", kwargs), "eagle_stats", hf_accel.SpeculativeStats, read)
+
+
 def stock_prompt_lookup_method(pair: Pair, case: Case) -> Method | None:
     if case.batch_size != 1:
         return None  # transformers' prompt lookup (assisted decoding) supports batch size 1 only
@@ -178,7 +245,9 @@ def hf_accel_ngram_methods(pair: Pair, case: Case) -> list[Method]:
 
 
 METHODS: tuple[Callable[[Pair, Case], Method | list[Method] | None], ...] = (
-    plain_method, stock_assisted_method, hf_accel_draft_method, stock_prompt_lookup_method, hf_accel_ngram_methods)
+    plain_method, stock_assisted_method, hf_accel_draft_method, hf_accel_eagle_method, stock_prompt_lookup_method,
+    hf_accel_ngram_methods)
+EAGLE_METHODS = (plain_method, hf_accel_eagle_method)
 
 
 def profile(pair: Pair, method: Method, inputs: dict[str, torch.Tensor], new_tokens: int) -> dict[str, Any]:
@@ -194,8 +263,8 @@ def profile(pair: Pair, method: Method, inputs: dict[str, torch.Tensor], new_tok
     return found | (method.read_stats(stats) if stats is not None else {})
 
 
-def measure(pair: Pair, case: Case, plan: Plan) -> dict[str, Any]:
-    made = [make(pair, case) for make in METHODS]
+def measure(pair: Pair, case: Case, plan: Plan, makers=METHODS) -> dict[str, Any]:
+    made = [make(pair, case) for make in makers]
     methods = [m for item in made for m in (item if isinstance(item, list) else [item]) if m is not None]
     lengths = plan.prompt_lengths[case.batch_size]
     inputs = prompts(pair, case.workload, lengths)
@@ -221,14 +290,16 @@ def measure(pair: Pair, case: Case, plan: Plan) -> dict[str, Any]:
             "generate_kwargs": case.generate_kwargs, "rows": rows}
 
 
-def run(plan: Plan) -> dict[str, Any]:
-    pair = load_pair(plan)
-    cases = [Case(workload, mode, batch) for workload, mode in CASES for batch in plan.prompt_lengths]
-    measurements = [measure(pair, case, plan) for case in cases]
+def run(plan: Plan, eagle_only: bool = False) -> dict[str, Any]:
+    pair = load_pair(plan, eagle_only)
+    chosen = [(w, m) for w, m in CASES if w == "open"] if eagle_only else CASES
+    cases = [Case(workload, mode, batch) for workload, mode in chosen for batch in plan.prompt_lengths]
+    measurements = [measure(pair, case, plan, EAGLE_METHODS if eagle_only else METHODS) for case in cases]
     return {"command": COMMAND, "model": pair.description, "hardware": bench.hardware(),
             "prompts": "held-out text (reference corpus split never trained on), left-padded",
-            "suffix_cache": f"warmed by {plan.num_earlier_requests} earlier requests ({pair.warm_cache.num_tokens} "
-                            "tokens of greedy output for other held-out prompts)",
+            "suffix_cache": "not used (--eagle)" if eagle_only else (
+                f"warmed by {plan.num_earlier_requests} earlier requests ({pair.warm_cache.num_tokens} tokens of "
+                "greedy output for other held-out prompts)"),
             "repeats": plan.repeats, "warmup": plan.warmup, "measurements": measurements,
             "targets": targets(measurements)}
 
@@ -255,13 +326,14 @@ def _cell(row: dict[str, Any], key: str, fmt: str) -> str:
 def table(measurement: dict[str, Any]) -> str:
     headers = ["method", "decode tok/s", "x plain (paired)", "x stock assisted (paired)",
                "x stock prompt lookup (paired)", "tokens / target forward", "acceptance",
-               "acceptance by draft position", "mean draft length", "drafting rounds", "greedy agreement"]
+               "acceptance by draft position", "mean draft length", "drafting rounds", "analytic x plain",
+               "greedy agreement"]
     rows = [[r["name"], f"{r['decode_tokens_per_s']:.1f}", f"{r['x_plain']:.2f}x", _cell(r, "x_stock_assisted", "{:.2f}x"),
              _cell(r, "x_prompt_lookup", "{:.2f}x"), f"{r['tokens_per_target_forward']:.2f}",
              _cell(r, "acceptance_rate", "{:.0%}"),
              " ".join(f"{a:.2f}" for a in r.get("acceptance_by_position", [])[:8]) or "-",
              _cell(r, "mean_draft_length", "{:.1f}"), _cell(r, "drafting_rounds", "{:.0%}"),
-             _cell(r, "greedy_agreement", "{:.1%}")]
+             _cell(r, "analytic_x_plain", "{:.2f}x"), _cell(r, "greedy_agreement", "{:.1%}")]
             for r in measurement["rows"]]
     return format_table(headers, rows, markdown=True)
 
@@ -275,22 +347,26 @@ def markdown(report: dict[str, Any]) -> str:
     for m in report["measurements"]:
         parts.append(f"### {m['workload']}, {m['mode']}, batch {m['batch_size']} (prompts {m['prompt_lengths']}, "
                      f"{m['new_tokens']} new tokens, {m['generate_kwargs']})\n\n{table(m)}")
-    rows = [[t["target"], f"{t['measured']:.2f}x", "yes" if t["met"] else "**no**"] for t in report["targets"]]
+    rows = [[t["target"], f"{t['measured']:.2f}" + ("" if "forward" in t["target"] else "x"),
+             "yes" if t["met"] else "**no**"] for t in report["targets"]]
     parts.append("### Targets\n\n" + format_table(["target", "measured", "met"], rows, markdown=True))
     return "\n\n".join(parts) + "\n"
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args = benchmark_parser(__doc__.split("\n\n")[0], NAME).parse_args(argv)
+    parser = benchmark_parser(__doc__.split("\n\n")[0], NAME)
+    parser.add_argument("--eagle", action="store_true", help="only plain generate and EAGLE, open continuation")
+    args = parser.parse_args(argv)
     if not reference.has_assets():
         raise SystemExit(f"the reference pair is missing; create it with: {reference.TRAIN_COMMAND}")
+    name = f"{NAME}_eagle" if args.eagle else NAME
     with bench.torch_threads(args.threads):
-        report = run(QUICK if args.quick else FULL)
+        report = run(QUICK if args.quick else FULL, args.eagle)
     text = markdown(report)
     print("\n" + text)
     out = output_root(args, ROOT)
     if out is not None:  # docs/speculative.md quotes the tables between its bench_speculative markers
-        write_results(out, NAME, report, "# Speculative decoding benchmark\n\n" + text,
+        write_results(out, name, report, "# Speculative decoding benchmark\n\n" + text,
                       {"docs/speculative.md": text.rstrip("\n")})
     return report
 

@@ -30,8 +30,11 @@ from .quant.quantizer import WeightOnlyConfig, quantize_model
 from .speculative.medusa import MedusaStats, medusa_generate
 from .speculative.medusa_heads import MedusaConfig, MedusaHeads
 from .medusa_training.train import train_medusa
+from .eagle_training.train import train_eagle
 from .speculative.draft import draft_generate
 from .speculative.draft_length import DraftLength
+from .speculative.eagle import eagle_generate
+from .speculative.eagle_head import EagleConfig, EagleHead
 from .speculative.ngram import ngram_generate
 from .speculative.ngram_proposer import NgramSettings
 from .speculative.stats import SpeculativeStats
@@ -65,6 +68,8 @@ __all__ = [
     "CompletionOutput",
     "ContextLengthExceededError",
     "DraftLength",
+    "EagleConfig",
+    "EagleHead",
     "Engine",
     "EngineDeadError",
     "EngineStats",
@@ -91,6 +96,7 @@ __all__ = [
     "SuffixCache",
     "WeightOnlyConfig",
     "draft_generate",
+    "eagle_generate",
     "list_quantization_presets",
     "load_model",
     "medusa_generate",
@@ -98,6 +104,7 @@ __all__ = [
     "quantization_config",
     "quantize_model",
     "register",
+    "train_eagle",
     "train_medusa",
     "unregister",
 ]

@@ -5,6 +5,7 @@ against transformers' DynamicCache, measured in one process, on hf_accel's refer
 `hf_accel.bench.command`).
 `hf-accel train-reference`: train the reference models from scratch (see `hf_accel.reference.train`).
 `hf-accel train-medusa`: train Medusa heads for a model (see `hf_accel.medusa_training.command`).
+`hf-accel train-eagle`: train an EAGLE head for a model (see `hf_accel.eagle_training.command`).
 `hf-accel serve`: the OpenAI-compatible HTTP server (extra `serve`; see `hf_accel.server.command`).
 `hf-accel export`: write a model for vLLM (see `hf_accel.export.command`).
 `hf-accel finetune`: LoRA fine-tune, Medusa heads, quantize, check; a folder to serve (see
@@ -24,6 +25,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
                         "train the reference target and draft from scratch (--help for options)"),
     "train-medusa": ("hf_accel.medusa_training.command",
                      "train Medusa heads for a model (default: the reference target; --help)"),
+    "train-eagle": ("hf_accel.eagle_training.command",
+                    "train an EAGLE draft head for a model (default: the reference target; --help)"),
     "serve": ("hf_accel.server.command", "OpenAI-compatible HTTP server (default: the reference target; --help)"),
     "export": ("hf_accel.export.command",
                "write a model (default: the reference target) for vLLM (--help for options)"),

@@ -24,6 +24,7 @@ def test_quick_run_writes_json_markdown_and_target_rows(tmp_path, load_benchmark
         assert names[0] == "plain generate" and {"hf_accel ngram", "hf_accel ngram + suffix cache"} <= set(names)
         assert ("transformers prompt lookup" in names) == (batch == 1)
         assert ("hf_accel draft" in names) == (workload == "open")
+        assert ("hf_accel eagle" in names) == (workload == "open")
         if mode == "greedy":
             assert all(r["greedy_agreement"] == 1.0 for r in m["rows"]), workload
         ngram = next(r for r in m["rows"] if r["name"] == "hf_accel ngram")
@@ -37,3 +38,25 @@ def test_quick_run_writes_json_markdown_and_target_rows(tmp_path, load_benchmark
     assert "hf_accel ngram + suffix cache x plain >= 0.95x (nothing repeats, greedy, batch 4)" in goals
     assert "| hf_accel ngram + suffix cache |" in (tmp_path / "docs/bench_speculative.md").read_text()
     assert "### copy-heavy, greedy, batch 4" in (tmp_path / "docs/speculative.md").read_text()
+
+
+@pytest.mark.skipif(not reference.has_assets(), reason="reference models not built")
+def test_eagle_run_writes_its_own_results(tmp_path, load_benchmark):
+    script = load_benchmark("bench_speculative")
+    (tmp_path / "docs").mkdir()
+    markers = "<!-- bench_speculative_eagle:start -->\nold\n<!-- bench_speculative_eagle:end -->\n"
+    (tmp_path / "docs/speculative.md").write_text("x\n" + markers)
+    script.main(["--quick", "--eagle", "--out", str(tmp_path)])
+    report = json.loads((tmp_path / "benchmarks/results/bench_speculative_eagle.json").read_text())
+    assert {(m["workload"], m["mode"], m["batch_size"]) for m in report["measurements"]} == {
+        ("open", mode, b) for mode in ("greedy", "sampling") for b in (1, 4)}
+    for m in report["measurements"]:
+        plain, eagle = m["rows"]
+        assert (plain["name"], eagle["name"]) == ("plain generate", "hf_accel eagle")
+        assert eagle["tokens_per_target_forward"] > 1.0 and 0 < eagle["head_cost_per_step"] < 1
+        assert eagle["analytic_x_plain"] > 0 and len(eagle["acceptance_by_position"]) >= 1
+        if m["mode"] == "greedy":
+            assert eagle["greedy_agreement"] == 1.0
+    assert "hf_accel eagle tokens per target forward >= 3.0x (open, greedy, batch 1)" in {
+        t["target"] for t in report["targets"]}
+    assert "| hf_accel eagle |" in (tmp_path / "docs/speculative.md").read_text()

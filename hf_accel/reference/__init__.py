@@ -2,6 +2,7 @@
 
     from hf_accel import reference
     model, tokenizer = reference.load("target")   # or "draft"; plain from_pretrained on a local folder
+    head = reference.load_head("eagle", model)     # or "medusa": the target's trained speculative heads
 
 Both share one byte-level BPE tokenizer. ``hf-accel train-reference`` (``hf_accel.reference.train.main``) creates
 the assets; docs/reference-models.md is their model card.
@@ -14,11 +15,15 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from ..speculative.eagle_head import EagleHead
+from ..speculative.medusa_heads import MedusaHeads
 from .corpus import Split, load_split, pack_sequences, tokenize
 from .held_out import shipped_text
 
 ASSETS_DIR = Path(__file__).resolve().parent / "assets"
 MODEL_NAMES = ("target", "draft")
+HEAD_NAMES = ("eagle", "medusa")
+HEAD_COMMANDS = {"eagle": "hf-accel train-eagle", "medusa": "hf-accel train-medusa"}
 TRAIN_COMMAND = "hf-accel train-reference (or: python -m hf_accel.reference.train)"
 
 
@@ -39,6 +44,26 @@ def load(
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True)
     tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     return model.eval(), tokenizer
+
+
+def load_head(
+    name: str, model: PreTrainedModel | None = None, dtype: torch.dtype = torch.float32, assets_dir: Path = ASSETS_DIR
+) -> EagleHead | MedusaHeads:
+    """The reference target's trained speculative heads: ``"eagle"`` (an ``EagleHead`` for ``model``, default a
+    freshly loaded reference target; pass the target you decode with) or ``"medusa"`` (``MedusaHeads``), from
+    ``assets_dir/name``, computing in ``dtype`` (stored in bf16; default fp32, an exact upcast).
+
+    Raises ``ValueError`` for another name and ``FileNotFoundError`` naming the command that trains missing heads.
+    """
+    if name not in HEAD_NAMES:
+        raise ValueError(f"name must be one of {HEAD_NAMES}, got {name!r}")
+    folder = Path(assets_dir) / name
+    if not any(folder.glob("*_config.json")):
+        raise FileNotFoundError(f"reference {name} heads not found in {folder}; train them with: "
+                                f"{HEAD_COMMANDS[name]}")
+    if name == "medusa":
+        return MedusaHeads.from_pretrained(folder, dtype=dtype)
+    return EagleHead.from_pretrained(folder, model if model is not None else load("target")[0], dtype=dtype)
 
 
 def has_assets(assets_dir: Path = ASSETS_DIR) -> bool:
@@ -68,4 +93,4 @@ def held_out_sequences(
     return rows if max_rows is None else rows[:max_rows]
 
 
-__all__ = ["ASSETS_DIR", "MODEL_NAMES", "has_assets", "held_out_sequences", "load"]
+__all__ = ["ASSETS_DIR", "HEAD_NAMES", "MODEL_NAMES", "has_assets", "held_out_sequences", "load", "load_head"]

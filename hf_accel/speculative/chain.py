@@ -29,8 +29,13 @@ def forward(model: PreTrainedModel, cache: Cache, batch: RaggedBatch, ids: torch
 
 def prefill(decoding: Decoding, model: PreTrainedModel, cache: Cache) -> None:
     """Target forward over the prompt and its first token, exactly as plain `generate` picks it."""
+    batch = decoding.batch
+    first_token(decoding, cache, forward(model, cache, batch, batch.columns, batch.mask, batch.positions, 1)[:, 0])
+
+
+def first_token(decoding: Decoding, cache: Cache, logits: torch.Tensor) -> None:
+    """Decide and commit each row's first token from the prompt forward's last raw `logits` `[batch, vocab]`."""
     batch, rules = decoding.batch, decoding.rules
-    logits = forward(model, cache, batch, batch.columns, batch.mask, batch.positions, 1)[:, 0]
     scores = rules.process(batch.view(batch.tokens, batch.history_lengths), logits.clone())
     first = rules.choose(scores)
     verdict = Verdict(torch.zeros_like(first), first[:, None])
@@ -48,12 +53,26 @@ def verify(decoding: Decoding, model: PreTrainedModel, cache: Cache, candidates:
     row proposed (None: all `k`). Returns the verdict and the processed scores and raw logits of
     the `k + 1` positions, `[batch, k + 1, vocab]`.
     """
-    batch, rules = decoding.batch, decoding.rules
+    ids, mask, positions = verify_inputs(decoding.batch, candidates)
+    logits = forward(model, cache, decoding.batch, ids, mask, positions, candidates.shape[1] + 1)
+    return decide(decoding, logits, candidates, history, draft_probs, num_candidates)
+
+
+def verify_inputs(batch: RaggedBatch, candidates: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What a verification forward of `candidates` `[batch, k]` reads: ids (the newest token, then the
+    candidates) and positions, both `[batch, k + 1]`, and the attention mask over every cache slot."""
     k = candidates.shape[1]
     ids = torch.cat([batch.columns[:, -1:], candidates], dim=1) if k else batch.columns[:, -1:]
     mask = torch.cat([batch.mask, batch.mask.new_ones((batch.mask.shape[0], k))], dim=1) if k else batch.mask
-    positions = batch.positions[:, -1:] + torch.arange(k + 1, device=ids.device)
-    logits = forward(model, cache, batch, ids, mask, positions, k + 1)
+    return ids, mask, batch.positions[:, -1:] + torch.arange(k + 1, device=ids.device)
+
+
+def decide(decoding: Decoding, logits: torch.Tensor, candidates: torch.Tensor, history: torch.Tensor,
+           draft_probs: torch.Tensor | None,
+           num_candidates: torch.Tensor | None = None) -> tuple[Verdict, torch.Tensor, torch.Tensor]:
+    """`verify` after its forward: raw fp32 `logits` `[batch, k + 1, vocab]` of the verified positions."""
+    batch, rules = decoding.batch, decoding.rules
+    k = candidates.shape[1]
     scores = torch.stack([rules.process(batch.view(history, batch.history_lengths + j), logits[:, j].clone())
                           for j in range(k + 1)], dim=1)  # [batch, k + 1, vocab]
     if k == 0:  # a plain step

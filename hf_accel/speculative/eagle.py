@@ -1,0 +1,168 @@
+"""`eagle_generate`: speculative decoding with an EAGLE-3-style head, as a `custom_generate` callable for `generate`.
+
+    head = hf_accel.EagleHead.from_pretrained("./my-head", model)
+    out = model.generate(**inputs, custom_generate=hf_accel.eagle_generate, eagle_head=head, max_new_tokens=64)
+
+Each round the head drafts a chain of up to k tokens autoregressively on its own features and its own small KV cache
+(`eagle_draft.HeadState`): the first draft step reads the target's fused features of the tokens committed last
+round, every later one the head's own output. The target then scores the k + 1 positions in one forward (with its
+hidden states, the next round's features), and the chain rounds `draft_generate` uses (`chain.py`) keep each row's
+accepted prefix: `verify.greedy_accept`, or lossless `verify.speculative_sample` against the head's processed
+distributions. Rows accept different numbers of tokens through holes (`RaggedBatch`); k adapts (`DraftLength`), and
+a chain ends early after a draft the head itself gave less than `min_draft_probability` (EAGLE-2's observation: the
+head's confidence predicts acceptance).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel, StoppingCriteriaList
+from transformers.cache_utils import Cache
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+from . import chain, loop
+from .chain_checks import check_call
+from .draft import Proposal
+from .draft_length import DraftLength
+from .eagle_draft import HeadState, new_head_state
+from .eagle_head import EagleHead, target_logits
+from .loop import Decoding, GenerateCall
+from .stats import SpeculativeStats
+
+__all__ = ["eagle_generate"]
+
+
+@dataclass(slots=True)
+class _Run:
+    """One `eagle_generate` call: the loop's state, the target and its cache, the head's state, the draft length."""
+
+    decoding: Decoding
+    model: PreTrainedModel
+    cache: Cache
+    head: HeadState
+    length: DraftLength
+    min_probability: float  # a chain ends after a draft every generating row gave less than this probability
+
+
+def eagle_generate(
+    model: PreTrainedModel,
+    input_ids: torch.LongTensor,
+    logits_processor: LogitsProcessorList,
+    stopping_criteria: StoppingCriteriaList,
+    generation_config: GenerationConfig,
+    eagle_head: EagleHead | None = None,
+    num_draft_tokens: int = 4,
+    max_draft_tokens: int = 8,
+    min_draft_probability: float = 0.2,
+    eagle_stats: SpeculativeStats | None = None,
+    tokenizer: Any = None,
+    hf_accel_streamer: Any = None,
+    **model_kwargs: Any,
+) -> GenerateDecoderOnlyOutput | torch.LongTensor:
+    """Decode with an EAGLE head; called by `model.generate(..., custom_generate=eagle_generate, eagle_head=...)`.
+
+    Greedy output equals plain greedy `generate`; sampling is lossless. Any batch size (left padding, rows accepting
+    different numbers of tokens; batch size > 1 needs full-attention layers), with the cache `generate` built for
+    the target (DynamicCache, `cache_implementation="paged"`, any croppable cache).
+
+    Args (beyond what generate passes):
+        eagle_head: an `EagleHead` trained for this model.
+        num_draft_tokens: chain length k of the first round; later rounds adapt (`DraftLength`).
+        max_draft_tokens: the longest chain a round may draft.
+        min_draft_probability: a chain ends early after a draft to which the head gave less than this probability
+            in every generating row (the head's confidence predicts acceptance; 0 drafts the whole k), in [0, 1).
+        eagle_stats: a `SpeculativeStats` to add this call's counters to (target forwards, tokens per forward,
+            acceptance per draft position; `num_draft_forwards` counts head passes).
+        tokenizer: needed by `stop_strings` (generate hands it only to callables that name it).
+        hf_accel_streamer: the `streamer=` of `generate` (hf_accel's registry forwards it under this name).
+    Returns what `generate` returns: `sequences` `[batch, prompt + new]` (finished rows padded with
+    `pad_token_id`), or a `GenerateDecoderOnlyOutput` with `scores` / `logits` / `past_key_values` when asked (at
+    batch size > 1 the cache holds holes, see `RaggedBatch`: not to be continued from).
+    """
+    min_probability = _check_probability(min_draft_probability)
+    call = GenerateCall(model, input_ids, logits_processor, stopping_criteria, generation_config, hf_accel_streamer,
+                        model_kwargs)
+    run = _start(call, eagle_head, DraftLength(num_draft_tokens, max_draft_tokens), eagle_stats)
+    run.min_probability = min_probability
+    loop.run(run.decoding, lambda: _prefill(run), lambda _: _round(run))
+    return loop.output(run.decoding, generation_config, run.cache)
+
+
+def _start(call: GenerateCall, head: EagleHead | None, length: DraftLength, stats: SpeculativeStats | None) -> _Run:
+    if not isinstance(head, EagleHead):
+        raise TypeError(f"eagle_generate needs `eagle_head=` (a hf_accel.EagleHead trained for this model), got "
+                        f"{type(head).__name__}")
+    check_call(call, "eagle_generate")
+    head.check_compatible(call.model)
+    decoding = loop.start(call, stats)
+    cache = call.model_kwargs["past_key_values"]
+    cache.activate_past_recording()  # sliding-window layers must keep what a crop may take back
+    state = new_head_state(head, call.input_ids.shape[0], call.input_ids.device)
+    return _Run(decoding, call.model, cache, state, length, 0.0)
+
+
+def _check_probability(value: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+        raise ValueError(f"`min_draft_probability` must be a number in [0, 1), got {value!r}")
+    return float(value)
+
+
+def _target_forward(run: _Run, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
+                    keep: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Raw fp32 logits `[batch, keep, vocab]` of the last `keep` of `ids` appended to the target's cache, and the
+    head's fused features of every one of `ids`, `[batch, n, H]`."""
+    batch = run.decoding.batch
+    out = run.model(input_ids=ids, attention_mask=None if batch.is_dense else mask, position_ids=positions,
+                    past_key_values=run.cache, use_cache=True, output_hidden_states=True, logits_to_keep=keep)
+    return out.logits[:, -keep:].to(dtype=torch.float32, copy=True), run.head.head.fuse(out.hidden_states)
+
+
+def _prefill(run: _Run) -> None:
+    """Target forward over the prompt; its first token exactly as plain `generate` picks it; the prompt's fused
+    features wait for the head."""
+    batch = run.decoding.batch
+    logits, features = _target_forward(run, batch.columns, batch.mask, batch.positions, 1)
+    run.head.add_pending(features)
+    chain.first_token(run.decoding, run.cache, logits[:, 0])
+
+
+def _round(run: _Run) -> None:
+    """Draft k tokens with the head, verify them in one target forward, keep each row's accepted prefix."""
+    batch = run.decoding.batch
+    k = run.length.next(int(batch.remaining.max()))
+    proposal = _propose(run, k)
+    k = proposal.tokens.shape[1]  # the chain may end early
+    ids, mask, positions = chain.verify_inputs(batch, proposal.tokens)
+    logits, features = _target_forward(run, ids, mask, positions, k + 1)
+    verdict, scores, logits = chain.decide(run.decoding, logits, proposal.tokens, proposal.history, proposal.probs)
+    fewest_accepted = int(verdict.num_accepted[batch.unfinished].min())
+    most = chain.keep(run.decoding, run.cache, verdict, scores, logits, k=k, record=True)
+    run.head.add_pending(features[:, : most + 1])  # slot i: the root (i = 0), then accepted draft i
+    run.length.update(k, fewest_accepted)
+
+
+def _propose(run: _Run, k: int) -> Proposal:
+    """`k` draft tokens per row: the head catches up on the last round's features, then drafts on its own."""
+    batch, rules, state = run.decoding.batch, run.decoding.rules, run.head
+    candidates = batch.columns.new_full((batch.columns.shape[0], k), batch.pad_token_id)
+    history, probs = batch.with_candidates(candidates), []
+    if k == 0:
+        return Proposal(candidates, None, history)
+    hidden = state.catch_up(run.model, batch)
+    for j in range(k):
+        scores = rules.process(batch.view(history, batch.history_lengths + j), target_logits(run.model, hidden))
+        probs.append(torch.softmax(scores, dim=-1))
+        token = torch.multinomial(probs[-1], 1).squeeze(1) if rules.do_sample else scores.argmax(dim=-1)
+        candidates[:, j] = token
+        history.scatter_(1, (batch.history_lengths + j)[:, None], token[:, None])
+        confident = probs[-1].gather(1, token[:, None])[:, 0] >= run.min_probability
+        if j + 1 == k or not bool((confident & batch.unfinished).any()):
+            break
+        hidden = state.draft_step(run.model, batch, hidden, token, j)
+    state.drop_drafts()
+    run.decoding.stats.num_draft_forwards += len(probs)
+    sampled = torch.stack(probs, dim=1) if rules.do_sample else None
+    return Proposal(candidates[:, : len(probs)], sampled, history)
