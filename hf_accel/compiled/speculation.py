@@ -39,11 +39,6 @@ from .step import compiled_decode_step, compiled_verify_step
 _MODEL_INPUTS = ("attention_mask", "past_key_values", "use_cache", "cache_position", "position_ids", "logits_to_keep")
 
 
-def wants_compile(config: GenerationConfig) -> bool:
-    """Whether the call asked for compilation (`compile_config` set, `disable_compile` not)."""
-    return config.compile_config is not None and not config.disable_compile
-
-
 def speculation_uncovered(models: list[PreTrainedModel], config: GenerationConfig, processors: LogitsProcessorList,
                           criteria: StoppingCriteriaList, model_kwargs: dict) -> str | None:
     """Why compiled speculation cannot run this call (the first reason), or None when it can."""

@@ -8,13 +8,13 @@ holes in the cache layout (`RaggedBatch`), so both caches are only ever cropped,
 and stopping criteria see each row's compact tokens, one accepted token at a time: nothing past a stop is kept.
 
 With `compile_config=CompileConfig(...)` the draft's and the target's forwards run compiled over static paged pools,
-rejected tokens rolled back in place (`compiled/draft_loop.py`); calls it does not cover (sampling, logits
-processors, other stopping criteria, scores) decode eagerly with a warning.
+rejected tokens rolled back in place (`compiled/draft_loop.py`; `compiled/route.py` puts its entry in this
+function's place); calls it does not cover (sampling, logits processors, other stopping criteria, scores) come back
+here, with a warning.
 """
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,10 +23,8 @@ from transformers import DynamicCache, GenerationConfig, LogitsProcessorList, Pr
 from transformers.cache_utils import Cache
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from ..compiled.draft_loop import compiled_draft_generate
-from ..compiled.speculation import speculation_uncovered, wants_compile
 from . import chain, loop
-from .chain_checks import check_draft_model, check_draft_vocabulary
+from .chain_checks import check_draft_model
 from .draft_length import DraftLength
 from .loop import Decoding, GenerateCall
 from .stats import SpeculativeStats
@@ -90,17 +88,6 @@ def draft_generate(
     `pad_token_id`), or a `GenerateDecoderOnlyOutput` with `scores` / `logits` / `past_key_values` when asked. At
     batch size > 1 the returned cache holds holes (see `RaggedBatch`) and cannot be continued from.
     """
-    if wants_compile(generation_config) and draft_model is not None:
-        reason = speculation_uncovered([model, draft_model], generation_config, logits_processor, stopping_criteria,
-                                       model_kwargs)
-        if reason is None:
-            check_draft_vocabulary(model, draft_model)
-            return compiled_draft_generate(
-                model, draft_model, input_ids, model_kwargs.get("attention_mask"), generation_config,
-                DraftLength(num_draft_tokens, max_draft_tokens),
-                draft_stats if draft_stats is not None else SpeculativeStats(), hf_accel_streamer)
-        warnings.warn(f"hf_accel: compile_config is not applied to draft_generate ({reason}); it decodes eagerly",
-                      UserWarning, stacklevel=3)
     call = GenerateCall(model, input_ids, logits_processor, stopping_criteria, generation_config, hf_accel_streamer,
                         model_kwargs)
     run = _start(call, draft_model, DraftLength(num_draft_tokens, max_draft_tokens), draft_stats)

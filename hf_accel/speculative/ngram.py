@@ -10,14 +10,14 @@ forward scores them and `chain` keeps each row's accepted prefix, exactly as `dr
 model's tokens. At the end each row's generated tokens are added to the shared cache.
 
 With `compile_config=CompileConfig(...)` the target's forwards run compiled over a static paged pool, rejected
-candidates rolled back in place (`compiled/ngram_loop.py`); calls it does not cover (sampling, logits processors,
+candidates rolled back in place (`compiled/ngram_loop.py`; `compiled/route.py` puts its entry in this function's
+place); calls it does not cover (sampling, logits processors,
 other stopping criteria, scores) decode eagerly with a warning.
 """
 
 from __future__ import annotations
 
 import time
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,8 +27,6 @@ from transformers.cache_utils import Cache
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from ..cache.settings import check_int
-from ..compiled.ngram_loop import compiled_ngram_generate
-from ..compiled.speculation import speculation_uncovered, wants_compile
 from . import chain, loop
 from .chain_checks import check_call
 from .draft_budget import DraftBudget
@@ -95,16 +93,6 @@ def ngram_generate(
     `pad_token_id`), or a `GenerateDecoderOnlyOutput` with `scores` / `logits` / `past_key_values` when asked. At
     batch size > 1 the returned cache holds holes (see `RaggedBatch`) and cannot be continued from.
     """
-    if wants_compile(generation_config):
-        reason = speculation_uncovered([model], generation_config, logits_processor, stopping_criteria, model_kwargs)
-        if reason is None:
-            _check_options(suffix_cache, ngram_settings, max_draft_tokens, draft_token_cost, ngram_stats)
-            return compiled_ngram_generate(
-                model, input_ids, model_kwargs.get("attention_mask"), generation_config,
-                ngram_settings or NgramSettings(), suffix_cache, DraftBudget(max_draft_tokens, draft_token_cost),
-                ngram_stats if ngram_stats is not None else SpeculativeStats(), hf_accel_streamer)
-        warnings.warn(f"hf_accel: compile_config is not applied to ngram_generate ({reason}); it decodes eagerly",
-                      UserWarning, stacklevel=3)
     call = GenerateCall(model, input_ids, logits_processor, stopping_criteria, generation_config, hf_accel_streamer,
                         model_kwargs)
     run = _start(call, suffix_cache, ngram_settings, max_draft_tokens, draft_token_cost, ngram_stats)
@@ -118,7 +106,7 @@ def ngram_generate(
 def _start(call: GenerateCall, shared: SuffixCache | None, settings: NgramSettings | None, max_draft_tokens: int,
            token_cost: float | None, stats: SpeculativeStats | None) -> NgramRun:
     check_call(call, "ngram_generate")
-    _check_options(shared, settings, max_draft_tokens, token_cost, stats)
+    check_ngram_options(shared, settings, max_draft_tokens, token_cost, stats)
     settings = settings or NgramSettings()
     decoding = loop.start(call, stats)
     cache = call.model_kwargs["past_key_values"]
@@ -131,7 +119,7 @@ def _start(call: GenerateCall, shared: SuffixCache | None, settings: NgramSettin
                     DraftBudget(max_draft_tokens, token_cost), shared)
 
 
-def _check_options(shared: object, settings: object, max_draft_tokens: object, token_cost: object,
+def check_ngram_options(shared: object, settings: object, max_draft_tokens: object, token_cost: object,
                    stats: object) -> None:
     for name, value, kind in (("suffix_cache", shared, SuffixCache), ("ngram_settings", settings, NgramSettings),
                               ("ngram_stats", stats, SpeculativeStats)):

@@ -1,0 +1,78 @@
+"""`ngram_generate` and `draft_generate` under `compile_config`: the callables `route.py` puts in their place.
+
+Each entry has its eager function's signature (`functools.wraps`, so generate hands it the same keyword arguments)
+and runs the compiled loop (`ngram_loop.py`, `draft_loop.py`) when `speculation.speculation_uncovered` finds
+nothing against it; otherwise it warns, naming the reason, and calls the eager function with what it was given.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+from ..speculative.chain_checks import check_draft_vocabulary
+from ..speculative.draft import draft_generate
+from ..speculative.draft_budget import DraftBudget
+from ..speculative.draft_length import DraftLength
+from ..speculative.ngram import check_ngram_options, ngram_generate
+from ..speculative.ngram_proposer import NgramSettings
+from ..speculative.stats import SpeculativeStats
+from .draft_loop import compiled_draft_generate
+from .ngram_loop import compiled_ngram_generate
+from .speculation import speculation_uncovered
+
+_POSITIONAL = ("model", "input_ids", "logits_processor", "stopping_criteria", "generation_config")
+
+
+def _options(eager: Callable, kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """`eager`'s own keyword options (given, else their defaults) and the rest of `kwargs` (the model inputs)."""
+    names = {name: param.default for name, param in inspect.signature(eager).parameters.items()
+             if name not in _POSITIONAL and param.kind is param.POSITIONAL_OR_KEYWORD}
+    options = {name: kwargs.get(name, default) for name, default in names.items()}
+    return options, {key: value for key, value in kwargs.items() if key not in names}
+
+
+def _eagerly(eager: Callable, reason: str, args: tuple, kwargs: dict[str, Any]) -> Any:
+    warnings.warn(f"hf_accel: compile_config is not applied to {eager.__name__} ({reason}); it decodes eagerly",
+                  UserWarning, stacklevel=4)
+    return eager(*args, **kwargs)
+
+
+@functools.wraps(ngram_generate)
+def compiled_ngram_entry(model, input_ids, logits_processor, stopping_criteria, generation_config, **kwargs):
+    args = (model, input_ids, logits_processor, stopping_criteria, generation_config)
+    options, model_kwargs = _options(ngram_generate, kwargs)
+    reason = speculation_uncovered([model], generation_config, logits_processor, stopping_criteria, model_kwargs)
+    if reason is not None:
+        return _eagerly(ngram_generate, reason, args, kwargs)
+    check_ngram_options(options["suffix_cache"], options["ngram_settings"], options["max_draft_tokens"],
+                        options["draft_token_cost"], options["ngram_stats"])
+    stats = options["ngram_stats"] if options["ngram_stats"] is not None else SpeculativeStats()
+    return compiled_ngram_generate(
+        model, input_ids, model_kwargs.get("attention_mask"), generation_config,
+        options["ngram_settings"] or NgramSettings(), options["suffix_cache"],
+        DraftBudget(options["max_draft_tokens"], options["draft_token_cost"]), stats, options["hf_accel_streamer"])
+
+
+@functools.wraps(draft_generate)
+def compiled_draft_entry(model, input_ids, logits_processor, stopping_criteria, generation_config, **kwargs):
+    args = (model, input_ids, logits_processor, stopping_criteria, generation_config)
+    options, model_kwargs = _options(draft_generate, kwargs)
+    draft = options["draft_model"]
+    if draft is None:  # the eager function raises the error that names the argument
+        return draft_generate(*args, **kwargs)
+    reason = speculation_uncovered([model, draft], generation_config, logits_processor, stopping_criteria,
+                                   model_kwargs)
+    if reason is not None:
+        return _eagerly(draft_generate, reason, args, kwargs)
+    check_draft_vocabulary(model, draft)
+    stats = options["draft_stats"] if options["draft_stats"] is not None else SpeculativeStats()
+    return compiled_draft_generate(
+        model, draft, input_ids, model_kwargs.get("attention_mask"), generation_config,
+        DraftLength(options["num_draft_tokens"], options["max_draft_tokens"]), stats, options["hf_accel_streamer"])
+
+
+COMPILED_ENTRIES = {ngram_generate: compiled_ngram_entry, draft_generate: compiled_draft_entry}
