@@ -27,6 +27,19 @@ from ..engine.kv_pool import KVPool
 from .paged_rows import PagedRows, table_slots
 
 
+@torch.library.custom_op("hf_accel_compiled::write_slots", mutates_args=("pool",))
+def write_slots(pool: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
+    """Write `values` `[kv_heads, n, head_dim]` at the flat `slots` `[n]` of `pool` `[kv_heads, blocks, block_size,
+    head_dim]`, in place. An op that declares its mutation, so a compiled graph writes the pool where it lies (an
+    `index_copy_` on a graph input is functionalized into a copy of the whole pool per write)."""
+    pool.view(pool.shape[0], -1, pool.shape[-1]).index_copy_(1, slots, values)
+
+
+@write_slots.register_fake
+def _write_slots_fake(pool: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
+    return None
+
+
 class SinkRows:
     """The sinks of `rows` rows for one compiled `generate` call with `SinkCache` settings `settings`."""
 
@@ -80,4 +93,4 @@ class SinkRows:
             heads, rows, num, dim = self.keys[index].shape
             moved = rotate(self.keys[index].transpose(0, 1), cos, sin).transpose(0, 1)  # rotate: [rows, heads, ...]
             for pool, sinks in ((kv.keys[layer], moved), (kv.values[layer], self.values[index])):
-                pool.view(heads, -1, dim).index_copy_(1, slots, sinks.reshape(heads, rows * num, dim))
+                write_slots(pool, slots, sinks.reshape(heads, rows * num, dim))
