@@ -107,7 +107,8 @@ def strategies() -> tuple[Strategy, ...]:
 NOT_COVERED = ["int4 KV with compile_config: it raises a ValueError (packing its residual window is host "
                "bookkeeping with no static layout yet), so it has an eager row only",
                "medusa_generate with compile_config: not compiled yet (bench_speculative.py has its eager rows); "
-               "compiled ngram_generate / draft_generate cover greedy decoding only (sampling decodes eagerly)"]
+               "compiled draft_generate covers greedy decoding only (its sampling decodes eagerly); compiled "
+               "ngram_generate samples losslessly too"]
 
 
 def compile_seconds(model: PreTrainedModel, inputs: dict[str, torch.Tensor], strategy: Strategy,

@@ -4,7 +4,9 @@ Each round every row's `NgramProposer` drafts from its own tokens and the shared
 chooses k as in the eager loop (0: the off-switch, a compiled plain decode step); rows with fewer candidates are
 padded and only their own are accepted; one compiled verify forward scores `[rows, 1 + k]` tokens and rejected K/V
 are rolled back by position (`speculation.py`). k varies between rounds without recompiling (a dynamic size of the
-verify graph). Greedy output equals plain greedy `generate`.
+verify graph). Greedy output equals plain greedy `generate`. Sampling (temperature, top-k, top-p, min-p, applied
+on the verify forward's logits) accepts candidates by lossless speculative sampling with one-hot draft
+distributions, as the eager loop does.
 """
 
 from __future__ import annotations
@@ -27,12 +29,13 @@ from .step import compile_context
 
 def compiled_ngram_generate(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                             config: GenerationConfig, settings: NgramSettings, shared: SuffixCache | None,
-                            budget: DraftBudget, stats: SpeculativeStats,
-                            streamer: BaseStreamer | None) -> GenerateDecoderOnlyOutput | torch.LongTensor:
-    """Greedy n-gram speculation with compiled target forwards (see the module docstring); returns what
+                            budget: DraftBudget, stats: SpeculativeStats, streamer: BaseStreamer | None,
+                            warpers: tuple = ()) -> GenerateDecoderOnlyOutput | torch.LongTensor:
+    """N-gram speculation with compiled target forwards, greedy or (with `config.do_sample`) sampled after `warpers`
+    and verified by lossless speculative sampling (see the module docstring); returns what
     `generate` returns (`past_key_values` None: the pool lives for the call only). Each row's output is added to
     `shared` at the end."""
-    target = TargetRounds(model, input_ids, attention_mask, config, budget.max_tokens, stats, streamer)
+    target = TargetRounds(model, input_ids, attention_mask, config, budget.max_tokens, stats, streamer, warpers)
     proposers = [NgramProposer(settings, shared) for _ in target.prompts]
     contexts = [prompt.tolist() for prompt in target.prompts]  # each row's tokens so far, no padding
     with paged_attention_implementation(model), compile_context():

@@ -31,20 +31,24 @@ from ..engine.attention import gathered_attention, register_attention
 from ..engine.cuda_graphs import decode_attention
 from ..engine.paged_kernel import paged_attention_kernel
 from ..speculative.stats import SpeculativeStats
-from ..speculative.verify import greedy_accept
+from ..speculative.verify import Verdict, greedy_accept, speculative_sample
 from .paged_rows import PagedRows
 from .spec_rows import RowTokens
 from .step import compiled_decode_step, compiled_verify_step
+from .token_choice import choose_tokens, needs_host_processors
 
 _MODEL_INPUTS = ("attention_mask", "past_key_values", "use_cache", "cache_position", "position_ids", "logits_to_keep")
 
 
 def speculation_uncovered(models: list[PreTrainedModel], config: GenerationConfig, processors: LogitsProcessorList,
-                          criteria: StoppingCriteriaList, model_kwargs: dict) -> str | None:
-    """Why compiled speculation cannot run this call (the first reason), or None when it can."""
-    if config.get_generation_mode() != GenerationMode.GREEDY_SEARCH:
-        return "compiled speculation covers greedy decoding only (sampling and beams decode eagerly)"
-    if len(processors) > 0:
+                          criteria: StoppingCriteriaList, model_kwargs: dict, sampling: bool = False) -> str | None:
+    """Why compiled speculation cannot run this call (the first reason), or None when it can; `sampling`: the
+    caller's drafts are deterministic, so sampling with the warpers the graph applies is covered too."""
+    mode = config.get_generation_mode()
+    covered = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE) if sampling else (GenerationMode.GREEDY_SEARCH,)
+    if mode not in covered:
+        return f"compiled speculation here covers {[m.value for m in covered]}, not {mode.value}"
+    if needs_host_processors(processors, mode == GenerationMode.SAMPLE):
         return f"logits processors {[type(p).__name__ for p in processors]} are applied by the eager loop only"
     other = [type(c).__name__ for c in criteria if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))]
     if other:
@@ -102,11 +106,11 @@ def pool_for(model: PreTrainedModel, prompts: list[torch.Tensor], max_new_tokens
 
 
 def prefill(model: PreTrainedModel, rows: PagedRows, prompts: list[torch.Tensor], attend) -> torch.Tensor:
-    """The packed prefill of `prompts` into `rows`' pool -> `[rows]` greedy first tokens."""
+    """The packed prefill of `prompts` into `rows`' pool -> `[rows, vocab]` fp32 logits of each row's last token."""
     inputs = rows.prefill(prompts, attend)
     out = model(input_ids=inputs.tokens, position_ids=inputs.positions, use_cache=False, logits_to_keep=inputs.keep,
                 hf_accel_step=inputs.attention)
-    return out.logits[0].argmax(dim=-1)
+    return out.logits[0].float()
 
 
 class TargetRounds:
@@ -118,14 +122,17 @@ class TargetRounds:
         config: the call's generation config (max length, EOS, pad token, compile config).
         lookahead: the most candidates a round verifies.
         stats: counters to add the rounds to; `streamer`: gets each emitted token at batch 1.
+        warpers: with `config.do_sample`, the warpers of generate's processors (`token_choice.IN_GRAPH_WARPERS`):
+            tokens are sampled, and candidates (deterministic drafts) accepted by lossless speculative sampling.
     """
 
     def __init__(self, model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                  config: GenerationConfig, lookahead: int, stats: SpeculativeStats,
-                 streamer: BaseStreamer | None):
+                 streamer: BaseStreamer | None, warpers: tuple = ()):
         if streamer is not None and input_ids.shape[0] > 1:
             raise ValueError("`streamer` supports batch size 1 only")
         self.model, self.input_ids, self.config, self.stats, self.streamer = model, input_ids, config, stats, streamer
+        self.do_sample, self.warpers = bool(config.do_sample), warpers
         self.prompts = unpadded_prompts(input_ids, attention_mask)
         eos = config._eos_token_tensor
         self.outputs = RowTokens.empty(len(self.prompts), config.max_length - input_ids.shape[1],
@@ -155,7 +162,8 @@ class TargetRounds:
     def _start(self) -> None:
         if self.streamer is not None:
             self.streamer.put(self.input_ids.cpu())
-        self.last = prefill(self.model, self.rows, self.prompts, self.attends.prefill)
+        logits = prefill(self.model, self.rows, self.prompts, self.attends.prefill)
+        self.last = choose_tokens(logits, self.warpers, self.do_sample)
         for row, token in enumerate(self.last.tolist()):
             self._emit(row, [token])
 
@@ -163,7 +171,7 @@ class TargetRounds:
         """One compiled decode step: every row gains one token (k = 0, the off-switch)."""
         active = self._active()
         tokens = self.decode(self.model, self.last, self.positions, self.rows.kv, self.rows.block_table,
-                             self.attends.decode, (), False, False)
+                             self.attends.decode, self.warpers, self.do_sample, False)
         for row, token in enumerate(tokens.tolist()):
             if active[row]:
                 self._emit(row, [token])
@@ -178,9 +186,7 @@ class TargetRounds:
         forward; emit and advance. Returns each row's accepted candidates (0 for finished rows)."""
         active = self._active()
         tokens = torch.cat([self.last[:, None], candidates], dim=1)  # [rows, 1 + k]
-        predicted = self.verify(self.model, tokens, self.positions, self.rows.kv, self.rows.block_table,
-                                self.attends.verify)
-        verdict = greedy_accept(candidates, predicted, num_candidates)
+        verdict = self._decide(tokens, candidates, num_candidates)
         accepted, emitted = verdict.num_accepted.tolist(), verdict.tokens.tolist()
         kept = [self._emit(r, emitted[r][: n + 1]) if active[r] else 0 for r, n in enumerate(accepted)]
         moved = torch.tensor(active, device=self.positions.device) * verdict.num_emitted
@@ -191,6 +197,23 @@ class TargetRounds:
                                 torch.tensor(active), row_depths=None if num_candidates is None else
                                 num_candidates.cpu())
         return [n if on else 0 for n, on in zip(accepted, active)]
+
+    def _decide(self, tokens: torch.Tensor, candidates: torch.Tensor,
+                num_candidates: torch.Tensor | None) -> Verdict:
+        """One compiled verify forward of `tokens` `[rows, 1 + k]`, then greedy prefix match, or lossless speculative
+        sampling with one-hot draft distributions (the candidates are deterministic)."""
+        args = (self.model, tokens, self.positions, self.rows.kv, self.rows.block_table, self.attends.verify)
+        if not self.do_sample:
+            return greedy_accept(candidates, self.verify(*args), num_candidates)
+        logits = self.verify(*args, True)  # [rows, 1 + k, vocab]
+        scores = logits.reshape(-1, logits.shape[-1])
+        for warper in self.warpers:
+            scores = warper(None, scores)  # these warpers never read input_ids
+        probs = torch.softmax(scores, dim=-1).view(logits.shape)
+        one_hot = torch.zeros_like(probs[:, 1:]).scatter_(2, candidates[..., None], 1.0)  # [rows, k, vocab]
+        if num_candidates is not None:  # padding positions: q = 0, so the token after a row's drafts comes from p
+            one_hot *= (torch.arange(candidates.shape[1], device=candidates.device) < num_candidates[:, None])[..., None]
+        return speculative_sample(candidates, one_hot, probs, num_drafts=num_candidates)
 
     def _active(self) -> list[bool]:
         return [not done for done in self.outputs.finished]

@@ -45,7 +45,8 @@ def _eagerly(eager: Callable, reason: str, args: tuple, kwargs: dict[str, Any]) 
 def compiled_ngram_entry(model, input_ids, logits_processor, stopping_criteria, generation_config, **kwargs):
     args = (model, input_ids, logits_processor, stopping_criteria, generation_config)
     options, model_kwargs = _options(ngram_generate, kwargs)
-    reason = speculation_uncovered([model], generation_config, logits_processor, stopping_criteria, model_kwargs)
+    reason = speculation_uncovered([model], generation_config, logits_processor, stopping_criteria, model_kwargs,
+                                   sampling=True)
     if reason is not None:
         return _eagerly(ngram_generate, reason, args, kwargs)
     check_ngram_options(options["suffix_cache"], options["ngram_settings"], options["max_draft_tokens"],
@@ -54,7 +55,8 @@ def compiled_ngram_entry(model, input_ids, logits_processor, stopping_criteria, 
     return compiled_ngram_generate(
         model, input_ids, model_kwargs.get("attention_mask"), generation_config,
         options["ngram_settings"] or NgramSettings(), options["suffix_cache"],
-        DraftBudget(options["max_draft_tokens"], options["draft_token_cost"]), stats, options["hf_accel_streamer"])
+        DraftBudget(options["max_draft_tokens"], options["draft_token_cost"]), stats, options["hf_accel_streamer"],
+        tuple(logits_processor) if generation_config.do_sample else ())
 
 
 @functools.wraps(draft_generate)

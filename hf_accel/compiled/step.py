@@ -46,9 +46,10 @@ def decode_step(model: PreTrainedModel, tokens: torch.Tensor, positions: torch.T
 
 
 def verify_step(model: PreTrainedModel, tokens: torch.Tensor, positions: torch.Tensor, kv: KVPool,
-                block_table: torch.Tensor, attend: Callable) -> torch.Tensor:
+                block_table: torch.Tensor, attend: Callable, return_logits: bool = False) -> torch.Tensor:
     """Row `r` computes the `n` tokens `tokens[r]` `[rows, n]` at positions `positions[r] .. positions[r] + n - 1`
-    (a last token and its candidates, speculative decoding's verify forward) -> `[rows, n]` greedy next tokens.
+    (a last token and its candidates, speculative decoding's verify forward) -> `[rows, n]` greedy next tokens, or
+    with `return_logits` their `[rows, n, vocab]` fp32 logits (for sampling).
     Their K/V are written in place; a later step that starts lower overwrites the rejected ones (rollback is a
     position, not a copy)."""
     rows, num = tokens.shape
@@ -58,7 +59,8 @@ def verify_step(model: PreTrainedModel, tokens: torch.Tensor, positions: torch.T
     attention = StepAttention(kv, slots, block_table, query_start, positions + num, attend)
     out = model(input_ids=tokens.reshape(1, -1), position_ids=at.reshape(1, -1), use_cache=False,
                 hf_accel_step=attention)
-    return out.logits[0].float().argmax(dim=-1).view(rows, num)
+    logits = out.logits[0].float().view(rows, num, -1)
+    return logits if return_logits else logits.argmax(dim=-1)
 
 
 def compiled_verify_step(config: CompileConfig) -> Callable[..., torch.Tensor]:
