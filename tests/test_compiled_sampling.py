@@ -1,7 +1,8 @@
 """Sampling with compiled `ngram_generate` (`compile_config`) is lossless: the same chi-square test as the eager
 loop's (tests/test_ngram_sampling.py: a 16-token vocabulary, repeating prompts, one left-padded batch whose rows
 accept different numbers of tokens) passes against plain sampling and rejects a wrong temperature; the compiled loop
-really ran (no fallback warning) and accepted some drafts; a processor the graph cannot apply falls back."""
+really ran (no fallback warning) and accepted some drafts; a processor the graph cannot apply falls back. Plain
+compiled generate's in-graph draw passes the same test."""
 
 import warnings
 
@@ -49,3 +50,16 @@ def test_a_processor_outside_the_graph_falls_back_with_a_warning(model):  # noqa
     with pytest.warns(UserWarning, match="compile_config is not applied to ngram_generate"):
         out = _sample(model, 4, 1.0, custom_generate=ngram_generate, compile_config=COMPILE, repetition_penalty=1.2)
     assert out.shape == (4, PROMPTS.shape[1] + NEW) and MASK.shape[0] == 2
+
+
+def test_compiled_plain_sampling_follows_plain_sampling(model):  # noqa: F811
+    # compiled generate draws inside its graph (the exponential race over transformers' warped probabilities)
+    plain = _sample(model, PLAIN_ROWS, 1.0)
+    torch.manual_seed(SEED)
+    compiled = model.generate(input_ids=PROMPTS.repeat(ROWS // 2, 1), attention_mask=MASK.repeat(ROWS // 2, 1),
+                              max_new_tokens=NEW, do_sample=True, top_k=0, temperature=1.0, pad_token_id=0,
+                              cache_implementation="paged", compile_config=COMPILE)
+    for prompt in (0, 1):
+        for column in range(1, NEW):
+            statistic, critical = chi_square(_counts(compiled, prompt, column), _counts(plain, prompt, column))
+            assert statistic < critical, f"prompt {prompt}, token {column}: chi-square {statistic:.1f}"
