@@ -183,3 +183,13 @@ def test_verify_step_gives_the_greedy_token_after_each_candidate_and_rolls_back_
             for row, prompt in enumerate(prompts):
                 full = torch.cat([prompt, candidates[row]])[None]
                 assert torch.equal(verified[row], model(full).logits[0, len(prompt) :].argmax(-1))
+
+
+def test_dynamo_limits_reached_elsewhere_do_not_stop_compiled_generate():
+    # a long notebook or test session can exhaust dynamo's default limits; past them, dynamo compiles nothing and
+    # a fullgraph compile raises: compiled generate (and the engine's warm-up) raise both limits while they compile
+    model = make_model("llama", torch.float32, "sdpa")
+    with torch._dynamo.config.patch(accumulated_recompile_limit=1, recompile_limit=1):
+        for lengths in ([5], [4, 6], [3, 8, 2]):
+            inputs = make_prompts(lengths, seed=7)
+            assert torch.equal(run(model, inputs, compiled=True), run(model, inputs, compiled=False))

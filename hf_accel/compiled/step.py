@@ -21,7 +21,7 @@ from transformers import PreTrainedModel
 from transformers.generation.configuration_utils import CompileConfig
 
 from ..engine.kv_pool import KVPool
-from ..engine.step_forward import RECOMPILE_LIMIT
+from ..engine.step_forward import recompile_limits
 from ..engine.attention import StepAttention
 from .paged_rows import decode_attention_inputs, table_slots
 from .sink_rows import SinkRows
@@ -90,6 +90,7 @@ def _compiled(backend, mode: str | None, options: tuple) -> Callable[..., torch.
 @contextlib.contextmanager
 def compile_context() -> Iterator[None]:
     """Around a decode loop: sizes that happen to be equal when traced stay separate symbols (duck shaping off),
-    and the shared graph cache may hold more than dynamo's default 8 graphs (models x batch-size classes)."""
-    with symbolic_config.patch(use_duck_shape=False), torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+    and dynamo's recompile limits are raised (`recompile_limits`: the shared graph cache holds models x batch-size
+    classes, and a long session compiles more than dynamo's default total)."""
+    with symbolic_config.patch(use_duck_shape=False), recompile_limits():
         yield

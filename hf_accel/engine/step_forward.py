@@ -30,6 +30,17 @@ from .kv_pool import KVPool
 
 
 RECOMPILE_LIMIT = 256  # graphs of one model class in one process (two per compiled engine)
+# graphs of every function in one process: dynamo's default (256) is reached by a long notebook or test session, after
+# which it compiles nothing more (an engine would run eagerly, compiled generate would raise)
+ACCUMULATED_RECOMPILE_LIMIT = 8192
+
+
+def recompile_limits():
+    """A dynamo config patch raising both recompile limits to hf_accel's (never lowering them)."""
+    config = torch._dynamo.config
+    return config.patch(recompile_limit=max(config.recompile_limit, RECOMPILE_LIMIT),
+                        accumulated_recompile_limit=max(config.accumulated_recompile_limit,
+                                                        ACCUMULATED_RECOMPILE_LIMIT))
 
 
 @contextlib.contextmanager
@@ -128,7 +139,7 @@ class StepForward:
             # dynamo keys its cache on the code of the model's class, shared by every engine in the process: each
             # engine compiled (another model, another config) adds its two graphs there, and the default limit of
             # 8 would leave the fifth engine eager
-            with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+            with recompile_limits():
                 self._trace_both_graphs()
         except Exception as error:
             warnings.warn(f"hf_accel: compiling the engine's model step failed ({type(error).__name__}: "
