@@ -33,7 +33,7 @@ from ..engine.attention import gathered_attention, register_attention
 from ..engine.cuda_graphs import decode_attention
 from ..engine.paged_kernel import paged_attention_kernel
 from ..engine.step_forward import paged_attention_implementation
-from .paged_rows import PagedRows
+from .paged_rows import PagedRows, unpadded_prompts
 from .sink_rows import SinkRows
 from .step import compile_context, compiled_decode_step
 from .token_choice import choose_tokens, needs_host_processors
@@ -104,10 +104,7 @@ class _Decode:
         self.sequences = input_ids.new_zeros((rows, max(config.max_length, width)))
         self.sequences[:, :width] = input_ids
         self.length = width  # columns of `sequences` filled
-        mask = attention_mask.bool() if attention_mask is not None else None
-        self.prompts = [input_ids[r] if mask is None else input_ids[r][mask[r]] for r in range(rows)]
-        if min(len(prompt) for prompt in self.prompts) == 0:
-            raise ValueError("`attention_mask` has a row with no tokens: every prompt needs at least one")
+        self.prompts = unpadded_prompts(input_ids, attention_mask)
         self.host_processors = needs_host_processors(processors, self.do_sample) or config.output_scores or \
             config.output_logits
         self.has_eos = any(hasattr(criterion, "eos_token_id") for criterion in criteria)

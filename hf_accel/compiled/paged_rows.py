@@ -39,6 +39,16 @@ class PrefillInputs:
     attention: StepAttention
 
 
+def unpadded_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[torch.Tensor]:
+    """Each row's real prompt tokens (1-D), its left padding removed."""
+    if attention_mask is None:
+        return list(input_ids)
+    prompts = [ids[mask.bool()] for ids, mask in zip(input_ids, attention_mask)]
+    if min(len(p) for p in prompts) == 0:
+        raise ValueError("`attention_mask` has a row with no tokens: every prompt needs at least one")
+    return prompts
+
+
 class PagedRows:
     """Blocks for `len(prompts)` rows of at most `max_tokens` tokens each, in a pool for `model`'s layers.
 

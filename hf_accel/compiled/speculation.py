@@ -32,7 +32,7 @@ from ..engine.cuda_graphs import decode_attention
 from ..engine.paged_kernel import paged_attention_kernel
 from ..speculative.stats import SpeculativeStats
 from ..speculative.verify import Verdict, greedy_accept, speculative_sample
-from .paged_rows import PagedRows
+from .paged_rows import PagedRows, unpadded_prompts
 from .spec_rows import RowTokens
 from .step import compiled_decode_step, compiled_verify_step
 from .token_choice import choose_tokens, needs_host_processors
@@ -81,16 +81,6 @@ class Attends:
         register_attention()
         kernel = paged_attention_kernel() if device.type == "cpu" else None
         return cls(kernel or gathered_attention, kernel or decode_attention, kernel or gathered_attention)
-
-
-def unpadded_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[torch.Tensor]:
-    """Each row's real prompt tokens (1-D), its left padding removed."""
-    if attention_mask is None:
-        return list(input_ids)
-    prompts = [ids[mask.bool()] for ids, mask in zip(input_ids, attention_mask)]
-    if min(len(p) for p in prompts) == 0:
-        raise ValueError("`attention_mask` has a row with no tokens: every prompt needs at least one")
-    return prompts
 
 
 def pool_for(model: PreTrainedModel, prompts: list[torch.Tensor], max_new_tokens: int, lookahead: int,
