@@ -108,6 +108,18 @@ def make_model(arch: str, dtype: torch.dtype, attn_implementation: str) -> PreTr
     return model.to(dtype).eval()
 
 
+def weights_packed_while(action: Callable[[], Any]) -> tuple[Any, int]:
+    """`action()` with inductor's caches off (a cache hit skips the pass that packs weights) -> its result and how
+    many Linear weights inductor's freezing packed for oneDNN meanwhile."""
+    import torch._dynamo.utils as dynamo_utils
+
+    before = dynamo_utils.counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"]
+    with torch._inductor.config.patch(fx_graph_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
+        result = action()
+    return result, dynamo_utils.counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"] - before
+
+
 @functools.lru_cache(maxsize=None)
 def make_draft_model(model: PreTrainedModel, noise: float = 0.3) -> PreTrainedModel:
     """A draft for assisted decoding: `model` plus seeded noise (`noise` x each weight's std), so it agrees with

@@ -6,13 +6,15 @@ sampling warpers run inside the graph; other processors, scores, EOS padding and
 uncovered modes fall back to transformers' loop. The sink cache compiles too (its window and re-rotated sinks over
 a ring of blocks, tokens equal to eager `SinkCache`'s); the quantized cache, with no static layout yet, raises."""
 
+import copy
+
 import pytest
 import torch
 import torch._dynamo.utils as dynamo_utils
 from transformers import CompileConfig, DynamicCache
 from transformers.generation.streamers import BaseStreamer
 
-from conformance import PAD, make_model, make_prompts
+from conformance import PAD, make_model, make_prompts, weights_packed_while
 from hf_accel import OutOfBlocksError
 from hf_accel.compiled.loop import compiled_generate
 from hf_accel.compiled.paged_rows import PagedRows
@@ -169,10 +171,10 @@ def test_verify_step_gives_the_greedy_token_after_each_candidate_and_rolls_back_
     register_attention()
     rows = PagedRows(model, [7, 12], 30, 4)
     prompts = [torch.randint(3, 100, (n,), generator=torch.Generator().manual_seed(n)) for n in (7, 12)]
-    verify = compiled_verify_step(COMPILE)
+    verify = compiled_verify_step(COMPILE, model)
     attend = paged_attention_kernel() or gathered_attention
     rounds = [torch.randint(3, 100, (2, 5), generator=torch.Generator().manual_seed(seed)) for seed in (1, 2)]
-    with torch.no_grad(), paged_attention_implementation(model), compile_context():
+    with torch.no_grad(), paged_attention_implementation(model), compile_context(rows.device, COMPILE):
         inputs = rows.prefill(prompts, attend)
         model(input_ids=inputs.tokens, position_ids=inputs.positions, use_cache=False, hf_accel_step=inputs.attention)
         # the second round starts at the same positions: it overwrites the first one's K/V
@@ -193,3 +195,31 @@ def test_dynamo_limits_reached_elsewhere_do_not_stop_compiled_generate():
         for lengths in ([5], [4, 6], [3, 8, 2]):
             inputs = make_prompts(lengths, seed=7)
             assert torch.equal(run(model, inputs, compiled=True), run(model, inputs, compiled=False))
+
+
+def test_graphs_freeze_packed_weights_and_changed_weights_get_new_graphs():
+    # on CPU the graphs hold each Linear's weight packed for oneDNN (inductor's freezing); a fine-tune step, a loaded
+    # state dict or any in-place change between calls must reach the next call
+    model = copy.deepcopy(make_model("llama", torch.float32, "sdpa"))  # its weights change: not the shared one
+    inputs = make_prompts([6, 11], seed=3)
+    before, packed = weights_packed_while(lambda: run(model, inputs, compiled=True))
+    assert packed > 0
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.mul_(-1.5)
+    after = run(model, inputs, compiled=False)
+    assert not torch.equal(after, before)  # the change matters to the tokens
+    assert torch.equal(run(model, inputs, compiled=True), after)
+    model.load_state_dict({name: -tensor for name, tensor in model.state_dict().items()})
+    assert torch.equal(run(model, inputs, compiled=True), run(model, inputs, compiled=False))
+
+
+def test_freezing_false_in_the_options_compiles_the_weights_as_inputs():
+    model = copy.deepcopy(make_model("llama", torch.float32, "sdpa"))  # its weights change: not the shared one
+    inputs = make_prompts([5, 9], seed=4)
+    unfrozen = CompileConfig(fullgraph=True, options={"freezing": False})
+    out, packed = weights_packed_while(lambda: model.generate(
+        **inputs, pad_token_id=PAD, max_new_tokens=12, do_sample=False, cache_implementation="paged",
+        compile_config=unfrozen))
+    assert packed == 0
+    assert torch.equal(out, run(model, inputs, compiled=False))

@@ -3,11 +3,13 @@ and sequential `generate` on Llama (grouped-query), Mistral (every layer sliding
 prefill chunks and decodes in the same steps; exactly two graphs, both compiled at start, and no
 recompilation however the step's sizes change; `enforce_eager` and the fallback where compiling fails."""
 
+import copy
+
 import pytest
 import torch
 import torch._dynamo.utils as dynamo_utils
 
-from conformance import make_model
+from conformance import make_model, weights_packed_while
 from engine_helpers import assert_greedy_equal, greedy_reference, random_prompts
 from hf_accel import Engine, MedusaHeads, SamplingParams, WeightOnlyConfig, bench, quantize_model
 from hf_accel.engine.paged_kernel import paged_attention_kernel
@@ -100,3 +102,21 @@ def test_many_engines_in_one_process_all_compile():
     engines = [Engine(bench.random_llama(hidden_size=32, num_layers=1, vocab_size=256 + 32 * i), block_size=4)
                for i in range(6)]
     assert all(engine.core.runner.forward.compiled for engine in engines)
+
+
+def test_the_compiled_engine_packs_its_weights_and_a_new_engine_sees_changed_ones():
+    # inductor's freezing packs each Linear's weight for oneDNN when the engine is built (a copy); weights changed
+    # in place afterwards need a new engine, which must not reuse the first one's graph
+    model = copy.deepcopy(make_model("llama", torch.float32, "sdpa"))  # its weights change: not the shared one
+    prompts = random_prompts(LENGTHS[:3], seed=7)
+    before, packed = weights_packed_while(
+        lambda: run(Engine(model, block_size=4, max_num_seqs=4, max_num_batched_tokens=32), prompts))
+    assert packed > 0
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.mul_(-1.5)
+    after = [greedy_reference(model, prompt, n) for prompt, n in zip(prompts, MAX_TOKENS)]
+    assert after != before  # the change matters to the tokens
+    rebuilt = run(Engine(model, block_size=4, max_num_seqs=4, max_num_batched_tokens=32), prompts)
+    for prompt, got, expected in zip(prompts, rebuilt, after):
+        assert_greedy_equal(model, prompt, got, expected)

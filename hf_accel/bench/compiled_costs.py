@@ -30,14 +30,15 @@ def verify_cost(model: PreTrainedModel, prompt_len: int, repeats: int) -> dict[s
     rows = PagedRows(model, [prompt_len], prompt_len + 16, 16)
     attend = paged_attention_kernel() or gathered_attention
     register_attention()
-    decode, verify = compiled_decode_step(CompileConfig()), compiled_verify_step(CompileConfig())
+    config = CompileConfig()
+    decode, verify = compiled_decode_step(config, model), compiled_verify_step(config, model)
     prompt = torch.randint(1, model.config.vocab_size, (prompt_len,))
     position = torch.tensor([prompt_len])
     calls = {1: lambda: decode(model, prompt[:1], position, rows.kv, rows.block_table, attend, (), False, False)}
     for k in (4, 8):
         tokens = prompt[None, : k + 1]
         calls[k + 1] = lambda tokens=tokens: verify(model, tokens, position, rows.kv, rows.block_table, attend)
-    with torch.inference_mode(), paged_attention_implementation(model), compile_context():
+    with torch.inference_mode(), paged_attention_implementation(model), compile_context(rows.device, config):
         inputs = rows.prefill([prompt], attend)
         model(input_ids=inputs.tokens, position_ids=inputs.positions, use_cache=False, hf_accel_step=inputs.attention)
 

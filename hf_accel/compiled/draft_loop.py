@@ -15,6 +15,8 @@ plain greedy `generate`.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from transformers import GenerationConfig, PreTrainedModel
@@ -26,7 +28,16 @@ from ..speculative.draft_length import DraftLength
 from ..speculative.stats import SpeculativeStats
 from .paged_rows import PagedRows
 from .speculation import TargetRounds, pool_for, prefill
-from .step import compile_context
+from .step import compile_context, compiled_decode_step, compiled_verify_step
+
+
+@dataclass(frozen=True, slots=True)
+class DraftSteps:
+    """The draft model and its own compiled steps (`step.compiled_decode_step`, `compiled_verify_step`)."""
+
+    model: PreTrainedModel
+    decode: Callable[..., torch.Tensor]
+    verify: Callable[..., torch.Tensor]
 
 
 def compiled_draft_generate(model: PreTrainedModel, draft: PreTrainedModel, input_ids: torch.Tensor,
@@ -39,16 +50,18 @@ def compiled_draft_generate(model: PreTrainedModel, draft: PreTrainedModel, inpu
     pool = pool_for(draft, target.prompts, target.outputs.max_new_tokens, length.max_tokens, config)
     with contextlib.ExitStack() as stack:
         for entered in (paged_attention_implementation(model), paged_attention_implementation(draft),
-                        compile_context()):
+                        compile_context(target.rows.device, config.compile_config)):
             stack.enter_context(entered)
         prefill(draft, pool, target.prompts, target.attends.prefill)
-        sequences = target.run(lambda: _round(target, draft, pool, length))
+        steps = DraftSteps(draft, compiled_decode_step(config.compile_config, draft),
+                           compiled_verify_step(config.compile_config, draft))
+        sequences = target.run(lambda: _round(target, steps, pool, length))
     if not config.return_dict_in_generate:
         return sequences
     return GenerateDecoderOnlyOutput(sequences=sequences, past_key_values=None)
 
 
-def _round(target: TargetRounds, draft: PreTrainedModel, pool: PagedRows, length: DraftLength) -> None:
+def _round(target: TargetRounds, draft: DraftSteps, pool: PagedRows, length: DraftLength) -> None:
     """Draft k tokens per row, verify them, adapt k (a plain compiled step when no row may gain two tokens)."""
     k = length.next(max(target.outputs.remaining))
     if k == 0:
@@ -60,12 +73,12 @@ def _round(target: TargetRounds, draft: PreTrainedModel, pool: PagedRows, length
     length.update(k, min(n for n, on in zip(accepted, generating) if on))
 
 
-def _propose(target: TargetRounds, draft: PreTrainedModel, pool: PagedRows, k: int) -> torch.Tensor:
+def _propose(target: TargetRounds, draft: DraftSteps, pool: PagedRows, k: int) -> torch.Tensor:
     # [rows, k] greedy draft tokens: a 2-token forward (the token before the last, the last), then k - 1 steps
     positions, attends = target.positions, target.attends
     pair = torch.stack([target.previous, target.last], dim=1)  # [rows, 2] at positions - 1, positions
-    tokens = [target.verify(draft, pair, positions - 1, pool.kv, pool.block_table, attends.verify)[:, 1]]
+    tokens = [draft.verify(draft.model, pair, positions - 1, pool.kv, pool.block_table, attends.verify)[:, 1]]
     for j in range(1, k):
-        tokens.append(target.decode(draft, tokens[-1], positions + j, pool.kv, pool.block_table, attends.decode,
-                                    (), False, False))
+        tokens.append(draft.decode(draft.model, tokens[-1], positions + j, pool.kv, pool.block_table,
+                                   attends.decode, (), False, False))
     return torch.stack(tokens, dim=1)

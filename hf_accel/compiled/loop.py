@@ -119,7 +119,7 @@ class _Decode:
         if self.streamer is not None:
             self.streamer.put(self.sequences[:, : self.length].cpu())
         try:
-            with paged_attention_implementation(model), compile_context():
+            with paged_attention_implementation(model), compile_context(rows.device, self.config.compile_config):
                 self._decode(rows, sinks, self._prefill(rows, kernel or gathered_attention),
                              kernel or decode_attention)
         finally:
@@ -143,7 +143,7 @@ class _Decode:
     def _decode(self, rows: PagedRows, sinks: SinkRows | None, tokens: torch.Tensor, attend) -> None:
         """Commit `tokens` (the prefill's), then step until every row stops. The first step runs dynamo's guards
         (picking or compiling the graph); the later ones, whose inputs differ only in values, skip them."""
-        step = compiled_decode_step(self.config.compile_config)
+        step = compiled_decode_step(self.config.compile_config, self.model)
         warpers = () if self.host_processors else tuple(self.processors)
         positions = rows.prompt_lengths.clone()
         unfinished = self._commit(tokens, torch.ones_like(positions, dtype=torch.bool))

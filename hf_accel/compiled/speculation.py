@@ -129,8 +129,8 @@ class TargetRounds:
                                        [] if eos is None else eos.reshape(-1).tolist())
         self.rows = pool_for(model, self.prompts, self.outputs.max_new_tokens, lookahead, config)
         self.attends = Attends.for_device(self.rows.device)
-        self.decode = compiled_decode_step(config.compile_config)
-        self.verify = compiled_verify_step(config.compile_config)
+        self.decode = compiled_decode_step(config.compile_config, model)
+        self.verify = compiled_verify_step(config.compile_config, model)
         self.positions = self.rows.prompt_lengths.clone()  # [rows] where each row's last token goes
         self.last = torch.zeros_like(self.positions)  # [rows] each row's last emitted token
         self.previous = torch.stack([p[-1] for p in self.prompts])  # [rows] the token before it (at positions - 1)

@@ -9,18 +9,23 @@ happen to be equal when traced, and the sizes that can be 1 (sequences, block-ta
 would specialize, are padded to at least 2 (an empty sequence, a column of block 0, the last kept row repeated: none
 changes a result). Both graphs are traced and compiled in `warm_up`, at engine start, so `compile_seconds` is the
 whole cost and no request waits for a compile; inductor's on-disk cache (on by default) makes a restart cheaper.
+The weights are frozen into the graphs (inductor's `freezing`), so each Linear runs oneDNN's matmul over a weight
+packed once, and each engine compiles its own copy of the step function so no other engine can reuse its graphs.
 On a GPU, decode steps replay CUDA graphs instead (`cuda_graphs.py`), captured in the same warm-up.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
+import types
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
+import torch._inductor.config as inductor_config
 import torch.fx.experimental._config as symbolic_config
 from transformers import PreTrainedModel
 
@@ -29,10 +34,27 @@ from .cuda_graphs import DecodeGraphs
 from .kv_pool import KVPool
 
 
+# inductor's freezing: the weights become constants of the graph, so on CPU each Linear runs oneDNN's matmul over a
+# weight packed once at compile (with dynamic token counts); MKL's sgemm on the weights as they lie was 1.3-2.2x
+# slower at 8-64 rows (benchmarks/bench_engine_step.py). The packed copies are the engine's own, beside the model's.
+# (Read when a graph is compiled, so it is patched around the warm-up; `torch.compile(options=...)` does not reach it.)
 RECOMPILE_LIMIT = 256  # graphs of one model class in one process (two per compiled engine)
 # graphs of every function in one process: dynamo's default (256) is reached by a long notebook or test session, after
 # which it compiles nothing more (an engine would run eagerly, compiled generate would raise)
 ACCUMULATED_RECOMPILE_LIMIT = 8192
+
+
+def call_model(model: PreTrainedModel, **kwargs):
+    """What a compiled engine step traces: the model's own forward (its `__call__`, hooks included)."""
+    return model(**kwargs)
+
+
+def own_code(function):
+    """A copy of `function` with a code object of its own. Dynamo keeps compiled graphs on the code object it traced,
+    and a graph with frozen weights must never serve another engine (one built on the same model after its weights
+    changed in place would pass every guard): each engine compiles its own copy, and its graphs go with it."""
+    return types.FunctionType(function.__code__.replace(), function.__globals__, function.__name__,
+                              function.__defaults__, function.__closure__)
 
 
 def recompile_limits():
@@ -96,7 +118,7 @@ class StepForward:
         self.compile_seconds = 0.0
         self._forward = model  # eager: the module's own __call__ (its hooks, its forward as it is at call time)
         if compile:
-            self._forward = torch.compile(model, dynamic=True, fullgraph=True)
+            self._forward = functools.partial(torch.compile(own_code(call_model), dynamic=True, fullgraph=True), model)
 
     def __call__(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
         kept = len(inputs.keep)
@@ -136,10 +158,9 @@ class StepForward:
         if not self.compiled:
             return
         try:
-            # dynamo keys its cache on the code of the model's class, shared by every engine in the process: each
-            # engine compiled (another model, another config) adds its two graphs there, and the default limit of
-            # 8 would leave the fifth engine eager
-            with recompile_limits():
+            # each engine's two graphs count toward dynamo's process-wide total (accumulated_recompile_limit),
+            # which a long notebook or test session would otherwise reach
+            with recompile_limits(), inductor_config.patch(freezing=True):
                 self._trace_both_graphs()
         except Exception as error:
             warnings.warn(f"hf_accel: compiling the engine's model step failed ({type(error).__name__}: "
