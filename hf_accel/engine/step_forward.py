@@ -36,7 +36,7 @@ from .kv_pool import KVPool
 
 # inductor's freezing: the weights become constants of the graph, so on CPU each Linear runs oneDNN's matmul over a
 # weight packed once at compile (with dynamic token counts); MKL's sgemm on the weights as they lie was 1.3-2.2x
-# slower at 8-64 rows (benchmarks/bench_engine_step.py). The packed copies are the engine's own, beside the model's.
+# slower at 5-64 rows (benchmarks/bench_linear.py). The packed copies are the engine's own, beside the model's.
 # (Read when a graph is compiled, so it is patched around the warm-up; `torch.compile(options=...)` does not reach it.)
 RECOMPILE_LIMIT = 256  # graphs of one model class in one process (two per compiled engine)
 # graphs of every function in one process: dynamo's default (256) is reached by a long notebook or test session, after
