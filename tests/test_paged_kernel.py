@@ -39,7 +39,7 @@ def run(attend, inputs, window, softcap):
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("heads, kv_heads", [(4, 4), (8, 2)])
 @pytest.mark.parametrize("window, softcap", [(0, 0.0), (5, 0.0), (0, 30.0)])
-@pytest.mark.parametrize("block_size, dim", [(4, 32), (16, 64), (16, 40)])  # (16, 64): the register-tiled loops
+@pytest.mark.parametrize("block_size, dim", [(4, 32), (16, 64), (16, 40), (8, 128)])  # 64, 128: register-held rows
 def test_kernel_equals_gather_then_sdpa(dtype, atol, heads, kv_heads, window, softcap, block_size, dim):
     # decodes (one query), a speculating decode (3), a prefill chunk from 0 and one resumed mid-sequence (both longer
     # than the kernel's 32-query task), a decode exactly as long as its queries

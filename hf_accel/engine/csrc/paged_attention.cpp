@@ -14,6 +14,9 @@
 // Query head h reads K/V head h / (heads / kv_heads). A query at position p attends to columns c <= p and, with a
 // window w > 0, c > p - w (transformers' sliding rule). With softcap > 0 the scores are tanh-capped as Gemma 2 does.
 // Accumulation is in fp32 whatever the storage dtype.
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -97,7 +100,27 @@ void write_new_tokens(const at::Tensor& fresh, const at::Tensor& pool, const int
                   dim * sizeof(scalar_t));
 }
 
+constexpr int64_t kPrefetchRows = 16;  // value rows fetched ahead of the one being accumulated
+
+// Ask for the cache lines of one pool row (`dim` elements) ahead of their use.
+template <typename scalar_t>
+inline void prefetch_row(const scalar_t* row, int64_t dim) {
+  const char* bytes = reinterpret_cast<const char*>(row);
+  for (int64_t offset = 0; offset < dim * static_cast<int64_t>(sizeof(scalar_t)); offset += 64)
+    __builtin_prefetch(bytes + offset);
+}
+
+// One dot product per (key, query) for decodes. With AVX-512 (the kernel is built with -march=native) the lanes are
+// summed by one reduction instruction: a plain `omp simd reduction` left that last step to sixteen dependent scalar
+// adds through the stack, the largest cost of a decode step's attention.
 inline float dot(const float* a, const float* b, int64_t dim) {
+#if defined(__AVX512F__)
+  if (dim % 16 == 0) {
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t d = 0; d < dim; d += 16) sum = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), _mm512_loadu_ps(b + d), sum);
+    return _mm512_reduce_add_ps(sum);
+  }
+#endif
   float total = 0.f;
 #pragma omp simd reduction(+ : total)
   for (int64_t d = 0; d < dim; ++d) total += a[d] * b[d];
@@ -160,9 +183,16 @@ void score_columns(const Layout& l, const float* q, int64_t num_q, const scalar_
       score_block<16>(q, num_q, dim, kt, width, scores + b * size, columns);
     }
   } else {
-    for (int64_t c = 0; c < columns; ++c) {
-      const float* k = row_as_float(keys + (blocks[c / size] * size + c % size) * dim, dim, s.row.data());
-      for (int64_t j = 0; j < num_q; ++j) scores[j * columns + c] = dot(q + j * dim, k, dim);
+    for (int64_t b = 0, first = 0; first < columns; ++b, first += size) {  // block by block: no division per key
+      const scalar_t* block = keys + blocks[b] * size * dim;
+      const int64_t width = std::min(size, columns - first);
+      // blocks lie anywhere in the pool: fetch the next one's rows while this one's are scored
+      const scalar_t* next = first + size < columns ? keys + blocks[b + 1] * size * dim : nullptr;
+      for (int64_t c = 0; c < width; ++c) {
+        if (next != nullptr) prefetch_row(next + c * dim, dim);
+        const float* k = row_as_float(block + c * dim, dim, s.row.data());
+        for (int64_t j = 0; j < num_q; ++j) scores[j * columns + first + c] = dot(q + j * dim, k, dim);
+      }
     }
   }
   if (l.softcap > 0.f)
@@ -185,17 +215,51 @@ void accumulate_tile(const float* weights, int64_t columns, const float* const* 
   for (int64_t r = 0; r < R; ++r) std::copy(a[r], a[r] + 16, acc + r * dim);
 }
 
+// acc [R, D] (row stride D) = weights [R, columns] @ value rows `rows[c]` (D floats each), whole rows at a time: for a
+// decode's few query rows, R x D accumulators fit in registers and each value row is read once, front to back.
+template <int64_t R, int64_t D>
+void accumulate_rows(const float* weights, int64_t columns, const float* const* rows, float* acc) {
+  float a[R][D] = {};
+  for (int64_t c = 0; c < columns; ++c) {
+    const float* v = rows[c];
+    if (c + kPrefetchRows < columns) prefetch_row(rows[c + kPrefetchRows], D);
+    for (int64_t r = 0; r < R; ++r) {
+      const float w = weights[r * columns + c];
+#pragma omp simd
+      for (int64_t e = 0; e < D; ++e) a[r][e] += w * v[e];
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) std::copy(a[r], a[r] + D, acc + r * D);
+}
+
+// Whole-row accumulation (`accumulate_rows`) for head sizes 64 and 128; false where it does not apply.
+inline bool accumulate_decode(const float* weights, int64_t num_q, int64_t columns, const float* const* rows,
+                              int64_t dim, float* acc) {
+  if (dim != 64 && dim != 128) return false;
+  int64_t j = 0;
+  for (; j + 2 <= num_q; j += 2) {
+    if (dim == 64) accumulate_rows<2, 64>(weights + j * columns, columns, rows, acc + j * dim);
+    else accumulate_rows<2, 128>(weights + j * columns, columns, rows, acc + j * dim);
+  }
+  for (; j < num_q; ++j) {
+    if (dim == 64) accumulate_rows<1, 64>(weights + j * columns, columns, rows, acc + j * dim);
+    else accumulate_rows<1, 128>(weights + j * columns, columns, rows, acc + j * dim);
+  }
+  return true;
+}
+
 // acc [num_q, dim] = weights [num_q, columns] @ V[columns, dim] of one sequence (rows found through its blocks).
 template <typename scalar_t>
 void accumulate_values(const Layout& l, const float* weights, int64_t num_q, int64_t columns, const scalar_t* values,
                        const int64_t* blocks, Scratch& s, float* acc) {
   const int64_t dim = l.dim, size = l.block_size;
   std::fill(acc, acc + num_q * dim, 0.f);
-  if (num_q >= kTransposeFrom && dim % 16 == 0) {
-    // many queries: tiles of 8 rows x 16 lanes; row pointers (fp32: into the pool; else converted copies)
+  if (dim % 16 == 0) {
+    // tiles of up to 8 query rows x 16 lanes kept in registers; row pointers (fp32: into the pool; else converted
+    // copies)
     const float** rows = s.rows.data();
     for (int64_t c = 0; c < columns; ++c) {
-      const scalar_t* row = values + (blocks[c / size] * size + c % size) * dim;
+      const scalar_t* row = values + (blocks[c / size] * size + c % size) * dim;  // once per key for all queries
       if constexpr (std::is_same_v<scalar_t, float>) {
         rows[c] = row;
       } else {
@@ -204,24 +268,31 @@ void accumulate_values(const Layout& l, const float* weights, int64_t num_q, int
         rows[c] = converted;
       }
     }
+    if (num_q < kTransposeFrom && accumulate_decode(weights, num_q, columns, rows, dim, acc)) return;
     for (int64_t lane = 0; lane < dim; lane += 16) {
       if (lane > 0)
         for (int64_t c = 0; c < columns; ++c) rows[c] += 16;
       int64_t j = 0;
       for (; j + 8 <= num_q; j += 8)
         accumulate_tile<8>(weights + j * columns, columns, rows, acc + j * dim + lane, dim);
+      for (; j + 2 <= num_q; j += 2)  // a decode's query heads of one K/V head (grouped-query attention)
+        accumulate_tile<2>(weights + j * columns, columns, rows, acc + j * dim + lane, dim);
       for (; j < num_q; ++j) accumulate_tile<1>(weights + j * columns, columns, rows, acc + j * dim + lane, dim);
     }
     return;
   }
-  for (int64_t c = 0; c < columns; ++c) {
-    const float* v = row_as_float(values + (blocks[c / size] * size + c % size) * dim, dim, s.row.data());
-    for (int64_t j = 0; j < num_q; ++j) {
-      const float wj = weights[j * columns + c];
-      if (wj == 0.f) continue;
-      float* a = acc + j * dim;
+  for (int64_t b = 0, first = 0; first < columns; ++b, first += size) {  // block by block: no division per key
+    const scalar_t* block = values + blocks[b] * size * dim;
+    const int64_t width = std::min(size, columns - first);
+    for (int64_t c = 0; c < width; ++c) {
+      const float* v = row_as_float(block + c * dim, dim, s.row.data());
+      for (int64_t j = 0; j < num_q; ++j) {
+        const float wj = weights[j * columns + first + c];
+        if (wj == 0.f) continue;
+        float* a = acc + j * dim;
 #pragma omp simd
-      for (int64_t d = 0; d < dim; ++d) a[d] += wj * v[d];
+        for (int64_t d = 0; d < dim; ++d) a[d] += wj * v[d];
+      }
     }
   }
 }
