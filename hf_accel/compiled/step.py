@@ -6,15 +6,13 @@ the number of rows and the block table's width are symbols: one graph serves eve
 above 1 (a batch of 1 is specialized by the compiler: a second graph), whatever the prompt and output lengths, with
 no recompilation per token. Compiled functions are kept per model and `CompileConfig` (backend, mode, options), and
 on CPU freeze the model's weights into their graphs (`compile_context`); a model whose weights changed since gets
-new ones (`weights_signature`).
+new ones (`engine/frozen_graphs.py`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import weakref
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 
 import torch
 import torch._inductor.config as inductor_config
@@ -23,7 +21,8 @@ from transformers import PreTrainedModel
 from transformers.generation.configuration_utils import CompileConfig
 
 from ..engine.kv_pool import KVPool
-from ..engine.step_forward import own_code, recompile_limits
+from ..engine.frozen_graphs import compiled_for
+from ..engine.step_forward import recompile_limits
 from ..engine.attention import StepAttention
 from .paged_rows import decode_attention_inputs, table_slots
 from .sink_rows import SinkRows
@@ -75,42 +74,12 @@ def compiled_verify_step(config: CompileConfig, model: PreTrainedModel) -> Calla
     return _compiled(model, verify_step, config)
 
 
-@dataclass
-class _ModelSteps:
-    """The compiled steps of one model, valid while its weights are the ones they froze (`weights_signature`)."""
-
-    weights: tuple
-    steps: dict[tuple, Callable[..., torch.Tensor]] = field(default_factory=dict)
-
-
-_STEPS: weakref.WeakKeyDictionary[PreTrainedModel, _ModelSteps] = weakref.WeakKeyDictionary()
-
-
-def weights_signature(model: PreTrainedModel) -> tuple:
-    """Where each parameter and buffer of `model` lies and how often it was changed in place: any other value means
-    a frozen graph holds stale weights (an optimizer step, `load_state_dict`, a merged adapter, a dtype cast)."""
-    return tuple((tensor.data_ptr(), _version(tensor)) for tensor in (*model.parameters(), *model.buffers()))
-
-
-def _version(tensor: torch.Tensor) -> int:
-    # inference tensors keep no version counter (and cannot be changed in place outside inference mode)
-    return -1 if tensor.is_inference() else tensor._version
-
-
 def _compiled(model: PreTrainedModel, function: Callable, config: CompileConfig) -> Callable[..., torch.Tensor]:
-    # each model compiles its own copy of the step (`own_code`): its graphs, which hold its frozen weights, serve no
-    # other model, and go when the model goes or its weights change
     options = tuple(sorted((config.options or {}).items()))
-    signature = weights_signature(model)
-    known = _STEPS.get(model)
-    if known is None or known.weights != signature:
-        known = _STEPS[model] = _ModelSteps(signature)
-    key = (function.__name__, config.backend, config.mode, options)
-    if key not in known.steps:
-        settings = {"options": dict(options)} if options else {"mode": config.mode}  # torch.compile takes one
-        known.steps[key] = torch.compile(own_code(function), fullgraph=True, dynamic=True, backend=config.backend,
-                                         **settings)
-    return known.steps[key]
+    settings = {"options": dict(options)} if options else {"mode": config.mode}  # torch.compile takes one or the other
+    return compiled_for(model, function, (function.__name__, config.backend, config.mode, options),
+                        lambda copy: torch.compile(copy, fullgraph=True, dynamic=True, backend=config.backend,
+                                                   **settings))
 
 
 @contextlib.contextmanager

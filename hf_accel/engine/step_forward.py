@@ -10,7 +10,8 @@ would specialize, are padded to at least 2 (an empty sequence, a column of block
 changes a result). Both graphs are traced and compiled in `warm_up`, at engine start, so `compile_seconds` is the
 whole cost and no request waits for a compile; inductor's on-disk cache (on by default) makes a restart cheaper.
 The weights are frozen into the graphs (inductor's `freezing`), so each Linear runs oneDNN's matmul over a weight
-packed once, and each engine compiles its own copy of the step function so no other engine can reuse its graphs.
+packed once; the graphs are kept per model and its weights (`frozen_graphs.py`), so engines on the same unchanged
+model share them and a model whose weights changed gets new ones.
 On a GPU, decode steps replay CUDA graphs instead (`cuda_graphs.py`), captured in the same warm-up.
 """
 
@@ -19,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-import types
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -31,6 +31,7 @@ from transformers import PreTrainedModel
 
 from .attention import ATTENTION_NAME, StepAttention
 from .cuda_graphs import DecodeGraphs
+from .frozen_graphs import compiled_for
 from .kv_pool import KVPool
 
 
@@ -47,14 +48,6 @@ ACCUMULATED_RECOMPILE_LIMIT = 8192
 def call_model(model: PreTrainedModel, **kwargs):
     """What a compiled engine step traces: the model's own forward (its `__call__`, hooks included)."""
     return model(**kwargs)
-
-
-def own_code(function):
-    """A copy of `function` with a code object of its own. Dynamo keeps compiled graphs on the code object it traced,
-    and a graph with frozen weights must never serve another engine (one built on the same model after its weights
-    changed in place would pass every guard): each engine compiles its own copy, and its graphs go with it."""
-    return types.FunctionType(function.__code__.replace(), function.__globals__, function.__name__,
-                              function.__defaults__, function.__closure__)
 
 
 def recompile_limits():
@@ -118,7 +111,9 @@ class StepForward:
         self.compile_seconds = 0.0
         self._forward = model  # eager: the module's own __call__ (its hooks, its forward as it is at call time)
         if compile:
-            self._forward = functools.partial(torch.compile(own_code(call_model), dynamic=True, fullgraph=True), model)
+            compiled = compiled_for(model, call_model, "engine step",
+                                    lambda function: torch.compile(function, dynamic=True, fullgraph=True))
+            self._forward = functools.partial(compiled, model)
 
     def __call__(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
         kept = len(inputs.keep)

@@ -1,0 +1,58 @@
+"""Compiled functions whose graphs hold a model's weights frozen (inductor's `freezing`), kept per model.
+
+On CPU hf_accel compiles its steps with `freezing`: each Linear's weight becomes a constant of the graph, packed
+once for oneDNN's matmul (MKL's sgemm over the weights as they lie is 1.1-4.3x slower at 5-64 rows:
+benchmarks/bench_linear.py). A frozen graph must then serve only the model it froze, and only while that model's
+weights are the ones it holds. Dynamo keeps graphs on the code object it traced, and its guards tell models apart
+but not weight values, so each model compiles its own copy of a step function (`own_code`), kept here beside a
+`weights_signature`; a model whose weights changed (an optimizer step, `load_state_dict`, a merged adapter, a cast)
+gets new copies, and the old graphs go with them. Engines on the same unchanged model share their graphs.
+"""
+
+from __future__ import annotations
+
+import types
+import weakref
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+
+@dataclass
+class _ModelGraphs:
+    weights: tuple
+    functions: dict[Hashable, Callable] = field(default_factory=dict)
+
+
+_BY_MODEL: weakref.WeakKeyDictionary[nn.Module, _ModelGraphs] = weakref.WeakKeyDictionary()
+
+
+def compiled_for(model: nn.Module, function: Callable, key: Hashable,
+                 compile: Callable[[Callable], Callable]) -> Callable:
+    """`compile(copy of function)` for `model`, made once per `key` while `model`'s weights stay as they are."""
+    signature = weights_signature(model)
+    known = _BY_MODEL.get(model)
+    if known is None or known.weights != signature:
+        known = _BY_MODEL[model] = _ModelGraphs(signature)
+    if key not in known.functions:
+        known.functions[key] = compile(own_code(function))
+    return known.functions[key]
+
+
+def weights_signature(model: nn.Module) -> tuple:
+    """Where each parameter and buffer of `model` lies and how often it was changed in place."""
+    return tuple((tensor.data_ptr(), _version(tensor)) for tensor in (*model.parameters(), *model.buffers()))
+
+
+def _version(tensor: torch.Tensor) -> int:
+    # inference tensors keep no version counter (and cannot be changed in place outside inference mode)
+    return -1 if tensor.is_inference() else tensor._version
+
+
+def own_code(function: Callable) -> Callable:
+    """A copy of `function` with a code object of its own, so dynamo keeps the graphs it compiles apart from every
+    other copy's."""
+    return types.FunctionType(function.__code__.replace(), function.__globals__, function.__name__,
+                              function.__defaults__, function.__closure__)
