@@ -15,13 +15,12 @@ import contextlib
 from collections.abc import Callable, Iterator
 
 import torch
-import torch._inductor.config as inductor_config
 import torch.fx.experimental._config as symbolic_config
 from transformers import PreTrainedModel
 from transformers.generation.configuration_utils import CompileConfig
 
 from ..engine.kv_pool import KVPool
-from ..engine.frozen_graphs import compiled_for
+from ..engine.frozen_graphs import compiled_for, freezing
 from ..engine.step_forward import recompile_limits
 from ..engine.attention import StepAttention
 from .paged_rows import decode_attention_inputs, table_slots
@@ -91,5 +90,5 @@ def compile_context(device: torch.device, config: CompileConfig) -> Iterator[Non
     made a 5-token verify forward 1.6x a decode step, 1.07x frozen), unless `config.options` says
     `"freezing": False`."""
     freeze = device.type == "cpu" and (config.options or {}).get("freezing", True)
-    with symbolic_config.patch(use_duck_shape=False), recompile_limits(), inductor_config.patch(freezing=freeze):
+    with symbolic_config.patch(use_duck_shape=False), recompile_limits(), freezing(freeze):
         yield

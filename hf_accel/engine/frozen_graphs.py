@@ -17,6 +17,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 import torch
+import torch._inductor.config as inductor_config
 from torch import nn
 
 
@@ -39,6 +40,13 @@ def compiled_for(model: nn.Module, function: Callable, key: Hashable,
     if key not in known.functions:
         known.functions[key] = compile(own_code(function))
     return known.functions[key]
+
+
+def freezing(enabled: bool):
+    """A config patch under which inductor compiles graphs with frozen weights (or not). Inductor reads it when a
+    graph is compiled, so it goes around the calls that compile; `torch.compile(options={"freezing": True})` does
+    not reach it."""
+    return inductor_config.patch(freezing=enabled)
 
 
 def weights_signature(model: nn.Module) -> tuple:

@@ -25,20 +25,15 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
-import torch._inductor.config as inductor_config
 import torch.fx.experimental._config as symbolic_config
 from transformers import PreTrainedModel
 
 from .attention import ATTENTION_NAME, StepAttention
 from .cuda_graphs import DecodeGraphs
-from .frozen_graphs import compiled_for
+from .frozen_graphs import compiled_for, freezing
 from .kv_pool import KVPool
 
 
-# inductor's freezing: the weights become constants of the graph, so on CPU each Linear runs oneDNN's matmul over a
-# weight packed once at compile (with dynamic token counts); MKL's sgemm on the weights as they lie was 1.3-2.2x
-# slower at 5-64 rows (benchmarks/bench_linear.py). The packed copies are the engine's own, beside the model's.
-# (Read when a graph is compiled, so it is patched around the warm-up; `torch.compile(options=...)` does not reach it.)
 RECOMPILE_LIMIT = 256  # graphs of one model class in one process (two per compiled engine)
 # graphs of every function in one process: dynamo's default (256) is reached by a long notebook or test session, after
 # which it compiles nothing more (an engine would run eagerly, compiled generate would raise)
@@ -155,7 +150,7 @@ class StepForward:
         try:
             # each engine's two graphs count toward dynamo's process-wide total (accumulated_recompile_limit),
             # which a long notebook or test session would otherwise reach
-            with recompile_limits(), inductor_config.patch(freezing=True):
+            with recompile_limits(), freezing(True):
                 self._trace_both_graphs()
         except Exception as error:
             warnings.warn(f"hf_accel: compiling the engine's model step failed ({type(error).__name__}: "
