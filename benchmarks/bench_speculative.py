@@ -19,14 +19,17 @@ forwards counted (exact at batch 1 and for plain decoding).
 `hf_accel eagle` decodes with the reference target's committed EAGLE head (`reference.load_head("eagle")`); its
 "analytic x plain" is tokens per target forward / (1 + mean draft length x c), c the measured cost of one head pass
 relative to one plain decode step of the target (batch 1): the speed-up if a verification forward of k + 1 tokens
-cost what a one-token step does. `--eagle` runs only the open-continuation cases with plain generate and EAGLE and
-writes them as `bench_speculative_eagle` (its own JSON, page and section of docs/speculative.md).
+cost what a one-token step does. `--eagle` runs only the open-continuation cases with plain generate and EAGLE,
+each also with `compile_config` (greedy: plain compiled greedy is the paged cache's compiled loop, EAGLE's is
+`hf_accel/compiled/eagle_loop.py`; "x plain + compile" compares with the former; every row with EOS off, since
+generate's min-length processors keep compiled loops eager), and writes them as
+`bench_speculative_eagle` (its own JSON, page and section of docs/speculative.md).
 
 Add a method (Medusa heads, ...) by writing a function `(pair, case) -> Method | None` and listing it in `METHODS`.
 Regenerate benchmarks/results/bench_speculative.json, docs/bench_speculative.md and the tables in docs/speculative.md
 with:
     .venv/bin/python benchmarks/bench_speculative.py        (--quick: small lengths, prints only unless --out)
-    .venv/bin/python benchmarks/bench_speculative.py --eagle   (the EAGLE rows alone)
+    .venv/bin/python benchmarks/bench_speculative.py --eagle   (the EAGLE rows alone; --no-compile: eager rows only)
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ WORKLOADS = {"open": {}, "copy-heavy": {}, "nothing repeats": {"no_repeat_ngram_
 CASES = (("open", "greedy"), ("open", "sampling"), ("copy-heavy", "greedy"), ("nothing repeats", "greedy"))
 COPY_PREFIX = 16  # tokens of the block the copy-heavy prompt repeats
 NGRAM_ROWS = ("hf_accel ngram", "hf_accel ngram + suffix cache")
+PLAIN_COMPILED = "plain + compile"
 # (row, what it is compared with, workloads and modes where checked (None: all), batch sizes, goal)
 TARGETS = (("hf_accel draft", "x_plain", ("open",), None, (1, 4), 2.0),
            ("hf_accel draft", "x_stock_assisted", ("open",), None, (1,), 1.2),
@@ -64,6 +68,7 @@ TARGETS = (("hf_accel draft", "x_plain", ("open",), None, (1, 4), 2.0),
            *((row, "x_prompt_lookup", ("open", "copy-heavy"), ("greedy",), (1,), 1.2) for row in NGRAM_ROWS),
            *((row, "x_plain", ("nothing repeats",), ("greedy",), (1, 4), 0.95) for row in NGRAM_ROWS),
            ("hf_accel eagle", "x_plain", ("open",), ("greedy",), (1,), 2.0),
+           ("hf_accel eagle + compile", "x_plain", ("open",), ("greedy",), (1,), 2.0),
            ("hf_accel eagle", "tokens_per_target_forward", ("open",), ("greedy",), (1,), 3.0))
 
 
@@ -87,10 +92,12 @@ class Case:
     workload: str
     mode: str
     batch_size: int
+    eos_off: bool = False  # every row decodes with `eos_token_id=None` (the --eagle run: compiled loops apply no
+    # min-length processor, which generate adds when EOS is on)
 
     @property
     def generate_kwargs(self) -> dict[str, Any]:
-        return {**MODES[self.mode], **WORKLOADS[self.workload]}
+        return {**MODES[self.mode], **WORKLOADS[self.workload], **({"eos_token_id": None} if self.eos_off else {})}
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,6 +190,18 @@ def plain_method(pair: Pair, case: Case) -> Method:
                                  lambda model, max_len: case.generate_kwargs))
 
 
+def plain_compiled_method(pair: Pair, case: Case) -> Method | None:
+    if case.mode != "greedy":
+        return None
+    return Method(bench.Strategy(PLAIN_COMPILED, "cache_implementation='paged', compile_config (hf_accel's compiled "
+                                 "loop)", lambda model, max_len: {**case.generate_kwargs, **_compiled("paged")}))
+
+
+def _compiled(cache: str | None = None) -> dict[str, Any]:
+    return {"compile_config": transformers.CompileConfig(fullgraph=True)} | (
+        {"cache_implementation": cache} if cache else {})
+
+
 def stock_assisted_method(pair: Pair, case: Case) -> Method | None:
     if case.batch_size != 1 or case.workload != "open":
         return None  # transformers' assisted decoding supports batch size 1 only
@@ -209,20 +228,29 @@ def hf_accel_draft_method(pair: Pair, case: Case) -> Method | None:
                                  kwargs), "draft_stats", hf_accel.SpeculativeStats, read_speculative_stats)
 
 
-def hf_accel_eagle_method(pair: Pair, case: Case) -> Method | None:
-    if case.workload != "open" or pair.eagle_head is None:
-        return None
+def hf_accel_eagle_method(pair: Pair, case: Case, compiled: bool = False) -> Method | None:
+    if case.workload != "open" or pair.eagle_head is None or (compiled and case.mode != "greedy"):
+        return None  # compiled EAGLE is greedy (its sampling decodes eagerly)
 
     def kwargs(model, max_len):
-        return {**case.generate_kwargs, "custom_generate": hf_accel.eagle_generate, "eagle_head": pair.eagle_head}
+        return {**case.generate_kwargs, "custom_generate": hf_accel.eagle_generate, "eagle_head": pair.eagle_head,
+                **(_compiled() if compiled else {})}
 
     def read(stats: hf_accel.SpeculativeStats) -> dict[str, Any]:
         found = read_speculative_stats(stats)
+        if compiled:
+            return found
         analytic = found["tokens_per_target_forward"] / (1 + found["mean_draft_length"] * pair.eagle_cost)
         return found | {"analytic_x_plain": analytic, "head_cost_per_step": pair.eagle_cost}
 
-    return Method(bench.Strategy("hf_accel eagle", "custom_generate=hf_accel.eagle_generate, reference EAGLE head, "
-                                 "adaptive chain", kwargs), "eagle_stats", hf_accel.SpeculativeStats, read)
+    name = "hf_accel eagle + compile" if compiled else "hf_accel eagle"
+    description = "custom_generate=hf_accel.eagle_generate, reference EAGLE head, adaptive chain" + (
+        ", compile_config (compiled/eagle_loop.py)" if compiled else "")
+    return Method(bench.Strategy(name, description, kwargs), "eagle_stats", hf_accel.SpeculativeStats, read)
+
+
+def hf_accel_eagle_compiled_method(pair: Pair, case: Case) -> Method | None:
+    return hf_accel_eagle_method(pair, case, compiled=True)
 
 
 def stock_prompt_lookup_method(pair: Pair, case: Case) -> Method | None:
@@ -247,7 +275,8 @@ def hf_accel_ngram_methods(pair: Pair, case: Case) -> list[Method]:
 METHODS: tuple[Callable[[Pair, Case], Method | list[Method] | None], ...] = (
     plain_method, stock_assisted_method, hf_accel_draft_method, hf_accel_eagle_method, stock_prompt_lookup_method,
     hf_accel_ngram_methods)
-EAGLE_METHODS = (plain_method, hf_accel_eagle_method)
+EAGLE_METHODS = (plain_method, plain_compiled_method, hf_accel_eagle_method, hf_accel_eagle_compiled_method)
+EAGLE_EAGER_METHODS = (plain_method, hf_accel_eagle_method)
 
 
 def profile(pair: Pair, method: Method, inputs: dict[str, torch.Tensor], new_tokens: int) -> dict[str, Any]:
@@ -281,7 +310,7 @@ def measure(pair: Pair, case: Case, plan: Plan, makers=METHODS) -> dict[str, Any
                "greedy_agreement": result.agreement if case.mode == "greedy" else None,
                "decode_seconds": result.decode_seconds}
         for key, other in (("x_stock_assisted", "transformers assisted"),
-                           ("x_prompt_lookup", "transformers prompt lookup")):
+                           ("x_prompt_lookup", "transformers prompt lookup"), ("x_plain_compiled", PLAIN_COMPILED)):
             if other in seconds:
                 row[key] = statistics.median(a / s for a, s in zip(seconds[other], seconds[result.name]))
         rows.append(row | profile(pair, method, inputs, plan.new_tokens))
@@ -290,11 +319,13 @@ def measure(pair: Pair, case: Case, plan: Plan, makers=METHODS) -> dict[str, Any
             "generate_kwargs": case.generate_kwargs, "rows": rows}
 
 
-def run(plan: Plan, eagle_only: bool = False) -> dict[str, Any]:
+def run(plan: Plan, eagle_only: bool = False, compiled: bool = True) -> dict[str, Any]:
     pair = load_pair(plan, eagle_only)
     chosen = [(w, m) for w, m in CASES if w == "open"] if eagle_only else CASES
-    cases = [Case(workload, mode, batch) for workload, mode in chosen for batch in plan.prompt_lengths]
-    measurements = [measure(pair, case, plan, EAGLE_METHODS if eagle_only else METHODS) for case in cases]
+    cases = [Case(workload, mode, batch, eos_off=eagle_only)
+             for workload, mode in chosen for batch in plan.prompt_lengths]
+    makers = (EAGLE_METHODS if compiled else EAGLE_EAGER_METHODS) if eagle_only else METHODS
+    measurements = [measure(pair, case, plan, makers) for case in cases]
     return {"command": COMMAND, "model": pair.description, "hardware": bench.hardware(),
             "prompts": "held-out text (reference corpus split never trained on), left-padded",
             "suffix_cache": "not used (--eagle)" if eagle_only else (
@@ -324,11 +355,13 @@ def _cell(row: dict[str, Any], key: str, fmt: str) -> str:
 
 
 def table(measurement: dict[str, Any]) -> str:
-    headers = ["method", "decode tok/s", "x plain (paired)", "x stock assisted (paired)",
-               "x stock prompt lookup (paired)", "tokens / target forward", "acceptance",
+    compiled = any("x_plain_compiled" in r for r in measurement["rows"])
+    headers = ["method", "decode tok/s", "x plain (paired)", *(["x plain + compile (paired)"] if compiled else []),
+               "x stock assisted (paired)", "x stock prompt lookup (paired)", "tokens / target forward", "acceptance",
                "acceptance by draft position", "mean draft length", "drafting rounds", "analytic x plain",
                "greedy agreement"]
-    rows = [[r["name"], f"{r['decode_tokens_per_s']:.1f}", f"{r['x_plain']:.2f}x", _cell(r, "x_stock_assisted", "{:.2f}x"),
+    rows = [[r["name"], f"{r['decode_tokens_per_s']:.1f}", f"{r['x_plain']:.2f}x",
+             *([_cell(r, "x_plain_compiled", "{:.2f}x")] if compiled else []), _cell(r, "x_stock_assisted", "{:.2f}x"),
              _cell(r, "x_prompt_lookup", "{:.2f}x"), f"{r['tokens_per_target_forward']:.2f}",
              _cell(r, "acceptance_rate", "{:.0%}"),
              " ".join(f"{a:.2f}" for a in r.get("acceptance_by_position", [])[:8]) or "-",
@@ -356,12 +389,14 @@ def markdown(report: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = benchmark_parser(__doc__.split("\n\n")[0], NAME)
     parser.add_argument("--eagle", action="store_true", help="only plain generate and EAGLE, open continuation")
+    parser.add_argument("--no-compile", action="store_true",
+                        help="with --eagle: leave out the compile_config rows (each compiles its graphs first)")
     args = parser.parse_args(argv)
     if not reference.has_assets():
         raise SystemExit(f"the reference pair is missing; create it with: {reference.TRAIN_COMMAND}")
     name = f"{NAME}_eagle" if args.eagle else NAME
     with bench.torch_threads(args.threads):
-        report = run(QUICK if args.quick else FULL, args.eagle)
+        report = run(QUICK if args.quick else FULL, args.eagle, compiled=not args.no_compile)
     text = markdown(report)
     print("\n" + text)
     out = output_root(args, ROOT)

@@ -1,15 +1,18 @@
 """The C++ paged attention against the gather path (blocks copied out, sdpa over them): the same K/V writes and
 outputs for decodes, speculative candidates and prefill chunks mixed in one call, grouped-query heads, sliding
 windows, soft-capping, fp32 and bf16, scattered blocks and ragged lengths; registered as a custom op that mutates the
-pools, with a fake implementation."""
+pools, with a fake implementation; a build lock left by a killed process does not hang the next one."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from hf_accel.engine.attention import gathered_attention
-from hf_accel.engine.paged_kernel import paged_attention_kernel
+from hf_accel.engine.paged_kernel import build_directory, paged_attention_kernel
 
 kernel = paged_attention_kernel()
 pytestmark = pytest.mark.skipif(kernel is None, reason="the paged attention kernel could not be built here")
@@ -95,3 +98,16 @@ def test_engine_tokens_equal_with_and_without_the_kernel(arch, monkeypatch):
     monkeypatch.setattr(model_runner, "paged_attention_kernel", lambda: None)  # engines built now gather
     gathered = [out.token_ids for out in Engine(model, block_size=4).generate(prompts, params)]
     assert with_kernel == gathered
+
+
+def test_a_build_lock_left_by_a_killed_process_does_not_hang_the_next_one():
+    """torch's build takes a lock file and waits, forever, while one exists; a process killed mid-build leaves it
+    behind. The kernel builds under an OS lock instead, so a later process finds that file stale and removes it."""
+    stale = build_directory() / "lock"
+    stale.write_text("")
+    try:
+        code = "from hf_accel.engine.paged_kernel import paged_attention_kernel; assert paged_attention_kernel()"
+        subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+        assert not stale.exists()
+    finally:
+        stale.unlink(missing_ok=True)

@@ -46,7 +46,9 @@ def test_eagle_run_writes_its_own_results(tmp_path, load_benchmark):
     (tmp_path / "docs").mkdir()
     markers = "<!-- bench_speculative_eagle:start -->\nold\n<!-- bench_speculative_eagle:end -->\n"
     (tmp_path / "docs/speculative.md").write_text("x\n" + markers)
-    script.main(["--quick", "--eagle", "--out", str(tmp_path)])
+    # without the compiled rows: they would compile a dozen graphs of the reference target first (minutes); compiled
+    # EAGLE is tested in test_compiled_eagle.py, its rows' settings below
+    script.main(["--quick", "--eagle", "--no-compile", "--out", str(tmp_path)])
     report = json.loads((tmp_path / "benchmarks/results/bench_speculative_eagle.json").read_text())
     assert {(m["workload"], m["mode"], m["batch_size"]) for m in report["measurements"]} == {
         ("open", mode, b) for mode in ("greedy", "sampling") for b in (1, 4)}
@@ -60,3 +62,21 @@ def test_eagle_run_writes_its_own_results(tmp_path, load_benchmark):
     assert "hf_accel eagle tokens per target forward >= 3.0x (open, greedy, batch 1)" in {
         t["target"] for t in report["targets"]}
     assert "| hf_accel eagle |" in (tmp_path / "docs/speculative.md").read_text()
+
+
+@pytest.mark.skipif(not reference.has_assets(), reason="reference models not built")
+def test_eagle_compiled_rows_are_greedy_with_eos_off(load_benchmark):
+    script = load_benchmark("bench_speculative")
+    pair = script.load_pair(script.QUICK, eagle_only=True)
+    names = {}
+    for mode in ("greedy", "sampling"):
+        case = script.Case("open", mode, 1, eos_off=True)
+        made = [make(pair, case) for make in script.EAGLE_METHODS]
+        names[mode] = [m.strategy.name for m in made if m is not None]
+        for method in made:
+            if method is not None and "compile" in method.strategy.name:
+                kwargs = method.strategy.generate_kwargs(pair.target, 64)
+                assert kwargs["eos_token_id"] is None and not kwargs["do_sample"]
+                assert kwargs["compile_config"].fullgraph
+    assert names == {"greedy": ["plain generate", "plain + compile", "hf_accel eagle", "hf_accel eagle + compile"],
+                     "sampling": ["plain generate", "hf_accel eagle"]}

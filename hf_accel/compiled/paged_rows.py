@@ -18,7 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers import PreTrainedModel
+from torch import nn
+from transformers import PretrainedConfig, PreTrainedModel
 
 from ..cache.block_pool import OutOfBlocksError
 from ..cache.kv_shape import KVShape
@@ -59,10 +60,12 @@ class PagedRows:
         block_size: tokens per block.
         num_blocks: the user's fixed pool size, if any: `OutOfBlocksError` when the rows need more.
         ring_tokens: the most tokens of a row any step reads (prompt included), for a ring of blocks; None: keep all.
+        config: the config that gives the K/V shape when it is not `model.config` (an EAGLE head's layer config).
     """
 
-    def __init__(self, model: PreTrainedModel, prompt_lengths: list[int], max_tokens: int, block_size: int,
-                 num_blocks: int | None = None, ring_tokens: int | None = None):
+    def __init__(self, model: PreTrainedModel | nn.Module, prompt_lengths: list[int], max_tokens: int,
+                 block_size: int, num_blocks: int | None = None, ring_tokens: int | None = None,
+                 config: PretrainedConfig | None = None):
         self.rows, self.block_size = len(prompt_lengths), block_size
         self.width = max(-(-max_tokens // block_size), MIN_WIDTH)
         # blocks a row owns: all of its logical blocks, or a ring with one block to spare past what a step reads
@@ -71,7 +74,8 @@ class PagedRows:
         if num_blocks is not None and needed > num_blocks:
             raise OutOfBlocksError(needed, num_blocks, num_blocks)
         weight = next(model.parameters())
-        shape = KVShape.from_config(model.config, caller="compiled generate with a paged cache", argument="model")
+        shape = KVShape.from_config(config or model.config, caller="compiled generate with a paged cache",
+                                    argument="model")
         # a ring also gets a spare block: the scratch target of writes that must not land anywhere (never read)
         self.kv = KVPool(shape, needed, block_size, weight.dtype, weight.device, spare_block=ring_tokens is not None)
         self.device = weight.device

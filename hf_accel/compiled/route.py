@@ -1,5 +1,6 @@
 """Which `generate` calls run hf_accel's compiled loop: `compile_config` with `cache_implementation="paged"` or
-`"sink"`, and `ngram_generate` / `draft_generate` (`speculative_entry.py`) given `compile_config`.
+`"sink"`, and `ngram_generate` / `draft_generate` / `eagle_generate` (`speculative_entry.py`) given
+`compile_config`.
 
 transformers compiles a decode step only for caches that are `is_compileable`, and by default only on accelerators.
 With hf_accel's paged cache, `compile_config` selects `loop.compiled_generate` instead, on every device (CPU
@@ -25,14 +26,14 @@ _CLAIMS_DECODING = ("custom_generate", "assistant_model", "prompt_lookup_num_tok
 
 def route_generate(model: Any, kwargs: dict[str, Any]) -> None:
     """Set `kwargs["custom_generate"]` to the compiled loop when the call asks for compilation of hf_accel's paged
-    or sink cache, or to the compiled entry of `ngram_generate` / `draft_generate` when it names one of them;
-    `ValueError` for compilation with a cache that has no static layout."""
+    or sink cache, or to the compiled entry of `ngram_generate` / `draft_generate` / `eagle_generate` when it names
+    one of them; `ValueError` for compilation with a cache that has no static layout."""
     config = kwargs.get("generation_config")
     compile_config = _setting("compile_config", kwargs, config, model)
     if compile_config is None or _setting("disable_compile", kwargs, config, model):
         return
     custom = kwargs.get("custom_generate")
-    if callable(custom) and custom in COMPILED_ENTRIES:  # ngram_generate / draft_generate: their compiled loops
+    if callable(custom) and custom in COMPILED_ENTRIES:  # the speculative generators: their compiled loops
         kwargs["custom_generate"] = COMPILED_ENTRIES[custom]
         return
     name = registry.internal_cache_name(_setting("cache_implementation", kwargs, config, model),

@@ -20,7 +20,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel, StoppingCriteriaList
+from torch import nn
+from transformers import (GenerationConfig, LogitsProcessorList, PretrainedConfig, PreTrainedModel,
+                          StoppingCriteriaList)
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 from transformers.generation.streamers import BaseStreamer
@@ -34,7 +36,7 @@ from ..speculative.stats import SpeculativeStats
 from ..speculative.verify import Verdict, greedy_accept, speculative_sample
 from .paged_rows import PagedRows, unpadded_prompts
 from .spec_rows import RowTokens
-from .step import compiled_decode_step, compiled_verify_step
+from .step import compiled_decode_step, compiled_verify_features_step, compiled_verify_step
 from .token_choice import choose_tokens, needs_host_processors
 
 _MODEL_INPUTS = ("attention_mask", "past_key_values", "use_cache", "cache_position", "position_ids", "logits_to_keep")
@@ -83,24 +85,30 @@ class Attends:
         return cls(kernel or gathered_attention, kernel or decode_attention, kernel or gathered_attention)
 
 
-def pool_for(model: PreTrainedModel, prompts: list[torch.Tensor], max_new_tokens: int, lookahead: int,
-             config: GenerationConfig) -> PagedRows:
+def pool_for(model: PreTrainedModel | nn.Module, prompts: list[torch.Tensor], max_new_tokens: int, lookahead: int,
+             config: GenerationConfig, kv_config: PretrainedConfig | None = None) -> PagedRows:
     """A static pool for `prompts` plus `max_new_tokens`, with room for rounds of up to `lookahead` candidates past
-    a row's budget; block size from `cache_config` when the call named the paged cache."""
+    a row's budget; block size from `cache_config` when the call named the paged cache; `kv_config`: the config
+    giving the K/V shape when it is not `model.config`."""
     settings = config.cache_config if config.cache_implementation == "paged" else None
     block_size = PagedCacheConfig.from_dict(dict(settings) if isinstance(settings, dict) else None).block_size
     lengths = [len(p) for p in prompts]
     # a row's last round may move it up to lookahead + 1 past its budget; frozen there, a finished row's later
     # rounds write lookahead + 1 more
-    return PagedRows(model, lengths, max(lengths) + max_new_tokens + 2 * (lookahead + 1), block_size)
+    return PagedRows(model, lengths, max(lengths) + max_new_tokens + 2 * (lookahead + 1), block_size,
+                     config=kv_config)
 
 
-def prefill(model: PreTrainedModel, rows: PagedRows, prompts: list[torch.Tensor], attend) -> torch.Tensor:
-    """The packed prefill of `prompts` into `rows`' pool -> `[rows, vocab]` fp32 logits of each row's last token."""
+def prefill(model: PreTrainedModel, rows: PagedRows, prompts: list[torch.Tensor], attend,
+            feature_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The packed prefill of `prompts` into `rows`' pool -> `[rows, vocab]` fp32 logits of each row's last token, and
+    with `feature_layers` the hidden states they index in `output_hidden_states` at every packed token, concatenated
+    (`[1, total, len(feature_layers) * H]`; else None)."""
     inputs = rows.prefill(prompts, attend)
     out = model(input_ids=inputs.tokens, position_ids=inputs.positions, use_cache=False, logits_to_keep=inputs.keep,
-                hf_accel_step=inputs.attention)
-    return out.logits[0].float()
+                output_hidden_states=bool(feature_layers), hf_accel_step=inputs.attention)
+    features = torch.cat([out.hidden_states[i] for i in feature_layers], dim=-1) if feature_layers else None
+    return out.logits[0].float(), features
 
 
 class TargetRounds:
@@ -114,15 +122,19 @@ class TargetRounds:
         stats: counters to add the rounds to; `streamer`: gets each emitted token at batch 1.
         warpers: with `config.do_sample`, the warpers of generate's processors (`token_choice.IN_GRAPH_WARPERS`):
             tokens are sampled, and candidates (deterministic drafts) accepted by lossless speculative sampling.
+        feature_layers: greedy only: indices into the target's `output_hidden_states` whose states the prefill and
+            every verify forward also return (an EAGLE head's input), kept in `features` with the round's `verdict`.
     """
 
     def __init__(self, model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                  config: GenerationConfig, lookahead: int, stats: SpeculativeStats,
-                 streamer: BaseStreamer | None, warpers: tuple = ()):
+                 streamer: BaseStreamer | None, warpers: tuple = (), feature_layers: tuple[int, ...] = ()):
         if streamer is not None and input_ids.shape[0] > 1:
             raise ValueError("`streamer` supports batch size 1 only")
         self.model, self.input_ids, self.config, self.stats, self.streamer = model, input_ids, config, stats, streamer
-        self.do_sample, self.warpers = bool(config.do_sample), warpers
+        self.do_sample, self.warpers, self.feature_layers = bool(config.do_sample), warpers, feature_layers
+        if feature_layers and self.do_sample:
+            raise ValueError("compiled rounds return hidden-state features for greedy decoding only")
         self.prompts = unpadded_prompts(input_ids, attention_mask)
         eos = config._eos_token_tensor
         self.outputs = RowTokens.empty(len(self.prompts), config.max_length - input_ids.shape[1],
@@ -130,16 +142,22 @@ class TargetRounds:
         self.rows = pool_for(model, self.prompts, self.outputs.max_new_tokens, lookahead, config)
         self.attends = Attends.for_device(self.rows.device)
         self.decode = compiled_decode_step(config.compile_config, model)
-        self.verify = compiled_verify_step(config.compile_config, model)
+        self.verify = (compiled_verify_features_step if feature_layers else compiled_verify_step)(
+            config.compile_config, model)
         self.positions = self.rows.prompt_lengths.clone()  # [rows] where each row's last token goes
         self.last = torch.zeros_like(self.positions)  # [rows] each row's last emitted token
         self.previous = torch.stack([p[-1] for p in self.prompts])  # [rows] the token before it (at positions - 1)
+        # with feature_layers: the last forward's features (prefill: [1, total, F], packed; verify: [rows, 1 + k, F])
+        self.features: torch.Tensor | None = None
+        self.verdict: Verdict | None = None  # the last verify round's
 
-    def run(self, one_round: Callable[[], None]) -> torch.Tensor:
-        """Prefill, then `one_round()` until every row stops (the streamer ends however the loop ends) ->
-        `[rows, width + longest output]` sequences, as greedy `generate` returns them."""
+    def run(self, one_round: Callable[[], None], started: Callable[[], None] | None = None) -> torch.Tensor:
+        """Prefill, `started()` (when given), then `one_round()` until every row stops (the streamer ends however
+        the loop ends) -> `[rows, width + longest output]` sequences, as greedy `generate` returns them."""
         try:
             self._start()
+            if started is not None:
+                started()
             while not self.outputs.is_done:
                 one_round()
         finally:
@@ -152,7 +170,7 @@ class TargetRounds:
     def _start(self) -> None:
         if self.streamer is not None:
             self.streamer.put(self.input_ids.cpu())
-        logits = prefill(self.model, self.rows, self.prompts, self.attends.prefill)
+        logits, self.features = prefill(self.model, self.rows, self.prompts, self.attends.prefill, self.feature_layers)
         self.last = choose_tokens(logits, self.warpers, self.do_sample)
         for row, token in enumerate(self.last.tolist()):
             self._emit(row, [token])
@@ -176,7 +194,7 @@ class TargetRounds:
         forward; emit and advance. Returns each row's accepted candidates (0 for finished rows)."""
         active = self._active()
         tokens = torch.cat([self.last[:, None], candidates], dim=1)  # [rows, 1 + k]
-        verdict = self._decide(tokens, candidates, num_candidates)
+        verdict = self.verdict = self._decide(tokens, candidates, num_candidates)
         accepted, emitted = verdict.num_accepted.tolist(), verdict.tokens.tolist()
         kept = [self._emit(r, emitted[r][: n + 1]) if active[r] else 0 for r, n in enumerate(accepted)]
         moved = torch.tensor(active, device=self.positions.device) * verdict.num_emitted
@@ -193,6 +211,9 @@ class TargetRounds:
         """One compiled verify forward of `tokens` `[rows, 1 + k]`, then greedy prefix match, or lossless speculative
         sampling with one-hot draft distributions (the candidates are deterministic)."""
         args = (self.model, tokens, self.positions, self.rows.kv, self.rows.block_table, self.attends.verify)
+        if self.feature_layers:
+            greedy, self.features = self.verify(*args, self.feature_layers)
+            return greedy_accept(candidates, greedy, num_candidates)
         if not self.do_sample:
             return greedy_accept(candidates, self.verify(*args), num_candidates)
         logits = self.verify(*args, True)  # [rows, 1 + k, vocab]

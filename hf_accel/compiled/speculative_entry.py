@@ -1,8 +1,10 @@
-"""`ngram_generate` and `draft_generate` under `compile_config`: the callables `route.py` puts in their place.
+"""`ngram_generate`, `draft_generate` and `eagle_generate` under `compile_config`: the callables `route.py` puts in
+their place.
 
 Each entry has its eager function's signature (`functools.wraps`, so generate hands it the same keyword arguments)
-and runs the compiled loop (`ngram_loop.py`, `draft_loop.py`) when `speculation.speculation_uncovered` finds
-nothing against it; otherwise it warns, naming the reason, and calls the eager function with what it was given.
+and runs the compiled loop (`ngram_loop.py`, `draft_loop.py`, `eagle_loop.py`) when
+`speculation.speculation_uncovered` finds nothing against it; otherwise it warns, naming the reason, and calls the
+eager function with what it was given.
 """
 
 from __future__ import annotations
@@ -20,7 +22,10 @@ from ..speculative.draft_length import DraftLength
 from ..speculative.ngram import check_ngram_options, ngram_generate
 from ..speculative.ngram_proposer import NgramSettings
 from ..speculative.stats import SpeculativeStats
+from ..speculative.eagle import check_probability, eagle_generate
+from ..speculative.eagle_head import EagleHead
 from .draft_loop import compiled_draft_generate
+from .eagle_loop import compiled_eagle_generate
 from .ngram_loop import compiled_ngram_generate
 from .speculation import speculation_uncovered
 
@@ -77,4 +82,24 @@ def compiled_draft_entry(model, input_ids, logits_processor, stopping_criteria, 
         DraftLength(options["num_draft_tokens"], options["max_draft_tokens"]), stats, options["hf_accel_streamer"])
 
 
-COMPILED_ENTRIES = {ngram_generate: compiled_ngram_entry, draft_generate: compiled_draft_entry}
+@functools.wraps(eagle_generate)
+def compiled_eagle_entry(model, input_ids, logits_processor, stopping_criteria, generation_config, **kwargs):
+    args = (model, input_ids, logits_processor, stopping_criteria, generation_config)
+    options, model_kwargs = _options(eagle_generate, kwargs)
+    head = options["eagle_head"]
+    if not isinstance(head, EagleHead):  # the eager function raises the error that names the argument
+        return eagle_generate(*args, **kwargs)
+    reason = speculation_uncovered([model], generation_config, logits_processor, stopping_criteria, model_kwargs)
+    if reason is not None:
+        return _eagerly(eagle_generate, reason, args, kwargs)
+    head.check_compatible(model)
+    min_probability = check_probability(options["min_draft_probability"])
+    stats = options["eagle_stats"] if options["eagle_stats"] is not None else SpeculativeStats()
+    return compiled_eagle_generate(
+        model, head, input_ids, model_kwargs.get("attention_mask"), generation_config,
+        DraftLength(options["num_draft_tokens"], options["max_draft_tokens"]), min_probability, stats,
+        options["hf_accel_streamer"])
+
+
+COMPILED_ENTRIES = {ngram_generate: compiled_ngram_entry, draft_generate: compiled_draft_entry,
+                    eagle_generate: compiled_eagle_entry}

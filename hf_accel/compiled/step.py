@@ -52,15 +52,31 @@ def verify_step(model: PreTrainedModel, tokens: torch.Tensor, positions: torch.T
     with `return_logits` their `[rows, n, vocab]` fp32 logits (for sampling).
     Their K/V are written in place; a later step that starts lower overwrites the rejected ones (rollback is a
     position, not a copy)."""
+    logits = _verify_forward(model, tokens, positions, kv, block_table, attend, False).logits[0].float()
+    logits = logits.view(*tokens.shape, -1)
+    return logits if return_logits else logits.argmax(dim=-1)
+
+
+def verify_features_step(model: PreTrainedModel, tokens: torch.Tensor, positions: torch.Tensor, kv: KVPool,
+                         block_table: torch.Tensor, attend: Callable,
+                         feature_layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """`verify_step`'s greedy next tokens `[rows, n]`, and the hidden states `feature_layers` index in the model's
+    `output_hidden_states` at each of the tokens, concatenated: `[rows, n, len(feature_layers) * H]` (an EAGLE head's
+    input)."""
+    out = _verify_forward(model, tokens, positions, kv, block_table, attend, True)
+    features = torch.cat([out.hidden_states[i][0] for i in feature_layers], dim=-1)
+    return out.logits[0].float().argmax(dim=-1).view(tokens.shape), features.view(*tokens.shape, -1)
+
+
+def _verify_forward(model: PreTrainedModel, tokens: torch.Tensor, positions: torch.Tensor, kv: KVPool,
+                    block_table: torch.Tensor, attend: Callable, hidden_states: bool):
     rows, num = tokens.shape
     at = positions[:, None] + torch.arange(num, device=positions.device)  # [rows, n]
     slots = table_slots(block_table, at, kv.block_size).reshape(-1)
     query_start = torch.arange(rows + 1, device=positions.device) * num
     attention = StepAttention(kv, slots, block_table, query_start, positions + num, attend)
-    out = model(input_ids=tokens.reshape(1, -1), position_ids=at.reshape(1, -1), use_cache=False,
-                hf_accel_step=attention)
-    logits = out.logits[0].float().view(rows, num, -1)
-    return logits if return_logits else logits.argmax(dim=-1)
+    return model(input_ids=tokens.reshape(1, -1), position_ids=at.reshape(1, -1), use_cache=False,
+                 output_hidden_states=hidden_states, hf_accel_step=attention)
 
 
 def compiled_decode_step(config: CompileConfig, model: PreTrainedModel) -> Callable[..., torch.Tensor]:
@@ -71,6 +87,11 @@ def compiled_decode_step(config: CompileConfig, model: PreTrainedModel) -> Calla
 def compiled_verify_step(config: CompileConfig, model: PreTrainedModel) -> Callable[..., torch.Tensor]:
     """`verify_step` compiled for `model` like `compiled_decode_step`."""
     return _compiled(model, verify_step, config)
+
+
+def compiled_verify_features_step(config: CompileConfig, model: PreTrainedModel) -> Callable[..., tuple]:
+    """`verify_features_step` compiled for `model` like `compiled_decode_step`."""
+    return _compiled(model, verify_features_step, config)
 
 
 def _compiled(model: PreTrainedModel, function: Callable, config: CompileConfig) -> Callable[..., torch.Tensor]:

@@ -24,19 +24,26 @@ from torch import nn
 @dataclass
 class _ModelGraphs:
     weights: tuple
+    companions: tuple[weakref.ref, ...]  # the other modules whose weights the graphs hold
     functions: dict[Hashable, Callable] = field(default_factory=dict)
+
+    def holds(self, weights: tuple, companions: tuple[nn.Module, ...]) -> bool:
+        return (self.weights == weights and len(self.companions) == len(companions)
+                and all(ref() is module for ref, module in zip(self.companions, companions)))
 
 
 _BY_MODEL: weakref.WeakKeyDictionary[nn.Module, _ModelGraphs] = weakref.WeakKeyDictionary()
 
 
-def compiled_for(model: nn.Module, function: Callable, key: Hashable,
-                 compile: Callable[[Callable], Callable]) -> Callable:
-    """`compile(copy of function)` for `model`, made once per `key` while `model`'s weights stay as they are."""
-    signature = weights_signature(model)
+def compiled_for(model: nn.Module, function: Callable, key: Hashable, compile: Callable[[Callable], Callable],
+                 companions: tuple[nn.Module, ...] = ()) -> Callable:
+    """`compile(copy of function)` for `model`, made once per `key` while `model`'s weights stay as they are; a
+    function that also reads other modules' weights (an EAGLE head reads its target's LM head) names them as
+    `companions`, and its graphs are kept only while those same modules' weights stay as they are too."""
+    signature = tuple(weights_signature(module) for module in (model, *companions))
     known = _BY_MODEL.get(model)
-    if known is None or known.weights != signature:
-        known = _BY_MODEL[model] = _ModelGraphs(signature)
+    if known is None or not known.holds(signature, companions):
+        known = _BY_MODEL[model] = _ModelGraphs(signature, tuple(weakref.ref(module) for module in companions))
     if key not in known.functions:
         known.functions[key] = compile(own_code(function))
     return known.functions[key]

@@ -6,19 +6,23 @@ For one layer of one step it writes the step's new K/V into their slots, then ev
 speculative candidates, prefill chunks) attend over that sequence's blocks where they lie (block table, lengths), so
 a step copies no context; see the .cpp file for the shapes and the masking rule. Building needs a C++ compiler, the
 Python headers and `ninja` (all on the machines this project runs on); the first build takes about half a minute and
-is cached by torch (`~/.cache/torch_extensions`, or `$TORCH_EXTENSIONS_DIR`). Where it cannot be built, or with
+is cached (`build_directory()`, under `~/.cache/torch_extensions` or `$TORCH_EXTENSIONS_DIR`). Processes build one at a
+time under an OS file lock, which dies with its process: torch's own lock file, left behind by a process killed
+mid-build, would otherwise make every later process wait for it forever. Where it cannot be built, or with
 `HF_ACCEL_PAGED_KERNEL=0`, `paged_attention_kernel()` returns None and the engine runs `attention.gathered_attention`
 instead (the same rule over blocks copied out of the pool, sdpa on them: the same results up to float rounding).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
+import sys
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -46,17 +50,47 @@ def _built_kernel() -> Callable[..., torch.Tensor] | None:
     try:
         from torch.utils.cpp_extension import load
 
-        # -march=native: built where it runs (torch's own kernels dispatch at run time instead); the name carries the
-        # CPU's feature flags so a build cache shared between different CPUs never hands one the other's binary, and
-        # the source's hash so two versions of hf_accel never rebuild over each other
-        load(name=f"hf_accel_paged_attention_{_cpu_tag()}_{_source_tag()}", sources=[str(SOURCE)],
-             extra_cflags=CFLAGS, is_python_module=False, verbose=False)
+        build = build_directory()
+        build.mkdir(parents=True, exist_ok=True)
+        with _exclusive(build.parent / f"{build.name}.lock"):
+            # inside the lock no other process is building here: torch's lock file, if any, is a dead process's
+            (build / "lock").unlink(missing_ok=True)
+            load(name=build.name, sources=[str(SOURCE)], extra_cflags=CFLAGS, build_directory=str(build),
+                 is_python_module=False, verbose=False)
     except Exception as error:  # no compiler, headers or ninja: the gather path still works
         warnings.warn(f"hf_accel: the paged attention kernel could not be built ({type(error).__name__}: {error}); "
                       "the engine gathers K/V blocks instead", RuntimeWarning, stacklevel=2)
         return None
     torch.library.register_fake("hf_accel::paged_attention")(_fake)
     return torch.ops.hf_accel.paged_attention
+
+
+def build_directory() -> Path:
+    """Where the kernel is built and cached. -march=native: built where it runs (torch's own kernels dispatch at run
+    time instead), so the name carries the CPU's feature flags (a cache shared between different CPUs never hands one
+    the other's binary), the source's hash (two versions of hf_accel never rebuild over each other), and the folder
+    the Python and torch versions the binary was built against."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    versions = f"py{sys.version_info.major}{sys.version_info.minor}_torch{torch.__version__}"
+    return Path(get_default_build_root()) / versions / f"hf_accel_paged_attention_{_cpu_tag()}_{_source_tag()}"
+
+
+@contextlib.contextmanager
+def _exclusive(path: Path) -> Iterator[None]:
+    """Hold an exclusive OS lock on `path` (released by the OS if this process dies); no lock where `fcntl` is
+    missing."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _cpu_tag() -> str:

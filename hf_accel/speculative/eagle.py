@@ -82,7 +82,7 @@ def eagle_generate(
     `pad_token_id`), or a `GenerateDecoderOnlyOutput` with `scores` / `logits` / `past_key_values` when asked (at
     batch size > 1 the cache holds holes, see `RaggedBatch`: not to be continued from).
     """
-    min_probability = _check_probability(min_draft_probability)
+    min_probability = check_probability(min_draft_probability)
     call = GenerateCall(model, input_ids, logits_processor, stopping_criteria, generation_config, hf_accel_streamer,
                         model_kwargs)
     run = _start(call, eagle_head, DraftLength(num_draft_tokens, max_draft_tokens), eagle_stats)
@@ -104,7 +104,8 @@ def _start(call: GenerateCall, head: EagleHead | None, length: DraftLength, stat
     return _Run(decoding, call.model, cache, state, length, 0.0)
 
 
-def _check_probability(value: float) -> float:
+def check_probability(value: float) -> float:
+    """`min_draft_probability` as a float, or `ValueError` naming it."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
         raise ValueError(f"`min_draft_probability` must be a number in [0, 1), got {value!r}")
     return float(value)

@@ -14,8 +14,10 @@ Saved as `eagle_head.safetensors` + `eagle_config.json` (see `EagleConfig`).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -134,15 +136,29 @@ class EagleHead(RichDisplay, nn.Module):
         return self.fc(torch.cat(picked, dim=-1))
 
     def forward(self, features: torch.Tensor, token_embeds: torch.Tensor, position_ids: torch.Tensor,
-                attention_mask: torch.Tensor | None, cache: Cache | None) -> torch.Tensor:
+                attention_mask: torch.Tensor | None, cache: Cache | None, **attention_kwargs: Any) -> torch.Tensor:
         """One pass of the decoder layer over new entries: `features`, `token_embeds` `[batch, q, H]`,
         `position_ids` `[batch, q]`, `attention_mask` additive `[batch, 1, q, cached + q]` (None: causal-free, for
-        q == 1 attending to everything cached). Appends the entries' K/V to `cache`; returns `[batch, q, H]`."""
+        q == 1 attending to everything cached). Appends the entries' K/V to `cache`; returns `[batch, q, H]`.
+        `attention_kwargs` reach the layer's attention function (hf_accel's paged attention reads its
+        `hf_accel_step` there, with `cache` None: see `attention_implementation`)."""
         x = self.input_fc(torch.cat([token_embeds.to(self.dtype), features.to(self.dtype)], dim=-1))
         position_embeddings = self.rotary_emb(x, position_ids)
         out = self.layer(x, attention_mask=attention_mask, position_ids=position_ids, past_key_values=cache,
-                         use_cache=cache is not None, position_embeddings=position_embeddings)
+                         use_cache=cache is not None, position_embeddings=position_embeddings, **attention_kwargs)
         return out[0] if isinstance(out, tuple) else out
+
+    @contextlib.contextmanager
+    def attention_implementation(self, name: str) -> Iterator[None]:
+        """Run the decoder layer's attention through transformers' registered attention function `name` inside the
+        block (compiled EAGLE runs the head over its own paged pool), its own implementation after."""
+        config = self.layer.self_attn.config
+        saved = config._attn_implementation
+        config._attn_implementation = name
+        try:
+            yield
+        finally:
+            config._attn_implementation = saved
 
     def check_compatible(self, model: PreTrainedModel) -> None:
         """Raise `ValueError` (naming `eagle_head`) when this head does not fit `model`."""

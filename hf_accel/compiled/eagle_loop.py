@@ -1,0 +1,167 @@
+"""`eagle_generate` with `compile_config`: the target's verify forward and the head's passes, all compiled.
+
+The target runs as in the other compiled speculative loops (`speculation.TargetRounds`: a static paged pool, rows at
+their own positions, rollback by position), and its prefill and verify forwards also return the hidden states the
+head fuses. The head gets a static paged pool of its own (one layer, the same block layout), attended by the same
+paged attention op, and keeps the eager loop's entry rule (`speculative/eagle_draft.py`): the entry at position t
+pairs the target's feature at t with the token at t + 1, and its output predicts the token at t + 2. A round, row
+`r` with its last token at position `p`:
+- the head's output at entry `p - 1` (kept from the last pass) gives draft 1; each further draft is one compiled
+  head pass of one entry per row (the head's own output, the draft just chosen) at `p + j`, until k drafts or no
+  generating row's head gave its draft at least `min_draft_probability` (the eager loop's early end);
+- the target's compiled verify forward of the last token and the drafts (positions `p .. p + k`) accepts `a_r`;
+- one compiled head pass writes entries `p .. p + k` (the verify's features, and the target's own next token at each
+  position, which is the true next token up to `p + a_r + 1`) and keeps its output at `p + a_r`: the next round's
+  draft 1. Entries past it, and the draft entries, are overwritten before any query can read them.
+Greedy output equals plain greedy `generate`; sampling is left to the eager loop (`speculation_uncovered`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from transformers import CompileConfig, GenerationConfig, PreTrainedModel
+from transformers.generation.streamers import BaseStreamer
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+from ..engine.attention import ATTENTION_NAME, StepAttention
+from ..engine.frozen_graphs import compiled_for
+from ..engine.step_forward import paged_attention_implementation
+from ..speculative.draft_length import DraftLength
+from ..speculative.eagle_head import EagleHead, target_logits, token_embeddings
+from ..speculative.stats import SpeculativeStats
+from .paged_rows import PagedRows, table_slots
+from .speculation import TargetRounds, pool_for
+from .step import compile_context
+
+
+def head_pass(model: PreTrainedModel, head: EagleHead, features: torch.Tensor, tokens: torch.Tensor,
+              positions: torch.Tensor, kv, block_table: torch.Tensor, attend: Callable, pick: torch.Tensor,
+              fuse: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Row `r` writes `n` head entries (`features[r, i]`, `tokens[r, i]`), `[rows, n, F]` / `[rows, n]`, at
+    positions `positions[r] + i` of the head's pool (`fuse`: F is the target's concatenated features, else the head's
+    own output, F = H) -> at entry `pick[r]` of each row: the output `[rows, H]`, its greedy next token `[rows]` and
+    the probability the head gave that token `[rows]`."""
+    rows, num = tokens.shape
+    at = positions[:, None] + torch.arange(num, device=positions.device)  # [rows, n]
+    slots = table_slots(block_table, at, kv.block_size).reshape(-1)
+    query_start = torch.arange(rows + 1, device=positions.device) * num
+    attention = StepAttention(kv, slots, block_table, query_start, positions + num, attend)
+    out = head_entries(model, head, features.reshape(1, rows * num, -1), tokens.reshape(1, -1), at.reshape(1, -1),
+                       attention, fuse)
+    hidden = out[0].view(rows, num, -1).gather(1, pick[:, None, None].expand(-1, 1, out.shape[-1]))[:, 0]
+    return readout(model, hidden)
+
+
+def head_entries(model: PreTrainedModel, head: EagleHead, features: torch.Tensor, tokens: torch.Tensor,
+                 positions: torch.Tensor, attention: StepAttention, fuse: bool) -> torch.Tensor:
+    """The head over packed entries `[1, total, F]` / `[1, total]` at `positions` `[1, total]`, attending through
+    `attention` -> outputs `[1, total, H]`."""
+    if fuse:
+        features = head.fc(features.to(head.dtype))
+    return head(features, token_embeddings(model, tokens), positions, None, None, hf_accel_step=attention)
+
+
+def readout(model: PreTrainedModel, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`hidden` `[rows, H]`, its greedy token through the target's LM head, and that token's probability."""
+    confidence, token = torch.softmax(target_logits(model, hidden), dim=-1).max(dim=-1)
+    return hidden, token, confidence
+
+
+def compiled_head_pass(config: CompileConfig, head: EagleHead, model: PreTrainedModel) -> Callable[..., tuple]:
+    """`head_pass` compiled for `head` and its target `model` (whole and dynamic; on CPU their weights are frozen
+    into the graphs, which are kept while neither changes: `frozen_graphs.compiled_for`)."""
+    options = tuple(sorted((config.options or {}).items()))
+    settings = {"options": dict(options)} if options else {"mode": config.mode}
+    return compiled_for(head, head_pass, ("head_pass", config.backend, config.mode, options),
+                        lambda copy: torch.compile(copy, fullgraph=True, dynamic=True, backend=config.backend,
+                                                   **settings), companions=(model,))
+
+
+@dataclass(slots=True)
+class HeadRounds:
+    """The head's pool and compiled pass, and what its last pass left per row: the hidden state that drafts next, the
+    draft it gives, and the head's probability of that draft."""
+
+    model: PreTrainedModel
+    head: EagleHead
+    pool: PagedRows
+    attend: Callable
+    step: Callable[..., tuple]
+    min_probability: float
+    hidden: torch.Tensor | None = None  # [rows, H]
+    token: torch.Tensor | None = None  # [rows]
+    confidence: torch.Tensor | None = None  # [rows]
+
+    def start(self, prompts: list[torch.Tensor], first: torch.Tensor, features: torch.Tensor) -> None:
+        """The prompts' entries (eager, packed): row r's prompt shifted by one with its first new token `first[r]`
+        after it, over the prefill's `features` `[1, total, F]`."""
+        shifted = [torch.cat([prompt[1:], token[None]]) for prompt, token in zip(prompts, first)]
+        inputs = self.pool.prefill(shifted, self.attend)
+        out = head_entries(self.model, self.head, features, inputs.tokens, inputs.positions, inputs.attention, True)
+        self.hidden, self.token, self.confidence = readout(self.model, out[0, inputs.keep])
+
+    def draft(self, positions: torch.Tensor, k: int, generating: torch.Tensor) -> torch.Tensor:
+        """Up to `k` drafts per row whose last token sits at `positions` `[rows]` -> `[rows, k']`: a chain ends
+        after a draft no `generating` row's head gave at least `min_probability`."""
+        tokens, hidden, confidence = [self.token], self.hidden, self.confidence
+        zeros = torch.zeros_like(positions)
+        for j in range(k - 1):
+            if not bool(((confidence >= self.min_probability) & generating).any()):
+                break
+            hidden, token, confidence = self.step(self.model, self.head, hidden[:, None], tokens[-1][:, None],
+                                                  positions + j, self.pool.kv, self.pool.block_table, self.attend,
+                                                  zeros, False)
+            tokens.append(token)
+        return torch.stack(tokens, dim=1)
+
+    def catch_up(self, features: torch.Tensor, next_tokens: torch.Tensor, start: torch.Tensor,
+                 accepted: torch.Tensor) -> None:
+        """After a verify forward from `start` `[rows]`: its `features` `[rows, 1 + k, F]` and the target's next
+        token at each position `[rows, 1 + k]` become entries `start .. start + k`; keeps the output at
+        `start + accepted`."""
+        self.hidden, self.token, self.confidence = self.step(
+            self.model, self.head, features, next_tokens, start, self.pool.kv, self.pool.block_table, self.attend,
+            accepted, True)
+
+
+def compiled_eagle_generate(model: PreTrainedModel, head: EagleHead, input_ids: torch.Tensor,
+                            attention_mask: torch.Tensor | None, config: GenerationConfig, length: DraftLength,
+                            min_probability: float, stats: SpeculativeStats,
+                            streamer: BaseStreamer | None) -> GenerateDecoderOnlyOutput | torch.LongTensor:
+    """Greedy EAGLE speculation with compiled forwards (see the module docstring); returns what `generate` returns
+    (`past_key_values` None: the pools live for the call only)."""
+    target = TargetRounds(model, input_ids, attention_mask, config, length.max_tokens, stats, streamer,
+                          feature_layers=head.config.feature_layers)
+    layer_config = head.layer.self_attn.config
+    pool = pool_for(head, target.prompts, target.outputs.max_new_tokens, length.max_tokens, config, layer_config)
+    step = compiled_head_pass(config.compile_config, head, model)
+    rounds = HeadRounds(model, head, pool, target.attends.verify, step, min_probability)
+    with contextlib.ExitStack() as stack:
+        for entered in (paged_attention_implementation(model), head.attention_implementation(ATTENTION_NAME),
+                        compile_context(target.rows.device, config.compile_config)):
+            stack.enter_context(entered)
+        sequences = target.run(lambda: _round(target, rounds, length), lambda: rounds.start(
+            target.prompts, target.last, target.features))
+    if not config.return_dict_in_generate:
+        return sequences
+    return GenerateDecoderOnlyOutput(sequences=sequences, past_key_values=None)
+
+
+def _round(target: TargetRounds, head: HeadRounds, length: DraftLength) -> None:
+    """Draft with the head, verify, let the head read the verified features, adapt k. Where no row may gain two
+    tokens (the last round) the round still verifies the head's first draft, counted as no candidate (none can be
+    kept), so that no decode-step graph is compiled for that one token."""
+    k = length.next(max(target.outputs.remaining))
+    generating = [not done for done in target.outputs.finished]
+    start = target.positions
+    candidates = head.draft(start, max(k, 1), torch.tensor(generating, device=start.device))
+    counts = None if k else torch.zeros_like(start)
+    accepted = target.verify_round(candidates, counts)
+    head.catch_up(target.features, target.verdict.tokens, start, target.verdict.num_accepted)
+    if k:
+        target.stats.num_draft_forwards += candidates.shape[1]
+        length.update(candidates.shape[1], min(n for n, on in zip(accepted, generating) if on))
