@@ -3,7 +3,8 @@ head's passes compiled over static paged pools. Greedy output equals plain greed
 1 and in left-padded batches (rows accepting different numbers of drafts), on Llama and Qwen 3 with a trained head and
 on Gemma 2 (hybrid sliding / full, which the eager loop refuses at batch > 1); every round's first draft equals the
 head's prediction computed from scratch over the row's tokens (the head pool's entry layout is exact); k varies
-without new graphs; EOS and a streamer; sampling decodes eagerly with a warning."""
+without new graphs; EOS and a streamer; sampling is lossless (chi-square against plain sampling); other logits
+processors decode eagerly with a warning."""
 
 import copy
 
@@ -12,6 +13,8 @@ import torch
 import torch._dynamo.utils as dynamo_utils
 from conformance import PAD, make_model, make_prompts
 from test_eagle_generate import model_for, own_text, trained_head
+from test_eagle_sampling import NUM_EAGLE, check_columns, peaked_model_and_head
+from test_medusa_sampling import NUM_PLAIN, PROMPT
 from transformers import CompileConfig
 from transformers.generation.streamers import BaseStreamer
 
@@ -81,7 +84,7 @@ def test_every_first_draft_equals_the_uncached_head(monkeypatch):
     def recording(target, rounds, length):
         rows = [torch.cat([prompt, torch.tensor(out, dtype=torch.long)]) for prompt, out in
                 zip(target.prompts, target.outputs.generated)]
-        seen.append((rows, list(target.outputs.finished), rounds.token.clone()))
+        seen.append((rows, list(target.outputs.finished), rounds.last.token.clone()))
         original(target, rounds, length)
 
     monkeypatch.setattr(eagle_loop, "_round", recording)
@@ -127,9 +130,9 @@ def test_frozen_head_graphs_follow_changes_to_the_head_and_the_target(monkeypatc
         hidden, drafts, original = [], [], eagle_loop.HeadRounds.draft
 
         def recording(self, *args):
-            hidden.append(self.hidden[0].clone())
+            hidden.append(self.last.hidden[0].clone())
             out = original(self, *args)
-            drafts.append(out.tolist())
+            drafts.append(out[0].tolist())
             return out
 
         with monkeypatch.context() as patch:
@@ -176,9 +179,36 @@ def test_eos_pads_finished_rows_and_the_streamer_gets_every_token():
     assert streamer.ended and streamer.tokens == out[0].tolist()
 
 
-def test_sampling_decodes_eagerly_with_a_warning():
+@pytest.fixture(scope="module")
+def sampling_model():
+    return peaked_model_and_head()
+
+
+def test_compiled_sampling_is_lossless(sampling_model):
+    """Rows of one compiled call are independent samples: the 2nd-4th tokens' distribution matches plain sampling
+    by the eager loop's chi-square test, and a wrong temperature fails it."""
+    model, head = sampling_model
+    torch.manual_seed(7)
+    plain = model.generate(PROMPT.expand(NUM_PLAIN, -1), max_new_tokens=4, do_sample=True, top_k=0)
+
+    def sampled(temperature):
+        stats = SpeculativeStats()
+        out = model.generate(PROMPT.expand(NUM_EAGLE, -1), max_new_tokens=4, do_sample=True, top_k=0,
+                             temperature=temperature, custom_generate=eagle_generate, eagle_head=head,
+                             num_draft_tokens=3, eagle_stats=stats, compile_config=COMPILE,
+                             return_dict_in_generate=True)
+        assert out.past_key_values is None  # the compiled loop ran
+        return out.sequences, stats
+
+    torch.manual_seed(1234)
+    got, stats = sampled(1.0)
+    assert stats.accepted[0] > 0 and 0 < stats.acceptance_rate < 1, stats  # drafts accepted and rejected
+    check_columns(got, sampled(0.5)[0], plain, "compiled")
+
+
+def test_processors_decode_eagerly_with_a_warning():
     model = model_for("llama")
     inputs = make_prompts([7], seed=1)
     with pytest.warns(UserWarning, match="eagle_generate"):
-        out = _eagle(model, trained_head(model), inputs, do_sample=True, return_dict_in_generate=True)
+        out = _eagle(model, trained_head(model), inputs, repetition_penalty=1.3, return_dict_in_generate=True)
     assert out.past_key_values is not None  # the eager loop ran

@@ -15,6 +15,11 @@ NUM_EAGLE = 200
 
 @pytest.fixture(scope="module")
 def model():
+    return peaked_model_and_head()
+
+
+def peaked_model_and_head() -> tuple[LlamaForCausalLM, EagleHead]:
+    """A 2-layer Llama over the 16-token vocabulary with peaked next-token distributions, and an untrained head."""
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=1, bos_token_id=1, eos_token_id=None,
                          pad_token_id=0)

@@ -13,7 +13,9 @@ pairs the target's feature at t with the token at t + 1, and its output predicts
 - one compiled head pass writes entries `p .. p + k` (the verify's features, and the target's own next token at each
   position, which is the true next token up to `p + a_r + 1`) and keeps its output at `p + a_r`: the next round's
   draft 1. Entries past it, and the draft entries, are overwritten before any query can read them.
-Greedy output equals plain greedy `generate`; sampling is left to the eager loop (`speculation_uncovered`).
+Greedy output equals plain greedy `generate`. Sampling (temperature, top-k, top-p, min-p, applied in the graphs)
+draws each draft from the head's warped distribution and accepts by lossless speculative sampling against it, as
+the eager loop does; the entry tokens are then the sampled tokens, accepted drafts and the resampled one.
 """
 
 from __future__ import annotations
@@ -40,11 +42,10 @@ from .step import compile_context
 
 def head_pass(model: PreTrainedModel, head: EagleHead, features: torch.Tensor, tokens: torch.Tensor,
               positions: torch.Tensor, kv, block_table: torch.Tensor, attend: Callable, pick: torch.Tensor,
-              fuse: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              fuse: bool, warpers: tuple, do_sample: bool) -> HeadOutput:
     """Row `r` writes `n` head entries (`features[r, i]`, `tokens[r, i]`), `[rows, n, F]` / `[rows, n]`, at
     positions `positions[r] + i` of the head's pool (`fuse`: F is the target's concatenated features, else the head's
-    own output, F = H) -> at entry `pick[r]` of each row: the output `[rows, H]`, its greedy next token `[rows]` and
-    the probability the head gave that token `[rows]`."""
+    own output, F = H) -> the head's draft from its output at entry `pick[r]` of each row (`readout`)."""
     rows, num = tokens.shape
     at = positions[:, None] + torch.arange(num, device=positions.device)  # [rows, n]
     slots = table_slots(block_table, at, kv.block_size).reshape(-1)
@@ -53,7 +54,7 @@ def head_pass(model: PreTrainedModel, head: EagleHead, features: torch.Tensor, t
     out = head_entries(model, head, features.reshape(1, rows * num, -1), tokens.reshape(1, -1), at.reshape(1, -1),
                        attention, fuse)
     hidden = out[0].view(rows, num, -1).gather(1, pick[:, None, None].expand(-1, 1, out.shape[-1]))[:, 0]
-    return readout(model, hidden)
+    return readout(model, hidden, warpers, do_sample)
 
 
 def head_entries(model: PreTrainedModel, head: EagleHead, features: torch.Tensor, tokens: torch.Tensor,
@@ -65,10 +66,16 @@ def head_entries(model: PreTrainedModel, head: EagleHead, features: torch.Tensor
     return head(features, token_embeddings(model, tokens), positions, None, None, hf_accel_step=attention)
 
 
-def readout(model: PreTrainedModel, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`hidden` `[rows, H]`, its greedy token through the target's LM head, and that token's probability."""
-    confidence, token = torch.softmax(target_logits(model, hidden), dim=-1).max(dim=-1)
-    return hidden, token, confidence
+def readout(model: PreTrainedModel, hidden: torch.Tensor, warpers: tuple, do_sample: bool) -> HeadOutput:
+    """The head's draft from `hidden` `[rows, H]` through the target's LM head: greedy, or drawn (exponential race)
+    from the distribution after `warpers`; with the probability the head gave it."""
+    scores = target_logits(model, hidden)
+    for warper in warpers:
+        scores = warper(None, scores)  # in-graph warpers never read input_ids
+    probs = torch.softmax(scores, dim=-1)
+    token = (probs / torch.empty_like(probs).exponential_(1)).argmax(dim=-1) if do_sample else probs.argmax(dim=-1)
+    confidence = probs.gather(1, token[:, None])[:, 0]
+    return HeadOutput(hidden, token, confidence, probs if do_sample else None)
 
 
 def compiled_head_pass(config: CompileConfig, head: EagleHead, model: PreTrainedModel) -> Callable[..., tuple]:
@@ -82,19 +89,30 @@ def compiled_head_pass(config: CompileConfig, head: EagleHead, model: PreTrained
 
 
 @dataclass(slots=True)
+class HeadOutput:
+    """The head's draft per row: the hidden state it came from `[rows, H]`, the token `[rows]`, the probability the
+    head gave it `[rows]`, and (sampling) the distribution it was drawn from `[rows, vocab]`."""
+
+    hidden: torch.Tensor
+    token: torch.Tensor
+    confidence: torch.Tensor
+    probs: torch.Tensor | None
+
+
+@dataclass(slots=True)
 class HeadRounds:
-    """The head's pool and compiled pass, and what its last pass left per row: the hidden state that drafts next, the
-    draft it gives, and the head's probability of that draft."""
+    """The head's pool and compiled pass, the decoding rule (`warpers`, `do_sample`), and the draft its last pass
+    left (`last`: draft 1 of the next round)."""
 
     model: PreTrainedModel
     head: EagleHead
     pool: PagedRows
     attend: Callable
-    step: Callable[..., tuple]
+    step: Callable[..., HeadOutput]
     min_probability: float
-    hidden: torch.Tensor | None = None  # [rows, H]
-    token: torch.Tensor | None = None  # [rows]
-    confidence: torch.Tensor | None = None  # [rows]
+    warpers: tuple = ()
+    do_sample: bool = False
+    last: HeadOutput | None = None
 
     def start(self, prompts: list[torch.Tensor], first: torch.Tensor, features: torch.Tensor) -> None:
         """The prompts' entries (eager, packed): row r's prompt shifted by one with its first new token `first[r]`
@@ -102,44 +120,46 @@ class HeadRounds:
         shifted = [torch.cat([prompt[1:], token[None]]) for prompt, token in zip(prompts, first)]
         inputs = self.pool.prefill(shifted, self.attend)
         out = head_entries(self.model, self.head, features, inputs.tokens, inputs.positions, inputs.attention, True)
-        self.hidden, self.token, self.confidence = readout(self.model, out[0, inputs.keep])
+        self.last = readout(self.model, out[0, inputs.keep], self.warpers, self.do_sample)
 
-    def draft(self, positions: torch.Tensor, k: int, generating: torch.Tensor) -> torch.Tensor:
-        """Up to `k` drafts per row whose last token sits at `positions` `[rows]` -> `[rows, k']`: a chain ends
-        after a draft no `generating` row's head gave at least `min_probability`."""
-        tokens, hidden, confidence = [self.token], self.hidden, self.confidence
+    def draft(self, positions: torch.Tensor, k: int, generating: torch.Tensor) -> tuple[torch.Tensor,
+                                                                                         torch.Tensor | None]:
+        """Up to `k` drafts per row whose last token sits at `positions` `[rows]` -> `[rows, k']`, and when sampling
+        the distributions they were drawn from `[rows, k', vocab]`: a chain ends after a draft no `generating` row's
+        head gave at least `min_probability`."""
+        drafts = [self.last]
         zeros = torch.zeros_like(positions)
         for j in range(k - 1):
-            if not bool(((confidence >= self.min_probability) & generating).any()):
+            if not bool(((drafts[-1].confidence >= self.min_probability) & generating).any()):
                 break
-            hidden, token, confidence = self.step(self.model, self.head, hidden[:, None], tokens[-1][:, None],
-                                                  positions + j, self.pool.kv, self.pool.block_table, self.attend,
-                                                  zeros, False)
-            tokens.append(token)
-        return torch.stack(tokens, dim=1)
+            drafts.append(self.step(self.model, self.head, drafts[-1].hidden[:, None], drafts[-1].token[:, None],
+                                    positions + j, self.pool.kv, self.pool.block_table, self.attend, zeros, False,
+                                    self.warpers, self.do_sample))
+        tokens = torch.stack([d.token for d in drafts], dim=1)
+        return tokens, torch.stack([d.probs for d in drafts], dim=1) if self.do_sample else None
 
     def catch_up(self, features: torch.Tensor, next_tokens: torch.Tensor, start: torch.Tensor,
                  accepted: torch.Tensor) -> None:
-        """After a verify forward from `start` `[rows]`: its `features` `[rows, 1 + k, F]` and the target's next
-        token at each position `[rows, 1 + k]` become entries `start .. start + k`; keeps the output at
-        `start + accepted`."""
-        self.hidden, self.token, self.confidence = self.step(
-            self.model, self.head, features, next_tokens, start, self.pool.kv, self.pool.block_table, self.attend,
-            accepted, True)
+        """After a verify forward from `start` `[rows]`: its `features` `[rows, 1 + k, F]` and the emitted token
+        after each position `[rows, 1 + k]` (the true next token up to `start + accepted + 1`) become entries
+        `start .. start + k`; keeps the draft from the output at `start + accepted`."""
+        self.last = self.step(self.model, self.head, features, next_tokens, start, self.pool.kv,
+                              self.pool.block_table, self.attend, accepted, True, self.warpers, self.do_sample)
 
 
 def compiled_eagle_generate(model: PreTrainedModel, head: EagleHead, input_ids: torch.Tensor,
                             attention_mask: torch.Tensor | None, config: GenerationConfig, length: DraftLength,
-                            min_probability: float, stats: SpeculativeStats,
-                            streamer: BaseStreamer | None) -> GenerateDecoderOnlyOutput | torch.LongTensor:
-    """Greedy EAGLE speculation with compiled forwards (see the module docstring); returns what `generate` returns
-    (`past_key_values` None: the pools live for the call only)."""
-    target = TargetRounds(model, input_ids, attention_mask, config, length.max_tokens, stats, streamer,
-                          feature_layers=head.config.feature_layers)
+                            min_probability: float, stats: SpeculativeStats, streamer: BaseStreamer | None,
+                            warpers: tuple = ()) -> GenerateDecoderOnlyOutput | torch.LongTensor:
+    """EAGLE speculation with compiled forwards (see the module docstring), greedy or (with `config.do_sample`)
+    sampled after `warpers`; returns what `generate` returns (`past_key_values` None: the pools live for the call
+    only)."""
+    target = TargetRounds(model, input_ids, attention_mask, config, length.max_tokens, stats, streamer, warpers,
+                          head.config.feature_layers)
     layer_config = head.layer.self_attn.config
     pool = pool_for(head, target.prompts, target.outputs.max_new_tokens, length.max_tokens, config, layer_config)
     step = compiled_head_pass(config.compile_config, head, model)
-    rounds = HeadRounds(model, head, pool, target.attends.verify, step, min_probability)
+    rounds = HeadRounds(model, head, pool, target.attends.verify, step, min_probability, warpers, target.do_sample)
     with contextlib.ExitStack() as stack:
         for entered in (paged_attention_implementation(model), head.attention_implementation(ATTENTION_NAME),
                         compile_context(target.rows.device, config.compile_config)):
@@ -158,9 +178,9 @@ def _round(target: TargetRounds, head: HeadRounds, length: DraftLength) -> None:
     k = length.next(max(target.outputs.remaining))
     generating = [not done for done in target.outputs.finished]
     start = target.positions
-    candidates = head.draft(start, max(k, 1), torch.tensor(generating, device=start.device))
+    candidates, probs = head.draft(start, max(k, 1), torch.tensor(generating, device=start.device))
     counts = None if k else torch.zeros_like(start)
-    accepted = target.verify_round(candidates, counts)
+    accepted = target.verify_round(candidates, counts, probs)
     head.catch_up(target.features, target.verdict.tokens, start, target.verdict.num_accepted)
     if k:
         target.stats.num_draft_forwards += candidates.shape[1]

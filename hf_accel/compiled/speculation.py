@@ -45,7 +45,8 @@ _MODEL_INPUTS = ("attention_mask", "past_key_values", "use_cache", "cache_positi
 def speculation_uncovered(models: list[PreTrainedModel], config: GenerationConfig, processors: LogitsProcessorList,
                           criteria: StoppingCriteriaList, model_kwargs: dict, sampling: bool = False) -> str | None:
     """Why compiled speculation cannot run this call (the first reason), or None when it can; `sampling`: the
-    caller's drafts are deterministic, so sampling with the warpers the graph applies is covered too."""
+    caller verifies sampled calls losslessly (deterministic drafts, or drafts with their distributions), so sampling
+    with the warpers the graph applies is covered too."""
     mode = config.get_generation_mode()
     covered = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE) if sampling else (GenerationMode.GREEDY_SEARCH,)
     if mode not in covered:
@@ -122,8 +123,8 @@ class TargetRounds:
         stats: counters to add the rounds to; `streamer`: gets each emitted token at batch 1.
         warpers: with `config.do_sample`, the warpers of generate's processors (`token_choice.IN_GRAPH_WARPERS`):
             tokens are sampled, and candidates (deterministic drafts) accepted by lossless speculative sampling.
-        feature_layers: greedy only: indices into the target's `output_hidden_states` whose states the prefill and
-            every verify forward also return (an EAGLE head's input), kept in `features` with the round's `verdict`.
+        feature_layers: indices into the target's `output_hidden_states` whose states the prefill and every verify
+            forward also return (an EAGLE head's input), kept in `features` with the round's `verdict`.
     """
 
     def __init__(self, model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
@@ -133,8 +134,6 @@ class TargetRounds:
             raise ValueError("`streamer` supports batch size 1 only")
         self.model, self.input_ids, self.config, self.stats, self.streamer = model, input_ids, config, stats, streamer
         self.do_sample, self.warpers, self.feature_layers = bool(config.do_sample), warpers, feature_layers
-        if feature_layers and self.do_sample:
-            raise ValueError("compiled rounds return hidden-state features for greedy decoding only")
         self.prompts = unpadded_prompts(input_ids, attention_mask)
         eos = config._eos_token_tensor
         self.outputs = RowTokens.empty(len(self.prompts), config.max_length - input_ids.shape[1],
@@ -189,12 +188,15 @@ class TargetRounds:
         self.stats.record_round(0, empty, torch.tensor(active, dtype=torch.long), torch.tensor(active),
                                 row_depths=empty)
 
-    def verify_round(self, candidates: torch.Tensor, num_candidates: torch.Tensor | None) -> list[int]:
+    def verify_round(self, candidates: torch.Tensor, num_candidates: torch.Tensor | None,
+                     draft_probs: torch.Tensor | None = None) -> list[int]:
         """Verify `candidates` `[rows, k]` (row r's first `num_candidates[r]` are real; None: all) in one compiled
-        forward; emit and advance. Returns each row's accepted candidates (0 for finished rows)."""
+        forward; emit and advance. When sampling, `draft_probs` `[rows, k, vocab]` are the distributions the
+        candidates were drawn from (None: deterministic candidates). Returns each row's accepted candidates (0 for
+        finished rows)."""
         active = self._active()
         tokens = torch.cat([self.last[:, None], candidates], dim=1)  # [rows, 1 + k]
-        verdict = self.verdict = self._decide(tokens, candidates, num_candidates)
+        verdict = self.verdict = self._decide(tokens, candidates, num_candidates, draft_probs)
         accepted, emitted = verdict.num_accepted.tolist(), verdict.tokens.tolist()
         kept = [self._emit(r, emitted[r][: n + 1]) if active[r] else 0 for r, n in enumerate(accepted)]
         moved = torch.tensor(active, device=self.positions.device) * verdict.num_emitted
@@ -206,25 +208,28 @@ class TargetRounds:
                                 num_candidates.cpu())
         return [n if on else 0 for n, on in zip(accepted, active)]
 
-    def _decide(self, tokens: torch.Tensor, candidates: torch.Tensor,
-                num_candidates: torch.Tensor | None) -> Verdict:
+    def _decide(self, tokens: torch.Tensor, candidates: torch.Tensor, num_candidates: torch.Tensor | None,
+                draft_probs: torch.Tensor | None) -> Verdict:
         """One compiled verify forward of `tokens` `[rows, 1 + k]`, then greedy prefix match, or lossless speculative
-        sampling with one-hot draft distributions (the candidates are deterministic)."""
+        sampling against `draft_probs` (one-hot where None: deterministic candidates)."""
         args = (self.model, tokens, self.positions, self.rows.kv, self.rows.block_table, self.attends.verify)
         if self.feature_layers:
-            greedy, self.features = self.verify(*args, self.feature_layers)
-            return greedy_accept(candidates, greedy, num_candidates)
+            args = (*args, self.feature_layers)
+        result = self.verify(*args, self.do_sample)
+        if self.feature_layers:
+            result, self.features = result
         if not self.do_sample:
-            return greedy_accept(candidates, self.verify(*args), num_candidates)
-        logits = self.verify(*args, True)  # [rows, 1 + k, vocab]
-        scores = logits.reshape(-1, logits.shape[-1])
+            return greedy_accept(candidates, result, num_candidates)
+        scores = result.reshape(-1, result.shape[-1])  # [rows * (1 + k), vocab]
         for warper in self.warpers:
             scores = warper(None, scores)  # these warpers never read input_ids
-        probs = torch.softmax(scores, dim=-1).view(logits.shape)
-        one_hot = torch.zeros_like(probs[:, 1:]).scatter_(2, candidates[..., None], 1.0)  # [rows, k, vocab]
+        probs = torch.softmax(scores, dim=-1).view(result.shape)
+        if draft_probs is None:
+            draft_probs = torch.zeros_like(probs[:, 1:]).scatter_(2, candidates[..., None], 1.0)  # [rows, k, vocab]
         if num_candidates is not None:  # padding positions: q = 0, so the token after a row's drafts comes from p
-            one_hot *= (torch.arange(candidates.shape[1], device=candidates.device) < num_candidates[:, None])[..., None]
-        return speculative_sample(candidates, one_hot, probs, num_drafts=num_candidates)
+            real = torch.arange(candidates.shape[1], device=candidates.device) < num_candidates[:, None]
+            draft_probs = draft_probs * real[..., None]
+        return speculative_sample(candidates, draft_probs, probs, num_drafts=num_candidates)
 
     def _active(self) -> list[bool]:
         return [not done for done in self.outputs.finished]

@@ -89,7 +89,8 @@ def compiled_eagle_entry(model, input_ids, logits_processor, stopping_criteria, 
     head = options["eagle_head"]
     if not isinstance(head, EagleHead):  # the eager function raises the error that names the argument
         return eagle_generate(*args, **kwargs)
-    reason = speculation_uncovered([model], generation_config, logits_processor, stopping_criteria, model_kwargs)
+    reason = speculation_uncovered([model], generation_config, logits_processor, stopping_criteria, model_kwargs,
+                                   sampling=True)
     if reason is not None:
         return _eagerly(eagle_generate, reason, args, kwargs)
     head.check_compatible(model)
@@ -98,7 +99,7 @@ def compiled_eagle_entry(model, input_ids, logits_processor, stopping_criteria, 
     return compiled_eagle_generate(
         model, head, input_ids, model_kwargs.get("attention_mask"), generation_config,
         DraftLength(options["num_draft_tokens"], options["max_draft_tokens"]), min_probability, stats,
-        options["hf_accel_streamer"])
+        options["hf_accel_streamer"], tuple(logits_processor) if generation_config.do_sample else ())
 
 
 COMPILED_ENTRIES = {ngram_generate: compiled_ngram_entry, draft_generate: compiled_draft_entry,

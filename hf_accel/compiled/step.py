@@ -58,14 +58,15 @@ def verify_step(model: PreTrainedModel, tokens: torch.Tensor, positions: torch.T
 
 
 def verify_features_step(model: PreTrainedModel, tokens: torch.Tensor, positions: torch.Tensor, kv: KVPool,
-                         block_table: torch.Tensor, attend: Callable,
-                         feature_layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    """`verify_step`'s greedy next tokens `[rows, n]`, and the hidden states `feature_layers` index in the model's
-    `output_hidden_states` at each of the tokens, concatenated: `[rows, n, len(feature_layers) * H]` (an EAGLE head's
-    input)."""
+                         block_table: torch.Tensor, attend: Callable, feature_layers: tuple[int, ...],
+                         return_logits: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """`verify_step`'s result (greedy next tokens `[rows, n]`, or with `return_logits` fp32 logits `[rows, n,
+    vocab]`), and the hidden states `feature_layers` index in the model's `output_hidden_states` at each of the
+    tokens, concatenated: `[rows, n, len(feature_layers) * H]` (an EAGLE head's input)."""
     out = _verify_forward(model, tokens, positions, kv, block_table, attend, True)
-    features = torch.cat([out.hidden_states[i][0] for i in feature_layers], dim=-1)
-    return out.logits[0].float().argmax(dim=-1).view(tokens.shape), features.view(*tokens.shape, -1)
+    features = torch.cat([out.hidden_states[i][0] for i in feature_layers], dim=-1).view(*tokens.shape, -1)
+    logits = out.logits[0].float().view(*tokens.shape, -1)
+    return (logits if return_logits else logits.argmax(dim=-1)), features
 
 
 def _verify_forward(model: PreTrainedModel, tokens: torch.Tensor, positions: torch.Tensor, kv: KVPool,

@@ -78,6 +78,9 @@ def eagle_generate(
             acceptance per draft position; `num_draft_forwards` counts head passes).
         tokenizer: needed by `stop_strings` (generate hands it only to callables that name it).
         hf_accel_streamer: the `streamer=` of `generate` (hf_accel's registry forwards it under this name).
+    With `compile_config` in the generation config, greedy calls and calls sampling with temperature / top-k / top-p
+    / min-p only run the target's verify forward and the head's passes compiled (`hf_accel/compiled/eagle_loop.py`;
+    on CPU too); their output's `past_key_values` is None.
     Returns what `generate` returns: `sequences` `[batch, prompt + new]` (finished rows padded with
     `pad_token_id`), or a `GenerateDecoderOnlyOutput` with `scores` / `logits` / `past_key_values` when asked (at
     batch size > 1 the cache holds holes, see `RaggedBatch`: not to be continued from).
