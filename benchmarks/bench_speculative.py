@@ -120,6 +120,8 @@ class Method:
     stats_kwarg: str | None = None
     make_stats: Callable[[], Any] | None = None
     read_stats: Callable[[Any], dict[str, Any]] | None = None
+    plain: bool = False  # plain decoding: one target forward per token (a compiled loop's forwards cannot be counted
+    # by hooks, which the compiled graph does not run)
 
 
 def load_pair(plan: Plan, eagle_only: bool = False) -> Pair:
@@ -194,7 +196,8 @@ def plain_compiled_method(pair: Pair, case: Case) -> Method | None:
     if case.mode != "greedy":
         return None
     return Method(bench.Strategy(PLAIN_COMPILED, "cache_implementation='paged', compile_config (hf_accel's compiled "
-                                 "loop)", lambda model, max_len: {**case.generate_kwargs, **_compiled("paged")}))
+                                 "loop)", lambda model, max_len: {**case.generate_kwargs, **_compiled("paged")}),
+                  plain=True)
 
 
 def _compiled(cache: str | None = None) -> dict[str, Any]:
@@ -286,7 +289,7 @@ def profile(pair: Pair, method: Method, inputs: dict[str, torch.Tensor], new_tok
     max_len = inputs["input_ids"].shape[1] + new_tokens
     options = {**method.strategy.generate_kwargs(pair.target, max_len), **extra}
     torch.manual_seed(0)
-    forwards = bench.count_forwards(pair.target, lambda: pair.target.generate(
+    forwards = new_tokens if method.plain else bench.count_forwards(pair.target, lambda: pair.target.generate(
         **inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **options))
     found = {"tokens_per_target_forward": (new_tokens - 1) / max(forwards - 1, 1), "target_forwards": forwards}
     return found | (method.read_stats(stats) if stats is not None else {})
