@@ -14,6 +14,7 @@ from transformers.generation.streamers import BaseStreamer
 from conformance import PAD, make_draft_model, make_model, make_prompts
 from hf_accel import SpeculativeStats, SuffixCache, draft_generate, ngram_generate
 from hf_accel.compiled.spec_rows import RowTokens
+from hf_accel.compiled.speculation import TargetRounds
 
 pytestmark = pytest.mark.compiled
 
@@ -128,6 +129,23 @@ def test_compiled_draft_model_eos_and_streamer():
     streamer, one = Collect(), make_prompts([11], seed=4)
     out = _draft(model, one, streamer=streamer)
     assert streamer.ended and [t for chunk in streamer.chunks for t in chunk] == out[0].tolist()
+
+
+def test_compiled_draft_model_never_compiles_a_plain_round(monkeypatch):
+    """The last round (no row may gain two tokens) verifies a draft it counts as none instead of a plain decode step,
+    whose graph would be compiled for that one token."""
+    model = _model("llama")
+
+    def refuse(self):
+        raise AssertionError("the draft loop took a plain round")
+
+    monkeypatch.setattr(TargetRounds, "plain_round", refuse)
+    for new in (2, 5, NEW):
+        inputs = make_prompts([8, 13], seed=new)
+        stats = SpeculativeStats()
+        out = _draft(model, inputs, max_new_tokens=new, draft_stats=stats)
+        assert torch.equal(out, _plain(model, inputs, max_new_tokens=new))
+        assert stats.num_new_tokens == 2 * new
 
 
 class Collect(BaseStreamer):

@@ -62,15 +62,16 @@ def compiled_draft_generate(model: PreTrainedModel, draft: PreTrainedModel, inpu
 
 
 def _round(target: TargetRounds, draft: DraftSteps, pool: PagedRows, length: DraftLength) -> None:
-    """Draft k tokens per row, verify them, adapt k (a plain compiled step when no row may gain two tokens)."""
+    """Draft k tokens per row, verify them, adapt k. Where no row may gain two tokens (the last round) the round still
+    verifies one draft, counted as no candidate, so that no target decode-step graph is compiled for that one
+    token."""
     k = length.next(max(target.outputs.remaining))
-    if k == 0:
-        target.plain_round()
-        return
     generating = [not done for done in target.outputs.finished]
-    accepted = target.verify_round(_propose(target, draft, pool, k), None)
-    target.stats.num_draft_forwards += k
-    length.update(k, min(n for n, on in zip(accepted, generating) if on))
+    counts = None if k else torch.zeros_like(target.positions)  # the last round: its one draft counts as none
+    accepted = target.verify_round(_propose(target, draft, pool, max(k, 1)), counts)
+    if k:
+        target.stats.num_draft_forwards += k
+        length.update(k, min(n for n, on in zip(accepted, generating) if on))
 
 
 def _propose(target: TargetRounds, draft: DraftSteps, pool: PagedRows, k: int) -> torch.Tensor:
