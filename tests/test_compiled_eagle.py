@@ -13,10 +13,10 @@ import torch
 import torch._dynamo.utils as dynamo_utils
 from conformance import PAD, make_model, make_prompts
 from test_eagle_generate import model_for, own_text, trained_head
+from test_compiled_speculation import Collect
 from test_eagle_sampling import NUM_EAGLE, check_columns, peaked_model_and_head
 from test_medusa_sampling import NUM_PLAIN, PROMPT
 from transformers import CompileConfig
-from transformers.generation.streamers import BaseStreamer
 
 from hf_accel import EagleHead, SpeculativeStats, eagle_generate
 from hf_accel.compiled import eagle_loop
@@ -155,17 +155,6 @@ def test_frozen_head_graphs_follow_changes_to_the_head_and_the_target(monkeypatc
     assert same(again, outputs(copy.deepcopy(model), copy.deepcopy(head))) and not same(again, changed)
 
 
-class _Collect(BaseStreamer):
-    def __init__(self):
-        self.tokens, self.ended = [], False
-
-    def put(self, value):
-        self.tokens.extend(value.reshape(-1).tolist())
-
-    def end(self):
-        self.ended = True
-
-
 def test_eos_pads_finished_rows_and_the_streamer_gets_every_token():
     model = model_for("llama")
     head = trained_head(model)
@@ -174,9 +163,9 @@ def test_eos_pads_finished_rows_and_the_streamer_gets_every_token():
     eos = int(free[1, -10])  # a token row 1 emits mid-way: it stops there, later rows are padded
     assert torch.equal(_eagle(model, head, inputs, eos_token_id=eos), _plain(model, inputs, eos_token_id=eos))
     one = _own_prompts(model, [11])
-    streamer = _Collect()
+    streamer = Collect()
     out = _eagle(model, head, one, streamer=streamer)
-    assert streamer.ended and streamer.tokens == out[0].tolist()
+    assert streamer.ended and [t for chunk in streamer.chunks for t in chunk] == out[0].tolist()
 
 
 @pytest.fixture(scope="module")

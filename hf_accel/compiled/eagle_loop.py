@@ -30,14 +30,13 @@ from transformers.generation.streamers import BaseStreamer
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from ..engine.attention import ATTENTION_NAME, StepAttention
-from ..engine.frozen_graphs import compiled_for
 from ..engine.step_forward import paged_attention_implementation
 from ..speculative.draft_length import DraftLength
 from ..speculative.eagle_head import EagleHead, target_logits, token_embeddings
 from ..speculative.stats import SpeculativeStats
 from .paged_rows import PagedRows, table_slots
 from .speculation import TargetRounds, pool_for
-from .step import compile_context
+from .step import compile_context, compiled_with
 
 
 def head_pass(model: PreTrainedModel, head: EagleHead, features: torch.Tensor, tokens: torch.Tensor,
@@ -78,14 +77,10 @@ def readout(model: PreTrainedModel, hidden: torch.Tensor, warpers: tuple, do_sam
     return HeadOutput(hidden, token, confidence, probs if do_sample else None)
 
 
-def compiled_head_pass(config: CompileConfig, head: EagleHead, model: PreTrainedModel) -> Callable[..., tuple]:
-    """`head_pass` compiled for `head` and its target `model` (whole and dynamic; on CPU their weights are frozen
-    into the graphs, which are kept while neither changes: `frozen_graphs.compiled_for`)."""
-    options = tuple(sorted((config.options or {}).items()))
-    settings = {"options": dict(options)} if options else {"mode": config.mode}
-    return compiled_for(head, head_pass, ("head_pass", config.backend, config.mode, options),
-                        lambda copy: torch.compile(copy, fullgraph=True, dynamic=True, backend=config.backend,
-                                                   **settings), companions=(model,))
+def compiled_head_pass(config: CompileConfig, head: EagleHead, model: PreTrainedModel) -> Callable[..., HeadOutput]:
+    """`head_pass` compiled for `head` and its target `model` (on CPU their weights are frozen into the graphs, kept
+    while neither changes)."""
+    return compiled_with(config, head, head_pass, companions=(model,))
 
 
 @dataclass(slots=True)
@@ -130,7 +125,9 @@ class HeadRounds:
         drafts = [self.last]
         zeros = torch.zeros_like(positions)
         for j in range(k - 1):
-            if not bool(((drafts[-1].confidence >= self.min_probability) & generating).any()):
+            # the cut reads the device (a synchronisation per draft): only when it can end a chain
+            if self.min_probability > 0 and not bool(((drafts[-1].confidence >= self.min_probability)
+                                                      & generating).any()):
                 break
             drafts.append(self.step(self.model, self.head, drafts[-1].hidden[:, None], drafts[-1].token[:, None],
                                     positions + j, self.pool.kv, self.pool.block_table, self.attend, zeros, False,

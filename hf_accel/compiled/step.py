@@ -96,11 +96,18 @@ def compiled_verify_features_step(config: CompileConfig, model: PreTrainedModel)
 
 
 def _compiled(model: PreTrainedModel, function: Callable, config: CompileConfig) -> Callable[..., torch.Tensor]:
+    return compiled_with(config, model, function)
+
+
+def compiled_with(config: CompileConfig, owner: torch.nn.Module, function: Callable,
+                  companions: tuple[torch.nn.Module, ...] = ()) -> Callable:
+    """`function` compiled whole and dynamic with `config`'s backend, mode and options, kept for `owner` (and the
+    `companions` whose weights its graphs also hold) by `frozen_graphs.compiled_for`."""
     options = tuple(sorted((config.options or {}).items()))
     settings = {"options": dict(options)} if options else {"mode": config.mode}  # torch.compile takes one or the other
-    return compiled_for(model, function, (function.__name__, config.backend, config.mode, options),
+    return compiled_for(owner, function, (function.__name__, config.backend, config.mode, options),
                         lambda copy: torch.compile(copy, fullgraph=True, dynamic=True, backend=config.backend,
-                                                   **settings))
+                                                   **settings), companions)
 
 
 @contextlib.contextmanager

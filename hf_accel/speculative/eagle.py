@@ -10,7 +10,9 @@ hidden states, the next round's features), and the chain rounds `draft_generate`
 accepted prefix: `verify.greedy_accept`, or lossless `verify.speculative_sample` against the head's processed
 distributions. Rows accept different numbers of tokens through holes (`RaggedBatch`); k adapts (`DraftLength`), and
 a chain ends early after a draft the head itself gave less than `min_draft_probability` (EAGLE-2's observation: the
-head's confidence predicts acceptance).
+head's confidence predicts acceptance). With `compile_config` in the generation config, greedy calls and calls
+sampling with temperature / top-k / top-p / min-p only run compiled instead (`hf_accel/compiled/eagle_loop.py`, on
+CPU too; their output's `past_key_values` is None).
 """
 
 from __future__ import annotations
@@ -74,13 +76,9 @@ def eagle_generate(
         max_draft_tokens: the longest chain a round may draft.
         min_draft_probability: a chain ends early after a draft to which the head gave less than this probability
             in every generating row (the head's confidence predicts acceptance; 0 drafts the whole k), in [0, 1).
-        eagle_stats: a `SpeculativeStats` to add this call's counters to (target forwards, tokens per forward,
-            acceptance per draft position; `num_draft_forwards` counts head passes).
+        eagle_stats: a `SpeculativeStats` to add this call's counters to (`num_draft_forwards`: head passes).
         tokenizer: needed by `stop_strings` (generate hands it only to callables that name it).
         hf_accel_streamer: the `streamer=` of `generate` (hf_accel's registry forwards it under this name).
-    With `compile_config` in the generation config, greedy calls and calls sampling with temperature / top-k / top-p
-    / min-p only run the target's verify forward and the head's passes compiled (`hf_accel/compiled/eagle_loop.py`;
-    on CPU too); their output's `past_key_values` is None.
     Returns what `generate` returns: `sequences` `[batch, prompt + new]` (finished rows padded with
     `pad_token_id`), or a `GenerateDecoderOnlyOutput` with `scores` / `logits` / `past_key_values` when asked (at
     batch size > 1 the cache holds holes, see `RaggedBatch`: not to be continued from).
@@ -88,13 +86,13 @@ def eagle_generate(
     min_probability = check_probability(min_draft_probability)
     call = GenerateCall(model, input_ids, logits_processor, stopping_criteria, generation_config, hf_accel_streamer,
                         model_kwargs)
-    run = _start(call, eagle_head, DraftLength(num_draft_tokens, max_draft_tokens), eagle_stats)
-    run.min_probability = min_probability
+    run = _start(call, eagle_head, DraftLength(num_draft_tokens, max_draft_tokens), eagle_stats, min_probability)
     loop.run(run.decoding, lambda: _prefill(run), lambda _: _round(run))
     return loop.output(run.decoding, generation_config, run.cache)
 
 
-def _start(call: GenerateCall, head: EagleHead | None, length: DraftLength, stats: SpeculativeStats | None) -> _Run:
+def _start(call: GenerateCall, head: EagleHead | None, length: DraftLength, stats: SpeculativeStats | None,
+           min_probability: float) -> _Run:
     if not isinstance(head, EagleHead):
         raise TypeError(f"eagle_generate needs `eagle_head=` (a hf_accel.EagleHead trained for this model), got "
                         f"{type(head).__name__}")
@@ -104,7 +102,7 @@ def _start(call: GenerateCall, head: EagleHead | None, length: DraftLength, stat
     cache = call.model_kwargs["past_key_values"]
     cache.activate_past_recording()  # sliding-window layers must keep what a crop may take back
     state = new_head_state(head, call.input_ids.shape[0], call.input_ids.device)
-    return _Run(decoding, call.model, cache, state, length, 0.0)
+    return _Run(decoding, call.model, cache, state, length, min_probability)
 
 
 def check_probability(value: float) -> float:
