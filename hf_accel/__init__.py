@@ -18,6 +18,7 @@ from .cache.sink import SinkCache
 from .cache.sink_config import SinkCacheConfig
 from .compiled.route import route_generate
 from .engine.engine import Engine
+from .engine.engine_process import EngineProcess
 from .engine.engine_core import EngineStats
 from .engine.errors import ContextLengthExceededError, EngineDeadError
 from .engine.outputs import CompletionOutput, RequestOutput, RequestOutputKind
@@ -71,6 +72,7 @@ __all__ = [
     "EagleConfig",
     "EagleHead",
     "Engine",
+    "EngineProcess",
     "EngineDeadError",
     "EngineStats",
     "Int4Linear",

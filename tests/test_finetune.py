@@ -19,7 +19,8 @@ from hf_accel.finetune import (
 )
 from hf_accel.reference import ASSETS_DIR
 from hf_accel.server import create_app, serve_in_thread
-from hf_accel.server.command import load_served_model, resolve_serving
+from hf_accel.server.command import resolve_serving
+from hf_accel.server.served_engine import load_served_model
 
 SEQ_LEN = 48
 PROMPT = "Install the package with pip and"

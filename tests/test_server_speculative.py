@@ -64,7 +64,8 @@ def test_serve_exits_with_the_reason(capsys):
 def test_serve_builds_the_engine_with_the_flag(monkeypatch):
     served = {}
     monkeypatch.setattr(command.uvicorn, "run", lambda app, **kwargs: served.update(app=app))
-    assert command.main(["--enforce-eager", "--speculative-config", '{"method": "suffix", "num_speculative_tokens": 6}']) == 0
+    assert command.main(["--enforce-eager", "--no-engine-process", "--speculative-config",
+                         '{"method": "suffix", "num_speculative_tokens": 6}']) == 0
     engine = served["app"].state.server.engine
     assert engine.speculative == SpeculativeConfig("suffix", num_speculative_tokens=6)
     engine.shutdown()

@@ -19,28 +19,27 @@ new request is accepted.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import queue
 import threading
-import time
 from collections.abc import AsyncIterator, Callable, Sequence
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ..display import RichDisplay, format_bytes
 from ..speculative.medusa_heads import MedusaHeads
+from .admission import Admission
 from .config import EngineConfig
 from .engine_core import EngineCore, EngineStats
 from .listeners import Listener, Listeners
-from .step_forward import paged_attention_implementation
 from .errors import EngineDeadError, describe
+from .generate_all import generate_all
 from .output_stream import OutputStream
-from .outputs import RequestOutput, RequestOutputKind, RequestTiming
-from .prompts import encode_prompt, prompt_list
+from .outputs import RequestOutput, RequestOutputKind
 from .sampling_params import SamplingParams
 from .sequence import Request
 from .speculative_config import SpeculativeConfig, speculative_config
+from .step_forward import paged_attention_implementation
 
 logger = logging.getLogger(__name__)
 
@@ -76,10 +75,9 @@ class Engine(RichDisplay):
         self.speculative = speculative_config(speculative, medusa_heads, num_speculative_tokens,
                                               max_speculative_batch_tokens)
         self.core = EngineCore(model, tokenizer, self.config, self.speculative)
+        self._admission = Admission(tokenizer, self.core.limits)
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._listeners = Listeners()
-        self._ids = itertools.count()
-        self._arrivals = itertools.count()
         self._wakeup = threading.Event()
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -111,22 +109,19 @@ class Engine(RichDisplay):
         changes it, of `output_kind` (in the stepping thread), or the error that killed the engine. Raises
         ValueError / TypeError for bad prompts or parameters (`ContextLengthExceededError` when it cannot fit)."""
         self._check_alive()
-        if not isinstance(output_kind, RequestOutputKind):
-            raise TypeError(f"`output_kind` must be a RequestOutputKind, got {output_kind!r}")
-        params = SamplingParams() if params is None else params
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"`params` must be a SamplingParams, got {type(params).__name__}")
-        text, ids = encode_prompt(self.tokenizer, prompt)
-        self.core.check_request(ids, params)
-        request_id = f"req-{next(self._ids)}" if request_id is None else request_id
-        if request_id in self._listeners:
-            raise ValueError(f"`request_id` {request_id!r} is already in use")
-        request = Request(request_id, text, ids, params, next(self._arrivals), RequestTiming(time.perf_counter()),
-                          output_kind=output_kind)
-        self._listeners.add(request_id, listener)
+        request = self._admission.request(prompt, params, request_id, output_kind)
+        self.submit(request, listener)
+        return request.request_id
+
+    def submit(self, request: Request, listener: Listener | None = None) -> None:
+        """Queue a request already checked by an `Admission` against this engine's limits (thread-safe); the
+        engine-core process receives its requests this way. ValueError when its id is in use."""
+        self._check_alive()
+        if request.request_id in self._listeners:
+            raise ValueError(f"`request_id` {request.request_id!r} is already in use")
+        self._listeners.add(request.request_id, listener)
         self._inbox.put(lambda: self.core.add(request))
         self._wakeup.set()
-        return request_id
 
     def abort(self, request_id: str) -> None:
         """Stop a request and free its blocks at the start of the next step (thread-safe; unknown ids ignored)."""
@@ -148,41 +143,18 @@ class Engine(RichDisplay):
         """Generate for every prompt (strings or token-id lists); `params` is one for all or one per prompt.
         Returns the finished outputs in prompt order; a request that failed alone has finish_reason "error" and its
         `error` set, the others are unaffected."""
-        prompts = prompt_list(prompts)
-        per_prompt = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
-        if len(per_prompt) != len(prompts):
-            raise ValueError(f"`params` has {len(per_prompt)} entries for {len(prompts)} prompts")
-        finished: dict[str, RequestOutput] = {}
-        errors: list[BaseException] = []  # what killed the engine loop, if it died
-        done = threading.Event()
+        return generate_all(self, prompts, params, self._run_until)
 
-        def collect(out: RequestOutput | BaseException) -> None:
-            if isinstance(out, BaseException):
-                errors.append(out)
-            elif out.finished:
-                finished[out.request_id] = out
-            if errors or len(finished) == len(ids):
-                done.set()
-
-        ids: list[str] = []
-        try:
-            ids.extend(self.add_request(p, sp, listener=collect, output_kind=RequestOutputKind.FINAL_ONLY)
-                       for p, sp in zip(prompts, per_prompt))
-        except BaseException:
-            for request_id in ids:
-                self.abort(request_id)
-            raise
+    def _run_until(self, done: threading.Event) -> None:
+        """Wait for the background loop to set `done`, or step in this thread until it is set."""
         if self.is_running:
             done.wait()
-        else:
-            with self._drive_lock, paged_attention_implementation(self.core.model):  # switched once per call
-                while not done.is_set():
-                    self._step()
-                    if not done.is_set() and not self.has_unfinished_requests():
-                        raise RuntimeError("the engine has no work left but requests did not finish")
-        if errors:
-            raise EngineDeadError("the engine loop died") from errors[0]
-        return [finished[i] for i in ids]
+            return
+        with self._drive_lock, paged_attention_implementation(self.core.model):  # switched once per call
+            while not done.is_set():
+                self._step()
+                if not done.is_set() and not self.has_unfinished_requests():
+                    raise RuntimeError("the engine has no work left but requests did not finish")
 
     async def stream(self, prompt: str | list[int], params: SamplingParams | None = None,
                      request_id: str | None = None,

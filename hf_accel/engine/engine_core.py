@@ -23,11 +23,11 @@ from .config import EngineConfig
 from .detokenizer import Detokenizer
 from .engine_stats import EngineStats
 from .kv_pool import KVPool
-from .limits import EngineLimits, check_request, context_length
+from .limits import EngineLimits, context_length
 from .model_runner import ModelRunner, StepOutput, uses_cuda_graphs
 from .proposer import Proposer, SpecDecodeStats, make_proposer
-from .sampler import sample, token_logprobs
 from .sampling_params import SamplingParams
+from .sampler import sample, token_logprobs
 from .scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from .sequence import Request, Sequence, make_sequences
 from .speculation import Speculation
@@ -76,11 +76,11 @@ class EngineCore:
         """Whether a step has work: sequences to run, or failed requests not reported yet."""
         return self.scheduler.has_unfinished or bool(self._failed)
 
-    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """`limits.check_request` against this engine's vocabulary, context, `max_num_seqs` and KV cache."""
-        check_request(prompt_token_ids, params, EngineLimits(
-            self.vocab_size, self.max_model_len, self.config.max_num_seqs,
-            self.blocks.num_blocks * self.blocks.block_size))
+    @property
+    def limits(self) -> EngineLimits:
+        """This engine's vocabulary, context, `max_num_seqs` and KV cache size, which requests are checked against."""
+        return EngineLimits(self.vocab_size, self.max_model_len, self.config.max_num_seqs,
+                            self.blocks.num_blocks * self.blocks.block_size)
 
     def add(self, request: Request) -> None:
         """Queue a checked request (its ids unique among unfinished requests); if creating its samples raises, the

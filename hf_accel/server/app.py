@@ -1,4 +1,4 @@
-"""`create_app`: the OpenAI-compatible HTTP app over one `Engine` (routes in their own files, this one wires them).
+"""`create_app`: the OpenAI-compatible HTTP app over one engine (routes in their own files, this one wires them).
 
 Endpoints: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`, `POST /tokenize`,
 `POST /detokenize` (behind the API key when one is set), `GET /health`, `GET /metrics` (always open, as in vLLM).
@@ -18,7 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from transformers import PreTrainedTokenizerBase
 
 from ..cache.settings import check_int
-from ..engine.engine import Engine
+from .served_engine import ServedEngine
 from . import chat, completions, tokenization
 from .errors import APIError, engine_dead, install_error_handlers
 from .generation import WaitingRequests
@@ -65,7 +65,7 @@ def api_key_check(api_key: str) -> Callable[[Request], Coroutine[None, None, Non
     return check
 
 
-def create_app(engine: Engine, tokenizer: PreTrainedTokenizerBase, model_name: str, api_key: str | None = None,
+def create_app(engine: ServedEngine, tokenizer: PreTrainedTokenizerBase, model_name: str, api_key: str | None = None,
                max_queue_len: int = DEFAULT_MAX_QUEUE_LEN) -> FastAPI:
     """The HTTP app serving `engine` as model `model_name`.
 

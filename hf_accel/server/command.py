@@ -6,6 +6,9 @@
     hf-accel serve --speculative-config '{"method": "suffix", "num_speculative_tokens": 5}'   # vLLM's flag
     hf-accel serve --model ./docs-model              # a `hf-accel finetune` folder: its hf_accel.json is applied
 
+The engine steps in a process of its own (`EngineProcess`), so the model step never waits on the server's Python
+work; `--no-engine-process` keeps it in the server's process.
+
 A model folder with an `hf_accel.json` (written by `hf-accel finetune`) is served with the weight preset and the
 Medusa heads it names, unless `--quant` / `--medusa-heads` / `--speculative-config` are given.
 
@@ -22,15 +25,13 @@ from pathlib import Path
 
 import torch
 import uvicorn
-from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from ..engine.engine import Engine
 from ..engine.speculative_config import SpeculativeConfig
-from ..quant.presets import list_quantization_presets, load_model
+from ..quant.presets import list_quantization_presets
 from ..speculative.medusa_heads import MedusaHeads
-from ..reference import ASSETS_DIR
 from ..serving_config import ServingConfig, read_serving_config
 from .app import DEFAULT_MAX_QUEUE_LEN, create_app
+from .served_engine import EngineSpec, serve_engine
 from .speculative_option import EXAMPLE, parse_speculative_config
 
 REFERENCE_NAME = "hf_accel-reference-target"
@@ -67,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-queue-len", type=int, default=DEFAULT_MAX_QUEUE_LEN,
                         help="requests waiting for their first token before new ones get 429 (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                        help="step the engine in a process of its own, so the model never waits on the server's "
+                             "Python work (default: on; --no-engine-process keeps it in the server's process)")
     parser.add_argument("--graceful-timeout", type=float, default=30.0,
                         help="seconds open requests get to finish on shutdown (default: %(default)s)")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -88,14 +92,6 @@ def _add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
                              f"'{EXAMPLE}'; methods ngram, suffix, medusa (model: the heads' folder)")
 
 
-def load_served_model(path: str | None, quant: str | None,
-                      dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """The model (quantized with the `quant` preset, if any) and its tokenizer; `path` None is the reference target."""
-    source = str(ASSETS_DIR / "target") if path is None else path
-    model = load_model(source, quant=quant, dtype=dtype)
-    return model.eval(), AutoTokenizer.from_pretrained(source)
-
-
 def resolve_serving(path: str | None, quant: str | None, medusa_heads: str | None) -> tuple[str | None, Path | None]:
     """The weight preset and the Medusa heads folder to serve the model at `path` with: `quant` / `medusa_heads`
     where given, else what the folder's `hf_accel.json` names, else none."""
@@ -115,16 +111,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif heads_path is None and (args.num_speculative_tokens or args.max_speculative_batch_tokens) is not None:
         parser.error("--num-speculative-tokens and --max-speculative-batch-tokens need --medusa-heads (or a model "
                      "folder whose hf_accel.json names heads); with --speculative-config, set them in its JSON")
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    model, tokenizer = load_served_model(args.model, quant, DTYPES[args.dtype])
     heads = None if heads_path is None else MedusaHeads.from_pretrained(heads_path, dtype=DTYPES[args.dtype])
-    engine = Engine(model, tokenizer, max_num_seqs=args.max_num_seqs,
-                    max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
-                    max_model_len=args.max_model_len, medusa_heads=heads,
-                    num_speculative_tokens=args.num_speculative_tokens,
-                    max_speculative_batch_tokens=args.max_speculative_batch_tokens, enforce_eager=args.enforce_eager,
-                    speculative=speculative)
+    spec = EngineSpec(args.model, quant, DTYPES[args.dtype], args.threads, dict(
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len, medusa_heads=heads,
+        num_speculative_tokens=args.num_speculative_tokens,
+        max_speculative_batch_tokens=args.max_speculative_batch_tokens, enforce_eager=args.enforce_eager,
+        speculative=speculative))
+    engine, tokenizer = serve_engine(spec, in_process=not args.engine_process)
     name = args.served_model_name or args.model or REFERENCE_NAME
     app = create_app(engine, tokenizer, name, api_key=args.api_key or None, max_queue_len=args.max_queue_len)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,

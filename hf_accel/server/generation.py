@@ -20,7 +20,7 @@ from typing import TypeVar
 
 from fastapi import Request
 
-from ..engine.engine import Engine
+from ..engine.output_stream import RequestSink
 from ..engine.output_stream import OutputStream
 from ..engine.outputs import CompletionOutput, RequestOutput, RequestOutputKind, TokenLogprob
 from ..engine.sampling_params import SamplingParams
@@ -103,7 +103,7 @@ class Choices:
 class EngineRequests:
     """The engine requests of one HTTP request, one per prompt, `{base_id}-{prompt index}`, with `n` samples each."""
 
-    def __init__(self, engine: Engine, waiting: WaitingRequests, base_id: str, n: int):
+    def __init__(self, engine: RequestSink, waiting: WaitingRequests, base_id: str, n: int):
         self.waiting, self.base_id = waiting, base_id
         self.choices = Choices(n)
         self._stream = OutputStream(engine, RequestOutputKind.DELTA)

@@ -35,7 +35,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ..engine.engine import Engine
+from .served_engine import ServedEngine
 from ..engine.outputs import RequestOutput
 
 PREFIX = "hf_accel:"
@@ -70,7 +70,7 @@ REQUEST_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
 class EngineStatsCollector(Collector):
     """The engine's gauges and counters, read at scrape time."""
 
-    def __init__(self, engine: Engine, model_name: str):
+    def __init__(self, engine: ServedEngine, model_name: str):
         self.engine, self.model_name = engine, model_name
 
     def collect(self) -> Iterator[Metric]:
@@ -96,7 +96,7 @@ class EngineStatsCollector(Collector):
 class ServerMetrics:
     """One app's registry: the engine collector plus latency histograms fed by `observe`."""
 
-    def __init__(self, engine: Engine, model_name: str):
+    def __init__(self, engine: ServedEngine, model_name: str):
         self.registry = CollectorRegistry()
         self.model_name = model_name
         self.registry.register(EngineStatsCollector(engine, model_name))

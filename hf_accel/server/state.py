@@ -10,7 +10,7 @@ from fastapi import Request
 from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
-from ..engine.engine import Engine
+from .served_engine import ServedEngine
 from .errors import APIError, model_not_found
 from .generation import EngineRequests, WaitingRequests
 from .metrics import ServerMetrics
@@ -20,7 +20,7 @@ from .metrics import ServerMetrics
 class ServerState:
     """One app's engine and settings; routes reach it through the `server_state` dependency."""
 
-    engine: Engine
+    engine: ServedEngine
     tokenizer: PreTrainedTokenizerBase
     model_name: str
     waiting: WaitingRequests

@@ -1,0 +1,42 @@
+"""`Admission`: what a caller submits (a prompt, `SamplingParams`, an id, an output kind) checked and turned into a
+`Request`, in the caller's thread, so that bad input raises there (ValueError / TypeError naming the argument) and
+never reaches the stepping loop. `Engine` and `EngineProcess` each hold one; the request it builds is what the
+stepping side queues (in the same process, or sent to the engine-core process)."""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+from transformers import PreTrainedTokenizerBase
+
+from .limits import EngineLimits, check_request
+from .outputs import RequestOutputKind, RequestTiming
+from .prompts import Prompt, encode_prompt
+from .sampling_params import SamplingParams
+from .sequence import Request
+
+
+class Admission:
+    """Builds checked requests against one engine's `limits`, encoding string prompts with `tokenizer`; ids it
+    makes up are `req-0`, `req-1`, ..., arrival order is the order of `request` calls."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase | None, limits: EngineLimits):
+        self.tokenizer, self.limits = tokenizer, limits
+        self._ids = itertools.count()
+        self._arrivals = itertools.count()
+
+    def request(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None,
+                output_kind: RequestOutputKind) -> Request:
+        """A `Request` of `prompt` under `params` (default `SamplingParams()`); raises ValueError / TypeError for a
+        bad prompt, parameters or output kind (`ContextLengthExceededError` when it cannot fit)."""
+        if not isinstance(output_kind, RequestOutputKind):
+            raise TypeError(f"`output_kind` must be a RequestOutputKind, got {output_kind!r}")
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"`params` must be a SamplingParams, got {type(params).__name__}")
+        text, ids = encode_prompt(self.tokenizer, prompt)
+        check_request(ids, params, self.limits)
+        request_id = f"req-{next(self._ids)}" if request_id is None else request_id
+        return Request(request_id, text, ids, params, next(self._arrivals), RequestTiming(time.perf_counter()),
+                       output_kind=output_kind)

@@ -1,0 +1,308 @@
+"""`EngineProcess`: an `Engine` stepping in a process of its own (vLLM's engine-core process), driven from this one.
+
+Why: the model step and the serving work (HTTP, SSE, JSON, the event loop) are both Python, and in one process they
+share one interpreter lock. The compiled step gives the lock up at every kernel, and a thread that wants it back
+waits for whichever thread holds it (up to the switch interval, 5 ms): on the reference target a one-sequence step
+that takes 5 ms alone took 600 ms beside one busy Python thread. In its own process the engine core steps
+undisturbed while this process does the rest on the other core, so step N + 1 is scheduled and computed while this
+process streams step N's tokens.
+
+How:
+- the child builds its `Engine` with `factory` (a picklable callable, e.g. a `functools.partial` of a module-level
+  function: the child is spawned, so it loads the model itself), sends its limits, then loops: take the commands
+  waiting on the pipe (block only when idle), run one step, send that step's reports, the whole output of every
+  request that finished, and the engine's stats, in one message;
+- this process checks each request against the child's limits (`Admission`) before sending it, so bad input raises
+  here, in the caller's thread, as with `Engine`; one reader thread hands the reports to the listeners;
+- death: a fault the child's engine cannot survive, or the child exiting, marks this side dead (`is_healthy`,
+  `dead_reason`) and every open request's listener gets the error, as with `Engine`.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import threading
+import time
+import traceback
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+
+from transformers import PreTrainedTokenizerBase
+
+from .admission import Admission
+from .config import EngineConfig
+from .engine import Engine
+from .engine_stats import EngineStats
+from .errors import EngineDeadError, describe
+from .generate_all import generate_all
+from .limits import EngineLimits
+from .listeners import Listener, Listeners
+from .output_stream import OutputStream
+from .outputs import RequestOutput, RequestOutputKind
+from .sampling_params import SamplingParams
+from .step_forward import paged_attention_implementation
+
+logger = logging.getLogger(__name__)
+DEFAULT_STARTUP_TIMEOUT = 900.0  # seconds: loading, a kernel build and a cold compile of a large model
+
+
+class EngineProcessError(RuntimeError):
+    """The engine-core process failed: its message is what the child reported (`"<type>: <message>"`)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Ready:
+    """What the child sends once its engine is built."""
+
+    limits: EngineLimits
+    config: EngineConfig
+    stats: EngineStats
+
+
+@dataclass(slots=True)
+class _StepReport:
+    """What the child sends after a step: the listeners' reports in order, the whole output of each request that
+    finished (the same objects as its report unless it streams deltas: pickling keeps one copy), the stats."""
+
+    reports: list[RequestOutput]
+    finished: list[RequestOutput]
+    stats: EngineStats
+
+
+class EngineProcess:
+    """An `Engine` built by `factory()` in a spawned process, with `Engine`'s request API (`add_request`, `abort`,
+    `stream`, `generate`, `stats`, `add_finish_observer`, `is_healthy`, `shutdown`), which the server uses.
+
+    Args:
+        factory: builds the engine in the child; picklable (a module-level function, or a `functools.partial` of
+            one with picklable arguments).
+        tokenizer: the engine's tokenizer, loaded in this process too: string prompts are encoded here.
+        startup_timeout: seconds to wait for the child's engine (RuntimeError after, or when the child fails).
+    """
+
+    def __init__(self, factory: Callable[[], Engine], tokenizer: PreTrainedTokenizerBase | None = None, *,
+                 startup_timeout: float = DEFAULT_STARTUP_TIMEOUT):
+        context = multiprocessing.get_context("spawn")  # never fork a process that holds torch's threads
+        self._conn, child_conn = context.Pipe()
+        self._process = context.Process(target=run_engine_core, args=(child_conn, factory),
+                                        name="hf_accel-engine-core", daemon=True)
+        self._process.start()
+        child_conn.close()
+        ready = self._wait_ready(startup_timeout)
+        self.tokenizer, self.config, self.limits = tokenizer, ready.config, ready.limits
+        self._admission = Admission(tokenizer, ready.limits)
+        self._stats = ready.stats
+        self._listeners = Listeners()
+        self._listeners_lock = threading.Lock()  # adds here, deliveries in the reader thread
+        self._send_lock = threading.Lock()
+        self._dead: BaseException | None = None
+        self._closing = False
+        self._reader = threading.Thread(target=self._read, name="hf_accel-engine-reader", daemon=True)
+        self._reader.start()
+
+    @property
+    def max_model_len(self) -> int:
+        return self.limits.max_model_len
+
+    @property
+    def pid(self) -> int | None:
+        """The engine-core process's id."""
+        return self._process.pid
+
+    @property
+    def is_running(self) -> bool:
+        return self._process.is_alive() and self._dead is None and not self._closing
+
+    @property
+    def is_healthy(self) -> bool:
+        return self._dead is None
+
+    @property
+    def dead_reason(self) -> str | None:
+        """What stopped the engine (`"<error type>: <message>"`), or None while it is healthy."""
+        return None if self._dead is None else str(self._dead)
+
+    def start(self) -> None:
+        """No-op (the engine-core process steps from the start); raises EngineDeadError once it has died."""
+        self._check_alive()
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, listener: Listener | None = None,
+                    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> str:
+        """As `Engine.add_request` (thread-safe); the listener is called in this process's reader thread."""
+        self._check_alive()
+        request = self._admission.request(prompt, params, request_id, output_kind)
+        with self._listeners_lock:
+            if request.request_id in self._listeners:
+                raise ValueError(f"`request_id` {request.request_id!r} is already in use")
+            self._listeners.add(request.request_id, listener)
+        self._send(("add", request))
+        return request.request_id
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request at the child's next step, freeing its blocks (unknown ids ignored)."""
+        if self._dead is None and not self._closing:
+            self._send(("abort", request_id))
+
+    def generate(self, prompts: str | list[int] | Sequence[str | list[int]],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """As `Engine.generate`: the finished outputs in prompt order."""
+        return generate_all(self, prompts, params, lambda done: done.wait())
+
+    async def stream(self, prompt: str | list[int], params: SamplingParams | None = None,
+                     request_id: str | None = None,
+                     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> AsyncIterator[RequestOutput]:
+        """As `Engine.stream`."""
+        stream = OutputStream(self, output_kind)
+        stream.add(0, prompt, params, request_id)
+        async for _, out in stream.updates():
+            yield out
+
+    def add_finish_observer(self, observer: Callable[[RequestOutput], None]) -> None:
+        """Call `observer` with every finished request's whole output, in the reader thread (metrics)."""
+        self._listeners.add_finish_observer(observer)
+
+    def stats(self) -> EngineStats:
+        """The engine's stats as of its last step."""
+        return self._stats
+
+    def shutdown(self, timeout: float | None = 30.0) -> None:
+        """Stop the child after its current step (unfinished requests are aborted and reported), then wait for it;
+        killed if it does not exit within `timeout` seconds."""
+        if self._process.is_alive() and self._dead is None and not self._closing:
+            self._send(("shutdown",))
+        self._closing = True
+        self._reader.join(timeout)
+        self._process.join(timeout)
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join()
+        self._conn.close()
+
+    def _wait_ready(self, timeout: float) -> _Ready:
+        deadline = time.monotonic() + timeout
+        while not self._conn.poll(0.5):
+            if not self._process.is_alive():
+                raise RuntimeError(f"the engine-core process exited with code {self._process.exitcode} while "
+                                   "building its engine (its log is above)")
+            if time.monotonic() > deadline:
+                self._process.kill()
+                raise RuntimeError(f"the engine-core process did not build its engine within {timeout:.0f} s")
+        kind, payload = self._conn.recv()
+        if kind == "failed":
+            self._process.join(10)
+            raise EngineProcessError(f"building the engine in its process failed: {payload}")
+        return payload
+
+    def _send(self, message: tuple) -> None:
+        with self._send_lock:
+            try:
+                self._conn.send(message)
+            except (OSError, ValueError) as error:  # the child is gone: the reader reports it
+                self._check_alive()
+                raise EngineDeadError("the engine-core process is gone") from error
+
+    def _read(self) -> None:
+        """The reader thread: hand each step's reports to their listeners until the child closes or dies."""
+        try:
+            while True:
+                kind, payload = self._conn.recv()
+                if kind == "step":
+                    self._deliver(payload)
+                elif kind == "dead":
+                    self._die(EngineProcessError(payload))
+                    return
+                elif kind == "closed":
+                    return
+        except (EOFError, OSError):
+            if not self._closing:
+                self._process.join(5)  # reap it, for its exit code
+                self._die(EngineProcessError(f"the engine-core process exited (code {self._process.exitcode})"))
+
+    def _deliver(self, step: _StepReport) -> None:
+        self._stats = step.stats  # before the reports: whoever sees a request finish sees its step's counters
+        for report in step.reports:
+            with self._listeners_lock:
+                delivered = self._listeners.deliver(report)
+            if not delivered and not report.finished:
+                self.abort(report.request_id)
+        for whole in step.finished:
+            self._listeners.observe_finished(whole)
+
+    def _die(self, error: EngineProcessError) -> None:
+        logger.error("the engine-core process stopped; every request fails from now on: %s", error)
+        self._dead = error
+        with self._listeners_lock:
+            self._listeners.fail_all(error)
+
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError("the engine-core process died; create a new EngineProcess") from self._dead
+        if self._closing:
+            raise EngineDeadError("the engine-core process was shut down")
+
+
+def run_engine_core(conn: Connection, factory: Callable[[], Engine]) -> None:
+    """The child's main: build the engine, report ready (or why not), then serve the pipe until told to stop or the
+    other end closes."""
+    try:
+        engine = factory()
+    except BaseException as error:
+        traceback.print_exc()
+        conn.send(("failed", describe(error)))
+        return
+    conn.send(("ready", _Ready(engine.core.limits, engine.config, engine.stats())))
+    _CoreLoop(conn, engine).run()
+
+
+class _CoreLoop:
+    """The child's loop over one engine: commands in, one step, its reports out."""
+
+    def __init__(self, conn: Connection, engine: Engine):
+        self.conn, self.engine = conn, engine
+        self.reports: list[RequestOutput] = []
+        self.finished: list[RequestOutput] = []
+        engine.add_finish_observer(self.finished.append)
+
+    def run(self) -> None:
+        with paged_attention_implementation(self.engine.core.model):  # the model is this process's alone
+            while self._take_commands():
+                if not self.engine.has_unfinished_requests():
+                    continue
+                try:
+                    self.engine.step()
+                except BaseException as error:  # what `Engine`'s own loop would die of: tell the other side
+                    traceback.print_exc()
+                    self.conn.send(("dead", describe(error)))
+                    return
+                self._send_step()
+        self.engine.shutdown()  # aborts what is left: their last reports go out
+        self._send_step()
+        self.conn.send(("closed", None))
+
+    def _take_commands(self) -> bool:
+        """Apply every waiting command, blocking for one when the engine has nothing to do; False to stop."""
+        block = not self.engine.has_unfinished_requests()
+        while block or self.conn.poll(0):
+            try:
+                command = self.conn.recv()
+            except EOFError:  # the other side is gone
+                return False
+            block = False
+            if command[0] == "add":
+                self.engine.submit(command[1], self.reports.append)
+            elif command[0] == "abort":
+                self.engine.abort(command[1])
+            elif command[0] == "shutdown":
+                return False
+        return True
+
+    def _send_step(self) -> None:
+        if not self.reports and not self.finished:
+            return
+        step = _StepReport(self.reports, self.finished, self.engine.stats())
+        self.conn.send(("step", step))  # pickled now: the lists can be emptied in place (the listeners hold them)
+        self.reports.clear()
+        self.finished.clear()

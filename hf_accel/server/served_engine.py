@@ -1,0 +1,66 @@
+"""What `hf-accel serve` serves: an `EngineSpec` (the model folder, its weight preset and dtype, the engine's
+keywords), built into an `Engine` in this process or, by default, in an engine-core process of its own
+(`EngineProcess`: the model step then never waits on the server's Python work)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import torch
+from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from ..engine.engine import Engine
+from ..engine.engine_process import EngineProcess
+from ..quant.presets import load_model
+from ..reference import ASSETS_DIR
+
+ServedEngine = Engine | EngineProcess
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """How to build the served engine, picklable (sent to the engine-core process): `model` a local folder or hub id
+    (None: the reference target), `quant` a weight preset or None, `dtype`, torch's CPU `threads` (None: torch's
+    default), and `Engine`'s keywords (Medusa heads and speculative configs travel as objects)."""
+
+    model: str | None
+    quant: str | None
+    dtype: torch.dtype
+    threads: int | None = None
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        return AutoTokenizer.from_pretrained(model_source(self.model))
+
+
+def model_source(path: str | None) -> str:
+    """Where the served model loads from: `path`, or the reference target's folder when None."""
+    return str(ASSETS_DIR / "target") if path is None else path
+
+
+def load_served_model(path: str | None, quant: str | None,
+                      dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The model (quantized with the `quant` preset, if any) in eval mode and its tokenizer; `path` None is the
+    reference target."""
+    source = model_source(path)
+    return load_model(source, quant=quant, dtype=dtype).eval(), AutoTokenizer.from_pretrained(source)
+
+
+def build_engine(spec: EngineSpec) -> Engine:
+    """The spec's engine in this process (with `spec.threads` set for torch first)."""
+    if spec.threads is not None:
+        torch.set_num_threads(spec.threads)
+    model, tokenizer = load_served_model(spec.model, spec.quant, spec.dtype)
+    return Engine(model, tokenizer, **spec.engine_kwargs)
+
+
+def serve_engine(spec: EngineSpec, in_process: bool = False) -> tuple[ServedEngine, PreTrainedTokenizerBase]:
+    """The engine to serve and its tokenizer: an `EngineProcess` building `spec` in its own process, or with
+    `in_process` an `Engine` here."""
+    if in_process:
+        engine = build_engine(spec)
+        return engine, engine.tokenizer
+    tokenizer = spec.tokenizer()
+    return EngineProcess(partial(build_engine, spec), tokenizer), tokenizer
