@@ -14,6 +14,7 @@ Poisson load (`hf_accel.server.load`: TTFT, TPOT, ITL, e2e). Without the peer ve
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import tempfile
@@ -177,7 +178,15 @@ def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
     return [judged(*target) for target in found]
 
 
-def measure(quick: bool, venv: Path, offline_only: bool) -> dict[str, Any]:
+def earlier_offline(root: Path) -> list[dict[str, Any]]:
+    """The offline rows of the last full run written under `root` (what `--online-only` keeps)."""
+    path = root / "benchmarks" / "results" / f"{NAME}.json"
+    if not path.exists():
+        raise SystemExit(f"--online-only keeps the offline rows of {path}, which does not exist: run in full first")
+    return json.loads(path.read_text())["offline"]
+
+
+def measure(quick: bool, venv: Path, offline_only: bool, online_only: bool = False) -> dict[str, Any]:
     plan = QUICK if quick else FULL
     peer = venv_python(venv, "vllm")
     skipped = None if peer is not None else f"no vLLM venv at {venv} (create it with --setup)"
@@ -186,9 +195,11 @@ def measure(quick: bool, venv: Path, offline_only: bool) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix=f"{NAME}-") as tmp:
         scratch = Path(tmp)
         found = cases(plan, scratch)
-        report = {"benchmark": NAME, "command": COMMAND + (" --quick" if quick else ""), "hardware": hardware(),
+        report = {"benchmark": NAME, "command": COMMAND + (" --quick" if quick else "") + (" --online-only" if online_only else ""), "hardware": hardware(),
                   "plan": asdict(plan), "engine_limits": ENGINE_LIMITS, "vllm_env": VLLM_ENV, "vllm_skipped": skipped,
-                  "offline": [{"name": case.name, **offline_case(case, plan, peer, scratch)} for case in found]}
+                  "offline_reused": online_only,
+                  "offline": earlier_offline(ROOT) if online_only else
+                  [{"name": case.name, **offline_case(case, plan, peer, scratch)} for case in found]}
         if not offline_only:
             report["online"] = online(found[0], plan, peer, scratch)
     report["total_seconds"] = time.perf_counter() - started
@@ -225,7 +236,9 @@ def render(report: dict[str, Any]) -> str:
              "| model | requests | generated tokens | sequential generate tok/s | hf_accel tok/s | vLLM tok/s | "
              "hf_accel / vLLM | identical hf_accel = vLLM | vLLM = generate | hf_accel = generate |",
              "| --- |" + " --- |" * 9, *map(_offline_line, rows), "", *map(_offline_note, rows),
-             *(["", f"vLLM skipped: {report['vllm_skipped']}."] if report["vllm_skipped"] else [])]
+             *(["", f"vLLM skipped: {report['vllm_skipped']}."] if report["vllm_skipped"] else []),
+             *(["", "The offline rows are the previous full run's: this run (`--online-only`) measured the online "
+                "rows only."] if report.get("offline_reused") else [])]
     if "online" in report:
         online = report["online"]
         lines += ["", f"Online on the {online['model']}: `hf-accel serve` and vLLM's OpenAI server in turn "
@@ -278,12 +291,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     peer_options.add_argument("--vllm-venv", type=Path, default=DEFAULT_VENV)
     peer_options.add_argument("--setup", action="store_true")
     peer_options.add_argument("--offline-only", action="store_true")
+    peer_options.add_argument("--online-only", action="store_true")
     options, rest = peer_options.parse_known_args(argv)
     if options.setup and venv_python(options.vllm_venv, "vllm") is None:
         create_venv(options.vllm_venv, PEER_PACKAGES, UNLOADABLE)
     report = run_benchmark(rest, __doc__.split("\n\n")[0] + f" Also: --vllm-venv PATH (default {DEFAULT_VENV}), "
-                           "--setup, --offline-only.", NAME, ROOT,
-                           lambda quick: measure(quick, options.vllm_venv, options.offline_only), render,
+                           "--setup, --offline-only, --online-only (keeps the offline rows of the last full run).", NAME, ROOT,
+                           lambda quick: measure(quick, options.vllm_venv, options.offline_only,
+                                                 options.online_only), render,
                            lambda report: {"docs/serving.md": render(report)})
     out = output_root(benchmark_parser("", NAME).parse_args(rest), ROOT)
     if out is not None:
