@@ -16,9 +16,10 @@ and online serving through the HTTP server (`hf_accel.server.load`: Poisson arri
 
 from __future__ import annotations
 
-import asyncio
+import os
 import statistics
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -31,6 +32,8 @@ from transformers import ContinuousBatchingConfig, GenerationConfig
 from hf_accel import Engine, SamplingParams, bench, reference
 from hf_accel.bench import describe_model
 from hf_accel.bench.output import benchmark_parser, output_root, run_benchmark
+from hf_accel.bench.peer import free_port, load_server
+from hf_accel.engine.limits import context_length
 from hf_accel.bench.workload import Request, compare_outputs, engine_outputs, sequential_outputs, serving_requests
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -162,17 +165,19 @@ def _ttfts(engine: Engine, prompts: list[list[int]], interval: float) -> list[fl
 
 
 def online(model, tokenizer, plan: Plan) -> list[dict[str, Any]]:
-    """Through `hf-accel serve`'s app on a loopback port with the `openai` client, at each arrival rate."""
-    from hf_accel.server.app import create_app
-    from hf_accel.server.launch import serve_in_thread
-    from hf_accel.server.load import run_load
-
-    engine = Engine(model, tokenizer, max_num_seqs=64)
-    work = workload(tokenizer, plan, engine.max_model_len, seed=2)[: plan.online_requests]
-    requests = [(r.prompt, min(r.max_tokens, 128)) for r in work]
-    with serve_in_thread(create_app(engine, tokenizer, NAME, max_queue_len=1024)) as url:
-        asyncio.run(run_load(url, NAME, requests[:2], float("inf")))  # warm-up
-        return [asyncio.run(run_load(url, NAME, requests, rate)) for rate in plan.online_rates]
+    """Through `hf-accel serve` (its own process, and the engine in one of its own, as users run it) on a loopback
+    port with the `openai` client, at each arrival rate; the model is saved to a temporary folder it serves."""
+    with tempfile.TemporaryDirectory(prefix=f"{NAME}-") as tmp:
+        folder, port = Path(tmp) / "model", free_port()
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        work = workload(tokenizer, plan, context_length(model), seed=2)[: plan.online_requests]
+        requests = [(r.prompt, min(r.max_tokens, 128)) for r in work]
+        command = [sys.executable, "-m", "hf_accel.cli", "serve", "--model", str(folder), "--port", str(port),
+                   "--host", "127.0.0.1", "--served-model-name", NAME, "--max-num-seqs", "64",
+                   "--threads", str(torch.get_num_threads()), "--log-level", "warning"]
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        return load_server(command, env, Path(tmp) / "server.txt", port, NAME, requests, plan.online_rates)
 
 
 def measure(quick: bool) -> dict[str, Any]:
@@ -214,8 +219,8 @@ def render(report: dict[str, Any]) -> str:
         value = report["targets"][name]
         met = value <= goal if "ratio" in name else value >= goal
         lines.append(f"| {name} {'<=' if 'ratio' in name else '>='} {goal} | {value:.2f} | {'yes' if met else 'no'} |")
-    lines += ["", "Online, through the HTTP server with the `openai` client (streamed completions, Poisson arrivals; "
-              "latencies in ms, mean / median / p99):", "",
+    lines += ["", "Online, through `hf-accel serve` in its own process (the engine in an engine-core process) with the "
+              "`openai` client (streamed completions, Poisson arrivals; latencies in ms, mean / median / p99):", "",
               "| rate (req/s) | req/s | output tok/s | TTFT | TPOT | ITL | e2e |", "| --- | --- | --- | --- | --- | --- | --- |"]
     lines += [f"| {r['rate']} | {r['request_throughput']:.2f} | {r['output_token_throughput']:.1f} | "
               + " | ".join("/".join(f"{r[k][s]:.0f}" for s in ("mean", "median", "p99"))
