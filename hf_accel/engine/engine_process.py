@@ -80,6 +80,9 @@ class EngineProcess:
             one with picklable arguments).
         tokenizer: the engine's tokenizer, loaded in this process too: string prompts are encoded here.
         startup_timeout: seconds to wait for the child's engine (RuntimeError after, or when the child fails).
+
+    The child is spawned (never forked: torch's threads do not survive a fork), so a script that makes one must do it
+    under `if __name__ == "__main__":`, as with any spawned process; notebooks need nothing.
     """
 
     def __init__(self, factory: Callable[[], Engine], tokenizer: PreTrainedTokenizerBase | None = None, *,
