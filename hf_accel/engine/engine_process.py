@@ -8,7 +8,7 @@ undisturbed while this process does the rest on the other core, so step N + 1 is
 process streams step N's tokens.
 
 How:
-- the child builds its `Engine` with `factory` (a picklable callable, e.g. a `functools.partial` of a module-level
+- the child (`core_process.py`) builds its `Engine` with `factory` (a picklable callable, e.g. a `functools.partial` of a module-level
   function: the child is spawned, so it loads the model itself), sends its limits, then loops: take the commands
   waiting on the pipe (block only when idle), run one step, send that step's reports, the whole output of every
   request that finished, and the engine's stats, in one message;
@@ -24,25 +24,20 @@ import logging
 import multiprocessing
 import threading
 import time
-import traceback
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
-from multiprocessing.connection import Connection
 
 from transformers import PreTrainedTokenizerBase
 
 from .admission import Admission
-from .config import EngineConfig
+from .core_process import Ready, StepReport, run_engine_core
 from .engine import Engine
 from .engine_stats import EngineStats
-from .errors import EngineDeadError, describe
+from .errors import EngineDeadError
 from .generate_all import generate_all
-from .limits import EngineLimits
 from .listeners import Listener, Listeners
 from .output_stream import OutputStream
 from .outputs import RequestOutput, RequestOutputKind
 from .sampling_params import SamplingParams
-from .step_forward import paged_attention_implementation
 
 logger = logging.getLogger(__name__)
 DEFAULT_STARTUP_TIMEOUT = 900.0  # seconds: loading, a kernel build and a cold compile of a large model
@@ -50,25 +45,6 @@ DEFAULT_STARTUP_TIMEOUT = 900.0  # seconds: loading, a kernel build and a cold c
 
 class EngineProcessError(RuntimeError):
     """The engine-core process failed: its message is what the child reported (`"<type>: <message>"`)."""
-
-
-@dataclass(frozen=True, slots=True)
-class _Ready:
-    """What the child sends once its engine is built."""
-
-    limits: EngineLimits
-    config: EngineConfig
-    stats: EngineStats
-
-
-@dataclass(slots=True)
-class _StepReport:
-    """What the child sends after a step: the listeners' reports in order, the whole output of each request that
-    finished (the same objects as its report unless it streams deltas: pickling keeps one copy), the stats."""
-
-    reports: list[RequestOutput]
-    finished: list[RequestOutput]
-    stats: EngineStats
 
 
 class EngineProcess:
@@ -184,7 +160,7 @@ class EngineProcess:
             self._process.join()
         self._conn.close()
 
-    def _wait_ready(self, timeout: float) -> _Ready:
+    def _wait_ready(self, timeout: float) -> Ready:
         deadline = time.monotonic() + timeout
         while not self._conn.poll(0.5):
             if not self._process.is_alive():
@@ -224,7 +200,7 @@ class EngineProcess:
                 self._process.join(5)  # reap it, for its exit code
                 self._die(EngineProcessError(f"the engine-core process exited (code {self._process.exitcode})"))
 
-    def _deliver(self, step: _StepReport) -> None:
+    def _deliver(self, step: StepReport) -> None:
         self._stats = step.stats  # before the reports: whoever sees a request finish sees its step's counters
         for report in step.reports:
             with self._listeners_lock:
@@ -245,67 +221,3 @@ class EngineProcess:
             raise EngineDeadError("the engine-core process died; create a new EngineProcess") from self._dead
         if self._closing:
             raise EngineDeadError("the engine-core process was shut down")
-
-
-def run_engine_core(conn: Connection, factory: Callable[[], Engine]) -> None:
-    """The child's main: build the engine, report ready (or why not), then serve the pipe until told to stop or the
-    other end closes."""
-    try:
-        engine = factory()
-    except BaseException as error:
-        traceback.print_exc()
-        conn.send(("failed", describe(error)))
-        return
-    conn.send(("ready", _Ready(engine.core.limits, engine.config, engine.stats())))
-    _CoreLoop(conn, engine).run()
-
-
-class _CoreLoop:
-    """The child's loop over one engine: commands in, one step, its reports out."""
-
-    def __init__(self, conn: Connection, engine: Engine):
-        self.conn, self.engine = conn, engine
-        self.reports: list[RequestOutput] = []
-        self.finished: list[RequestOutput] = []
-        engine.add_finish_observer(self.finished.append)
-
-    def run(self) -> None:
-        with paged_attention_implementation(self.engine.core.model):  # the model is this process's alone
-            while self._take_commands():
-                if not self.engine.has_unfinished_requests():
-                    continue
-                try:
-                    self.engine.step()
-                except BaseException as error:  # what `Engine`'s own loop would die of: tell the other side
-                    traceback.print_exc()
-                    self.conn.send(("dead", describe(error)))
-                    return
-                self._send_step()
-        self.engine.shutdown()  # aborts what is left: their last reports go out
-        self._send_step()
-        self.conn.send(("closed", None))
-
-    def _take_commands(self) -> bool:
-        """Apply every waiting command, blocking for one when the engine has nothing to do; False to stop."""
-        block = not self.engine.has_unfinished_requests()
-        while block or self.conn.poll(0):
-            try:
-                command = self.conn.recv()
-            except EOFError:  # the other side is gone
-                return False
-            block = False
-            if command[0] == "add":
-                self.engine.submit(command[1], self.reports.append)
-            elif command[0] == "abort":
-                self.engine.abort(command[1])
-            elif command[0] == "shutdown":
-                return False
-        return True
-
-    def _send_step(self) -> None:
-        if not self.reports and not self.finished:
-            return
-        step = _StepReport(self.reports, self.finished, self.engine.stats())
-        self.conn.send(("step", step))  # pickled now: the lists can be emptied in place (the listeners hold them)
-        self.reports.clear()
-        self.finished.clear()
