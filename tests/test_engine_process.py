@@ -107,6 +107,24 @@ def test_abort_and_a_raising_listener_free_their_blocks(engine):
     assert engine.is_healthy
 
 
+def test_a_listener_may_add_requests_and_ctrl_c_does_not_reach_the_engine(engine):
+    os.kill(engine.pid, signal.SIGINT)  # a terminal's Ctrl-C reaches the whole process group
+    chained, done = [], threading.Event()
+
+    def follow_up(out):
+        if out.finished:
+            chained.append(out)
+            done.set()
+
+    def first(out):
+        if out.finished:  # called in the reader thread: adding from here must not block it
+            engine.add_request("def g():", SamplingParams(max_tokens=4, temperature=0), listener=follow_up)
+
+    engine.add_request("def f():", SamplingParams(max_tokens=4, temperature=0), listener=first)
+    assert done.wait(60) and len(chained[0].outputs[0].token_ids) == 4
+    assert engine.is_healthy and engine._process.is_alive()
+
+
 def test_served_over_http_like_the_in_process_engine(engine, in_process):
     app = create_app(engine, engine.tokenizer, "m")
     with serve_in_thread(app) as url:
@@ -144,6 +162,24 @@ def test_a_killed_engine_process_fails_open_requests_and_marks_the_engine_dead()
             engine.generate(["again"])
     finally:
         engine.shutdown(timeout=10)
+
+
+def test_shutdown_ends_open_requests_and_refuses_new_ones():
+    engine = spawn()
+    outs, done = [], threading.Event()
+
+    def listener(out):
+        outs.append(out)
+        if isinstance(out, BaseException) or out.finished:
+            done.set()
+
+    engine.add_request("def f():", SamplingParams(max_tokens=250, ignore_eos=True), listener=listener)
+    engine.shutdown()
+    assert done.wait(10)
+    assert isinstance(outs[-1], BaseException) or outs[-1].outputs[0].finish_reason == "abort"
+    assert not engine._process.is_alive() and not engine._reader.is_alive() and not engine._writer.is_alive()
+    with pytest.raises(EngineDeadError, match="shut down"):
+        engine.add_request("again", SamplingParams(max_tokens=2))
 
 
 def test_an_engine_that_cannot_be_built_raises_with_the_childs_reason(tmp_path):

@@ -80,13 +80,14 @@ def scrape(url: str) -> dict[str, dict[tuple, float]]:
 
 def test_spec_decode_metrics_count_the_suffix_speculation():
     model, tokenizer = load_target()
+    prompt = CODE * 3
+    # before the server: while its engine's loop is busy the model's attention is the engine's
+    expected = tokenizer.decode(greedy_reference(model, prompt_ids(tokenizer, prompt), 32), skip_special_tokens=True)
     with live_server(model, tokenizer, speculative=SpeculativeConfig("suffix")) as live:
         client = openai.OpenAI(base_url=live.api_url, api_key="unused", max_retries=0, timeout=120)
-        prompt = CODE * 3
         text = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=32, temperature=0,
                                          extra_body={"ignore_eos": True}).choices[0].text
-        assert text == tokenizer.decode(greedy_reference(model, prompt_ids(tokenizer, prompt), 32),
-                                        skip_special_tokens=True)
+        assert text == expected
         metrics = scrape(live.url)
     drafts = metrics["hf_accel:spec_decode_num_drafts"][()]
     proposed = metrics["hf_accel:spec_decode_num_draft_tokens"][()]

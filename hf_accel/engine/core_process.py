@@ -6,6 +6,8 @@ output of every request that finished, and the engine's stats, in one message. M
 
 from __future__ import annotations
 
+import signal
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,7 +19,7 @@ from .engine_stats import EngineStats
 from .errors import describe
 from .limits import EngineLimits
 from .outputs import RequestOutput
-from .step_forward import paged_attention_implementation
+from .step_forward import paged_attention_implementation, skip_warm_guards
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,9 +41,15 @@ class StepReport:
     stats: EngineStats
 
 
+STATS_INTERVAL = 0.05  # seconds: the stats go out with every step that reports, else at most this often
+
+
 def run_engine_core(conn: Connection, factory: Callable[[], Engine]) -> None:
     """The child's main: build the engine, report ready (or why not), then serve the pipe until told to stop or the
-    other end closes."""
+    other end closes. Ctrl-C in a terminal reaches the whole process group: the child ignores SIGINT, so the server's
+    graceful shutdown decides when it stops (SIGTERM still ends it: that is how multiprocessing stops it at exit)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    skip_warm_guards(True)  # one thread steps compiled code in this process: dynamo's stance is the engine's alone
     try:
         engine = factory()
     except BaseException as error:
@@ -49,7 +57,10 @@ def run_engine_core(conn: Connection, factory: Callable[[], Engine]) -> None:
         conn.send(("failed", describe(error)))
         return
     conn.send(("ready", Ready(engine.core.limits, engine.config, engine.stats())))
-    _CoreLoop(conn, engine).run()
+    try:
+        _CoreLoop(conn, engine).run()
+    except (BrokenPipeError, ConnectionResetError):  # the other side is gone: nobody to report to
+        pass
 
 
 class _CoreLoop:
@@ -59,6 +70,7 @@ class _CoreLoop:
         self.conn, self.engine = conn, engine
         self.reports: list[RequestOutput] = []
         self.finished: list[RequestOutput] = []
+        self.stats_sent = 0.0
         engine.add_finish_observer(self.finished.append)
 
     def run(self) -> None:
@@ -74,7 +86,7 @@ class _CoreLoop:
                     return
                 self._send_step()
         self.engine.shutdown()  # aborts what is left: their last reports go out
-        self._send_step()
+        self._send_step(force=True)
         self.conn.send(("closed", None))
 
     def _take_commands(self) -> bool:
@@ -86,18 +98,29 @@ class _CoreLoop:
             except EOFError:  # the other side is gone
                 return False
             block = False
-            if command[0] == "add":
-                self.engine.submit(command[1], self.reports.append)
-            elif command[0] == "abort":
-                self.engine.abort(command[1])
-            elif command[0] == "shutdown":
+            if command[0] == "shutdown":
                 return False
+            self._apply(command)
         return True
 
-    def _send_step(self) -> None:
-        if not self.reports and not self.finished:
+    def _apply(self, command: tuple) -> None:
+        """An add or an abort; an add the engine refuses (its id still held by a request being aborted) fails alone."""
+        if command[0] == "abort":
+            self.engine.abort(command[1])
+            return
+        request = command[1]
+        try:
+            self.engine.submit(request, self.reports.append)
+        except ValueError as error:
+            request.fail(error)
+            self.reports.append(request.snapshot())
+
+    def _send_step(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not (self.reports or self.finished or force or now - self.stats_sent >= STATS_INTERVAL):
             return
         step = StepReport(self.reports, self.finished, self.engine.stats())
         self.conn.send(("step", step))  # pickled now: the lists can be emptied in place (the listeners hold them)
+        self.stats_sent = now
         self.reports.clear()
         self.finished.clear()

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -32,7 +33,7 @@ from .admission import Admission
 from .core_process import Ready, StepReport, run_engine_core
 from .engine import Engine
 from .engine_stats import EngineStats
-from .errors import EngineDeadError
+from .errors import EngineDeadError, describe
 from .generate_all import generate_all
 from .listeners import Listener, Listeners
 from .output_stream import OutputStream
@@ -69,16 +70,23 @@ class EngineProcess:
                                         name="hf_accel-engine-core", daemon=True)
         self._process.start()
         child_conn.close()
-        ready = self._wait_ready(startup_timeout)
+        try:
+            ready = self._wait_ready(startup_timeout)
+        except BaseException:
+            self._conn.close()
+            raise
         self.tokenizer, self.config, self.limits = tokenizer, ready.config, ready.limits
         self._admission = Admission(tokenizer, ready.limits)
         self._stats = ready.stats
-        self._listeners = Listeners()
-        self._listeners_lock = threading.Lock()  # adds here, deliveries in the reader thread
-        self._send_lock = threading.Lock()
+        self._listeners = Listeners()  # registered under `_lock`, delivered to in the reader thread
+        self._lock = threading.Lock()  # orders registrations against shutdown and death
         self._dead: BaseException | None = None
         self._closing = False
+        # callers never write to the pipe themselves: a full pipe would block them (and the reader, when it aborts)
+        self._outbox: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
+        self._writer = threading.Thread(target=self._write, name="hf_accel-engine-writer", daemon=True)
         self._reader = threading.Thread(target=self._read, name="hf_accel-engine-reader", daemon=True)
+        self._writer.start()
         self._reader.start()
 
     @property
@@ -113,17 +121,18 @@ class EngineProcess:
         """As `Engine.add_request` (thread-safe); the listener is called in this process's reader thread."""
         self._check_alive()
         request = self._admission.request(prompt, params, request_id, output_kind)
-        with self._listeners_lock:
+        with self._lock:  # after shutdown or death nothing is registered: whoever is registered hears the end
+            self._check_alive()
             if request.request_id in self._listeners:
                 raise ValueError(f"`request_id` {request.request_id!r} is already in use")
             self._listeners.add(request.request_id, listener)
-        self._send(("add", request))
+            self._outbox.put(("add", request))
         return request.request_id
 
     def abort(self, request_id: str) -> None:
         """Stop a request at the child's next step, freeing its blocks (unknown ids ignored)."""
         if self._dead is None and not self._closing:
-            self._send(("abort", request_id))
+            self._outbox.put(("abort", request_id))
 
     def generate(self, prompts: str | list[int] | Sequence[str | list[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
@@ -149,39 +158,49 @@ class EngineProcess:
 
     def shutdown(self, timeout: float | None = 30.0) -> None:
         """Stop the child after its current step (unfinished requests are aborted and reported), then wait for it;
-        killed if it does not exit within `timeout` seconds."""
-        if self._process.is_alive() and self._dead is None and not self._closing:
-            self._send(("shutdown",))
-        self._closing = True
+        killed if it does not exit within `timeout` seconds. Requests it never reported on get an error."""
+        with self._lock:
+            closing, self._closing = self._closing, True
+        if not closing and self._dead is None:
+            self._outbox.put(("shutdown",))
+        self._outbox.put(None)  # the writer stops after what is queued
+        self._writer.join(timeout)
         self._reader.join(timeout)
         self._process.join(timeout)
         if self._process.is_alive():
             self._process.kill()
             self._process.join()
+        self._listeners.fail_all(EngineProcessError("the engine-core process was shut down"))
         self._conn.close()
 
     def _wait_ready(self, timeout: float) -> Ready:
         deadline = time.monotonic() + timeout
         while not self._conn.poll(0.5):
             if not self._process.is_alive():
-                raise RuntimeError(f"the engine-core process exited with code {self._process.exitcode} while "
-                                   "building its engine (its log is above)")
+                break
             if time.monotonic() > deadline:
                 self._process.kill()
+                self._process.join()
                 raise RuntimeError(f"the engine-core process did not build its engine within {timeout:.0f} s")
-        kind, payload = self._conn.recv()
+        try:
+            kind, payload = self._conn.recv()
+        except EOFError:  # it died before a word (out of memory, a crash)
+            self._process.join()
+            raise RuntimeError(f"the engine-core process exited with code {self._process.exitcode} while building "
+                               "its engine (its log is above)") from None
         if kind == "failed":
             self._process.join(10)
             raise EngineProcessError(f"building the engine in its process failed: {payload}")
         return payload
 
-    def _send(self, message: tuple) -> None:
-        with self._send_lock:
+    def _write(self) -> None:
+        """The writer thread: send what callers queue, in order, until told to stop or the pipe breaks (then the
+        reader reports the child gone)."""
+        while (message := self._outbox.get()) is not None:
             try:
                 self._conn.send(message)
-            except (OSError, ValueError) as error:  # the child is gone: the reader reports it
-                self._check_alive()
-                raise EngineDeadError("the engine-core process is gone") from error
+            except (OSError, ValueError):
+                return
 
     def _read(self) -> None:
         """The reader thread: hand each step's reports to their listeners until the child closes or dies."""
@@ -199,22 +218,22 @@ class EngineProcess:
             if not self._closing:
                 self._process.join(5)  # reap it, for its exit code
                 self._die(EngineProcessError(f"the engine-core process exited (code {self._process.exitcode})"))
+        except BaseException as error:  # a report that cannot be read: nothing more can be trusted
+            self._die(EngineProcessError(f"reading the engine-core process's reports failed: {describe(error)}"))
 
     def _deliver(self, step: StepReport) -> None:
         self._stats = step.stats  # before the reports: whoever sees a request finish sees its step's counters
         for report in step.reports:
-            with self._listeners_lock:
-                delivered = self._listeners.deliver(report)
-            if not delivered and not report.finished:
+            if not self._listeners.deliver(report) and not report.finished:
                 self.abort(report.request_id)
         for whole in step.finished:
             self._listeners.observe_finished(whole)
 
     def _die(self, error: EngineProcessError) -> None:
         logger.error("the engine-core process stopped; every request fails from now on: %s", error)
-        self._dead = error
-        with self._listeners_lock:
-            self._listeners.fail_all(error)
+        with self._lock:
+            self._dead = error
+        self._listeners.fail_all(error)  # nothing registers once `_dead` is set
 
     def _check_alive(self) -> None:
         if self._dead is not None:

@@ -9,9 +9,11 @@ happen to be equal when traced, and the sizes that can be 1 (sequences, block-ta
 would specialize, are padded to at least 2 (an empty sequence, a column of block 0, the last kept row repeated: none
 changes a result). Both graphs are traced and compiled in `warm_up`, at engine start, so `compile_seconds` is the
 whole cost and no request waits for a compile; inductor's on-disk cache (on by default) makes a restart cheaper.
-After the warm-up, steps skip dynamo's guards (`skip_guard_eval_unsafe`: only the guards that tell the two graphs
-apart run), since every step's inputs differ from the warmed ones in sizes and values only; the full guards cost
-about 0.5 ms a step, a tenth of a one-sequence decode on the reference target.
+In the engine-core process (`EngineProcess`), steps after the warm-up skip dynamo's guards (`skip_guard_eval_unsafe`:
+only the guards that tell the two graphs apart run), since every step's inputs differ from the warmed ones in sizes
+and values only; the full guards cost about 0.5 ms a step, a tenth of a one-sequence decode on the reference target.
+Only there: dynamo's stance is process-wide, and beside an in-process engine other threads may run compiled code
+whose guards must run (`skip_warm_guards`).
 The weights are frozen into the graphs (inductor's `freezing`), so each Linear runs oneDNN's matmul over a weight
 packed once; the graphs are kept per model and its weights (`frozen_graphs.py`), so engines on the same unchanged
 model share them and a model whose weights changed gets new ones.
@@ -41,6 +43,16 @@ RECOMPILE_LIMIT = 256  # graphs of one model class in one process (two per compi
 # graphs of every function in one process: dynamo's default (256) is reached by a long notebook or test session, after
 # which it compiles nothing more (an engine would run eagerly, compiled generate would raise)
 ACCUMULATED_RECOMPILE_LIMIT = 8192
+
+
+_SKIP_WARM_GUARDS = False
+
+
+def skip_warm_guards(enabled: bool) -> None:
+    """Let warm engine steps skip dynamo's guards in this process: for a process where only the engine's thread runs
+    compiled code (the engine-core process)."""
+    global _SKIP_WARM_GUARDS
+    _SKIP_WARM_GUARDS = enabled
 
 
 def call_model(model: PreTrainedModel, **kwargs):
@@ -141,7 +153,7 @@ class StepForward:
 
     def _guards(self):
         """Dynamo's stance for one step: the distinguishing guards only once both graphs are warm."""
-        return torch.compiler.set_stance("default", skip_guard_eval_unsafe=self._warm)
+        return torch.compiler.set_stance("default", skip_guard_eval_unsafe=self._warm and _SKIP_WARM_GUARDS)
 
     def warm_up(self) -> None:
         """Compile both graphs now (a no-op when eager), timing it into `compile_seconds`; where compiling fails
