@@ -34,7 +34,7 @@ from .engine_core import EngineCore, EngineStats
 from .listeners import Listener, Listeners
 from .errors import EngineDeadError, describe
 from .generate_all import generate_all
-from .output_stream import OutputStream
+from .output_stream import stream_request
 from .outputs import RequestOutput, RequestOutputKind
 from .sampling_params import SamplingParams
 from .sequence import Request
@@ -108,7 +108,6 @@ class Engine(RichDisplay):
         """Queue a request (thread-safe); returns its id. `listener` gets a `RequestOutput` after every step that
         changes it, of `output_kind` (in the stepping thread), or the error that killed the engine. Raises
         ValueError / TypeError for bad prompts or parameters (`ContextLengthExceededError` when it cannot fit)."""
-        self._check_alive()
         request = self._admission.request(prompt, params, request_id, output_kind)
         self.submit(request, listener)
         return request.request_id
@@ -163,9 +162,7 @@ class Engine(RichDisplay):
         default, or only what is new with `RequestOutputKind.DELTA`), the last one finished. Leaving the loop early
         (or cancelling the task) aborts the request and frees its blocks."""
         self.start()
-        stream = OutputStream(self, output_kind)
-        stream.add(0, prompt, params, request_id)
-        async for _, out in stream.updates():
+        async for out in stream_request(self, prompt, params, request_id, output_kind):
             yield out
 
     def add_finish_observer(self, observer: Callable[[RequestOutput], None]) -> None:

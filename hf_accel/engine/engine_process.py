@@ -36,7 +36,7 @@ from .engine_stats import EngineStats
 from .errors import EngineDeadError, describe
 from .generate_all import generate_all
 from .listeners import Listener, Listeners
-from .output_stream import OutputStream
+from .output_stream import stream_request
 from .outputs import RequestOutput, RequestOutputKind
 from .sampling_params import SamplingParams
 
@@ -143,9 +143,7 @@ class EngineProcess:
                      request_id: str | None = None,
                      output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> AsyncIterator[RequestOutput]:
         """As `Engine.stream`."""
-        stream = OutputStream(self, output_kind)
-        stream.add(0, prompt, params, request_id)
-        async for _, out in stream.updates():
+        async for out in stream_request(self, prompt, params, request_id, output_kind):
             yield out
 
     def add_finish_observer(self, observer: Callable[[RequestOutput], None]) -> None:

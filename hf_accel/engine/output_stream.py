@@ -78,3 +78,12 @@ class OutputStream:
         except RuntimeError:  # the consumer's event loop is closed: nobody is listening any more
             if isinstance(out, RequestOutput) and not out.finished:
                 self.engine.abort(out.request_id)
+
+
+async def stream_request(engine: RequestSink, prompt: str | list[int], params: SamplingParams | None,
+                         request_id: str | None, output_kind: RequestOutputKind) -> AsyncIterator[RequestOutput]:
+    """One request's reports as they come (`Engine.stream`, `EngineProcess.stream`); leaving early aborts it."""
+    stream = OutputStream(engine, output_kind)
+    stream.add(0, prompt, params, request_id)
+    async for _, out in stream.updates():
+        yield out

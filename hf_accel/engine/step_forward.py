@@ -152,8 +152,11 @@ class StepForward:
         return out.logits[0, :kept].float(), hidden
 
     def _guards(self):
-        """Dynamo's stance for one step: the distinguishing guards only once both graphs are warm."""
-        return torch.compiler.set_stance("default", skip_guard_eval_unsafe=self._warm and _SKIP_WARM_GUARDS)
+        """Dynamo's stance for one step: the distinguishing guards only, once both graphs are warm in a process that
+        allows it; otherwise the stance is left as it is (nothing to set on the hot path)."""
+        if self._warm and _SKIP_WARM_GUARDS:
+            return torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
+        return contextlib.nullcontext()
 
     def warm_up(self) -> None:
         """Compile both graphs now (a no-op when eager), timing it into `compile_seconds`; where compiling fails

@@ -18,12 +18,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from transformers import PreTrainedTokenizerBase
 
 from ..cache.settings import check_int
-from .served_engine import ServedEngine
 from . import chat, completions, tokenization
 from .errors import APIError, engine_dead, install_error_handlers
 from .generation import WaitingRequests
 from .metrics import ServerMetrics
 from .responses import ModelCard, ModelList
+from .served_engine import ServedEngine
 from .state import ServerState, server_state
 
 DEFAULT_MAX_QUEUE_LEN = 1024

@@ -20,8 +20,7 @@ from typing import TypeVar
 
 from fastapi import Request
 
-from ..engine.output_stream import RequestSink
-from ..engine.output_stream import OutputStream
+from ..engine.output_stream import OutputStream, RequestSink
 from ..engine.outputs import CompletionOutput, RequestOutput, RequestOutputKind, TokenLogprob
 from ..engine.sampling_params import SamplingParams
 from .errors import APIError, request_failed

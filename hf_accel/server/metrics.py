@@ -35,8 +35,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from .served_engine import ServedEngine
 from ..engine.outputs import RequestOutput
+from .served_engine import ServedEngine
 
 PREFIX = "hf_accel:"
 LABELS = ["model_name"]
