@@ -3,9 +3,8 @@
 Rows, at batch 1 and batch 8 (held-out code prompts of mixed lengths, left-padded; greedy; EOS off so every row
 decodes the same number of tokens): eager `DynamicCache` (the baseline), transformers' `StaticCache` +
 `compile_config` (forced on CPU with `CompileConfig._compile_all_devices`, as a CPU user must), hf_accel's paged
-and sink caches eager and with `compile_config` (hf_accel's compiled loop: `hf_accel/compiled/`; each compiled row
-is also checked for the same tokens as its eager row), the int4 KV cache eager (with `compile_config` it raises: no
-static layout yet, stated in the notes), and, when a local llama.cpp
+and sink caches and the int4 KV cache, eager and with `compile_config` (hf_accel's compiled loops:
+`hf_accel/compiled/`; each compiled row is also checked for the same tokens as its eager row), and, when a local llama.cpp
 build and a GGUF of the same weights are given (`LLAMA_BENCH`, `HF_ACCEL_LLAMA_GGUF`), llama.cpp's `llama-bench`
 decode on one thread (another process, so its ratio is not paired; skipped with a message otherwise). Also the cost
 of a compiled verify forward (1 + 4 and 1 + 8 tokens of one row) over a compiled decode step, speculative decoding's
@@ -101,12 +100,12 @@ def strategies() -> tuple[Strategy, ...]:
             lambda m, n: {**sink(n), "compile_config": ours}),
         row("hf_accel int4 KV", "cache_implementation='quantized', hf_accel backend, 4 bits, eager",
             lambda m, n: quantized_int4(m)),
+        row("hf_accel int4 KV + compile", "cache_implementation='quantized', 4 bits, compile_config: hf_accel's "
+            "compiled quantized loop", lambda m, n: {**quantized_int4(m), "compile_config": ours}),
     )
 
 
-NOT_COVERED = ["int4 KV with compile_config: it raises a ValueError (packing its residual window is host "
-               "bookkeeping with no static layout yet), so it has an eager row only",
-               "medusa_generate with compile_config: not compiled yet (bench_speculative.py has its eager rows); "
+NOT_COVERED = ["medusa_generate with compile_config: not compiled yet (bench_speculative.py has its eager rows); "
                "compiled draft_generate covers greedy decoding only (its sampling decodes eagerly); compiled "
                "ngram_generate samples losslessly too"]
 

@@ -17,11 +17,12 @@ def test_quick_run_writes_its_tables(load_benchmark, tmp_path, monkeypatch):
     for scenario in report["scenarios"]:
         names = [r["name"] for r in scenario["results"]]
         assert names[0] == "DynamicCache" and "hf_accel paged + compile" in names and "hf_accel sink + compile" in names
-        assert scenario["same_as_eager"] == {"hf_accel paged + compile": True, "hf_accel sink + compile": True}
+        assert scenario["same_as_eager"] == {"hf_accel paged + compile": True, "hf_accel sink + compile": True,
+                                             "hf_accel int4 KV + compile": True}
         assert scenario["graphs_added_while_timed"] == 0
         assert all(r["decode_tokens_per_s"] > 0 for r in scenario["results"])
         assert set(scenario["compile_seconds"]) == {"StaticCache + compile", "hf_accel paged + compile",
-                                                    "hf_accel sink + compile"}
+                                                    "hf_accel sink + compile", "hf_accel int4 KV + compile"}
     assert [section["prompts"] for section in report["speculative"]] == ["open continuation", "copy-heavy"]
     for section in report["speculative"]:
         assert [r["name"] for r in section["results"]] == ["plain + compile", "ngram eager", "ngram + compile",

@@ -4,7 +4,8 @@ static paged pool attended in place, one whole-step graph per token) on CPU too.
 and left-padded batches; no recompilation across tokens or across calls with other prompt and output lengths;
 sampling warpers run inside the graph; other processors, scores, EOS padding and streamers as transformers has them;
 uncovered modes fall back to transformers' loop. The sink cache compiles too (its window and re-rotated sinks over
-a ring of blocks, tokens equal to eager `SinkCache`'s); the quantized cache, with no static layout yet, raises."""
+a ring of blocks, tokens equal to eager `SinkCache`'s); the quantized cache's loop is tested in
+test_compiled_quantized.py."""
 
 import copy
 
@@ -147,13 +148,6 @@ def test_sink_ring_memory_does_not_grow_with_the_output():
     sizes = [PagedRows(model, [10, 4], 10 + new, 16, ring_tokens=13).kv.nbytes for new in (20, 200, 2000)]
     assert sizes[0] == sizes[1] == sizes[2]
     assert PagedRows(model, [10, 4], 2010, 16).kv.nbytes > 10 * sizes[0]
-
-
-def test_quantized_cache_with_compile_config_raises():
-    model = make_model("llama", torch.float32, "sdpa")
-    with pytest.raises(ValueError, match="not 'quantized'"):
-        model.generate(**make_prompts([5]), max_new_tokens=2, cache_implementation="quantized",
-                       cache_config={"backend": "hf_accel", "nbits": 4}, compile_config=COMPILE)
 
 
 def test_fixed_pool_too_small_raises_and_a_passed_cache_is_left_alone():

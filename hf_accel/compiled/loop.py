@@ -16,6 +16,7 @@ naming the reason (`uncovered`).
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -53,15 +54,17 @@ def compiled_generate(model: PreTrainedModel, input_ids: torch.LongTensor, logit
     if reason is not None:
         warnings.warn(f"hf_accel: compile_config is not applied ({reason}); generate decodes eagerly with "
                       "its hf_accel cache", UserWarning, stacklevel=3)
-        return _stock_decoding(model, input_ids, logits_processor, stopping_criteria, generation_config,
-                               hf_accel_streamer, model_kwargs)
+        return stock_decoding(model, input_ids, logits_processor, stopping_criteria, generation_config,
+                              hf_accel_streamer, model_kwargs)
     sink = isinstance(model_kwargs["past_key_values"], SinkCache)
-    return _Decode(model, input_ids, logits_processor, stopping_criteria, generation_config, hf_accel_streamer,
-                   model_kwargs.get("attention_mask"), sink).run()
+    return Decode(model, input_ids, logits_processor, stopping_criteria, generation_config, hf_accel_streamer,
+                  model_kwargs.get("attention_mask"), sink).run()
 
 
-def uncovered(model: PreTrainedModel, config: GenerationConfig, model_kwargs: dict[str, Any]) -> str | None:
-    """Why this call cannot run the compiled loop, or None when it can."""
+def uncovered(model: PreTrainedModel, config: GenerationConfig, model_kwargs: dict[str, Any],
+              caches: tuple[type, ...] = (PagedCache, SinkCache)) -> str | None:
+    """Why this call cannot run the compiled loop with a fresh cache of one of the types `caches`, or None when it
+    can."""
     mode = config.get_generation_mode()
     cache = model_kwargs.get("past_key_values")
     if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
@@ -70,9 +73,10 @@ def uncovered(model: PreTrainedModel, config: GenerationConfig, model_kwargs: di
         return "output_attentions / output_hidden_states are not returned by the compiled loop"
     if model_kwargs.get("inputs_embeds") is not None:
         return "inputs_embeds: the compiled loop starts from input_ids"
-    if not isinstance(cache, (PagedCache, SinkCache)) or cache.get_seq_length() != 0 or \
+    if not isinstance(cache, caches) or cache.get_seq_length() != 0 or \
             getattr(cache, "prefix_store", None) is not None:
-        return "the compiled loop needs a fresh paged or sink cache, without a prefix store"
+        names = " or ".join(kind.__name__ for kind in caches)
+        return f"the compiled loop needs a fresh {names}, without a prefix store"
     if not getattr(model, "_supports_attention_backend", False):
         return f"{type(model).__name__} does not use transformers' AttentionInterface"
     try:
@@ -82,7 +86,7 @@ def uncovered(model: PreTrainedModel, config: GenerationConfig, model_kwargs: di
     return None
 
 
-def _stock_decoding(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer,
+def stock_decoding(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer,
                     model_kwargs):
     if generation_config.get_generation_mode() in (GenerationMode.BEAM_SEARCH, GenerationMode.BEAM_SAMPLE):
         return GenerationMixin._beam_search(model, input_ids, logits_processor, stopping_criteria,
@@ -93,7 +97,7 @@ def _stock_decoding(model, input_ids, logits_processor, stopping_criteria, gener
                                    synced_gpus=False, streamer=streamer, **model_kwargs)
 
 
-class _Decode:
+class Decode:
     """One compiled `generate` call: `run()` prefills, then steps until every row stops."""
 
     def __init__(self, model, input_ids, processors, criteria, config, streamer, attention_mask, sink: bool):
@@ -112,20 +116,22 @@ class _Decode:
         self.logits: list[torch.Tensor] = []
 
     def run(self) -> GenerateDecoderOnlyOutput | torch.LongTensor:
-        model = self.model
-        rows, sinks = self._layout()
-        kernel = paged_attention_kernel() if rows.device.type == "cpu" else None
-        register_attention()
         if self.streamer is not None:
             self.streamer.put(self.sequences[:, : self.length].cpu())
         try:
-            with paged_attention_implementation(model), compile_context(rows.device, self.config.compile_config):
-                self._decode(rows, sinks, self._prefill(rows, kernel or gathered_attention),
-                             kernel or decode_attention)
+            self._generate()
         finally:
             if self.streamer is not None:
                 self.streamer.end()
         return self._output()
+
+    def _generate(self) -> None:
+        """The prefill and the decode steps, over the paged layout."""
+        rows, sinks = self._layout()
+        kernel = paged_attention_kernel() if rows.device.type == "cpu" else None
+        register_attention()
+        with paged_attention_implementation(self.model), compile_context(rows.device, self.config.compile_config):
+            self._decode(rows, sinks, self._prefill(rows, kernel or gathered_attention), kernel or decode_attention)
 
     def _layout(self) -> tuple[PagedRows, SinkRows | None]:
         """Every row's blocks (all of them; a ring for the sink cache) and the sinks, for this call."""
@@ -141,21 +147,32 @@ class _Decode:
         return rows, SinkRows(self.model, sink, rows)
 
     def _decode(self, rows: PagedRows, sinks: SinkRows | None, tokens: torch.Tensor, attend) -> None:
-        """Commit `tokens` (the prefill's), then step until every row stops. The first step runs dynamo's guards
-        (picking or compiling the graph); the later ones, whose inputs differ only in values, skip them."""
+        """Commit `tokens` (the prefill's), then step until every row stops."""
         step = compiled_decode_step(self.config.compile_config, self.model)
-        warpers = () if self.host_processors else tuple(self.processors)
         positions = rows.prompt_lengths.clone()
-        unfinished = self._commit(tokens, torch.ones_like(positions, dtype=torch.bool))
+
+        def one_step(last: torch.Tensor, warpers: tuple) -> torch.Tensor:
+            nonlocal positions
+            if sinks is not None:
+                sinks.capture(rows.kv, positions)
+            out = step(self.model, last, positions, rows.kv, rows.block_table, attend, warpers, self.do_sample,
+                       self.host_processors, sinks)
+            positions = positions + 1
+            return out
+
+        self._steps(tokens, one_step)
+
+    def _steps(self, tokens: torch.Tensor, one_step: Callable[[torch.Tensor, tuple], torch.Tensor]) -> None:
+        """Commit `tokens` (the prefill's), then call `one_step(last tokens [rows], in-graph warpers)` (next tokens,
+        or logits for the host processors) until every row stops. The first step runs dynamo's guards (picking or
+        compiling the graph); the later ones, whose inputs differ only in values, skip them."""
+        warpers = () if self.host_processors else tuple(self.processors)
+        unfinished = self._commit(tokens, torch.ones_like(tokens, dtype=torch.bool))
         with torch.compiler.set_stance("default", skip_guard_eval_unsafe=False):  # restored on exit
             guarded = True
             while bool(unfinished.any()) and self.length < self.sequences.shape[1]:
-                if sinks is not None:
-                    sinks.capture(rows.kv, positions)
-                out = step(self.model, self.sequences[:, self.length - 1], positions, rows.kv, rows.block_table,
-                           attend, warpers, self.do_sample, self.host_processors, sinks)
+                out = one_step(self.sequences[:, self.length - 1], warpers)
                 unfinished = self._commit(self._choose(out) if self.host_processors else out, unfinished)
-                positions = positions + 1
                 if guarded:
                     torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
                     guarded = False
@@ -164,7 +181,10 @@ class _Decode:
         inputs = rows.prefill(self.prompts, attend)
         out = self.model(input_ids=inputs.tokens, position_ids=inputs.positions, use_cache=False,
                          logits_to_keep=inputs.keep, hf_accel_step=inputs.attention)
-        logits = out.logits[0].float()  # [rows, vocab]
+        return self._first_tokens(out.logits[0].float())
+
+    def _first_tokens(self, logits: torch.Tensor) -> torch.Tensor:
+        """The prefill's choice from its last logits `[rows, vocab]` fp32."""
         return self._choose(logits) if self.host_processors else choose_tokens(
             logits, tuple(self.processors), self.do_sample)
 

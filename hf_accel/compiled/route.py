@@ -1,13 +1,11 @@
-"""Which `generate` calls run hf_accel's compiled loop: `compile_config` with `cache_implementation="paged"` or
-`"sink"`, and `ngram_generate` / `draft_generate` / `eagle_generate` (`speculative_entry.py`) given
-`compile_config`.
+"""Which `generate` calls run hf_accel's compiled loops: `compile_config` with `cache_implementation="paged"` or
+`"sink"` (`loop.py`) or hf_accel's `"quantized"` (`quantized_loop.py`), and `ngram_generate` / `draft_generate` /
+`eagle_generate` (`speculative_entry.py`) given `compile_config`.
 
 transformers compiles a decode step only for caches that are `is_compileable`, and by default only on accelerators.
 With hf_accel's paged cache, `compile_config` selects `loop.compiled_generate` instead, on every device (CPU
 included): the hook in `registry.py` sets it as the call's `custom_generate` when nothing else already claims the
-decoding (a `custom_generate`, an assistant model, prompt lookup, a cache object passed in). The quantized cache
-packs its residual window into groups on the host every few steps and has no static layout yet: with
-`compile_config` it raises rather than quietly decode eagerly.
+decoding (a `custom_generate`, an assistant model, prompt lookup, a cache object passed in).
 """
 
 from __future__ import annotations
@@ -18,6 +16,7 @@ from transformers import GenerationConfig
 
 from .. import registry
 from .loop import compiled_generate
+from .quantized_loop import compiled_quantized_generate
 from .speculative_entry import COMPILED_ENTRIES
 
 _CLAIMS_DECODING = ("custom_generate", "assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit",
@@ -27,7 +26,7 @@ _CLAIMS_DECODING = ("custom_generate", "assistant_model", "prompt_lookup_num_tok
 def route_generate(model: Any, kwargs: dict[str, Any]) -> None:
     """Set `kwargs["custom_generate"]` to the compiled loop when the call asks for compilation of hf_accel's paged
     or sink cache, or to the compiled entry of `ngram_generate` / `draft_generate` / `eagle_generate` when it names
-    one of them; `ValueError` for compilation with a cache that has no static layout."""
+    one of them."""
     config = kwargs.get("generation_config")
     compile_config = _setting("compile_config", kwargs, config, model)
     if compile_config is None or _setting("disable_compile", kwargs, config, model):
@@ -38,13 +37,10 @@ def route_generate(model: Any, kwargs: dict[str, Any]) -> None:
         return
     name = registry.internal_cache_name(_setting("cache_implementation", kwargs, config, model),
                                         _setting("cache_config", kwargs, config, model))
-    if name == registry.QUANTIZED_ALIAS:
-        raise ValueError("`compile_config` supports cache_implementation='paged' and 'sink' among hf_accel's caches, "
-                         "not 'quantized': its per-step host-side bookkeeping (packing the residual window into "
-                         "groups) has no static layout yet. Drop `compile_config` to decode eagerly")
-    compiled = (registry.PAGED_ALIAS, registry.SINK_ALIAS)
-    if name in compiled and not any(kwargs.get(key) is not None for key in _CLAIMS_DECODING):
-        kwargs["custom_generate"] = compiled_generate
+    loops = {registry.PAGED_ALIAS: compiled_generate, registry.SINK_ALIAS: compiled_generate,
+             registry.QUANTIZED_ALIAS: compiled_quantized_generate}
+    if name in loops and not any(kwargs.get(key) is not None for key in _CLAIMS_DECODING):
+        kwargs["custom_generate"] = loops[name]
 
 
 def _setting(name: str, kwargs: dict[str, Any], config: GenerationConfig | None, model: Any) -> Any:

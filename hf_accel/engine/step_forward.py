@@ -69,14 +69,15 @@ def recompile_limits():
 
 
 @contextlib.contextmanager
-def paged_attention_implementation(model: PreTrainedModel) -> Iterator[None]:
-    """Run `model` with hf_accel's paged attention inside the block, its own implementation after (a no-op when
-    already inside one: `Engine` switches once per run of steps, so single steps pay nothing)."""
+def paged_attention_implementation(model: PreTrainedModel, name: str = ATTENTION_NAME) -> Iterator[None]:
+    """Run `model` with hf_accel's paged attention (or the registered attention `name`) inside the block, its own
+    implementation after (a no-op when already inside one: `Engine` switches once per run of steps, so single steps
+    pay nothing)."""
     saved = model.config._attn_implementation
-    if saved == ATTENTION_NAME:
+    if saved == name:
         yield
         return
-    model.set_attn_implementation(ATTENTION_NAME)
+    model.set_attn_implementation(name)
     try:
         yield
     finally:
