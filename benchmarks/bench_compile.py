@@ -106,8 +106,8 @@ def strategies() -> tuple[Strategy, ...]:
 
 
 NOT_COVERED = ["medusa_generate with compile_config: not compiled yet (bench_speculative.py has its eager rows); "
-               "compiled draft_generate covers greedy decoding only (its sampling decodes eagerly); compiled "
-               "ngram_generate samples losslessly too"]
+               "the speculative rows here are greedy (compiled ngram_generate and draft_generate also sample "
+               "losslessly)"]
 
 
 def compile_seconds(model: PreTrainedModel, inputs: dict[str, torch.Tensor], strategy: Strategy,

@@ -1,10 +1,11 @@
 """Sampling with `draft_generate` is lossless: on a tiny model with a 12-token vocabulary, the tokens it samples at
 positions 2-5 follow the target's distribution (given each row's own earlier tokens) as closely as plain sampling's
-do, in a left-padded batch whose rows accept different numbers of drafts."""
+do, in a left-padded batch whose rows accept different numbers of drafts; eagerly and compiled (`compile_config`)."""
 
 import pytest
 import torch
 import transformers
+from transformers import CompileConfig
 from conformance import make_draft_model
 
 import hf_accel
@@ -53,19 +54,26 @@ def test_sampled_tokens_follow_the_target_distribution(pair):
     model, draft = pair
     inputs = _prompts()
     width = inputs["input_ids"].shape[1]
-    stats = hf_accel.SpeculativeStats()
+    stats = {"draft": hf_accel.SpeculativeStats(), "draft + compile": hf_accel.SpeculativeStats()}
     results = {}
-    for name, kwargs in (("plain", {}), ("draft", {"custom_generate": hf_accel.draft_generate,
-                                                     "draft_model": draft, "draft_stats": stats})):
+    for name, kwargs in (("plain", {}),
+                         ("draft", {"custom_generate": hf_accel.draft_generate, "draft_model": draft,
+                                    "draft_stats": stats["draft"]}),
+                         ("draft + compile", {"custom_generate": hf_accel.draft_generate, "draft_model": draft,
+                                              "draft_stats": stats["draft + compile"],
+                                              "compile_config": CompileConfig(fullgraph=True)})):
         torch.manual_seed(0)
         out = model.generate(**inputs, max_new_tokens=NEW, do_sample=True, temperature=TEMPERATURE, top_k=0,
-                             pad_token_id=0, **kwargs)
+                             pad_token_id=0, return_dict_in_generate=True, **kwargs)
+        assert (out.past_key_values is None) == (name == "draft + compile")  # which loop ran
+        out = out.sequences
         assert out.shape == (ROWS, width + NEW)
         target = _target_distributions(model, out, inputs["attention_mask"])
         as_draft = _target_distributions(draft, out, inputs["attention_mask"])
         results[name] = [(_total_variation(out, target, s, width), _total_variation(out, as_draft, s, width))
                          for s in range(1, NEW)]
-    assert 0.2 < stats.acceptance_rate < 0.9 and stats.tokens_per_forward > 1.2  # drafts partly accepted
+    for counted in stats.values():  # drafts partly accepted
+        assert 0.2 < counted.acceptance_rate < 0.9 and counted.tokens_per_forward > 1.2, counted
     for name, per_position in results.items():
         for position, (to_target, to_draft) in enumerate(per_position, start=1):
             assert to_target < TOLERANCE, f"{name}: token {position} is {to_target:.3f} from the target's law"

@@ -5,11 +5,13 @@ The draft gets its own static paged pool, prefilled with the prompts. A round of
 - one compiled draft forward of 2 tokens per row, the token before the last and the last (positions `p - 1`, `p`):
   a row that accepted every candidate last round never fed the draft its final candidate, and feeding the pair always
   gives every row the same shape (rewriting a K/V that was already right costs nothing extra);
-- k - 1 compiled single-token draft steps (greedy), each on the previous draft token;
+- k - 1 compiled single-token draft steps, each on the previous draft token;
 - the target's compiled verify forward of the last token and the k drafts (`speculation.TargetRounds`).
 Draft K/V past a row's accepted tokens are overwritten next round (rollback by position in both pools). Candidates
 stay on the device until the verify's outcome is read: one host synchronisation per round. Greedy output equals
-plain greedy `generate`.
+plain greedy `generate`. Sampling (temperature / top-k / top-p / min-p) is lossless as in the eager loop: the draft's
+compiled forwards return their logits, each draft is drawn from the draft's warped distribution (`token_choice.draw`,
+outside the graph), and the target accepts by speculative sampling against those distributions.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from ..speculative.stats import SpeculativeStats
 from .paged_rows import PagedRows
 from .speculation import TargetRounds, pool_for, prefill
 from .step import compile_context, compiled_decode_step, compiled_verify_step
+from .token_choice import draw
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,11 +45,12 @@ class DraftSteps:
 
 def compiled_draft_generate(model: PreTrainedModel, draft: PreTrainedModel, input_ids: torch.Tensor,
                             attention_mask: torch.Tensor | None, config: GenerationConfig, length: DraftLength,
-                            stats: SpeculativeStats,
-                            streamer: BaseStreamer | None) -> GenerateDecoderOnlyOutput | torch.LongTensor:
-    """Greedy draft-model speculation with compiled forwards (see the module docstring); returns what `generate`
-    returns (`past_key_values` None: the pools live for the call only)."""
-    target = TargetRounds(model, input_ids, attention_mask, config, length.max_tokens, stats, streamer)
+                            stats: SpeculativeStats, streamer: BaseStreamer | None,
+                            warpers: tuple = ()) -> GenerateDecoderOnlyOutput | torch.LongTensor:
+    """Draft-model speculation with compiled forwards (see the module docstring), greedy or (with
+    `config.do_sample`) sampled after `warpers`; returns what `generate` returns (`past_key_values` None: the pools
+    live for the call only)."""
+    target = TargetRounds(model, input_ids, attention_mask, config, length.max_tokens, stats, streamer, warpers)
     pool = pool_for(draft, target.prompts, target.outputs.max_new_tokens, length.max_tokens, config)
     with contextlib.ExitStack() as stack:
         for entered in (paged_attention_implementation(model), paged_attention_implementation(draft),
@@ -68,18 +72,24 @@ def _round(target: TargetRounds, draft: DraftSteps, pool: PagedRows, length: Dra
     k = length.next(max(target.outputs.remaining))
     generating = [not done for done in target.outputs.finished]
     counts = None if k else torch.zeros_like(target.positions)  # the last round: its one draft counts as none
-    accepted = target.verify_round(_propose(target, draft, pool, max(k, 1)), counts)
+    candidates, draft_probs = _propose(target, draft, pool, max(k, 1))
+    accepted = target.verify_round(candidates, counts, draft_probs)
     if k:
         target.stats.num_draft_forwards += k
         length.update(k, min(n for n, on in zip(accepted, generating) if on))
 
 
-def _propose(target: TargetRounds, draft: DraftSteps, pool: PagedRows, k: int) -> torch.Tensor:
-    # [rows, k] greedy draft tokens: a 2-token forward (the token before the last, the last), then k - 1 steps
-    positions, attends = target.positions, target.attends
+def _propose(target: TargetRounds, draft: DraftSteps, pool: PagedRows,
+             k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`[rows, k]` draft tokens: a 2-token forward (the token before the last, the last), then k - 1 steps; when
+    sampling, also the `[rows, k, vocab]` distributions they were drawn from (else None)."""
+    positions, attends, sampled = target.positions, target.attends, target.do_sample
     pair = torch.stack([target.previous, target.last], dim=1)  # [rows, 2] at positions - 1, positions
-    tokens = [draft.verify(draft.model, pair, positions - 1, pool.kv, pool.block_table, attends.verify)[:, 1]]
+    first = draft.verify(draft.model, pair, positions - 1, pool.kv, pool.block_table, attends.verify, sampled)[:, 1]
+    drafts = [draw(first, target.warpers) if sampled else (first, None)]
     for j in range(1, k):
-        tokens.append(draft.decode(draft.model, tokens[-1], positions + j, pool.kv, pool.block_table,
-                                   attends.decode, (), False, False))
-    return torch.stack(tokens, dim=1)
+        out = draft.decode(draft.model, drafts[-1][0], positions + j, pool.kv, pool.block_table, attends.decode, (),
+                           False, sampled)
+        drafts.append(draw(out, target.warpers) if sampled else (out, None))
+    tokens = torch.stack([token for token, _ in drafts], dim=1)
+    return tokens, torch.stack([probs for _, probs in drafts], dim=1) if sampled else None

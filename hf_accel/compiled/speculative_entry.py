@@ -72,14 +72,15 @@ def compiled_draft_entry(model, input_ids, logits_processor, stopping_criteria, 
     if draft is None:  # the eager function raises the error that names the argument
         return draft_generate(*args, **kwargs)
     reason = speculation_uncovered([model, draft], generation_config, logits_processor, stopping_criteria,
-                                   model_kwargs)
+                                   model_kwargs, sampling=True)
     if reason is not None:
         return _eagerly(draft_generate, reason, args, kwargs)
     check_draft_vocabulary(model, draft)
     stats = options["draft_stats"] if options["draft_stats"] is not None else SpeculativeStats()
     return compiled_draft_generate(
         model, draft, input_ids, model_kwargs.get("attention_mask"), generation_config,
-        DraftLength(options["num_draft_tokens"], options["max_draft_tokens"]), stats, options["hf_accel_streamer"])
+        DraftLength(options["num_draft_tokens"], options["max_draft_tokens"]), stats, options["hf_accel_streamer"],
+        tuple(logits_processor) if generation_config.do_sample else ())
 
 
 @functools.wraps(eagle_generate)

@@ -33,8 +33,14 @@ def choose_tokens(scores: torch.Tensor, warpers: tuple, do_sample: bool) -> torc
     """`scores` `[rows, vocab]` fp32 -> `[rows]` next tokens: argmax, or a draw after `warpers` (in order)."""
     if not do_sample:
         return scores.argmax(dim=-1)
+    return draw(scores, warpers)[0]
+
+
+def draw(scores: torch.Tensor, warpers: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    """`scores` `[rows, vocab]` fp32 -> a draw `[rows]` from the distribution after `warpers` (in order), and that
+    distribution `[rows, vocab]` (what a speculative draft's acceptance is judged against)."""
     for warper in warpers:
         scores = warper(None, scores)  # these warpers never read input_ids
     probs = torch.softmax(scores, dim=-1)
     race = torch.empty_like(probs).exponential_(1)
-    return (probs / race).argmax(dim=-1)
+    return (probs / race).argmax(dim=-1), probs
