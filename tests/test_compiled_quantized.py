@@ -9,9 +9,9 @@ costs a fraction of full precision per token."""
 import pytest
 import torch
 import torch._dynamo.utils as dynamo_utils
+from conformance import PAD, make_model, make_prompts
 from transformers import CompileConfig
 
-from conformance import PAD, make_model, make_prompts
 from hf_accel.cache.quantized import QuantizedKVCache
 from hf_accel.compiled.paged_rows import PagedRows
 from hf_accel.compiled.quantized_loop import compiled_quantized_generate
@@ -39,8 +39,9 @@ def unique_graphs() -> int:
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_greedy_equals_the_eager_quantized_cache(arch):
     model = make_model(arch, torch.float32, "sdpa")
-    # [9]: short; [5, 23, 14]: padded (the sinks cover the padding); [60, 31]: the prefill itself flushes groups
-    for lengths in ([9], [5, 23, 14], [60, 31]):
+    # [9]: short; [5, 23, 14]: padded (the sinks cover the padding); [60, 31]: the prefill itself flushes groups;
+    # [2, 3]: prompts shorter than the sink columns (decode tokens fill them first); [20]: exactly R after the sinks
+    for lengths in ([9], [5, 23, 14], [60, 31], [2, 3], [20]):
         inputs = make_prompts(lengths, seed=len(lengths))
         assert torch.equal(run(model, inputs, compiled=True), run(model, inputs, compiled=False)), (arch, lengths)
 
@@ -81,6 +82,16 @@ def test_the_compiled_loop_really_runs():
     passed.pop("custom_generate")
     route_generate(model, passed)
     assert "custom_generate" not in passed  # a cache object passed in is left to transformers
+
+
+def test_eos_pads_finished_rows():
+    model = make_model("llama", torch.float32, "sdpa")
+    inputs = make_prompts([10, 6, 17], seed=5)
+    free = run(model, inputs, compiled=False)
+    eos = int(free[1, -25])  # a token row 1 emits early: it stops there, is padded after, and flushes go on
+    expected = run(model, inputs, compiled=False, eos_token_id=eos)
+    assert (expected == PAD).sum() > (free == PAD).sum()  # some row did stop early
+    assert torch.equal(run(model, inputs, compiled=True, eos_token_id=eos), expected)
 
 
 def test_sampling_warpers_and_host_processors():

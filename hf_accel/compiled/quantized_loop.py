@@ -6,22 +6,35 @@ the eager cache's own), its state is copied into the static buffers of `quantize
 one call of a compiled whole step (forward, attention over the full-precision slots and the dequantized history,
 token choice) with the flush of a full residual done on the host between steps. The host loop, processors, stopping
 criteria, streamer and outputs are `loop.Decode`'s. Calls it cannot serve (sliding-window or hybrid layers, which the
-eager cache keeps in transformers' own layers; beams; a cache passed in) decode eagerly with a warning naming why.
+eager cache keeps in transformers' own layers; beams) decode eagerly with a warning naming why; a cache object
+passed in is left to transformers (`route.py` does not route such calls here).
 """
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import torch
-from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel, StoppingCriteriaList
+from transformers import (
+    CompileConfig,
+    GenerationConfig,
+    LogitsProcessorList,
+    PreTrainedModel,
+    StoppingCriteriaList,
+)
 from transformers.generation.streamers import BaseStreamer
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from ..cache.quantized import QuantizedKVCache, QuantizedKVLayer
 from ..engine.step_forward import paged_attention_implementation
 from .loop import Decode, stock_decoding, uncovered
-from .quantized_rows import ATTENTION_NAME, QuantizedRows, quantized_decode_step, register_quantized_attention
+from .quantized_rows import (
+    ATTENTION_NAME,
+    QuantizedRows,
+    quantized_decode_step,
+    register_quantized_attention,
+)
 from .step import compile_context, compiled_with
 
 
@@ -42,24 +55,24 @@ def compiled_quantized_generate(model: PreTrainedModel, input_ids: torch.LongTen
         return stock_decoding(model, input_ids, logits_processor, stopping_criteria, generation_config,
                               hf_accel_streamer, model_kwargs)
     return QuantizedDecode(model, input_ids, logits_processor, stopping_criteria, generation_config,
-                           hf_accel_streamer, model_kwargs.get("attention_mask"), False, cache, input_ids).run()
+                           hf_accel_streamer, model_kwargs.get("attention_mask"), cache).run()
 
 
 class QuantizedDecode(Decode):
-    """One compiled `generate` call with the quantized cache."""
+    """One compiled `generate` call with the quantized cache `cache` (fresh, built by generate)."""
 
-    def __init__(self, model, input_ids, processors, criteria, config, streamer, attention_mask, sink, cache,
-                 padded_ids):
-        super().__init__(model, input_ids, processors, criteria, config, streamer, attention_mask, sink)
-        self.cache, self.input_ids = cache, padded_ids
+    def __init__(self, model, input_ids, processors, criteria, config, streamer, attention_mask, cache):
+        super().__init__(model, input_ids, processors, criteria, config, streamer, attention_mask, sink=False)
+        self.cache, self.input_ids = cache, input_ids
         self.mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
 
     def _generate(self) -> None:
-        rows = QuantizedRows(self.model, self.cache, self.input_ids.shape[0], self.sequences.shape[1])
         tokens = self._first_tokens(self._prefill_eagerly())
+        # allocated after the prefill: its activations and the eager cache are not held beside the buffers
+        rows = QuantizedRows(self.model, self.cache, self.input_ids.shape[0], self.sequences.shape[1])
         rows.take(self.cache, self.mask)
         register_quantized_attention()
-        step = compiled_with(self.config.compile_config, self.model, quantized_decode_step)
+        step = compiled_with(_without_cuda_graphs(self.config.compile_config), self.model, quantized_decode_step)
         positions = self.mask.sum(dim=-1)  # the next token's position: real tokens before it
 
         def one_step(last: torch.Tensor, warpers: tuple) -> torch.Tensor:
@@ -81,3 +94,14 @@ class QuantizedDecode(Decode):
         out = self.model(input_ids=self.input_ids, attention_mask=self.mask, position_ids=positions,
                          past_key_values=self.cache, use_cache=True, logits_to_keep=1)
         return out.logits[:, -1].float()
+
+
+def _without_cuda_graphs(config: CompileConfig) -> CompileConfig:
+    """`config`, with `mode="reduce-overhead"` (CUDA graphs, `CompileConfig`'s default) replaced by inductor's default
+    mode: the live history grows at every flush (a new graph per size) and its views are rebuilt (new addresses, a copy
+    of every input per replay), so CUDA graphs would cost more than they save. Not yet run on a GPU."""
+    if config.mode != "reduce-overhead":
+        return config
+    plain = copy.copy(config)
+    plain.mode = "default"
+    return plain

@@ -12,7 +12,7 @@ flush happens at the same step for every row, a step the host knows in advance. 
                     minima, in `ops.quantize`'s layout (key tokens split into groups), filled up to `Tq` tokens
     valid           [rows, S + Q] bool: which slots hold a real token (in the order attention reads them)
 
-One tensor per kind for all layers, so a step's graph has ten inputs, not ten per layer (each input costs the
+One tensor per kind for all layers, so a step's graph reads nine tensors, not nine per layer (each input costs the
 compiled call's wrappers time). A decode step attends, per layer, the valid fp slots, the dequantized live history
 (whole groups up to `Tq`, at least 2: not the whole room) and the new token itself (attention is a sum over keys:
 their order does not matter), and returns every layer's new K/V; the host then writes them at fp slot `w` (the next
@@ -20,7 +20,8 @@ sink while the sinks fill, then the next residual slot: `w` just counts up) with
 the slot valid (`advance`: a write inside the graph would be a custom op call per layer, or a copy of the buffer).
 When the residual is full, the host quantizes it into the next `R` history tokens with the cache's own
 `ops.quantize` and moves its valid bits along (`flush`): the same groups of the same tokens the eager cache makes,
-so tokens equal eager `QuantizedKVCache`'s. The prefill runs eagerly through the eager cache itself (`take` copies
+so tokens equal eager `QuantizedKVCache`'s (logits up to float reassociation: attention sums the slots in another
+order; fp32 tests compare tokens). The prefill runs eagerly through the eager cache itself (`take` copies
 its state over).
 Layers of other kinds (sliding windows) have no place here: such models decode eagerly (`loop.uncovered`).
 """
@@ -65,35 +66,36 @@ class QuantizedRows:
 
     def __init__(self, model: PreTrainedModel, cache: QuantizedKVCache, rows: int, max_columns: int):
         weight = next(model.parameters())
-        self.settings, self.cap, self.rows = cache.settings, cache.num_sink_columns, rows
-        self.residual, group, nbits = self.settings.residual_length, self.settings.group_size, self.settings.nbits
+        self.settings, self.num_sink_columns, self.rows = cache.settings, cache.num_sink_columns, rows
+        self.residual_length, group = self.settings.residual_length, self.settings.group_size
+        self.num_fp_slots = self.num_sink_columns + self.residual_length  # S: the sinks, then the residual
         config = model.config.get_text_config(decoder=True)
         self.heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         self.dim, layers = config_head_dim(config), len(cache.layers)
         # whole groups for every later column, at least 2 (a size of 1 would be specialized: one more graph), and
         # one to spare: a live view is then never the whole buffer (a trace would tie its strides to its sizes)
-        self.room = max(-(-(max_columns - self.cap) // group), MIN_GROUPS) + 1
-        heads, dim, packed, slots = self.heads, self.dim, self.dim * nbits // 8, self.cap + self.residual
+        self.num_room_groups = max(-(-(max_columns - self.num_sink_columns) // group), MIN_GROUPS) + 1
+        heads, dim, slots, groups = self.heads, self.dim, self.num_fp_slots, self.num_room_groups
+        packed, tokens = dim * self.settings.nbits // 8, groups * group
 
         def zeros(*size: int, kind: torch.dtype = weight.dtype) -> torch.Tensor:
             return torch.zeros(size, dtype=kind, device=weight.device)
 
         self.fp_keys, self.fp_values = zeros(heads, layers * rows, slots, dim), zeros(heads, layers * rows, slots, dim)
-        self.key_codes = zeros(layers, rows, heads, self.room, group, packed, kind=torch.uint8)
-        self.key_scale, self.key_minimum = (zeros(layers, rows, heads, self.room, 1, dim) for _ in range(2))
-        tokens = self.room * group
+        self.key_codes = zeros(layers, rows, heads, groups, group, packed, kind=torch.uint8)
+        self.key_scale, self.key_minimum = (zeros(layers, rows, heads, groups, 1, dim) for _ in range(2))
         self.value_codes = zeros(layers, rows, heads, tokens, packed, kind=torch.uint8)
         self.value_scale, self.value_minimum = (zeros(layers, rows, heads, tokens, dim // group, 1) for _ in range(2))
         self.valid = zeros(rows, slots + tokens, kind=torch.bool)
         self.base = torch.arange(layers * rows, device=weight.device) * slots  # flat slot 0 of each (layer, row)
         self.next_slot = 0  # w: the fp slot the next token goes to
-        self.quantized = 0  # Tq: history tokens held
+        self.num_quantized = 0  # Tq: history tokens held
         self.step = self._live_step()
 
     def take(self, cache: QuantizedKVCache, attention_mask: torch.Tensor) -> None:
         """Copy the prefilled eager `cache` (its K/V of the columns of `attention_mask` `[rows, prompt]`) into the
         buffers, and empty it."""
-        cap, rows = self.cap, self.rows
+        cap, rows = self.num_sink_columns, self.rows
         first: QuantizedKVLayer = cache.layers[0]
         sinks, residual = first.sink_keys.shape[-2], first.residual_keys.shape[-2]
         quantized = 0 if first.quantized_keys is None else first.quantized_keys.num_tokens
@@ -108,9 +110,9 @@ class QuantizedRows:
         real = attention_mask.bool()
         self.valid[:, :sinks] = real[:, :sinks]
         self.valid[:, cap:cap + residual] = real[:, cap + quantized:cap + quantized + residual]
-        start = cap + self.residual
+        start = self.num_fp_slots
         self.valid[:, start:start + quantized] = real[:, cap:cap + quantized]
-        self.quantized = quantized
+        self.num_quantized = quantized
         self.next_slot = sinks if sinks < cap else cap + residual
         self.step = self._live_step()
         cache.reset()
@@ -123,13 +125,13 @@ class QuantizedRows:
             fp.view(self.heads, -1, self.dim).index_copy_(1, slots, new.permute(2, 0, 1, 3).flatten(1, 2))
         self.valid[:, self.next_slot] = True
         self.next_slot += 1
-        if self.next_slot == self.cap + self.residual:
+        if self.next_slot == self.num_fp_slots:
             self.flush()
 
     def flush(self) -> None:
         """Quantize the residual's R tokens into history tokens `Tq .. Tq + R` (keys per channel over groups of
         tokens, values per token: `QuantizedKVLayer`'s rule, with `ops.quantize`) and empty the residual."""
-        cap, size, start, rows = self.cap, self.residual, self.quantized, self.rows
+        cap, size, start, rows = self.num_sink_columns, self.residual_length, self.num_quantized, self.rows
         group, nbits = self.settings.group_size, self.settings.nbits
         for index in range(self.key_codes.shape[0]):
             keys, values = (fp[:, index * rows:(index + 1) * rows, cap:].transpose(0, 1).contiguous()
@@ -139,7 +141,7 @@ class QuantizedRows:
         history = cap + size + start
         self.valid[:, history:history + size] = self.valid[:, cap:cap + size]
         self.valid[:, cap:cap + size] = False
-        self.quantized += size
+        self.num_quantized += size
         self.next_slot -= size
         self.step = self._live_step()
 
@@ -160,13 +162,13 @@ class QuantizedRows:
         """The step inputs over the history's live groups (at least 2), so attention reads what the eager cache
         holds, not the whole room; the model's sizes (layers, heads, head dimension, group size) marked static for
         the compiler."""
-        live = max(self.quantized // self.settings.group_size, MIN_GROUPS)
+        live = max(self.num_quantized // self.settings.group_size, MIN_GROUPS)
         tokens = live * self.settings.group_size
         keys = [_static(t[:, :, :, :live], (0, 2, 4, 5)) for t in (self.key_codes, self.key_scale, self.key_minimum)]
         values = [_static(t[:, :, :, :tokens], (0, 2, 4) + ((5,) if t.dim() == 6 else ()))
                   for t in (self.value_codes, self.value_scale, self.value_minimum)]
         return QuantizedStep(_static(self.fp_keys, (0, 3)), _static(self.fp_values, (0, 3)), *keys, *values,
-                             self.valid[:, :self.cap + self.residual + tokens])
+                             self.valid[:, :self.num_fp_slots + tokens])
 
 
 def _static(tensor: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
@@ -178,13 +180,9 @@ def _static(tensor: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
 
 
 def unpacked(codes: torch.Tensor, dim: int) -> torch.Tensor:
-    """uint8 codes `[..., dim * nbits / 8]` packed by `ops.pack` -> `[..., dim]` uint8 codes."""
-    per_byte = dim // codes.shape[-1]
-    if per_byte == 1:
-        return codes
-    nbits = 8 // per_byte
-    mask = (1 << nbits) - 1
-    return torch.cat([(codes >> (plane * nbits)) & mask for plane in range(per_byte)], dim=-1)
+    """uint8 codes `[..., dim * nbits / 8]` packed by `ops.pack` -> `[..., dim]` uint8 codes (`nbits` from the two
+    static sizes)."""
+    return ops.unpack(codes, 8 * codes.shape[-1] // dim)
 
 
 def history_keys(step: QuantizedStep, layer: int, dim: int) -> torch.Tensor:

@@ -24,9 +24,9 @@ _CLAIMS_DECODING = ("custom_generate", "assistant_model", "prompt_lookup_num_tok
 
 
 def route_generate(model: Any, kwargs: dict[str, Any]) -> None:
-    """Set `kwargs["custom_generate"]` to the compiled loop when the call asks for compilation of hf_accel's paged
-    or sink cache, or to the compiled entry of `ngram_generate` / `draft_generate` / `eagle_generate` when it names
-    one of them."""
+    """Set `kwargs["custom_generate"]` to the compiled loop when the call asks for compilation of hf_accel's paged,
+    sink or quantized cache, or to the compiled entry of `ngram_generate` / `draft_generate` / `eagle_generate`
+    when it names one of them."""
     config = kwargs.get("generation_config")
     compile_config = _setting("compile_config", kwargs, config, model)
     if compile_config is None or _setting("disable_compile", kwargs, config, model):

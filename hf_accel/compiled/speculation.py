@@ -9,9 +9,10 @@ advances `positions[r]` by the tokens kept: the rejected candidates' K/V stay in
 overwrites them (rollback in place, no copy). A round with k = 0 is one compiled plain decode step. Finished rows
 stay in the batch (fixed shapes: no recompilation) with frozen positions; their tokens are dropped (`RowTokens`).
 
-Covered: greedy decoding without logits processors, stopped by `max_length` / `max_new_tokens` and EOS, any batch
-size and left padding, sliding-window and hybrid models, a streamer at batch 1; `speculation_uncovered` names what is
-not (the caller then decodes eagerly, with a warning).
+Covered: greedy decoding without logits processors, and (for callers that pass `sampling=True` to
+`speculation_uncovered`) sampling after transformers' temperature / top-k / top-p / min-p warpers, stopped by
+`max_length` / `max_new_tokens` and EOS, any batch size and left padding, sliding-window and hybrid models, a
+streamer at batch 1; `speculation_uncovered` names what is not (the caller then decodes eagerly, with a warning).
 """
 
 from __future__ import annotations
@@ -122,7 +123,8 @@ class TargetRounds:
         lookahead: the most candidates a round verifies.
         stats: counters to add the rounds to; `streamer`: gets each emitted token at batch 1.
         warpers: with `config.do_sample`, the warpers of generate's processors (`token_choice.IN_GRAPH_WARPERS`):
-            tokens are sampled, and candidates (deterministic drafts) accepted by lossless speculative sampling.
+            tokens are sampled, and candidates accepted by lossless speculative sampling (against the distributions
+            they were drawn from, or one-hot for deterministic drafts; `verify_round`).
         feature_layers: indices into the target's `output_hidden_states` whose states the prefill and every verify
             forward also return (an EAGLE head's input), kept in `features` with the round's `verdict`.
     """

@@ -9,8 +9,8 @@ and stopping criteria see each row's compact tokens, one accepted token at a tim
 
 With `compile_config=CompileConfig(...)` the draft's and the target's forwards run compiled over static paged pools,
 rejected tokens rolled back in place (`compiled/draft_loop.py`; `compiled/route.py` puts its entry in this
-function's place); calls it does not cover (sampling, logits processors, other stopping criteria, scores) come back
-here, with a warning.
+function's place), greedy or sampled with transformers' temperature / top-k / top-p / min-p warpers; calls it does
+not cover (other logits processors, other stopping criteria, scores) come back here, with a warning.
 """
 
 from __future__ import annotations
@@ -82,8 +82,8 @@ def draft_generate(
         draft_stats: a `SpeculativeStats` to add this call's counters to (target forwards, acceptance per position).
         tokenizer: needed by `stop_strings` (generate hands it only to callables that name it).
         hf_accel_streamer: the `streamer=` of `generate` (hf_accel's registry forwards it under this name).
-    With `compile_config` in the generation config, greedy calls without processors run compiled (see the module
-    docstring); their output's `past_key_values` is None.
+    With `compile_config` in the generation config, greedy calls and sampled ones whose processors are the in-graph
+    warpers run compiled (see the module docstring); their output's `past_key_values` is None.
     Returns what `generate` returns: `sequences` (`[batch, prompt + new]`, finished rows padded with
     `pad_token_id`), or a `GenerateDecoderOnlyOutput` with `scores` / `logits` / `past_key_values` when asked. At
     batch size > 1 the returned cache holds holes (see `RaggedBatch`) and cannot be continued from.
