@@ -24,17 +24,9 @@ class KVPool:
         self.spare_block = num_blocks if spare_block else None
         size = (shape.kv_heads, num_blocks + spare_block, block_size, shape.head_dim)
         # keys[layer], values[layer]: [kv_heads, num_blocks, block_size, head_dim]
-        self.keys = [_static_sizes(torch.zeros(size, dtype=dtype, device=device)) for _ in range(shape.num_layers)]
-        self.values = [_static_sizes(torch.zeros(size, dtype=dtype, device=device)) for _ in range(shape.num_layers)]
+        self.keys = [torch.zeros(size, dtype=dtype, device=device) for _ in range(shape.num_layers)]
+        self.values = [torch.zeros(size, dtype=dtype, device=device) for _ in range(shape.num_layers)]
 
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.keys) + sum(t.nbytes for t in self.values)
-
-
-def _static_sizes(pool: torch.Tensor) -> torch.Tensor:
-    """`pool` with its heads, block size and head dimension marked static for the compiler (only the block count
-    varies between pools): symbols for the model's own sizes make every compile prove more about them."""
-    for dim in (0, 2, 3):
-        torch._dynamo.mark_static(pool, dim)
-    return pool
