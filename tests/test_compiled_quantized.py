@@ -6,6 +6,9 @@ in the prefill and while decoding; no recompilation across tokens and calls; in-
 processors as the paged loop has them; models with sliding-window layers decode eagerly with a warning; the history
 costs a fraction of full precision per token."""
 
+from dataclasses import replace
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch._dynamo.utils as dynamo_utils
@@ -15,8 +18,9 @@ from transformers import CompileConfig
 from hf_accel.cache.quantized import QuantizedKVCache
 from hf_accel.compiled.paged_rows import PagedRows
 from hf_accel.compiled.quantized_loop import compiled_quantized_generate
-from hf_accel.compiled.quantized_rows import QuantizedRows
+from hf_accel.compiled.quantized_rows import QuantizedRows, quantized_attention
 from hf_accel.compiled.route import route_generate
+from hf_accel.engine.paged_kernel import quantized_attention_kernel
 
 pytestmark = pytest.mark.compiled
 
@@ -130,3 +134,42 @@ def test_history_costs_a_fraction_of_full_precision_per_token():
 
     grown = quantized_bytes(2016) - quantized_bytes(1008)
     assert grown < 0.3 * (paged_bytes(2016) - paged_bytes(1008))  # codes, scales and minima: a quarter of fp32
+
+
+@pytest.mark.parametrize("nbits", [2, 4, 8])
+def test_the_kernel_equals_the_dense_path(nbits):
+    # random buffers, a third of the slots invalid, a live history that is a strided view of a larger room,
+    # grouped-query heads: the C++ kernel reading packed codes gives the dense path's attention
+    kernel = quantized_attention_kernel()
+    if kernel is None:
+        pytest.skip("the C++ kernels could not be built here")
+    model = make_model("llama", torch.float32, "sdpa")
+    rows = QuantizedRows(model, QuantizedKVCache(model.config, nbits=nbits, group_size=8, residual_length=16), 3, 90)
+    gen = torch.Generator().manual_seed(nbits)
+    for tensor in (rows.fp_keys, rows.fp_values, rows.key_scale, rows.key_minimum, rows.value_scale,
+                   rows.value_minimum):
+        tensor.copy_(torch.randn(tensor.shape, generator=gen))
+    for tensor in (rows.key_codes, rows.value_codes):
+        tensor.copy_(torch.randint(0, 256, tensor.shape, generator=gen, dtype=torch.uint8))
+    rows.valid.copy_(torch.rand(rows.valid.shape, generator=gen) < 0.7)
+    rows.num_quantized = 3 * 8
+    step = rows._live_step()
+    assert step.key_codes.shape[3] < rows.key_codes.shape[3]  # a view of part of the room
+    query, key, value = (torch.randn(3, heads, 1, 16, generator=gen) for heads in (4, 2, 2))
+    mask = torch.cat((step.valid, torch.ones(3, 1, dtype=torch.bool)), dim=1)
+    outputs = []
+    for attend in (kernel, None):
+        written = []
+        out, _ = quantized_attention(SimpleNamespace(layer_idx=1), query, key, value, None, scaling=0.3,
+                                     hf_accel_quantized=replace(step, attend=attend), hf_accel_mask=mask,
+                                     hf_accel_written=written)
+        outputs.append(out)
+        assert torch.equal(written[0][0], key[:, :, 0])
+    torch.testing.assert_close(outputs[0], outputs[1], atol=1e-5, rtol=1e-4)
+
+
+def test_without_the_kernel_the_dense_path_gives_the_same_tokens(monkeypatch):
+    monkeypatch.setenv("HF_ACCEL_PAGED_KERNEL", "0")  # no C++ kernels: the dense path, compiled
+    model = make_model("llama", torch.float32, "sdpa")
+    inputs = make_prompts([5, 23, 14], seed=3)
+    assert torch.equal(run(model, inputs, compiled=True), run(model, inputs, compiled=False))

@@ -13,11 +13,12 @@ flush happens at the same step for every row, a step the host knows in advance. 
     valid           [rows, S + Q] bool: which slots hold a real token (in the order attention reads them)
 
 One tensor per kind for all layers, so a step's graph reads nine tensors, not nine per layer (each input costs the
-compiled call's wrappers time). A decode step attends, per layer, the valid fp slots, the dequantized live history
-(whole groups up to `Tq`, at least 2: not the whole room) and the new token itself (attention is a sum over keys:
-their order does not matter), and returns every layer's new K/V; the host then writes them at fp slot `w` (the next
-sink while the sinks fill, then the next residual slot: `w` just counts up) with one `index_copy_` per kind and marks
-the slot valid (`advance`: a write inside the graph would be a custom op call per layer, or a copy of the buffer).
+compiled call's wrappers time). A decode step attends, per layer, the valid fp slots, the live history (whole
+groups up to `Tq`, at least 2: not the whole room) and the new token itself (attention is a sum over keys: their
+order does not matter); on CPU in fp32 through the C++ kernel `hf_accel::quantized_decode_attention`, which reads the
+packed codes where they lie, elsewhere by dequantizing the live history in the graph and calling sdpa. The step
+returns every layer's new K/V; the host then writes them at fp slot `w` (the next sink while the sinks fill, then
+the next residual slot: `w` just counts up) with one `index_copy_` per kind and marks the slot valid (`advance`: a write inside the graph would be a custom op call per layer, or a copy of the buffer).
 When the residual is full, the host quantizes it into the next `R` history tokens with the cache's own
 `ops.quantize` and moves its valid bits along (`flush`): the same groups of the same tokens the eager cache makes,
 so tokens equal eager `QuantizedKVCache`'s (logits up to float reassociation: attention sums the slots in another
@@ -28,6 +29,7 @@ Layers of other kinds (sliding windows) have no place here: such models decode e
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +38,7 @@ from transformers import AttentionInterface, PreTrainedModel
 from ..cache.kv_shape import config_head_dim
 from ..cache.quantized import KEY_AXIS, VALUE_AXIS, QuantizedKVCache, QuantizedKVLayer
 from ..engine.attention import attend_dense
+from ..engine.paged_kernel import quantized_attention_kernel
 from ..quant import ops
 from ..quant.ops import QuantizedTensor
 from .token_choice import choose_tokens
@@ -58,6 +61,7 @@ class QuantizedStep:
     value_scale: torch.Tensor  # [layers, rows, kv_heads, groups * G, D / G, 1]; value_minimum alike
     value_minimum: torch.Tensor
     valid: torch.Tensor  # [rows, S + groups * G] bool, in the order attention reads the slots
+    attend: Callable[..., torch.Tensor] | None = None  # the C++ kernel (CPU, fp32), else the dense path
 
 
 class QuantizedRows:
@@ -90,6 +94,8 @@ class QuantizedRows:
         self.base = torch.arange(layers * rows, device=weight.device) * slots  # flat slot 0 of each (layer, row)
         self.next_slot = 0  # w: the fp slot the next token goes to
         self.num_quantized = 0  # Tq: history tokens held
+        on_cpu = weight.device.type == "cpu" and weight.dtype == torch.float32
+        self.attend = quantized_attention_kernel() if on_cpu else None
         self.step = self._live_step()
 
     def take(self, cache: QuantizedKVCache, attention_mask: torch.Tensor) -> None:
@@ -168,7 +174,7 @@ class QuantizedRows:
         values = [_static(t[:, :, :, :tokens], (0, 2, 4) + ((5,) if t.dim() == 6 else ()))
                   for t in (self.value_codes, self.value_scale, self.value_minimum)]
         return QuantizedStep(_static(self.fp_keys, (0, 3)), _static(self.fp_values, (0, 3)), *keys, *values,
-                             self.valid[:, :self.num_fp_slots + tokens])
+                             self.valid[:, :self.num_fp_slots + tokens], self.attend)
 
 
 def _static(tensor: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
@@ -223,10 +229,16 @@ def quantized_attention(
     dtype, dim = step.fp_keys.dtype, step.fp_keys.shape[-1]
     key, value = key.to(dtype), value.to(dtype)
     hf_accel_written.append((key[:, :, 0], value[:, :, 0]))
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     own = slice(layer * rows, (layer + 1) * rows)
+    if step.attend is not None and not softcap:  # the kernel reads the codes where they lie: [rows, heads, D]
+        out = step.attend(query[:, :, 0].to(dtype), step.fp_keys[:, own], step.fp_values[:, own],
+                          step.key_codes[layer], step.key_scale[layer], step.key_minimum[layer],
+                          step.value_codes[layer], step.value_scale[layer], step.value_minimum[layer], step.valid,
+                          key[:, :, 0], value[:, :, 0], scale)
+        return out[:, None].to(query.dtype), None
     keys = torch.cat((step.fp_keys[:, own].transpose(0, 1), history_keys(step, layer, dim), key), dim=2)
     values = torch.cat((step.fp_values[:, own].transpose(0, 1), history_values(step, layer, dim), value), dim=2)
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     out = attend_dense(query.to(dtype), keys, values, hf_accel_mask[:, None, None, :], scale, softcap)
     return out.transpose(1, 2).to(query.dtype), None
 

@@ -1,6 +1,8 @@
 """The engine's in-place paged attention: `csrc/paged_attention.cpp`, a C++ kernel built with torch's `cpp_extension` at
 first use and registered as the custom op `torch.ops.hf_accel.paged_attention` (it mutates the two pools it writes,
-and has a fake implementation, so a compiled model step traces around it as one opaque node).
+and has a fake implementation, so a compiled model step traces around it as one opaque node). The same extension
+holds `torch.ops.hf_accel.quantized_decode_attention` (`csrc/quantized_attention.cpp`: compiled generate's quantized
+cache, attention over packed codes; `quantized_attention_kernel()`).
 
 For one layer of one step it writes the step's new K/V into their slots, then every sequence's queries (decodes,
 speculative candidates, prefill chunks) attend over that sequence's blocks where they lie (block table, lengths), so
@@ -28,6 +30,8 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_attention.cpp"
+# built into the same extension: compiled generate's quantized-cache decode attention (`quantized_attention_kernel`)
+QUANTIZED_SOURCE = SOURCE.with_name("quantized_attention.cpp")
 SWITCH = "HF_ACCEL_PAGED_KERNEL"
 # `omp simd` loops vectorized; their reductions may reassociate, so results match the gather path up to float
 # rounding, not bit for bit
@@ -55,14 +59,22 @@ def _built_kernel() -> Callable[..., torch.Tensor] | None:
         with _exclusive(build.parent / f"{build.name}.lock"):
             # inside the lock no other process is building here: torch's lock file, if any, is a dead process's
             (build / "lock").unlink(missing_ok=True)
-            load(name=build.name, sources=[str(SOURCE)], extra_cflags=CFLAGS, build_directory=str(build),
+            load(name=build.name, sources=[str(SOURCE), str(QUANTIZED_SOURCE)], extra_cflags=CFLAGS,
+                 build_directory=str(build),
                  is_python_module=False, verbose=False)
     except Exception as error:  # no compiler, headers or ninja: the gather path still works
         warnings.warn(f"hf_accel: the paged attention kernel could not be built ({type(error).__name__}: {error}); "
                       "the engine gathers K/V blocks instead", RuntimeWarning, stacklevel=2)
         return None
     torch.library.register_fake("hf_accel::paged_attention")(_fake)
+    torch.library.register_fake("hf_accel::quantized_decode_attention")(_quantized_fake)
     return torch.ops.hf_accel.paged_attention
+
+
+def quantized_attention_kernel() -> Callable[..., torch.Tensor] | None:
+    """`torch.ops.hf_accel.quantized_decode_attention` (csrc/quantized_attention.cpp, built with the paged kernel);
+    None where that is switched off or not buildable."""
+    return None if paged_attention_kernel() is None else torch.ops.hf_accel.quantized_decode_attention
 
 
 def build_directory() -> Path:
@@ -104,7 +116,7 @@ def _cpu_tag() -> str:
 
 
 def _source_tag() -> str:
-    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+    return hashlib.sha256(SOURCE.read_bytes() + QUANTIZED_SOURCE.read_bytes()).hexdigest()[:12]
 
 
 def _fake(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_pool: torch.Tensor,
@@ -112,3 +124,7 @@ def _fake(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_pool:
           kv_lengths: torch.Tensor, scale: float, window: int, softcap: float) -> torch.Tensor:
     heads, tokens, dim = query.shape  # -> [tokens, heads, dim]
     return query.new_empty(tokens, heads, dim)
+
+
+def _quantized_fake(query: torch.Tensor, *args) -> torch.Tensor:
+    return query.new_empty(query.shape)  # [rows, heads, dim]
