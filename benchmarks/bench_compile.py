@@ -263,7 +263,8 @@ def headline(report: dict[str, Any], link: str) -> str:
     for scenario in report["scenarios"]:
         by_name = {r["name"]: r["speed_ratio"] for r in scenario["results"]}
         parts.append(f"batch {scenario['batch_size']}: paged + compile {by_name['hf_accel paged + compile']:.2f}x "
-                     f"eager DynamicCache, StaticCache + compile {by_name['StaticCache + compile']:.2f}x")
+                     f"eager DynamicCache, int4 KV + compile {by_name['hf_accel int4 KV + compile']:.2f}x, "
+                     f"StaticCache + compile {by_name['StaticCache + compile']:.2f}x")
     return f"Compiled generate ([{link}]({link})): " + "; ".join(parts) + "."
 
 
