@@ -1,5 +1,6 @@
-"""Engine speculation benchmark: the serving Engine plain and with `SpeculativeConfig(method="suffix")` (prompt lookup
-plus a suffix cache of earlier outputs, the default rule) at 1, 4, 16 and 64 concurrent requests.
+"""Engine speculation benchmark: the serving Engine plain, with `SpeculativeConfig(method="suffix")` (prompt lookup
+plus a suffix cache of earlier outputs, the default rule) and with `SpeculativeConfig(method="eagle3")` (the reference
+EAGLE head) at 1, 4, 16 and 64 concurrent requests.
 
 The reference target (fp32), compiled step (the engine's default). Workloads: open continuation of held-out code
 (prompt: a held-out row) and copy-heavy (the row, a blank line, then the row's first 16 tokens again: the prompt
@@ -25,7 +26,9 @@ from typing import Any
 from hf_accel import Engine, SamplingParams, SpeculativeConfig, bench, reference
 from hf_accel.bench.output import run_benchmark
 from hf_accel.display import format_table
-from hf_accel.engine.speculative_config import DEFAULT_MAX_SPECULATIVE_BATCH_TOKENS, DEFAULT_MODEL_FREE_TOKENS
+from hf_accel.engine.speculative_config import (
+    DEFAULT_EAGLE_BATCH_TOKENS, DEFAULT_EAGLE_TOKENS, DEFAULT_MAX_SPECULATIVE_BATCH_TOKENS, DEFAULT_MODEL_FREE_TOKENS,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMAND = ".venv/bin/python benchmarks/bench_engine_spec.py"
@@ -33,8 +36,9 @@ FULL = {"concurrency": [1, 4, 16, 64], "rounds": 3, "prompt_len": 64, "new_token
 QUICK = {"concurrency": [1, 2], "rounds": 1, "prompt_len": 24, "new_tokens": 12, "single_stream_prompts": 2}
 WORKLOADS = ("open", "copy-heavy")
 COPY_PREFIX = 16  # tokens of the block the copy-heavy prompt repeats
-PLAIN, SUFFIX = "plain", "suffix"
-TARGETS = {"1": 1.5, "4": 1.5, "64": 0.95}  # issue 26: suffix / plain at these concurrencies
+PLAIN, SUFFIX, EAGLE3 = "plain", "suffix", "eagle3"
+METHODS = (SUFFIX, EAGLE3)
+TARGETS = {"1": 1.5, "4": 1.5, "64": 0.95}  # issue 26: suffix or eagle3 / plain at these concurrencies
 
 
 class Prompts:
@@ -103,7 +107,9 @@ def measure(quick: bool) -> dict[str, Any]:
     prompts = Prompts(tokenizer, plan["prompt_len"], needed)
     common = dict(max_num_seqs=max(plan["concurrency"]), enable_prefix_caching=False)
     built = {PLAIN: Engine(model, tokenizer, **common),
-             SUFFIX: Engine(model, tokenizer, speculative=SpeculativeConfig("suffix"), **common)}
+             SUFFIX: Engine(model, tokenizer, speculative=SpeculativeConfig("suffix"), **common),
+             EAGLE3: Engine(model, tokenizer, speculative=SpeculativeConfig(
+                 "eagle3", model=reference.load_head("eagle", model)), **common)}
     results = {workload: {str(c): run_case(built, prompts, workload, c, plan) for c in plan["concurrency"]}
                for workload in WORKLOADS}
     return {
@@ -112,35 +118,42 @@ def measure(quick: bool) -> dict[str, Any]:
         "hardware": bench.hardware(),
         "settings": {**plan, "copy_prefix": COPY_PREFIX,
                      "suffix": {"num_speculative_tokens": DEFAULT_MODEL_FREE_TOKENS,
-                                "max_speculative_batch_tokens": DEFAULT_MAX_SPECULATIVE_BATCH_TOKENS}},
+                                "max_speculative_batch_tokens": DEFAULT_MAX_SPECULATIVE_BATCH_TOKENS},
+                     "eagle3": {"num_speculative_tokens": DEFAULT_EAGLE_TOKENS,
+                                "max_speculative_batch_tokens": DEFAULT_EAGLE_BATCH_TOKENS}},
         "results": results,
-        "targets": {f"{workload}, {c} requests": {"target": target,
-                                                   "ratio": results[workload][c][SUFFIX]["ratio_to_plain"]}
+        "targets": {f"{workload}, {c} requests": {"target": target, "ratio": max(
+                        results[workload][c][method]["ratio_to_plain"] for method in METHODS)}
                     for workload in WORKLOADS for c, target in TARGETS.items() if c in results[workload]},
     }
 
 
 def headline(report: dict[str, Any]) -> str:
-    """Plain vs suffix per workload and concurrency, for docs/serving.md and docs/speculative.md."""
+    """Plain vs suffix vs eagle3 per workload and concurrency, for docs/serving.md and docs/speculative.md."""
     s = report["settings"]
     rows = []
     for workload, by_concurrency in report["results"].items():
         for concurrency, results in by_concurrency.items():
-            plain, suffix = results[PLAIN], results[SUFFIX]
-            gained = suffix["mean_tokens_per_speculating_step"]
-            rows.append([workload, concurrency, f"{plain['tokens_per_s']:.1f}", f"{suffix['tokens_per_s']:.1f}",
-                         f"{suffix['ratio_to_plain']:.2f}x ({suffix['ratio_range'][0]:.2f}-"
-                         f"{suffix['ratio_range'][1]:.2f})", "-" if gained is None else f"{gained:.2f}"])
+            row = [workload, concurrency, f"{results[PLAIN]['tokens_per_s']:.1f}"]
+            for method in METHODS:
+                got, gained = results[method], results[method]["mean_tokens_per_speculating_step"]
+                row += [f"{got['tokens_per_s']:.1f}", f"{got['ratio_to_plain']:.2f}x ({got['ratio_range'][0]:.2f}-"
+                        f"{got['ratio_range'][1]:.2f})", "-" if gained is None else f"{gained:.2f}"]
+            rows.append(row)
+    columns = ["workload", "concurrent requests", "plain tok/s"]
+    for method in METHODS:
+        columns += [f"{method} tok/s", f"{method} ratio (per-round range)", f"{method} tokens per speculating step"]
     return "\n".join([
         f"Reference target (fp32, compiled step), {s['prompt_len']}-token held-out prompts (copy-heavy: plus a blank "
         f"line and the prompt's first {s['copy_prefix']} tokens), {s['new_tokens']} greedy tokens each (1 request: "
         f"{s['single_stream_prompts']} prompts one after another), {s['rounds']} interleaved rounds on new prompts "
         f"after a warm-up, {report['hardware']['torch_threads']} torch thread(s) of a shared CPU; "
-        f"`SpeculativeConfig(method=\"suffix\")` with its defaults (up to {s['suffix']['num_speculative_tokens']} "
-        f"candidates, `max_speculative_batch_tokens={s['suffix']['max_speculative_batch_tokens']}`). From "
+        f"`SpeculativeConfig(method=\"suffix\")` (up to {s['suffix']['num_speculative_tokens']} candidates) and "
+        f"`SpeculativeConfig(method=\"eagle3\", model=reference.load_head(\"eagle\", model))` (chains of up to "
+        f"{s['eagle3']['num_speculative_tokens']}) with their defaults (`max_speculative_batch_tokens` "
+        f"{s['suffix']['max_speculative_batch_tokens']} and {s['eagle3']['max_speculative_batch_tokens']}). From "
         f"`{COMMAND}`; all numbers: [bench_engine_spec.md](bench_engine_spec.md).", "",
-        format_table(["workload", "concurrent requests", "plain tok/s", "suffix tok/s", "ratio (per-round range)",
-                      "tokens per speculating step"], rows, markdown=True), "",
+        format_table(columns, rows, markdown=True), "",
     ])
 
 
@@ -148,17 +161,19 @@ def markdown(report: dict[str, Any]) -> str:
     hw = report["hardware"]
     rows = [[name, f"{t['target']:.2f}x", f"{t['ratio']:.2f}x", "met" if t["ratio"] >= t["target"] else "not met"]
             for name, t in report["targets"].items()]
-    acceptance = [[workload, c, "-" if r[SUFFIX]["acceptance_rate"] is None else f"{r[SUFFIX]['acceptance_rate']:.0%}"]
+    acceptance = [[workload, c] + ["-" if r[m]["acceptance_rate"] is None else f"{r[m]['acceptance_rate']:.0%}"
+                                   for m in METHODS]
                   for workload, by_c in report["results"].items() for c, r in by_c.items()]
     return "\n".join([
         "# Engine speculation benchmark", "", f"Regenerate with `{COMMAND}` (`--quick` for a smoke run).", "",
         f"- hardware: {hw['cpu']}, {hw['torch_threads']} torch thread(s), torch {hw['torch']}, transformers "
         f"{hw['transformers']}; the machine was shared with other jobs, so compare ratios, not absolutes",
         f"- {report['model']}", "", headline(report), "",
-        "Targets (issue 26: suffix / plain):", "",
+        "Targets (issue 26: the better of suffix and eagle3 / plain):", "",
         format_table(["case", "target", "measured", ""], rows, markdown=True), "",
-        "Candidates accepted (suffix):", "",
-        format_table(["workload", "concurrent requests", "accepted / proposed"], acceptance, markdown=True), "",
+        "Candidates accepted:", "",
+        format_table(["workload", "concurrent requests"] + [f"{m}: accepted / proposed" for m in METHODS], acceptance,
+                     markdown=True), "",
     ])
 
 

@@ -139,7 +139,7 @@ def load_pair(plan: Plan, eagle_only: bool = False) -> Pair:
 def head_cost(target: torch.nn.Module, head: hf_accel.EagleHead, context: int = 128, repeats: int = 50) -> float:
     """Median time of one EAGLE draft step (head pass + LM-head readout) over a plain decode step of the target,
     batch 1, `context` tokens cached by each."""
-    from hf_accel.speculative.eagle_head import target_logits, token_embeddings
+    from hf_accel.speculative.eagle_head import token_embeddings
 
     ids = torch.randint(1, 1000, (1, context + 1))
     target_cache, head_cache = transformers.DynamicCache(), transformers.DynamicCache()
@@ -154,7 +154,7 @@ def head_cost(target: torch.nn.Module, head: hf_accel.EagleHead, context: int = 
 
     def head_step():
         hidden = head(features[:, -1:], token_embeddings(target, ids[:, -1:]), position, None, head_cache)
-        target_logits(target, hidden)
+        head.logits(target, hidden)
         head_cache.crop(-1)
 
     return _median_seconds(head_step, repeats) / _median_seconds(target_step, repeats)

@@ -4,11 +4,14 @@
     python benchmarks/vllm_peer_worker.py JOB.json RESULT.json
 
 JOB: {"side": "hf_accel" | "vllm", "model": folder, "max_model_len", "max_num_seqs", "max_num_batched_tokens"
-(null: the engine's default), "requests": [[prompt token ids, max_tokens], ...], "warmup": n, "sequential": bool}.
+(null: the engine's default), "requests": [[prompt token ids, max_tokens], ...], "warmup": n, "sequential": bool,
+optional "speculative": a vLLM `speculative_config` dict (vLLM only)}.
 Each request is greedy and generates exactly its max_tokens (EOS ignored). The first `warmup` requests run once
 untimed, then all requests are timed as one batch call. RESULT: {"side", "seconds" (the timed call), "load_seconds",
 "outputs" (generated token ids per request), "threads", "versions"} and, with "sequential" (hf_accel only),
-"sequential_outputs" (one greedy `generate` per request: the reference) and "sequential_seconds".
+"sequential_outputs" (one greedy `generate` per request: the reference) and "sequential_seconds"; with
+"speculative", "spec_decode": vLLM's counters over the timed call (drafts, draft tokens, accepted tokens, accepted
+per draft position).
 One compute thread: hf_accel sets torch's threads to 1 here; vLLM's worker takes it from VLLM_CPU_OMP_THREADS_BIND,
 which the parent sets.
 """
@@ -62,20 +65,41 @@ def run_vllm(job: dict[str, Any]) -> dict[str, Any]:
     from vllm.inputs import TokensPrompt
 
     started = time.perf_counter()
+    speculative = job.get("speculative")
     llm = vllm.LLM(model=job["model"], dtype="float32", max_model_len=job["max_model_len"], seed=0,
-                   **engine_limits(job))
+                   speculative_config=speculative, disable_log_stats=speculative is None, **engine_limits(job))
     prompts = [TokensPrompt(prompt_token_ids=prompt) for prompt, _ in job["requests"]]
     params = [vllm.SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for _, n in job["requests"]]
     load_seconds = time.perf_counter() - started
     llm.generate(prompts[: job["warmup"]], params[: job["warmup"]], use_tqdm=False)
+    before = spec_decode_counters(llm) if speculative else None
     started = time.perf_counter()
     answers = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - started
-    return {"seconds": seconds, "load_seconds": load_seconds,
+    counted = {} if before is None else {"spec_decode": counter_delta(before, spec_decode_counters(llm))}
+    return {**counted, "seconds": seconds, "load_seconds": load_seconds,
             "outputs": [list(answer.outputs[0].token_ids) for answer in answers],
             "threads": None,  # vLLM's compute runs in its worker process: see VLLM_CPU_OMP_THREADS_BIND
             "versions": {"vllm": vllm.__version__, "torch": torch.__version__,
                          "transformers": transformers.__version__}}
+
+
+def spec_decode_counters(llm) -> dict[str, Any]:
+    """vLLM's speculative-decoding counters so far: drafts, draft tokens, accepted tokens, accepted per position."""
+    found: dict[str, Any] = {}
+    for metric in llm.get_metrics():
+        name = metric.name.removeprefix("vllm:spec_decode_")
+        if name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+            found[name] = found.get(name, 0) + metric.value
+        elif name == "num_accepted_tokens_per_pos":
+            found[name] = [a + b for a, b in zip(found.get(name, [0] * len(metric.values)), metric.values)]
+    return found
+
+
+def counter_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """`after - before`, per counter (elementwise for the per-position list)."""
+    return {key: [a - b for a, b in zip(value, before.get(key, [0] * len(value)))] if isinstance(value, list)
+            else value - before.get(key, 0) for key, value in after.items()}
 
 
 def main(job_path: str, result_path: str) -> None:

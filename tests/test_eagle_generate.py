@@ -18,7 +18,6 @@ from hf_accel.eagle_training.features import target_features
 from hf_accel.eagle_training.train import train_eagle
 from hf_accel.eagle_training.unroll import unrolled_hidden
 from hf_accel.speculative.eagle_draft import HeadState
-from hf_accel.speculative.eagle_head import target_logits
 
 NEW = 24
 
@@ -94,7 +93,7 @@ def test_first_drafts_equal_uncached_head(monkeypatch):
     def recording(state, model_, batch):
         hidden = original(state, model_, batch)
         seen.append((batch.tokens.clone(), batch.history_lengths.clone(), batch.unfinished.clone(),
-                     target_logits(model_, hidden).argmax(-1)))
+                     head.logits(model_, hidden).argmax(-1)))
         return hidden
 
     monkeypatch.setattr(HeadState, "catch_up", recording)
@@ -108,7 +107,7 @@ def test_first_drafts_equal_uncached_head(monkeypatch):
             features = target_features(model, compact, head.config.feature_layers)
             with torch.no_grad():
                 step0 = unrolled_hidden(model, head, features.hidden.float(), compact, 1)[0]
-            assert int(drafts[row]) == int(target_logits(model, step0[0, -1]).argmax()), (row, int(lengths[row]))
+            assert int(drafts[row]) == int(head.logits(model, step0[0, -1]).argmax()), (row, int(lengths[row]))
             checked += 1
     assert checked > 10 and len(seen) > 3
 

@@ -14,10 +14,11 @@ def test_bench_engine_spec_quick_writes_json_markdown_and_the_docs_tables(tmp_pa
     for by_concurrency in report["results"].values():
         assert set(by_concurrency) == {"1", "2"}
         for results in by_concurrency.values():
-            assert set(results) == {script.PLAIN, script.SUFFIX}
+            assert set(results) == {script.PLAIN, script.SUFFIX, script.EAGLE3}
             assert all(r["tokens_per_s"] > 0 for r in results.values())
             assert results[script.PLAIN]["mean_tokens_per_speculating_step"] is None
-            assert results[script.SUFFIX]["mean_tokens_per_speculating_step"] >= 1.0  # it speculated
+            for method in script.METHODS:
+                assert results[method]["mean_tokens_per_speculating_step"] >= 1.0  # it speculated
     assert set(report["targets"]) == {"open, 1 requests", "copy-heavy, 1 requests"}
     for page in ("serving.md", "speculative.md"):
         doc = (tmp_path / "docs" / page).read_text()

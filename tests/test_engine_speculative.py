@@ -207,8 +207,8 @@ def test_no_speculation_once_the_batch_is_past_the_threshold():
 
 def test_config_validation():
     heads = MedusaHeads.for_model(tiny(), num_heads=2)
-    with pytest.raises(ValueError, match="'ngram', 'suffix', 'medusa'"):
-        SpeculativeConfig("eagle3")
+    with pytest.raises(ValueError, match="'ngram', 'suffix', 'medusa', 'eagle3'"):
+        SpeculativeConfig("eagle")
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         SpeculativeConfig("ngram", num_speculative_tokens=0)
     with pytest.raises(TypeError, match="num_speculative_tokens"):

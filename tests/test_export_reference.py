@@ -1,5 +1,5 @@
-"""`hf-accel export --format vllm` end to end on the reference target (with its Medusa heads), and the command's
-errors for bad input."""
+"""`hf-accel export --format vllm` end to end on the reference target (with its EAGLE head and Medusa heads), and the
+command's errors for bad input."""
 
 import json
 import subprocess
@@ -15,7 +15,8 @@ from hf_accel.cli import main  # noqa: E402
 from hf_accel.speculative.medusa_heads import MedusaHeads  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
-    not (reference.has_assets() and (reference.ASSETS_DIR / "medusa" / "medusa_config.json").is_file()),
+    not (reference.has_assets() and (reference.ASSETS_DIR / "medusa" / "medusa_config.json").is_file()
+         and (reference.ASSETS_DIR / "eagle" / "eagle_config.json").is_file()),
     reason="reference models or heads not built")
 
 
@@ -41,7 +42,9 @@ def test_reference_int4_export_with_heads_loads_and_stays_within_the_quantizatio
     assert heads["num_heads"] == MedusaHeads.from_pretrained(reference.ASSETS_DIR / "medusa").num_heads
     script = (out / "serve.sh").read_text()
     subprocess.run(["bash", "-n", str(out / "serve.sh")], check=True)
-    assert "--max-model-len 512" in script and '\\"model\\": \\"${HERE}/medusa\\"' in script
+    assert "--max-model-len 512" in script and '\\"model\\": \\"${HERE}/eagle3\\"' in script
+    eagle = json.loads((out / "eagle3" / "config.json").read_text())
+    assert eagle["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
     exported = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     hf_accel_int4 = quantize_model(model, WeightOnlyConfig(bits=4, group_size=128))
     float_logits, ours, theirs = logits(model, input_ids), logits(exported, input_ids), logits(hf_accel_int4,

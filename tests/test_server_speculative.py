@@ -10,7 +10,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine_helpers import greedy_reference
-from hf_accel import MedusaHeads, SpeculativeConfig
+from hf_accel import EagleHead, MedusaHeads, SpeculativeConfig
 from hf_accel.server import command
 from hf_accel.server.speculative_option import parse_speculative_config
 from server_helpers import MODEL_NAME, live_server, load_target, prompt_ids
@@ -31,7 +31,9 @@ def test_parse_the_flag():
     ('["suffix"]', "must be a JSON object"),
     ('{"num_speculative_tokens": 5}', "needs a `method`"),
     ('{"method": "suffix", "speculative_model": "x"}', "unknown keys \\['speculative_model'\\]; allowed: method"),
-    ('{"method": "eagle3"}', "'ngram', 'suffix', 'medusa'"),
+    ('{"method": "eagle"}', "'ngram', 'suffix', 'medusa', 'eagle3'"),
+    ('{"method": "eagle3"}', "needs `model`, the path of an EagleHead folder"),
+    ('{"method": "eagle3", "model": "/no/such/head"}', "no EAGLE head in '/no/such/head'"),
     ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens"),
     ('{"method": "ngram", "model": "path"}', "`model` must be None"),
     ('{"method": "medusa"}', "needs `model`, the path of a MedusaHeads folder"),
@@ -47,6 +49,21 @@ def test_medusa_heads_folder_through_the_flag(tmp_path):
     MedusaHeads.for_model(model, num_heads=2).save_pretrained(tmp_path)
     config = parse_speculative_config(json.dumps({"method": "medusa", "model": str(tmp_path)}), torch.float32)
     assert isinstance(config.model, MedusaHeads) and config.num_candidates == 2
+
+
+def test_eagle_head_folder_through_the_flag(tmp_path, monkeypatch):
+    model, _ = load_target()
+    EagleHead.for_model(model).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="`prompt_lookup_max` is for the methods 'ngram', 'suffix', not 'eagle3'"):
+        parse_speculative_config(json.dumps({"method": "eagle3", "model": str(tmp_path), "prompt_lookup_max": 2}),
+                                 torch.float32)
+    served = {}
+    monkeypatch.setattr(command.uvicorn, "run", lambda app, **kwargs: served.update(app=app))
+    flag = json.dumps({"method": "eagle3", "model": str(tmp_path), "num_speculative_tokens": 3})
+    assert command.main(["--enforce-eager", "--no-engine-process", "--speculative-config", flag]) == 0
+    speculative = served["app"].state.server.engine.speculative  # the head, loaded for the served model
+    assert speculative.method == "eagle3" and isinstance(speculative.model, EagleHead)
+    assert speculative.num_candidates == 3
 
 
 def test_serve_exits_with_the_reason(capsys):

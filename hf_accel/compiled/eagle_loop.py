@@ -32,7 +32,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from ..engine.attention import ATTENTION_NAME, StepAttention
 from ..engine.step_forward import paged_attention_implementation
 from ..speculative.draft_length import DraftLength
-from ..speculative.eagle_head import EagleHead, target_logits, token_embeddings
+from ..speculative.eagle_head import EagleHead, token_embeddings
 from ..speculative.stats import SpeculativeStats
 from .paged_rows import PagedRows, table_slots
 from .speculation import TargetRounds, pool_for
@@ -53,7 +53,7 @@ def head_pass(model: PreTrainedModel, head: EagleHead, features: torch.Tensor, t
     out = head_entries(model, head, features.reshape(1, rows * num, -1), tokens.reshape(1, -1), at.reshape(1, -1),
                        attention, fuse)
     hidden = out[0].view(rows, num, -1).gather(1, pick[:, None, None].expand(-1, 1, out.shape[-1]))[:, 0]
-    return readout(model, hidden, warpers, do_sample)
+    return readout(model, head, hidden, warpers, do_sample)
 
 
 def head_entries(model: PreTrainedModel, head: EagleHead, features: torch.Tensor, tokens: torch.Tensor,
@@ -65,10 +65,11 @@ def head_entries(model: PreTrainedModel, head: EagleHead, features: torch.Tensor
     return head(features, token_embeddings(model, tokens), positions, None, None, hf_accel_step=attention)
 
 
-def readout(model: PreTrainedModel, hidden: torch.Tensor, warpers: tuple, do_sample: bool) -> HeadOutput:
-    """The head's draft from `hidden` `[rows, H]` through the target's LM head: greedy, or drawn (exponential race)
+def readout(model: PreTrainedModel, head: EagleHead, hidden: torch.Tensor, warpers: tuple,
+            do_sample: bool) -> HeadOutput:
+    """The head's draft from `hidden` `[rows, H]` through its norm and the target's LM head: greedy, or drawn (exponential race)
     from the distribution after `warpers`; with the probability the head gave it."""
-    scores = target_logits(model, hidden)
+    scores = head.logits(model, hidden)
     for warper in warpers:
         scores = warper(None, scores)  # in-graph warpers never read input_ids
     probs = torch.softmax(scores, dim=-1)
@@ -115,7 +116,7 @@ class HeadRounds:
         shifted = [torch.cat([prompt[1:], token[None]]) for prompt, token in zip(prompts, first)]
         inputs = self.pool.prefill(shifted, self.attend)
         out = head_entries(self.model, self.head, features, inputs.tokens, inputs.positions, inputs.attention, True)
-        self.last = readout(self.model, out[0, inputs.keep], self.warpers, self.do_sample)
+        self.last = readout(self.model, self.head, out[0, inputs.keep], self.warpers, self.do_sample)
 
     def draft(self, positions: torch.Tensor, k: int, generating: torch.Tensor) -> tuple[torch.Tensor,
                                                                                          torch.Tensor | None]:
@@ -153,7 +154,7 @@ def compiled_eagle_generate(model: PreTrainedModel, head: EagleHead, input_ids: 
     only)."""
     target = TargetRounds(model, input_ids, attention_mask, config, length.max_tokens, stats, streamer, warpers,
                           head.config.feature_layers)
-    layer_config = head.layer.self_attn.config
+    layer_config = head.midlayer.self_attn.config
     pool = pool_for(head, target.prompts, target.outputs.max_new_tokens, length.max_tokens, config, layer_config)
     step = compiled_head_pass(config.compile_config, head, model)
     rounds = HeadRounds(model, head, pool, target.attends.verify, step, min_probability, warpers, target.do_sample)

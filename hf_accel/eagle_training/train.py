@@ -179,7 +179,7 @@ def _train_step(model: PreTrainedModel, head: EagleHead, optimizer, features: Ta
     ids, hidden, labels = features.rows(batch_rows(features.num_rows, step, config.batch_size, config.seed), device)
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.dtype == "bf16"):
         outputs = unrolled_hidden(model, head, hidden, ids, config.unroll_steps)
-        loss, accuracy = unrolled_loss(model, outputs, labels, config.step_decay)
+        loss, accuracy = unrolled_loss(model, head, outputs, labels, config.step_decay)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
 
-from ..speculative.eagle_head import EagleHead, target_logits, token_embeddings
+from ..speculative.eagle_head import EagleHead, token_embeddings
 
 
 def unroll_mask(num_entries: int, step: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -45,14 +45,14 @@ def unrolled_hidden(model: PreTrainedModel, head: EagleHead, hidden: torch.Tenso
     return outputs
 
 
-def unrolled_loss(model: PreTrainedModel, outputs: list[torch.Tensor], labels: torch.Tensor,
+def unrolled_loss(model: PreTrainedModel, head: EagleHead, outputs: list[torch.Tensor], labels: torch.Tensor,
                   step_decay: float) -> tuple[torch.Tensor, list[float]]:
     """Cross-entropy of step j's logits at entry t against the target's greedy token after position t+j+1
     (`labels` `[batch, seq]`), weighted `step_decay ** j`; returns the loss and each step's top-1 accuracy."""
     total, accuracy = 0.0, []
     for step, hidden in enumerate(outputs):
         count = hidden.shape[1] - step  # entries whose target token lies inside the row
-        logits = target_logits(model, hidden[:, :count])
+        logits = head.logits(model, hidden[:, :count])
         truth = labels[:, step + 1 : step + 1 + count]
         total = total + step_decay**step * F.cross_entropy(logits.flatten(0, 1), truth.flatten())
         accuracy.append(float((logits.argmax(-1) == truth).float().mean()))

@@ -46,12 +46,14 @@ class EngineCore:
                  speculative: SpeculativeConfig | None = None):
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.max_model_len = config.max_model_len or context_length(model)
-        self.speculation = None if speculative is None else Speculation(make_proposer(speculative))
-        if speculative is not None and speculative.method == "medusa":
+        if speculative is not None and speculative.method in ("medusa", "eagle3"):
             speculative.model.check_compatible(model)
+        self.speculation = None if speculative is None else Speculation(make_proposer(speculative, model))
         shape = KVShape.from_config(model.config, caller="the engine", argument="model")
         dtype, device = model.dtype, next(model.parameters()).device
-        num_blocks = config.num_blocks(shape.bytes_per_token(dtype), self.max_model_len)
+        feature_proposer = self.proposer is not None and bool(self.proposer.feature_layers)
+        head_bytes = self.proposer.kv_bytes_per_token(dtype) if feature_proposer else 0  # an EAGLE head's K/V
+        num_blocks = config.num_blocks(shape.bytes_per_token(dtype) + head_bytes, self.max_model_len)
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(_scheduler_config(config, speculative), self.blocks,
                                    *([] if self.proposer is None else [self.proposer.can_propose]))
@@ -59,7 +61,11 @@ class EngineCore:
         self.kv = KVPool(shape, num_blocks, config.block_size, dtype, device,
                          spare_block=uses_cuda_graphs(device, config.enforce_eager, keep_hidden))
         self.runner = ModelRunner(model, self.kv, keep_hidden=keep_hidden, enforce_eager=config.enforce_eager,
-                                  max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len)
+                                  max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
+                                  feature_layers=() if self.proposer is None else self.proposer.feature_layers)
+        if feature_proposer:  # the EAGLE head's pool, beside the target's
+            self.proposer.allocate(num_blocks, config.block_size, dtype, device, self.runner.attend,
+                                   compile=self.runner.forward.compiled)
         self.requests: dict[str, Request] = {}
         self.eos_token_ids = _eos_token_ids(model, tokenizer)
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
@@ -134,6 +140,8 @@ class EngineCore:
             return self._take_failed()
         out = self.runner.execute(batch)
         num_accepted = self._commit(out, time.perf_counter())
+        if out.features is not None:
+            self._take_features(batch, out, num_accepted)
         self.scheduler.postprocess(batch, num_accepted)
         self.num_steps += 1
         changed = {s.seq.request.request_id: s.seq.request for s in out.sampling}
@@ -168,7 +176,8 @@ class EngineCore:
             len(running), len(waiting), self.blocks.usage, self.scheduler.num_preemptions,
             self.blocks.stats.queries, self.blocks.stats.hits, self.prompt_tokens, self.generation_tokens,
             self.num_steps, self.blocks.num_free_blocks, self.blocks.num_blocks, spec.num_drafts,
-            spec.num_draft_tokens, spec.num_accepted_tokens, self.runner.forward.compile_seconds,
+            spec.num_draft_tokens, spec.num_accepted_tokens, self.runner.forward.compile_seconds
+            + getattr(self.proposer, "compile_seconds", 0.0),
             list(spec.accepted_per_position),
         )
 
@@ -233,6 +242,25 @@ class EngineCore:
             self.proposer.observe(seq, None if out.hidden is None else out.hidden[rows.start + num_appended - 1])
         return min(len(tokens) - 1, num_appended)  # K/V is valid for the last token and the kept candidates
 
+    def _take_features(self, batch: ScheduledBatch, out: StepOutput, num_accepted: dict[int, int]) -> None:
+        """Hand the proposer each unfinished scheduled sequence's features at the positions this step commits (the
+        rows `Scheduler.postprocess` counts). When that raises, each sequence is handed over alone, and those that
+        still raise fail their requests."""
+        committed = []
+        for scheduled, start in zip(batch.scheduled, out.token_starts):
+            seq = scheduled.seq
+            if not seq.is_finished:
+                count = scheduled.num_new - scheduled.num_drafts + num_accepted.get(seq.seq_id, 0)
+                committed.append((seq, seq.num_computed_tokens, out.features[start : start + count]))
+        try:
+            self.proposer.take_features(committed)
+        except Exception:
+            for one in committed:
+                try:
+                    self.proposer.take_features([one])
+                except Exception as error:
+                    self.fail(one[0].request, error)
+
     def _take_failed(self) -> list[Request]:
         failed, self._failed = self._failed, []
         return failed
@@ -279,4 +307,4 @@ def _scheduler_config(config: EngineConfig, speculative: SpeculativeConfig | Non
     if speculative is None:
         return SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens)
     return SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, speculative.num_candidates,
-                           speculative.max_speculative_batch_tokens)
+                           speculative.batch_tokens)

@@ -5,7 +5,8 @@ with `attn_implementation` switched to hf_accel's paged attention for the call (
 (K/V live in the engine's pool, written by the attention function), per-token `position_ids`, and `logits_to_keep`
 set to the last token of each sequence that samples this step, plus its candidates when it speculates. When the
 proposer needs them (Medusa), the same forward also returns the final (normed) hidden states at those positions (`output_hidden_states`:
-transformers ties the last entry to the normed output).
+transformers ties the last entry to the normed output); for an EAGLE head, the hidden states of its feature layers at
+every packed token.
 """
 
 from __future__ import annotations
@@ -28,12 +29,15 @@ from .step_forward import StepForward, StepInputs
 class StepOutput:
     """The kept positions of one step: `logits` `[rows, vocab]` fp32 and, when asked, `hidden` `[rows, hidden]`.
     `sampling[i]` (a scheduled sequence whose last token the step computed) owns the rows `rows(i)`: its last
-    token's, then one per candidate."""
+    token's, then one per candidate. With feature layers, `features` `[tokens, F]` holds every packed token's
+    features; `batch.scheduled[j]` owns the rows from `token_starts[j]` (its `num_new` tokens, in order)."""
 
     logits: torch.Tensor
     hidden: torch.Tensor | None
     sampling: list[ScheduledSeq]
     starts: list[int]  # first row of each sampling sequence
+    features: torch.Tensor | None = None
+    token_starts: list[int] | None = None  # first packed token of each scheduled sequence
 
     def rows(self, i: int) -> slice:
         return slice(self.starts[i], self.starts[i] + 1 + self.sampling[i].num_drafts)
@@ -52,7 +56,7 @@ class ModelRunner:
     CUDA graphs)."""
 
     def __init__(self, model: PreTrainedModel, kv: KVPool, keep_hidden: bool = False, enforce_eager: bool = False,
-                 max_num_seqs: int = 1, max_model_len: int = 1):
+                 max_num_seqs: int = 1, max_model_len: int = 1, feature_layers: tuple[int, ...] = ()):
         if not getattr(model, "_supports_attention_backend", False):
             raise ValueError(f"`model` ({type(model).__name__}) does not use transformers' AttentionInterface, "
                              "which the engine needs")
@@ -66,19 +70,21 @@ class ModelRunner:
         # dynamo cannot trace: those engines run eagerly
         compile = kernel is not None and not enforce_eager and not keep_hidden
         graphs = None
-        if uses_cuda_graphs(device, enforce_eager, keep_hidden):  # decode steps replay graphs; the rest runs eagerly
+        if uses_cuda_graphs(device, enforce_eager, keep_hidden or bool(feature_layers)):  # decode steps: graphs
             graphs = DecodeGraphs(model, kv, max_num_seqs, max_model_len)
-        self.forward = StepForward(model, kv, self.attend, keep_hidden, compile=compile, graphs=graphs)
+        self.forward = StepForward(model, kv, self.attend, keep_hidden, compile=compile, graphs=graphs,
+                                   feature_layers=feature_layers)
         self.forward.warm_up()
 
     def execute(self, batch: ScheduledBatch) -> StepOutput:
         """Run one step; keeps the rows of the sequences whose last token this step computes (and their
         candidates, `draft_token_ids`, `num_drafts` of them)."""
-        inputs, sampling, starts = StepInputs(), [], []
+        inputs, sampling, starts, token_starts = StepInputs(), [], [], []
         size = self.kv.block_size
         for scheduled in batch.scheduled:
             seq, num, drafts = scheduled.seq, scheduled.num_new, scheduled.num_drafts
             start, first = len(inputs.tokens), seq.num_computed_tokens
+            token_starts.append(start)
             inputs.tokens += seq.token_ids[first : first + num - drafts] + scheduled.draft_token_ids
             inputs.positions += range(first, first + num)
             inputs.slots += self._slots(seq, first, first + num)
@@ -89,8 +95,8 @@ class ModelRunner:
                 starts.append(len(inputs.keep))
                 inputs.keep += range(start + num - 1 - drafts, start + num)
                 sampling.append(scheduled)
-        logits, hidden = self.forward(inputs)
-        return StepOutput(logits, hidden, sampling, starts)
+        out = self.forward(inputs)
+        return StepOutput(out.logits, out.hidden, sampling, starts, out.features, token_starts)
 
     def _slots(self, seq: Sequence, start: int, stop: int) -> list[int]:
         size, blocks = self.kv.block_size, seq.block_ids

@@ -1,7 +1,7 @@
 """The seam between the engine and a speculative method: a `Proposer` per method, built from a `SpeculativeConfig`.
 
-A new method is one class with these five members (and a line in `make_proposer`); the engine does the rest
-(scheduling the candidates, verifying them, rolling back rejected K/V, counting).
+A new method is one class with these members (and a line in `make_proposer`); the engine does the rest (scheduling the
+candidates, verifying them, rolling back rejected K/V, counting).
 """
 
 from __future__ import annotations
@@ -11,6 +11,9 @@ from typing import Protocol
 
 import torch
 
+from transformers import PreTrainedModel
+
+from .eagle_proposer import EagleProposer
 from .medusa_proposer import MedusaProposer
 from .sequence import Sequence
 from .speculative_config import SpeculativeConfig
@@ -21,9 +24,12 @@ class Proposer(Protocol):
     """Proposes candidate tokens to follow the last token of decoding sequences.
 
     `needs_hidden`: the step must return the final hidden state of each sampled position (`observe` gets them).
+    `feature_layers`: the step must return these `output_hidden_states` entries at every token it computes
+    (`take_features` gets the committed ones; empty: not needed).
     """
 
     needs_hidden: bool
+    feature_layers: tuple[int, ...]
 
     @property
     def num_tracked(self) -> int:
@@ -39,6 +45,11 @@ class Proposer(Protocol):
     def observe(self, seq: Sequence, hidden: torch.Tensor | None) -> None:
         """After a step appended tokens to `seq` (its accepted candidates and the target's token): `hidden`
         `[hidden_size]` is the state that produced its new last token (None unless `needs_hidden`)."""
+
+    def take_features(self, committed: list[tuple[Sequence, int, torch.Tensor]]) -> None:
+        """After a step: per scheduled sequence, the first position it committed and the features there `[n, F]`
+        (at `feature_layers`; called only when those are not empty). Such a proposer also has `allocate` (its K/V
+        pool, sized like the target's) and `kv_bytes_per_token` (counted in the engine's K/V budget)."""
 
     def forget(self, seq: Sequence) -> None:
         """`seq` has finished (done, aborted or failed): drop what is kept for it."""
@@ -65,8 +76,10 @@ class SpecDecodeStats:
             self.accepted_per_position[j] += 1
 
 
-def make_proposer(config: SpeculativeConfig) -> Proposer:
-    """The proposer of `config.method`."""
+def make_proposer(config: SpeculativeConfig, model: PreTrainedModel) -> Proposer:
+    """The proposer of `config.method` for the served `model`."""
     if config.method == "medusa":
         return MedusaProposer(config.model, config.num_candidates)
+    if config.method == "eagle3":
+        return EagleProposer(config.model, model, config.num_candidates)
     return SuffixProposer(config)

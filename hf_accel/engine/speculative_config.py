@@ -2,13 +2,16 @@
 
     Engine(model, tokenizer, speculative=SpeculativeConfig(method="suffix", num_speculative_tokens=8))
     Engine(model, tokenizer, speculative=SpeculativeConfig(method="medusa", model=heads))
+    Engine(model, tokenizer, speculative=SpeculativeConfig(method="eagle3", model=reference.load_head("eagle", model)))
 
 Methods (one proposer class each, `hf_accel/engine/*_proposer.py`):
 - "ngram": prompt lookup, vLLM's name: candidates continue an earlier occurrence of the sequence's last tokens in its
   own prompt and output (`prompt_lookup_min` to `prompt_lookup_max` tokens matched);
 - "suffix": prompt lookup plus one `SuffixCache` of the outputs of earlier requests, shared by every request of the
   engine (SuffixDecoding; vLLM's "suffix"): each decode drafts from whichever source expects more accepted tokens;
-- "medusa": `model` is a `MedusaHeads` for the served model; plain-greedy requests verify a top-1 chain of the heads.
+- "medusa": `model` is a `MedusaHeads` for the served model; plain-greedy requests verify a top-1 chain of the heads;
+- "eagle3": `model` is an `EagleHead` for the served model (vLLM's EAGLE-3 layer: `hf-accel export` writes it for
+  vLLM too); every request verifies a chain the head drafts on the target's own features.
 """
 
 from __future__ import annotations
@@ -16,13 +19,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..cache.settings import check_int
+from ..speculative.eagle_head import EagleHead
 from ..speculative.medusa_heads import MedusaHeads
 from ..speculative.ngram_proposer import NgramSettings
 
-METHODS = ("ngram", "suffix", "medusa")
+METHODS = ("ngram", "suffix", "medusa", "eagle3")
 MODEL_FREE = ("ngram", "suffix")
 DEFAULT_MODEL_FREE_TOKENS = 8  # candidates per step for "ngram" / "suffix" when `num_speculative_tokens` is None
+DEFAULT_EAGLE_TOKENS = 3  # the longest chain "eagle3" drafts when `num_speculative_tokens` is None (bench_engine_spec)
 DEFAULT_MAX_SPECULATIVE_BATCH_TOKENS = 24
+# "eagle3": every draft is a head pass (about a quarter of a target step here), so it pays only for the smallest
+# batches: chains of 3 at one decoding sequence, 2 at two, 1 at three, none from four on (bench_engine_spec.py)
+DEFAULT_EAGLE_BATCH_TOKENS = 6
 
 
 @dataclass(slots=True)
@@ -30,25 +38,27 @@ class SpeculativeConfig:
     """Speculative decoding in the engine (see the module docstring for the methods).
 
     Args:
-        method: one of "ngram", "suffix", "medusa".
+        method: one of "ngram", "suffix", "medusa", "eagle3".
         num_speculative_tokens: most candidates a decoding sequence verifies in one step; default: every head
-            (medusa), 8 (ngram, suffix; drafts are also cut where the match's counts make them unlikely).
-        model: the `MedusaHeads` of the served model ("medusa" only; None for the model-free methods).
+            (medusa), 3 (eagle3), 8 (ngram, suffix; drafts are also cut where the match's counts make them unlikely).
+        model: the `MedusaHeads` ("medusa") or `EagleHead` ("eagle3") of the served model; None for the model-free
+            methods.
         prompt_lookup_max: longest tail of the sequence matched ("ngram", "suffix"); default 23.
         prompt_lookup_min: shortest tail whose match may propose ("ngram", "suffix"); default 1.
         max_speculative_batch_tokens: speculate in a step only while (decoding sequences) x (1 + candidates) stays
             within this many tokens: the candidates per sequence shrink as the batch grows, and below one the step
-            decodes plainly (a large batch is already compute-bound: candidates would only slow it down).
+            decodes plainly (a large batch is already compute-bound: candidates would only slow it down); None:
+            24, or 6 for "eagle3".
         suffix_decoding_max_cached_requests: outputs the "suffix" cache keeps (the oldest quarter is dropped when
             full); None keeps all.
     """
 
     method: str
     num_speculative_tokens: int | None = None
-    model: MedusaHeads | None = None
+    model: MedusaHeads | EagleHead | None = None
     prompt_lookup_max: int | None = None
     prompt_lookup_min: int | None = None
-    max_speculative_batch_tokens: int = DEFAULT_MAX_SPECULATIVE_BATCH_TOKENS
+    max_speculative_batch_tokens: int | None = None
     suffix_decoding_max_cached_requests: int | None = 10000
 
     def __post_init__(self) -> None:
@@ -56,12 +66,15 @@ class SpeculativeConfig:
             raise ValueError(f"`method` must be one of {', '.join(map(repr, METHODS))}, got {self.method!r}")
         if self.num_speculative_tokens is not None:
             check_int("num_speculative_tokens", self.num_speculative_tokens, 1, "a positive int or None")
-        check_int("max_speculative_batch_tokens", self.max_speculative_batch_tokens, 1, "a positive int")
+        if self.max_speculative_batch_tokens is not None:
+            check_int("max_speculative_batch_tokens", self.max_speculative_batch_tokens, 1, "a positive int or None")
         if self.suffix_decoding_max_cached_requests is not None:
             check_int("suffix_decoding_max_cached_requests", self.suffix_decoding_max_cached_requests, 1,
                       "a positive int or None")
         if self.method == "medusa":
             self._check_medusa()
+        elif self.method == "eagle3":
+            self._check_eagle()
         else:
             self._check_model_free()
 
@@ -75,6 +88,11 @@ class SpeculativeConfig:
         for name in ("prompt_lookup_max", "prompt_lookup_min"):
             if getattr(self, name) is not None:
                 raise ValueError(f"`{name}` is for the methods {', '.join(map(repr, MODEL_FREE))}, not 'medusa'")
+
+    def _check_eagle(self) -> None:
+        if not isinstance(self.model, EagleHead):
+            raise TypeError(f"`model` must be a hf_accel.EagleHead for method 'eagle3', got {type(self.model).__name__}")
+        check_eagle_options({name: getattr(self, name) for name in ("prompt_lookup_max", "prompt_lookup_min")})
 
     def _check_model_free(self) -> None:
         if self.model is not None:
@@ -92,7 +110,16 @@ class SpeculativeConfig:
         """Candidates per step at most: `num_speculative_tokens`, or the method's default."""
         if self.num_speculative_tokens is not None:
             return self.num_speculative_tokens
-        return self.model.num_heads if self.method == "medusa" else DEFAULT_MODEL_FREE_TOKENS
+        if self.method == "medusa":
+            return self.model.num_heads
+        return DEFAULT_EAGLE_TOKENS if self.method == "eagle3" else DEFAULT_MODEL_FREE_TOKENS
+
+    @property
+    def batch_tokens(self) -> int:
+        """`max_speculative_batch_tokens`, or the method's default."""
+        if self.max_speculative_batch_tokens is not None:
+            return self.max_speculative_batch_tokens
+        return DEFAULT_EAGLE_BATCH_TOKENS if self.method == "eagle3" else DEFAULT_MAX_SPECULATIVE_BATCH_TOKENS
 
     @property
     def lookup_max(self) -> int:
@@ -128,5 +155,17 @@ def speculative_config(speculative: SpeculativeConfig | None, medusa_heads: Medu
         return speculative
     if not isinstance(medusa_heads, MedusaHeads):
         raise TypeError(f"`medusa_heads` must be a hf_accel.MedusaHeads, got {type(medusa_heads).__name__}")
-    limit = DEFAULT_MAX_SPECULATIVE_BATCH_TOKENS if max_speculative_batch_tokens is None else max_speculative_batch_tokens
-    return SpeculativeConfig("medusa", num_speculative_tokens, medusa_heads, max_speculative_batch_tokens=limit)
+    return SpeculativeConfig("medusa", num_speculative_tokens, medusa_heads,
+                             max_speculative_batch_tokens=max_speculative_batch_tokens)
+
+
+def check_eagle_options(options: dict) -> None:
+    """`ValueError` / `TypeError` for "eagle3" fields a `SpeculativeConfig` would refuse, checked before its head is
+    loaded (`options`: fields other than `method` and `model`)."""
+    for name in ("prompt_lookup_max", "prompt_lookup_min"):
+        if options.get(name) is not None:
+            raise ValueError(f"`{name}` is for the methods {', '.join(map(repr, MODEL_FREE))}, not 'eagle3'")
+    if options.get("num_speculative_tokens") is not None:
+        check_int("num_speculative_tokens", options["num_speculative_tokens"], 1, "a positive int or None")
+    if options.get("max_speculative_batch_tokens") is not None:
+        check_int("max_speculative_batch_tokens", options["max_speculative_batch_tokens"], 1, "a positive int or None")

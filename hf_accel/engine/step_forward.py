@@ -18,6 +18,9 @@ The weights are frozen into the graphs (inductor's `freezing`), so each Linear r
 packed once; the graphs are kept per model and its weights (`frozen_graphs.py`), so engines on the same unchanged
 model share them and a model whose weights changed gets new ones.
 On a GPU, decode steps replay CUDA graphs instead (`cuda_graphs.py`), captured in the same warm-up.
+With `feature_layers` (an EAGLE head's inputs) the step also returns those hidden states at every packed token,
+compiled too: transformers installs its hidden-state capturing hooks on the first call, behind a lock dynamo cannot
+trace, so one eager call installs them before the graphs are traced.
 """
 
 from __future__ import annotations
@@ -109,14 +112,27 @@ class StepInputs:
         return StepInputs(self.tokens, self.positions, self.slots, query_start, kv_lengths, tables, keep)
 
 
+@dataclass(slots=True)
+class ForwardOutput:
+    """What one step's forward returns: `logits` `[kept, vocab]` fp32; `hidden` `[kept, hidden]` (the final normed
+    state, when kept: Medusa); `features` `[tokens, len(feature_layers) * hidden]` (every packed token's hidden states
+    at `feature_layers`, concatenated: an EAGLE head's input)."""
+
+    logits: torch.Tensor
+    hidden: torch.Tensor | None = None
+    features: torch.Tensor | None = None
+
+
 class StepForward:
-    """Runs `model` on `StepInputs` over the pool `kv`, returning `(logits [kept, vocab] fp32, hidden [kept, hidden]
-    or None)`; `compile=True` compiles the forward (see the module docstring); `graphs` replays captured CUDA
-    graphs for the steps they cover (`cuda_graphs.DecodeGraphs`)."""
+    """Runs `model` on `StepInputs` over the pool `kv`, returning a `ForwardOutput`; `keep_hidden`: with the final
+    hidden states at the kept rows; `feature_layers`: with those `output_hidden_states` entries at every packed token;
+    `compile=True` compiles the forward (see the module docstring); `graphs` replays captured CUDA graphs for the
+    steps they cover (`cuda_graphs.DecodeGraphs`)."""
 
     def __init__(self, model: PreTrainedModel, kv: KVPool, attend, keep_hidden: bool, compile: bool,
-                 graphs: DecodeGraphs | None = None):
+                 graphs: DecodeGraphs | None = None, feature_layers: tuple[int, ...] = ()):
         self.model, self.kv, self.attend, self.keep_hidden, self.graphs = model, kv, attend, keep_hidden, graphs
+        self.feature_layers = feature_layers
         self.device = next(model.parameters()).device
         self.compiled = compile
         self.compile_seconds = 0.0
@@ -127,14 +143,14 @@ class StepForward:
                                     lambda function: torch.compile(function, dynamic=True, fullgraph=True))
             self._forward = functools.partial(compiled, model)
 
-    def __call__(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def __call__(self, inputs: StepInputs) -> ForwardOutput:
         kept = len(inputs.keep)
         if self.graphs is not None and len(inputs.tokens) == len(inputs.kv_lengths) == kept:  # one token each
             with paged_attention_implementation(self.model):
                 logits = self.graphs.run(inputs.tokens, inputs.positions, inputs.slots, inputs.tables,
                                          inputs.kv_lengths)
             if logits is not None:
-                return logits, None
+                return ForwardOutput(logits)
         if self.compiled:
             inputs = inputs.padded()
         width = max(map(len, inputs.tables))
@@ -147,10 +163,14 @@ class StepForward:
                 symbolic_config.patch(use_duck_shape=False), self._guards():
             out = self._forward(
                 input_ids=self._tensor([inputs.tokens]), position_ids=self._tensor([inputs.positions]),
-                use_cache=False, logits_to_keep=keep, hf_accel_step=step, output_hidden_states=self.keep_hidden,
+                use_cache=False, logits_to_keep=keep, hf_accel_step=step,
+                output_hidden_states=self.keep_hidden or bool(self.feature_layers),
             )
         hidden = out.hidden_states[-1][0, keep[:kept]] if self.keep_hidden else None
-        return out.logits[0, :kept].float(), hidden
+        features = None
+        if self.feature_layers:
+            features = torch.cat([out.hidden_states[i][0] for i in self.feature_layers], dim=-1)
+        return ForwardOutput(out.logits[0, :kept].float(), hidden, features)
 
     def _guards(self):
         """Dynamo's stance for one step: the distinguishing guards only, once both graphs are warm in a process that
@@ -172,6 +192,8 @@ class StepForward:
         if not self.compiled:
             return
         try:
+            if self.feature_layers:  # transformers' capturing hooks get installed by an eager call (see above)
+                self._eager_call()
             # each engine's two graphs count toward dynamo's process-wide total (accumulated_recompile_limit),
             # which a long notebook or test session would otherwise reach
             with recompile_limits(), freezing(True):
@@ -183,6 +205,15 @@ class StepForward:
                           RuntimeWarning, stacklevel=2)
             self.compiled, self._forward = False, self.model
         self.compile_seconds = time.perf_counter() - started
+
+    def _eager_call(self) -> None:
+        """One token through the model's own forward (K/V into block 0 of the empty pool)."""
+        forward, self._forward = self._forward, self.model
+        try:
+            self(StepInputs(tokens=[0], positions=[0], slots=[0], query_start=[0, 1], kv_lengths=[1], tables=[[0]],
+                            keep=[0]))
+        finally:
+            self._forward = forward
 
     def _trace_both_graphs(self) -> None:
         size = self.kv.block_size

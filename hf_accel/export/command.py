@@ -1,8 +1,8 @@
 """`hf-accel export`: write a model for another runtime.
 
-    hf-accel export --format vllm out/target-bf16                 # the reference target + its Medusa heads, bf16
+    hf-accel export --format vllm out/target-bf16                 # the reference target + its EAGLE / Medusa heads
     hf-accel export --format vllm --quant int4 out/target-int4    # int4 weight-only (compressed-tensors)
-    hf-accel export --format vllm --model ./my-model --quant int8 --medusa ./my-heads out/my-model-int8
+    hf-accel export --format vllm --model ./my-model --quant int8 --eagle ./my-head out/my-model-int8
 
 The folder gets `serve.sh` with the exact `vllm serve` command line (see docs/export.md).
 """
@@ -16,6 +16,7 @@ from pathlib import Path
 
 FORMATS = ("vllm",)
 QUANTS = ("int8", "int4")
+SPECULATIVES = ("eagle3", "medusa", "none")
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -31,6 +32,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--medusa", type=Path, default=None,
                         help="Medusa heads folder to export under OUT/medusa (default: the reference heads when "
                              "exporting the reference target, else none)")
+    parser.add_argument("--eagle", type=Path, default=None,
+                        help="EAGLE head folder to export under OUT/eagle3 as vLLM's EAGLE-3 draft (default: the "
+                             "reference head when exporting the reference target, else none)")
+    parser.add_argument("--speculative", choices=SPECULATIVES, default=None,
+                        help="what serve.sh speculates with (default: eagle3 when an EAGLE head is exported, else "
+                             "medusa when heads are)")
     parser.add_argument("--served-model-name", default=None, help="name vLLM serves (default: OUT's folder name)")
     parser.add_argument("--overwrite", action="store_true", help="write into a non-empty OUT")
     return parser.parse_args(argv)
@@ -42,8 +49,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .vllm import export_vllm  # imported after parsing: --help stays fast
 
     try:
-        out = export_vllm(args.out, model=args.model, quant=args.quant, medusa=args.medusa,
-                          served_model_name=args.served_model_name, overwrite=args.overwrite)
+        out = export_vllm(args.out, model=args.model, quant=args.quant, medusa=args.medusa, eagle=args.eagle,
+                          speculative=args.speculative, served_model_name=args.served_model_name,
+                          overwrite=args.overwrite)
     except ValueError as error:
         print(f"hf-accel export: error: {error}", file=sys.stderr)
         return 2

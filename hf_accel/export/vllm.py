@@ -1,9 +1,9 @@
 """A folder vLLM serves as it is: the model (bf16, or int8 / int4 weight-only compressed-tensors), its tokenizer and
-generation config, optional Medusa heads in vLLM's layout under `medusa/`, and `serve.sh` / `README.md` with the
-exact `vllm serve` command line.
+generation config, optional draft heads in vLLM's layouts (an EAGLE-3 head under `eagle3/`, Medusa heads under
+`medusa/`), and `serve.sh` / `README.md` with the exact `vllm serve` command line (speculating with one of them).
 
     from hf_accel.export import export_vllm
-    export_vllm("out/target-int4", quant="int4")     # the reference target with the reference Medusa heads
+    export_vllm("out/target-int4", quant="int4")     # the reference target with the reference EAGLE and Medusa heads
     # then, on a GPU machine with vLLM 0.32.0:  bash out/target-int4/serve.sh
 
 Targeted: vLLM 0.32.0, the last release with Medusa (0.33.0 removed it); it pins compressed-tensors 0.17.0, the
@@ -22,13 +22,18 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from .. import reference
 from ..engine.limits import context_length
+from ..speculative.eagle_head import EagleHead
 from ..speculative.medusa_heads import MedusaHeads
+from .eagle import check_exportable
+from .eagle import export_vllm as export_eagle
 from .medusa import export_vllm as export_medusa
 
 VLLM_VERSION = "0.32.0"
 REFERENCE_MODEL_DIR = reference.ASSETS_DIR / "target"
-REFERENCE_MEDUSA_DIR = reference.ASSETS_DIR / "medusa"
-MEDUSA_SUBDIR = "medusa"
+REFERENCE_HEAD_DIRS = {"eagle3": reference.ASSETS_DIR / "eagle", "medusa": reference.ASSETS_DIR / "medusa"}
+HEAD_SUBDIRS = {"eagle3": "eagle3", "medusa": "medusa"}  # vLLM's method name -> folder inside the export
+SPECULATIVE_CHOICES = ("eagle3", "medusa", "none")
+EAGLE_SPECULATIVE_TOKENS = 5  # vLLM drafts a fixed chain; eagle_generate's adaptive chains average 4.6 here
 EXPORT_DTYPE = torch.bfloat16
 
 
@@ -39,7 +44,8 @@ class ServeCommand:
     served_model_name: str
     max_model_len: int
     quantized: bool
-    num_speculative_tokens: int | None  # Medusa heads exported: one token per head; None: no heads
+    speculative_method: str | None  # "eagle3" or "medusa": the heads `vllm serve` speculates with; None: none
+    num_speculative_tokens: int | None = None  # Medusa: one token per head; EAGLE-3: the chain length
 
     def argv(self, folder: str) -> list[str]:
         """`vllm serve` arguments for the export in `folder` (a path or a shell expression such as `$HERE`)."""
@@ -47,8 +53,8 @@ class ServeCommand:
                 "--max-model-len", str(self.max_model_len)]
         if self.quantized:  # vLLM also detects it from config.json's quantization_config; stated for clarity
             args += ["--quantization", "compressed-tensors"]
-        if self.num_speculative_tokens is not None:
-            spec = {"method": "medusa", "model": f"{folder}/{MEDUSA_SUBDIR}",
+        if self.speculative_method is not None:
+            spec = {"method": self.speculative_method, "model": f"{folder}/{HEAD_SUBDIRS[self.speculative_method]}",
                     "num_speculative_tokens": self.num_speculative_tokens}
             args += ["--speculative-config", json.dumps(spec)]
         return args
@@ -91,11 +97,43 @@ def check_model_folder(model_path: Path) -> None:
         raise ValueError(f"model {str(model_path)!r} is not a local model folder (no config.json in it)")
 
 
-def resolve_medusa(model_path: Path, medusa: Path | None) -> Path | None:
-    """`medusa` when given, else the reference heads when `model_path` is the reference target, else None."""
-    if medusa is not None:
-        return medusa
-    return REFERENCE_MEDUSA_DIR if model_path.resolve() == REFERENCE_MODEL_DIR.resolve() else None
+def resolve_heads(model_path: Path, method: str, given: Path | None) -> Path | None:
+    """`given` when set, else the reference heads of `method` ("eagle3" / "medusa") when `model_path` is the
+    reference target, else None."""
+    if given is not None:
+        return given
+    return REFERENCE_HEAD_DIRS[method] if model_path.resolve() == REFERENCE_MODEL_DIR.resolve() else None
+
+
+def load_eagle(eagle: Path, model: PreTrainedModel) -> EagleHead:
+    """The EAGLE head saved in `eagle` for `model`, checked exportable; `ValueError` naming `eagle` otherwise."""
+    try:
+        head = EagleHead.from_pretrained(eagle, model, dtype=EXPORT_DTYPE)
+    except FileNotFoundError as error:
+        raise ValueError(f"eagle {str(eagle)!r} is not an EAGLE head folder: {error}") from None
+    except ValueError as error:
+        raise ValueError(f"eagle {str(eagle)!r}: {error}") from None
+    check_exportable(head)
+    return head
+
+
+def check_speculative(speculative: str | None) -> None:
+    """`ValueError` naming `speculative` unless it is None or one of `SPECULATIVE_CHOICES`."""
+    if speculative is not None and speculative not in SPECULATIVE_CHOICES:
+        raise ValueError(f"speculative must be one of {', '.join(map(repr, SPECULATIVE_CHOICES))}, got {speculative!r}")
+
+
+def serving_method(speculative: str | None, eagle: EagleHead | None, heads: MedusaHeads | None) -> str | None:
+    """The method `serve.sh` speculates with: `speculative` when given ("none": no speculation), else EAGLE-3 when
+    a head is exported, else Medusa when heads are; `ValueError` naming `speculative` for a method without heads."""
+    check_speculative(speculative)
+    available = {"eagle3": eagle is not None, "medusa": heads is not None}
+    if speculative is None:
+        return next((method for method, present in available.items() if present), None)
+    if speculative != "none" and not available[speculative]:
+        flag = "eagle" if speculative == "eagle3" else "medusa"
+        raise ValueError(f"speculative={speculative!r} needs {flag} heads to export: pass {flag}=<folder>")
+    return None if speculative == "none" else speculative
 
 
 def load_heads(medusa: Path, model: PreTrainedModel) -> MedusaHeads:
@@ -116,12 +154,12 @@ def load_tokenizer(model_path: Path) -> PreTrainedTokenizerBase:
         raise ValueError(f"model {str(model_path)!r} has no tokenizer files vLLM could load: {error}") from None
 
 
-def write_readme(out: Path, command: ServeCommand, quant: str | None, source: str) -> None:
+def write_readme(out: Path, command: ServeCommand, quant: str | None, source: str,
+                 heads: list[tuple[str, str]]) -> None:
     weights_line = {None: "bf16 safetensors (a standard transformers folder)",
                     "int8": "int8 weight-only, compressed-tensors `pack-quantized`, one scale per output channel",
                     "int4": "int4 weight-only, compressed-tensors `pack-quantized`, symmetric, grouped"}[quant]
-    medusa = (f"- `{MEDUSA_SUBDIR}/`: Medusa heads in vLLM's layout ({command.num_speculative_tokens} heads)\n"
-              if command.num_speculative_tokens is not None else "")
+    medusa = "".join(f"- `{subdir}/`: {description}\n" for subdir, description in heads)
     out.joinpath("README.md").write_text(
         f"# {command.served_model_name}\n\nExported by `hf-accel export --format vllm` from {source}, for vLLM "
         f"{VLLM_VERSION}.\n\n- weights: {weights_line}\n- tokenizer and generation config\n{medusa}"
@@ -132,18 +170,22 @@ def write_readme(out: Path, command: ServeCommand, quant: str | None, source: st
 
 
 def export_vllm(out: str | Path, model: str | Path | None = None, quant: str | None = None,
-                medusa: str | Path | None = None, served_model_name: str | None = None,
-                overwrite: bool = False) -> Path:
+                medusa: str | Path | None = None, eagle: str | Path | None = None, speculative: str | None = None,
+                served_model_name: str | None = None, overwrite: bool = False) -> Path:
     """Write a vLLM-ready folder to `out` and return it.
 
     `model`: a local model folder (default: hf_accel's reference target). `quant`: None (bf16), "int8" or "int4".
-    `medusa`: a Medusa heads folder (`MedusaHeads.save_pretrained`; default: the reference heads when exporting the
-    reference target). `served_model_name` defaults to `out`'s folder name. Bad input raises `ValueError` naming
-    the argument before anything is written; a `quant` without compressed-tensors installed, `ModuleNotFoundError`.
+    `eagle`: an EAGLE head folder (`EagleHead.save_pretrained`), written under `eagle3/` as vLLM's EAGLE-3 draft;
+    `medusa`: a Medusa heads folder (`MedusaHeads.save_pretrained`), written under `medusa/`; each defaults to the
+    reference heads when exporting the reference target. `speculative`: what `serve.sh` speculates with, "eagle3",
+    "medusa" or "none" (default: "eagle3" when an EAGLE head is exported, else "medusa" when heads are).
+    `served_model_name` defaults to `out`'s folder name. Bad input raises `ValueError` naming the argument before
+    anything is written; a `quant` without compressed-tensors installed, `ModuleNotFoundError`.
     """
     if quant is not None:  # compressed-tensors (the `export` extra) is needed for quantized exports only
         from .compressed import export_quant, quantization_config, save_compressed
     scheme = None if quant is None else export_quant(quant)
+    check_speculative(speculative)
     model_path = REFERENCE_MODEL_DIR if model is None else Path(model)
     check_model_folder(model_path)
     out = Path(out)
@@ -151,20 +193,30 @@ def export_vllm(out: str | Path, model: str | Path | None = None, quant: str | N
     tokenizer = load_tokenizer(model_path)
     loaded = AutoModelForCausalLM.from_pretrained(model_path, dtype=EXPORT_DTYPE, local_files_only=True).eval()
     config = None if scheme is None else quantization_config(loaded, scheme)  # checks the group size first
-    medusa_path = resolve_medusa(model_path, None if medusa is None else Path(medusa))
+    eagle_path = resolve_heads(model_path, "eagle3", None if eagle is None else Path(eagle))
+    medusa_path = resolve_heads(model_path, "medusa", None if medusa is None else Path(medusa))
+    head = None if eagle_path is None else load_eagle(eagle_path, loaded)
     heads = None if medusa_path is None else load_heads(medusa_path, loaded)
+    method = serving_method(speculative, head, heads)
+    tokens = {"eagle3": EAGLE_SPECULATIVE_TOKENS, "medusa": heads.num_heads if heads else None, None: None}[method]
     command = ServeCommand(served_model_name or out.resolve().name, context_length(loaded), scheme is not None,
-                           None if heads is None else heads.num_heads)
+                           method, tokens)
     out.mkdir(parents=True, exist_ok=True)
     if config is None:
         loaded.save_pretrained(out)
     else:
         save_compressed(loaded, config, out)
     tokenizer.save_pretrained(out)
+    written = []
+    if head is not None:
+        export_eagle(head, out / HEAD_SUBDIRS["eagle3"], EXPORT_DTYPE)
+        written.append((HEAD_SUBDIRS["eagle3"], "an EAGLE-3 draft head in vLLM's layout (`\"method\": \"eagle3\"`)"))
     if heads is not None:
-        export_medusa(heads, out / MEDUSA_SUBDIR, EXPORT_DTYPE)
+        export_medusa(heads, out / HEAD_SUBDIRS["medusa"], EXPORT_DTYPE)
+        written.append((HEAD_SUBDIRS["medusa"], f"Medusa heads in vLLM's layout ({heads.num_heads} heads, "
+                                                 '`"method": "medusa"`)'))
     script = out / "serve.sh"
     script.write_text(command.script())
     script.chmod(0o755)
-    write_readme(out, command, quant, "the hf_accel reference target" if model is None else str(model_path))
+    write_readme(out, command, quant, "the hf_accel reference target" if model is None else str(model_path), written)
     return out

@@ -15,6 +15,7 @@ from ..engine.engine import Engine
 from ..engine.engine_process import EngineProcess
 from ..quant.presets import load_model
 from ..reference import ASSETS_DIR
+from .speculative_option import EagleFolder
 
 ServedEngine = Engine | EngineProcess
 
@@ -53,7 +54,10 @@ def build_engine(spec: EngineSpec) -> Engine:
     if spec.threads is not None:
         torch.set_num_threads(spec.threads)
     model, tokenizer = load_served_model(spec.model, spec.quant, spec.dtype)
-    return Engine(model, tokenizer, **spec.engine_kwargs)
+    kwargs = dict(spec.engine_kwargs)
+    if isinstance(kwargs.get("speculative"), EagleFolder):  # an EAGLE head loads for the model it serves
+        kwargs["speculative"] = kwargs["speculative"].config_for(model)
+    return Engine(model, tokenizer, **kwargs)
 
 
 def serve_engine(spec: EngineSpec, in_process: bool = False) -> tuple[ServedEngine, PreTrainedTokenizerBase]:

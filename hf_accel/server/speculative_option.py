@@ -3,27 +3,50 @@
     --speculative-config '{"method": "suffix", "num_speculative_tokens": 5}'
     --speculative-config '{"method": "ngram", "prompt_lookup_max": 4}'
     --speculative-config '{"method": "medusa", "model": "PATH"}'     # a MedusaHeads.save_pretrained folder
+    --speculative-config '{"method": "eagle3", "model": "PATH"}'     # an EagleHead.save_pretrained folder
 
-Keys are `SpeculativeConfig`'s fields; for "medusa", `model` is the heads' folder (loaded here, in `dtype`).
+Keys are `SpeculativeConfig`'s fields; for "medusa", `model` is the heads' folder (loaded here, in `dtype`); for
+"eagle3", an EAGLE head's folder, checked here and loaded with the served model when the engine is built (a head is
+made for one model: `EagleFolder`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from transformers import PreTrainedModel
 
-from ..engine.speculative_config import SpeculativeConfig
+from ..engine.speculative_config import SpeculativeConfig, check_eagle_options
+from ..speculative.eagle_head import CONFIG_NAME as EAGLE_CONFIG_NAME
+from ..speculative.eagle_head import EagleHead
 from ..speculative.medusa_heads import MedusaHeads
 
 EXAMPLE = '{"method": "suffix", "num_speculative_tokens": 5}'
 
 
-def parse_speculative_config(text: str, dtype: torch.dtype) -> SpeculativeConfig:
-    """The `SpeculativeConfig` that `text` (a JSON object) describes; ValueError naming what is wrong (bad JSON, not
-    an object, unknown keys with the allowed ones, a value the config refuses, a heads folder that cannot be read)."""
+@dataclass(frozen=True)
+class EagleFolder:
+    """`--speculative-config` with method "eagle3": the head's folder and the other fields, made into a
+    `SpeculativeConfig` for the served model once it is loaded (`config_for`); picklable, for the engine process."""
+
+    path: Path
+    options: dict
+    dtype: torch.dtype
+
+    def config_for(self, model: PreTrainedModel) -> SpeculativeConfig:
+        """The config with the head loaded for `model` (`ValueError` when the head was made for another model)."""
+        head = EagleHead.from_pretrained(self.path, model, dtype=self.dtype)
+        return SpeculativeConfig(**self.options, model=head)
+
+
+def parse_speculative_config(text: str, dtype: torch.dtype) -> SpeculativeConfig | EagleFolder:
+    """The `SpeculativeConfig` that `text` (a JSON object) describes (for "eagle3", an `EagleFolder`); ValueError
+    naming what is wrong (bad JSON, not an object, unknown keys with the allowed ones, a value the config refuses, a
+    heads folder that cannot be read)."""
     try:
         options = json.loads(text)
     except json.JSONDecodeError as error:
@@ -39,9 +62,21 @@ def parse_speculative_config(text: str, dtype: torch.dtype) -> SpeculativeConfig
     if options["method"] == "medusa":
         options["model"] = _load_heads(options.get("model"), dtype)
     try:
+        if options["method"] == "eagle3":
+            return _eagle_folder(options, dtype)
         return SpeculativeConfig(**options)
     except (TypeError, ValueError) as error:
         raise ValueError(f"--speculative-config: {error}") from None
+
+
+def _eagle_folder(options: dict, dtype: torch.dtype) -> EagleFolder:
+    path = options.pop("model", None)
+    if not isinstance(path, str):
+        raise ValueError(f"method 'eagle3' needs `model`, the path of an EagleHead folder, got {path!r}")
+    if not (Path(path) / EAGLE_CONFIG_NAME).is_file():
+        raise ValueError(f"no EAGLE head in {path!r} (no {EAGLE_CONFIG_NAME})")
+    check_eagle_options(options)
+    return EagleFolder(Path(path), options, dtype)
 
 
 def _load_heads(path: object, dtype: torch.dtype) -> MedusaHeads:

@@ -30,7 +30,7 @@ from .chain_checks import check_call
 from .draft import Proposal
 from .draft_length import DraftLength
 from .eagle_draft import HeadState, new_head_state
-from .eagle_head import EagleHead, target_logits
+from .eagle_head import EagleHead
 from .loop import Decoding, GenerateCall
 from .stats import SpeculativeStats
 
@@ -155,7 +155,7 @@ def _propose(run: _Run, k: int) -> Proposal:
         return Proposal(candidates, None, history)
     hidden = state.catch_up(run.model, batch)
     for j in range(k):
-        scores = rules.process(batch.view(history, batch.history_lengths + j), target_logits(run.model, hidden))
+        scores = rules.process(batch.view(history, batch.history_lengths + j), state.head.logits(run.model, hidden))
         probs.append(torch.softmax(scores, dim=-1))
         token = torch.multinomial(probs[-1], 1).squeeze(1) if rules.do_sample else scores.argmax(dim=-1)
         candidates[:, j] = token

@@ -1,13 +1,20 @@
-"""EAGLE-3-style draft head: one decoder layer of the target's own architecture over fused target features.
+"""EAGLE-3 draft head: one decoder layer over fused target features, laid out as vLLM's EAGLE-3 drafts are.
 
 Entry t of the head's sequence pairs a feature for position t with the embedding of token t+1 and predicts token
 t+2 (the target, having read token t+1, would predict it at position t+1). The feature is either the target's own
 (`fuse`: the hidden states after a low, a middle and a high layer, concatenated, `fc` 3H -> H) or, for every draft
 step after the first, the head's own output at the entry before (EAGLE-3's training-time test teaches it to read
-both). `input_fc` (2H -> H) mixes [token embedding, feature]; the decoder layer (the target's class, built from a
-copy of its config with one layer, so RoPE and attention match) runs over it with the head's own small KV cache;
-the target's frozen final norm and LM head read the output out (`logits`). The target's embedding, norm and LM head
-are never copied: a head is used with the model it was trained for.
+both). The layer (`midlayer`, the target's decoder-layer class built from a copy of its config with one layer, so
+RoPE and attention match) is EAGLE-3's:
+
+    x = [input_layernorm(embedding); hidden_norm(feature)]        # [.., 2H]: q/k/v read 2H
+    h = feature + self_attn(x)                                     # the residual stream is the feature
+    out = h + mlp(post_attention_layernorm(h))                     # [.., H], the next step's feature
+
+and the head's own final `norm` plus the target's frozen LM head read `out` out (`logits`). The target's embedding
+and LM head are never copied: a head is used with the model it was trained for. With a Llama target the weights
+are vLLM's `Eagle3LlamaForCausalLM` checkpoint under their own names (`fc`, `midlayer.*`, `norm`; see
+`hf_accel.export.eagle`), so vLLM drafts with it what `eagle_generate` drafts.
 
 Saved as `eagle_head.safetensors` + `eagle_config.json` (see `EagleConfig`).
 """
@@ -91,10 +98,9 @@ class EagleHead(RichDisplay, nn.Module):
         layer_config = type(model.config.get_text_config(decoder=True)).from_dict(copy.deepcopy(config.layer_config))
         implementation = model.config._attn_implementation
         layer_config._attn_implementation = implementation if implementation in _ATTENTION else "sdpa"
-        hidden = config.hidden_size
-        self.fc = nn.Linear(3 * hidden, hidden, bias=False)  # fuses the low, middle and high target features
-        self.input_fc = nn.Linear(2 * hidden, hidden, bias=False)  # mixes [token embedding, feature]
-        self.layer = type(decoder.layers[0])(layer_config, layer_idx=0)
+        self.fc = nn.Linear(3 * config.hidden_size, config.hidden_size, bias=False)  # fuses low, middle, high
+        self.midlayer = _eagle3_layer(type(decoder.layers[0])(layer_config, layer_idx=0), config.hidden_size)
+        self.norm = copy.deepcopy(decoder.norm)  # the head's own final norm (starts as the target's)
         self.rotary_emb = type(decoder.rotary_emb)(config=layer_config)
 
     @property
@@ -120,8 +126,21 @@ class EagleHead(RichDisplay, nn.Module):
         )
         weight = model.get_output_embeddings().weight
         head = cls(config, model).to(device=weight.device, dtype=weight.dtype)
-        head.layer.load_state_dict(model.get_decoder().layers[-1].state_dict())
+        head.start_from(model.get_decoder().layers[-1])
         return head
+
+    @torch.no_grad()
+    def start_from(self, layer: nn.Module) -> None:
+        """Copy a target decoder layer into `midlayer`: every weight as it is, q/k/v into the feature half of their
+        2H-wide inputs (the embedding half keeps its initialisation)."""
+        widened = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")
+        state = self.midlayer.state_dict()
+        for name, tensor in layer.state_dict().items():
+            if name in widened:
+                state[name][:, tensor.shape[1]:] = tensor
+            else:
+                state[name] = tensor
+        self.midlayer.load_state_dict(state)
 
     def summary(self) -> dict[str, object]:
         """Shape, parameter count and target (what `repr` and the Jupyter table show)."""
@@ -142,17 +161,25 @@ class EagleHead(RichDisplay, nn.Module):
         q == 1 attending to everything cached). Appends the entries' K/V to `cache`; returns `[batch, q, H]`.
         `attention_kwargs` reach the layer's attention function (hf_accel's paged attention reads its
         `hf_accel_step` there, with `cache` None: see `attention_implementation`)."""
-        x = self.input_fc(torch.cat([token_embeds.to(self.dtype), features.to(self.dtype)], dim=-1))
+        layer, features = self.midlayer, features.to(self.dtype)
+        x = torch.cat([layer.input_layernorm(token_embeds.to(self.dtype)), layer.hidden_norm(features)], dim=-1)
         position_embeddings = self.rotary_emb(x, position_ids)
-        out = self.layer(x, attention_mask=attention_mask, position_ids=position_ids, past_key_values=cache,
-                         use_cache=cache is not None, position_embeddings=position_embeddings, **attention_kwargs)
-        return out[0] if isinstance(out, tuple) else out
+        attended, _ = layer.self_attn(hidden_states=x, position_embeddings=position_embeddings,
+                                      attention_mask=attention_mask, past_key_values=cache, position_ids=position_ids,
+                                      use_cache=cache is not None, **attention_kwargs)
+        hidden = features + attended
+        return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+
+    def logits(self, model: PreTrainedModel, hidden: torch.Tensor) -> torch.Tensor:
+        """The head's output `[..., H]` read out through its own final norm and `model`'s LM head: fp32 logits."""
+        lm_head = model.get_output_embeddings()
+        return lm_head(self.norm(hidden).to(lm_head.weight.dtype)).float()
 
     @contextlib.contextmanager
     def attention_implementation(self, name: str) -> Iterator[None]:
         """Run the decoder layer's attention through transformers' registered attention function `name` inside the
         block (compiled EAGLE runs the head over its own paged pool), its own implementation after."""
-        config = self.layer.self_attn.config
+        config = self.midlayer.self_attn.config
         saved = config._attn_implementation
         config._attn_implementation = name
         try:
@@ -188,6 +215,9 @@ class EagleHead(RichDisplay, nn.Module):
         config = EagleConfig(**json.loads((folder / CONFIG_NAME).read_text()))
         device = model.get_output_embeddings().weight.device
         state = load_file(folder / WEIGHTS_NAME, device=str(device))
+        if "input_fc.weight" in state:
+            raise ValueError(f"{folder} holds an EAGLE head of hf_accel's earlier layout (`input_fc`); heads now use "
+                             "EAGLE-3's layer (vLLM's layout): retrain it with `hf_accel.train_eagle`")
         head = cls(config, model).to(device=device, dtype=dtype or next(iter(state.values())).dtype)
         head.load_state_dict(state)
         head.check_compatible(model)
@@ -200,12 +230,32 @@ def _check_readout(model: PreTrainedModel) -> None:
         if not isinstance(getattr(decoder, name, None), nn.Module):
             raise ValueError(f"EAGLE heads need a decoder with `{name}` (Llama-style); "
                              f"{type(decoder).__name__} has none")
+    layer = decoder.layers[0]
+    parts = ("input_layernorm", "post_attention_layernorm", "mlp", "self_attn.q_proj", "self_attn.k_proj",
+             "self_attn.v_proj")
+    missing = [part for part in parts if not _has(layer, part)]
+    if missing:
+        raise ValueError(f"EAGLE heads need a Llama-style decoder layer (pre-norm attention and MLP, separate q/k/v "
+                         f"projections); {type(layer).__name__} has no {', '.join(missing)}")
 
 
-def target_logits(model: PreTrainedModel, hidden: torch.Tensor) -> torch.Tensor:
-    """The head's output `[..., H]` read out through the target's final norm and LM head: fp32 logits."""
-    weight = model.get_output_embeddings().weight
-    return model.get_output_embeddings()(model.get_decoder().norm(hidden.to(weight.dtype))).float()
+def _has(module: nn.Module, path: str) -> bool:
+    try:
+        module.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
+
+
+def _eagle3_layer(layer: nn.Module, hidden_size: int) -> nn.Module:
+    """`layer` (a fresh target decoder layer) turned into EAGLE-3's: q/k/v read `2 * hidden_size` features
+    ([embedding; feature]) and a `hidden_norm` (the input norm's class) normalises the feature."""
+    attention = layer.self_attn
+    for name in ("q_proj", "k_proj", "v_proj"):
+        linear = getattr(attention, name)
+        setattr(attention, name, nn.Linear(2 * hidden_size, linear.out_features, bias=linear.bias is not None))
+    layer.hidden_norm = copy.deepcopy(layer.input_layernorm)
+    return layer
 
 
 def token_embeddings(model: PreTrainedModel, input_ids: torch.Tensor) -> torch.Tensor:
