@@ -16,7 +16,8 @@ Rules:
   them speculated after computing them, stale otherwise): drafts may be weaker there, output is unchanged;
 - drafts are the head's argmax: deterministic proposals, which the engine verifies losslessly for sampling
   requests too (`speculation.py`).
-The head runs eagerly through the engine's paged attention (`hf_accel_step`, the kernel where it is built).
+The head attends through the engine's paged attention (`hf_accel_step`, the kernel where it is built); its pass and
+readout are compiled when the engine's step is (two graphs, traced at start).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from ..cache.kv_shape import KVShape
 from ..speculative.eagle_head import EagleHead, token_embeddings
 from .attention import ATTENTION_NAME, StepAttention
 from .frozen_graphs import compiled_for, freezing
-from .kv_pool import KVPool
+from .kv_pool import KVPool, token_slots
 from .sequence import Sequence
 from .step_forward import StepInputs, recompile_limits
 
@@ -205,12 +206,13 @@ class EagleProposer:
     def _pass(self, features: torch.Tensor, tokens: list[int],
               entries: list[tuple[list[int], range]]) -> tuple[torch.Tensor, list[int], list[bool]]:
         """The head over packed entries (`features` `[total, H]`, `tokens`: one per entry; `entries`: per sequence,
-        its block ids and the positions of its entries, consecutive) through the head's pool -> per sequence, the output at its last
-        entry `[rows, H]`, the draft read off it, and whether the head gave that draft `MIN_DRAFT_PROBABILITY`."""
+        its block ids and the positions of its entries, consecutive) through the head's pool -> per sequence, the
+        output at its last entry `[rows, H]`, the draft read off it, and whether the head gave it
+        `MIN_DRAFT_PROBABILITY`."""
         size, device = self.kv.block_size, features.device
-        inputs = StepInputs(tokens=tokens, positions=[p for _, span in entries for p in span],
-                            slots=[blocks[p // size] * size + p % size for blocks, span in entries for p in span])
+        inputs = StepInputs(tokens=tokens, positions=[p for _, span in entries for p in span])
         for blocks, span in entries:
+            inputs.slots += token_slots(blocks, span.start, span.stop, size)
             inputs.query_start.append(inputs.query_start[-1] + len(span))
             inputs.kv_lengths.append(span.stop)
             inputs.tables.append(blocks[: -(-span.stop // size)])
@@ -218,11 +220,8 @@ class EagleProposer:
         rows = len(entries)
         if self.compiled:
             inputs = inputs.padded()  # sizes that could be 1 (but the token count) never are: two graphs in all
-        width = max(map(len, inputs.tables))
+        step = inputs.attention(self.kv, self.attend, device)
         tensor = functools.partial(torch.tensor, dtype=torch.long, device=device)
-        step = StepAttention(self.kv, tensor(inputs.slots),
-                             tensor([table + [0] * (width - len(table)) for table in inputs.tables]),
-                             tensor(inputs.query_start), tensor(inputs.kv_lengths), self.attend)
         with self.head.attention_implementation(ATTENTION_NAME), symbolic_config.patch(use_duck_shape=False):
             hidden, token, confidence = self._step(self.model, self.head, features, tensor(inputs.tokens),
                                                    tensor(inputs.positions), step, tensor(inputs.keep))

@@ -22,13 +22,14 @@ from .block_manager import BlockManager
 from .config import EngineConfig
 from .detokenizer import Detokenizer
 from .engine_stats import EngineStats
+from .errors import each_alone_on_error
 from .kv_pool import KVPool
 from .limits import EngineLimits, context_length
 from .model_runner import ModelRunner, StepOutput, uses_cuda_graphs
 from .proposer import Proposer, SpecDecodeStats, make_proposer
 from .sampling_params import SamplingParams
 from .sampler import sample, token_logprobs
-from .scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from .scheduler import ScheduledBatch, ScheduledSeq, Scheduler, SchedulerConfig
 from .sequence import Request, Sequence, make_sequences
 from .speculation import Speculation
 from .speculative_config import SpeculativeConfig
@@ -76,6 +77,12 @@ class EngineCore:
     def proposer(self) -> Proposer | None:
         """The speculative method's `Proposer`, or None without speculation."""
         return None if self.speculation is None else self.speculation.proposer
+
+    @property
+    def compile_seconds(self) -> float:
+        """Seconds spent compiling at start: the model step's graphs, and an EAGLE head's."""
+        head = self.proposer.compile_seconds if self.proposer is not None and self.proposer.feature_layers else 0.0
+        return self.runner.forward.compile_seconds + head
 
     @property
     def has_unfinished(self) -> bool:
@@ -176,8 +183,7 @@ class EngineCore:
             len(running), len(waiting), self.blocks.usage, self.scheduler.num_preemptions,
             self.blocks.stats.queries, self.blocks.stats.hits, self.prompt_tokens, self.generation_tokens,
             self.num_steps, self.blocks.num_free_blocks, self.blocks.num_blocks, spec.num_drafts,
-            spec.num_draft_tokens, spec.num_accepted_tokens, self.runner.forward.compile_seconds
-            + getattr(self.proposer, "compile_seconds", 0.0),
+            spec.num_draft_tokens, spec.num_accepted_tokens, self.compile_seconds,
             list(spec.accepted_per_position),
         )
 
@@ -187,16 +193,13 @@ class EngineCore:
         speculating = [s for s in batch.scheduled if s.num_drafts]
         if not speculating:
             return
-        try:
-            self.speculation.propose(speculating)
-        except Exception:
-            for scheduled in speculating:
-                try:
-                    self.speculation.propose([scheduled])
-                except Exception as error:
-                    for sibling in scheduled.seq.request.sequences:
-                        batch.drop(sibling)
-                    self.fail(scheduled.seq.request, error)
+
+        def failed(scheduled: ScheduledSeq, error: Exception) -> None:
+            for sibling in scheduled.seq.request.sequences:
+                batch.drop(sibling)
+            self.fail(scheduled.seq.request, error)
+
+        each_alone_on_error(self.speculation.propose, speculating, failed)
 
     def _commit(self, out: StepOutput, now: float) -> dict[int, int]:
         """Append each sampling sequence's new tokens (sampled, or verified candidates) and tell the proposer;
@@ -243,23 +246,10 @@ class EngineCore:
         return min(len(tokens) - 1, num_appended)  # K/V is valid for the last token and the kept candidates
 
     def _take_features(self, batch: ScheduledBatch, out: StepOutput, num_accepted: dict[int, int]) -> None:
-        """Hand the proposer each unfinished scheduled sequence's features at the positions this step commits (the
-        rows `Scheduler.postprocess` counts). When that raises, each sequence is handed over alone, and those that
-        still raise fail their requests."""
-        committed = []
-        for scheduled, start in zip(batch.scheduled, out.token_starts):
-            seq = scheduled.seq
-            if not seq.is_finished:
-                count = scheduled.num_new - scheduled.num_drafts + num_accepted.get(seq.seq_id, 0)
-                committed.append((seq, seq.num_computed_tokens, out.features[start : start + count]))
-        try:
-            self.proposer.take_features(committed)
-        except Exception:
-            for one in committed:
-                try:
-                    self.proposer.take_features([one])
-                except Exception as error:
-                    self.fail(one[0].request, error)
+        """Hand the proposer the features this step commits (if that raises: each sequence alone, failing its own)."""
+        committed = out.committed_features(batch.scheduled, num_accepted)
+        each_alone_on_error(self.proposer.take_features, committed,
+                            lambda one, error: self.fail(one[0].request, error))
 
     def _take_failed(self) -> list[Request]:
         failed, self._failed = self._failed, []

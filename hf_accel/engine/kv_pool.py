@@ -30,3 +30,8 @@ class KVPool:
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.keys) + sum(t.nbytes for t in self.values)
+
+
+def token_slots(block_ids: list[int], start: int, stop: int, block_size: int) -> list[int]:
+    """Pool slots of a sequence's tokens `start .. stop - 1` (its `block_ids`, blocks of `block_size`)."""
+    return [block_ids[p // block_size] * block_size + p % block_size for p in range(start, stop)]

@@ -17,7 +17,7 @@ import torch
 from transformers import PreTrainedModel
 
 from .attention import gathered_attention, register_attention
-from .kv_pool import KVPool
+from .kv_pool import KVPool, token_slots
 from .paged_kernel import paged_attention_kernel
 from .scheduler import ScheduledBatch, ScheduledSeq
 from .sequence import Sequence
@@ -41,6 +41,18 @@ class StepOutput:
 
     def rows(self, i: int) -> slice:
         return slice(self.starts[i], self.starts[i] + 1 + self.sampling[i].num_drafts)
+
+    def committed_features(self, scheduled: list[ScheduledSeq],
+                           num_accepted: dict[int, int]) -> list[tuple[Sequence, int, torch.Tensor]]:
+        """Per unfinished scheduled sequence (`scheduled`: the batch's, in order): its first position this step
+        computed and the features `[n, F]` of the positions it commits (the rows `Scheduler.postprocess` counts:
+        its real tokens, then the candidates it kept)."""
+        committed = []
+        for s, start in zip(scheduled, self.token_starts):
+            if not s.seq.is_finished:
+                count = s.num_new - s.num_drafts + num_accepted.get(s.seq.seq_id, 0)
+                committed.append((s.seq, s.seq.num_computed_tokens, self.features[start : start + count]))
+        return committed
 
 
 def uses_cuda_graphs(device: torch.device, enforce_eager: bool, keep_hidden: bool) -> bool:
@@ -87,7 +99,7 @@ class ModelRunner:
             token_starts.append(start)
             inputs.tokens += seq.token_ids[first : first + num - drafts] + scheduled.draft_token_ids
             inputs.positions += range(first, first + num)
-            inputs.slots += self._slots(seq, first, first + num)
+            inputs.slots += token_slots(seq.block_ids, first, first + num, size)
             inputs.query_start.append(len(inputs.tokens))
             inputs.kv_lengths.append(first + num)
             inputs.tables.append(seq.block_ids[: -(-(first + num) // size)])
@@ -97,7 +109,3 @@ class ModelRunner:
                 sampling.append(scheduled)
         out = self.forward(inputs)
         return StepOutput(out.logits, out.hidden, sampling, starts, out.features, token_starts)
-
-    def _slots(self, seq: Sequence, start: int, stop: int) -> list[int]:
-        size, blocks = self.kv.block_size, seq.block_ids
-        return [blocks[p // size] * size + p % size for p in range(start, stop)]

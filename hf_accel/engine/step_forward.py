@@ -111,6 +111,15 @@ class StepInputs:
         tables = [table + [0] * (2 - len(table)) for table in tables]
         return StepInputs(self.tokens, self.positions, self.slots, query_start, kv_lengths, tables, keep)
 
+    def attention(self, kv: KVPool, attend, device: torch.device) -> StepAttention:
+        """The `hf_accel_step` of these inputs over `kv`: slots, block tables padded to one width, query starts and
+        context lengths as tensors on `device`."""
+        width = max(map(len, self.tables))
+        tensor = functools.partial(torch.tensor, dtype=torch.long, device=device)
+        tables = [table + [0] * (width - len(table)) for table in self.tables]
+        return StepAttention(kv, tensor(self.slots), tensor(tables), tensor(self.query_start), tensor(self.kv_lengths),
+                             attend)
+
 
 @dataclass(slots=True)
 class ForwardOutput:
@@ -153,11 +162,7 @@ class StepForward:
                 return ForwardOutput(logits)
         if self.compiled:
             inputs = inputs.padded()
-        width = max(map(len, inputs.tables))
-        step = StepAttention(
-            self.kv, self._tensor(inputs.slots),
-            self._tensor([table + [0] * (width - len(table)) for table in inputs.tables]),
-            self._tensor(inputs.query_start), self._tensor(inputs.kv_lengths), self.attend)
+        step = inputs.attention(self.kv, self.attend, self.device)
         keep = self._tensor(inputs.keep)
         with torch.inference_mode(), paged_attention_implementation(self.model), \
                 symbolic_config.patch(use_duck_shape=False), self._guards():

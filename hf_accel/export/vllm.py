@@ -169,6 +169,39 @@ def write_readme(out: Path, command: ServeCommand, quant: str | None, source: st
         "need `pip install compressed-tensors`).\n")
 
 
+@dataclass(frozen=True, slots=True)
+class DraftHeads:
+    """The draft heads an export carries: an EAGLE head (under `eagle3/`) and Medusa heads (under `medusa/`)."""
+
+    eagle: EagleHead | None
+    medusa: MedusaHeads | None
+
+    @classmethod
+    def load(cls, model_path: Path, model: PreTrainedModel, eagle: str | Path | None,
+             medusa: str | Path | None) -> DraftHeads:
+        """The heads given (or the reference heads for the reference target), checked against `model`."""
+        eagle_path = resolve_heads(model_path, "eagle3", None if eagle is None else Path(eagle))
+        medusa_path = resolve_heads(model_path, "medusa", None if medusa is None else Path(medusa))
+        return cls(None if eagle_path is None else load_eagle(eagle_path, model),
+                   None if medusa_path is None else load_heads(medusa_path, model))
+
+    def num_speculative_tokens(self, method: str | None) -> int | None:
+        """What `vllm serve` drafts per step with `method`: EAGLE-3's chain length, or one token per Medusa head."""
+        return {"eagle3": EAGLE_SPECULATIVE_TOKENS, "medusa": self.medusa.num_heads if self.medusa else None}.get(method)
+
+    def write(self, out: Path) -> list[tuple[str, str]]:
+        """Write the heads into their folders under `out`; (folder, description) of each, for the README."""
+        written = []
+        if self.eagle is not None:
+            export_eagle(self.eagle, out / HEAD_SUBDIRS["eagle3"], EXPORT_DTYPE)
+            written.append((HEAD_SUBDIRS["eagle3"], 'an EAGLE-3 draft head in vLLM\'s layout (`"method": "eagle3"`)'))
+        if self.medusa is not None:
+            export_medusa(self.medusa, out / HEAD_SUBDIRS["medusa"], EXPORT_DTYPE)
+            written.append((HEAD_SUBDIRS["medusa"], f"Medusa heads in vLLM's layout ({self.medusa.num_heads} heads, "
+                                                     '`"method": "medusa"`)'))
+        return written
+
+
 def export_vllm(out: str | Path, model: str | Path | None = None, quant: str | None = None,
                 medusa: str | Path | None = None, eagle: str | Path | None = None, speculative: str | None = None,
                 served_model_name: str | None = None, overwrite: bool = False) -> Path:
@@ -193,28 +226,17 @@ def export_vllm(out: str | Path, model: str | Path | None = None, quant: str | N
     tokenizer = load_tokenizer(model_path)
     loaded = AutoModelForCausalLM.from_pretrained(model_path, dtype=EXPORT_DTYPE, local_files_only=True).eval()
     config = None if scheme is None else quantization_config(loaded, scheme)  # checks the group size first
-    eagle_path = resolve_heads(model_path, "eagle3", None if eagle is None else Path(eagle))
-    medusa_path = resolve_heads(model_path, "medusa", None if medusa is None else Path(medusa))
-    head = None if eagle_path is None else load_eagle(eagle_path, loaded)
-    heads = None if medusa_path is None else load_heads(medusa_path, loaded)
-    method = serving_method(speculative, head, heads)
-    tokens = {"eagle3": EAGLE_SPECULATIVE_TOKENS, "medusa": heads.num_heads if heads else None, None: None}[method]
+    drafts = DraftHeads.load(model_path, loaded, eagle, medusa)
+    method = serving_method(speculative, drafts.eagle, drafts.medusa)
     command = ServeCommand(served_model_name or out.resolve().name, context_length(loaded), scheme is not None,
-                           method, tokens)
+                           method, drafts.num_speculative_tokens(method))
     out.mkdir(parents=True, exist_ok=True)
     if config is None:
         loaded.save_pretrained(out)
     else:
         save_compressed(loaded, config, out)
     tokenizer.save_pretrained(out)
-    written = []
-    if head is not None:
-        export_eagle(head, out / HEAD_SUBDIRS["eagle3"], EXPORT_DTYPE)
-        written.append((HEAD_SUBDIRS["eagle3"], "an EAGLE-3 draft head in vLLM's layout (`\"method\": \"eagle3\"`)"))
-    if heads is not None:
-        export_medusa(heads, out / HEAD_SUBDIRS["medusa"], EXPORT_DTYPE)
-        written.append((HEAD_SUBDIRS["medusa"], f"Medusa heads in vLLM's layout ({heads.num_heads} heads, "
-                                                 '`"method": "medusa"`)'))
+    written = drafts.write(out)
     script = out / "serve.sh"
     script.write_text(command.script())
     script.chmod(0o755)
