@@ -36,6 +36,7 @@ from .speculative.draft import draft_generate
 from .speculative.draft_length import DraftLength
 from .speculative.eagle import eagle_generate
 from .speculative.eagle_head import EagleConfig, EagleHead
+from .speculative.eagle_tree import EagleTree
 from .speculative.ngram import ngram_generate
 from .speculative.ngram_proposer import NgramSettings
 from .speculative.stats import SpeculativeStats
@@ -71,6 +72,7 @@ __all__ = [
     "DraftLength",
     "EagleConfig",
     "EagleHead",
+    "EagleTree",
     "Engine",
     "EngineProcess",
     "EngineDeadError",

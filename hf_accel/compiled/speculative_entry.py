@@ -92,6 +92,8 @@ def compiled_eagle_entry(model, input_ids, logits_processor, stopping_criteria, 
         return eagle_generate(*args, **kwargs)
     reason = speculation_uncovered([model], generation_config, logits_processor, stopping_criteria, model_kwargs,
                                    sampling=True)
+    if options["eagle_tree"] is not None:  # the compiled step's paged attention has no tree (ancestor) mask
+        reason = "`eagle_tree`: EAGLE-2 trees are verified eagerly"
     if reason is not None:
         return _eagerly(eagle_generate, reason, args, kwargs)
     head.check_compatible(model)

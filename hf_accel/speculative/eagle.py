@@ -10,7 +10,9 @@ hidden states, the next round's features), and the chain rounds `draft_generate`
 accepted prefix: `verify.greedy_accept`, or lossless `verify.speculative_sample` against the head's processed
 distributions. Rows accept different numbers of tokens through holes (`RaggedBatch`); k adapts (`DraftLength`), and
 a chain ends early after a draft the head itself gave less than `min_draft_probability` (EAGLE-2's observation: the
-head's confidence predicts acceptance). With `compile_config` in the generation config, greedy calls and calls
+head's confidence predicts acceptance). With `eagle_tree=hf_accel.EagleTree(...)` each round instead grows an EAGLE-2
+dynamic tree per row (`eagle_tree.py`) and verifies it with the Medusa tree machinery (tree masks, the walk, keeping
+the accepted path). With `compile_config` in the generation config, greedy calls and calls
 sampling with temperature / top-k / top-p / min-p only run compiled instead (`hf_accel/compiled/eagle_loop.py`, on
 CPU too; their output's `past_key_values` is None).
 """
@@ -25,14 +27,19 @@ from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel,
 from transformers.cache_utils import Cache
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from ..cache.paged import PagedCache
+
 from . import chain, loop
 from .chain_checks import check_call
 from .draft import Proposal
 from .draft_length import DraftLength
 from .eagle_draft import HeadState, new_head_state
 from .eagle_head import EagleHead
+from .eagle_tree import EagleTree, grow_tree
 from .loop import Decoding, GenerateCall
+from .medusa_walk import walk_tree
 from .stats import SpeculativeStats
+from .tree_cache import LayerGroup, keep_tree_path, layer_groups, prepare_tree_cache, tree_masks
 
 __all__ = ["eagle_generate"]
 
@@ -47,6 +54,8 @@ class _Run:
     head: HeadState
     length: DraftLength
     min_probability: float  # a chain ends after a draft every generating row gave less than this probability
+    tree: EagleTree | None  # None: chains
+    groups: list[LayerGroup]  # the target's layer types, for tree masks
 
 
 def eagle_generate(
@@ -59,6 +68,7 @@ def eagle_generate(
     num_draft_tokens: int = 4,
     max_draft_tokens: int = 8,
     min_draft_probability: float = 0.2,
+    eagle_tree: EagleTree | None = None,
     eagle_stats: SpeculativeStats | None = None,
     tokenizer: Any = None,
     hf_accel_streamer: Any = None,
@@ -76,6 +86,9 @@ def eagle_generate(
         max_draft_tokens: the longest chain a round may draft.
         min_draft_probability: a chain ends early after a draft to which the head gave less than this probability
             in every generating row (the head's confidence predicts acceptance; 0 drafts the whole k), in [0, 1).
+        eagle_tree: an `EagleTree` to draft EAGLE-2 dynamic trees instead of chains (`num_draft_tokens`,
+            `max_draft_tokens` and `min_draft_probability` then do not apply). Needs a DynamicCache or, at batch
+            size 1, the paged cache; runs eagerly under `compile_config`.
         eagle_stats: a `SpeculativeStats` to add this call's counters to (`num_draft_forwards`: head passes).
         tokenizer: needed by `stop_strings` (generate hands it only to callables that name it).
         hf_accel_streamer: the `streamer=` of `generate` (hf_accel's registry forwards it under this name).
@@ -86,23 +99,37 @@ def eagle_generate(
     min_probability = check_probability(min_draft_probability)
     call = GenerateCall(model, input_ids, logits_processor, stopping_criteria, generation_config, hf_accel_streamer,
                         model_kwargs)
-    run = _start(call, eagle_head, DraftLength(num_draft_tokens, max_draft_tokens), eagle_stats, min_probability)
-    loop.run(run.decoding, lambda: _prefill(run), lambda _: _round(run))
+    run = _start(call, eagle_head, DraftLength(num_draft_tokens, max_draft_tokens), eagle_stats, min_probability,
+                 eagle_tree)
+    loop.run(run.decoding, lambda: _prefill(run), lambda _: _round(run) if run.tree is None else _tree_round(run))
     return loop.output(run.decoding, generation_config, run.cache)
 
 
 def _start(call: GenerateCall, head: EagleHead | None, length: DraftLength, stats: SpeculativeStats | None,
-           min_probability: float) -> _Run:
+           min_probability: float, tree: EagleTree | None) -> _Run:
     if not isinstance(head, EagleHead):
         raise TypeError(f"eagle_generate needs `eagle_head=` (a hf_accel.EagleHead trained for this model), got "
                         f"{type(head).__name__}")
+    if tree is not None and not isinstance(tree, EagleTree):
+        raise TypeError(f"`eagle_tree` must be a hf_accel.EagleTree or None, got {type(tree).__name__}")
     check_call(call, "eagle_generate")
     head.check_compatible(call.model)
-    decoding = loop.start(call, stats)
     cache = call.model_kwargs["past_key_values"]
+    groups = [] if tree is None else _tree_groups(call, cache)
+    decoding = loop.start(call, stats)
     cache.activate_past_recording()  # sliding-window layers must keep what a crop may take back
     state = new_head_state(head, call.input_ids.shape[0], call.input_ids.device)
-    return _Run(decoding, call.model, cache, state, length, min_probability)
+    return _Run(decoding, call.model, cache, state, length, min_probability, tree, groups)
+
+
+def _tree_groups(call: GenerateCall, cache: Cache) -> list[LayerGroup]:
+    """The target's layer groups for tree masks; `ValueError` for a cache trees cannot prune (per-row paths need a
+    DynamicCache at batch size > 1)."""
+    prepare_tree_cache(cache)
+    if call.input_ids.shape[0] > 1 and isinstance(cache, PagedCache):
+        raise ValueError(f"`eagle_tree` at batch size > 1 (here {call.input_ids.shape[0]}) needs a DynamicCache "
+                         "(`past_key_values`): each row keeps its own path")
+    return layer_groups(call.model.config)
 
 
 def check_probability(value: float) -> float:
@@ -128,6 +155,8 @@ def _prefill(run: _Run) -> None:
     batch = run.decoding.batch
     logits, features = _target_forward(run, batch.columns, batch.mask, batch.positions, 1)
     run.head.add_pending(features)
+    if run.tree is not None:
+        prepare_tree_cache(run.cache)  # trims sliding-window layers that recorded the whole prompt
     chain.first_token(run.decoding, run.cache, logits[:, 0])
 
 
@@ -168,3 +197,22 @@ def _propose(run: _Run, k: int) -> Proposal:
     run.decoding.stats.num_draft_forwards += len(probs)
     sampled = torch.stack(probs, dim=1) if rules.do_sample else None
     return Proposal(candidates[:, : len(probs)], sampled, history)
+
+
+def _tree_round(run: _Run) -> None:
+    """Grow each row's EAGLE-2 tree, verify every tree in one target forward, walk it, keep the accepted paths."""
+    batch, state = run.decoding.batch, run.head
+    tree, passes = grow_tree(state, run.model, batch, state.catch_up(run.model, batch), run.tree)
+    state.drop_drafts()
+    out = run.model(input_ids=tree.tokens, position_ids=batch.positions[:, -1:] + tree.depths,
+                    attention_mask=tree_masks(run.cache, run.groups, tree, batch.mask.bool(), run.model.dtype),
+                    past_key_values=run.cache, use_cache=True, output_hidden_states=True)
+    active = batch.unfinished  # a new tensor, not a view of the batch's state
+    walk = walk_tree(run.decoding.rules, batch, tree, tree.tokens, out.logits)
+    most = run.decoding.emit(walk.tokens, walk.num_emitted, walk.fired, walk.num_to_stop)
+    kept = walk.nodes[:, : most + 1]  # slot i: the root (i = 0), then the node accepted at depth i
+    keep_tree_path(run.cache, tree.num_nodes, kept)
+    features = state.head.fuse(out.hidden_states)  # [batch, num_nodes, H]
+    state.add_pending(features.gather(1, kept[..., None].expand(-1, -1, features.shape[-1])))
+    run.decoding.stats.num_draft_forwards += 1 + passes  # the catch-up, then one pass per grown level
+    run.decoding.stats.record_round(tree.depth, walk.num_emitted - 1, walk.num_emitted, active, tree.num_nodes - 1)

@@ -55,6 +55,20 @@ class HeadState:
         out = self.head(hidden[:, None], token_embeddings(model, token[:, None]), positions, mask, self.cache)
         return out[:, 0]
 
+    def tree_step(self, model: PreTrainedModel, batch: RaggedBatch, features: torch.Tensor, tokens: torch.Tensor,
+                  index: int, visible: torch.Tensor) -> torch.Tensor:
+        """One level of a draft tree (`eagle_tree.grow_tree`): entries (`features` `[batch, k, H]`, their nodes'
+        `tokens` `[batch, k]`) for nodes at depth `index + 1`, appended after the draft entries already cached;
+        `visible` `[batch, k, drafts + k]` bool says which draft entries (earlier levels', then these) each one
+        sees: its ancestors' and its own. Every entry sees the row's real target slots. Returns `[batch, k, H]`."""
+        rows, k = tokens.shape
+        positions = (batch.positions[:, -1:] + index).expand(rows, k)
+        targets = batch.mask[:, :-1].bool()[:, None].expand(rows, k, -1)  # the cached target entries' slots
+        allowed = torch.cat([targets, visible], dim=2)
+        mask = torch.zeros(allowed.shape, dtype=self.head.dtype, device=allowed.device)
+        mask = mask.masked_fill_(~allowed, torch.finfo(self.head.dtype).min)[:, None]
+        return self.head(features, token_embeddings(model, tokens), positions, mask, self.cache)
+
     def drop_drafts(self) -> None:
         """Crop the draft entries off the cache (target-feature entries replace them next round)."""
         extra = self.cache.get_seq_length() - self.num_seen

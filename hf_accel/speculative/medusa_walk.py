@@ -16,7 +16,7 @@ import torch
 
 from .loop import TokenRules
 from .ragged_batch import RaggedBatch
-from .tree import MedusaTree
+from .tree import VerifiedTree
 
 
 @dataclass(slots=True)
@@ -32,18 +32,20 @@ class Walk:
     num_to_stop: torch.Tensor
 
 
-def walk_tree(rules: TokenRules, batch: RaggedBatch, tree: MedusaTree, tokens: torch.Tensor,
+def walk_tree(rules: TokenRules, batch: RaggedBatch, tree: VerifiedTree, tokens: torch.Tensor,
               logits: torch.Tensor) -> Walk:
-    """Decide each unfinished row's tokens along its tree. `tokens`: `[batch, num_nodes]` node tokens (the root
-    first), `logits`: `[batch, num_nodes, vocab]` the verification forward's logits."""
+    """Decide each unfinished row's tokens along its tree (one for all rows, or one per row). `tokens`:
+    `[batch, num_nodes]` node tokens (the root first), `logits`: `[batch, num_nodes, vocab]` the verification
+    forward's logits."""
     rows, device = tokens.shape[0], tokens.device
     decided = tokens.new_full((rows, tree.depth + 1), batch.pad_token_id)
     nodes = torch.zeros_like(decided)
     num_emitted, num_to_stop = torch.zeros_like(batch.num_generated), torch.zeros_like(batch.num_generated)
     fired, walking = None, batch.unfinished  # a new tensor, updated in place
     if tree.depth:  # what the descent needs (a root-only tree is a plain step)
-        node, every_row, children = torch.zeros_like(num_emitted), torch.arange(rows, device=device), \
-            tree.child_table.to(device)
+        node, every_row = torch.zeros_like(num_emitted), torch.arange(rows, device=device)
+        children = tree.child_table.to(device)  # one table for every row, or one per row (EAGLE-2 trees)
+        children = children.expand(rows, -1, -1) if children.dim() == 2 else children
         budget = batch.remaining
     for depth in range(tree.depth + 1):
         walkers = walking.nonzero().squeeze(1)
@@ -62,16 +64,16 @@ def walk_tree(rules: TokenRules, batch: RaggedBatch, tree: MedusaTree, tokens: t
         if depth == tree.depth:  # the deepest nodes have no children
             break
         ended = num_emitted >= budget if stop is None else (num_emitted >= budget) | (stop & batch.pad_finished)
-        node = _descend(children, tokens, token, node, walking, ended)
+        node = _descend(children[every_row, node], tokens, token, node, walking, ended)
         nodes[:, depth + 1] = torch.where(walking, node, 0)
     return Walk(decided, nodes, num_emitted, fired, num_to_stop)
 
 
-def _descend(children: torch.Tensor, tokens: torch.Tensor, token: torch.Tensor, node: torch.Tensor,
+def _descend(candidates: torch.Tensor, tokens: torch.Tensor, token: torch.Tensor, node: torch.Tensor,
              walking: torch.Tensor, ended: torch.Tensor) -> torch.Tensor:
-    """Each walking row's child of `node` that holds its decided `token`; rows with no such child or `ended`
-    stop walking (`walking` is updated in place) and keep `node`."""
-    candidates = children[node]  # [batch, max_children]
+    """Each walking row's child of `node` (its children: `candidates` `[batch, max_children]`, -1 past them) that
+    holds its decided `token`; rows with no such child or `ended` stop walking (`walking` is updated in place) and
+    keep `node`."""
     match = (candidates >= 0) & (tokens.gather(1, candidates.clamp_min(0)) == token[:, None])
     child = candidates.gather(1, match.long().argmax(dim=1, keepdim=True)).squeeze(1)
     walking &= ~(ended | ~match.any(dim=1))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -22,6 +23,19 @@ DEFAULT_TREE: tuple[tuple[int, ...], ...] = (
     (4,), (0, 0, 2), (0, 4), (1, 1), (1, 0, 0), (0, 0, 0, 0), (5,), (0, 0, 3), (0, 5), (0, 2, 0), (3, 0),
     (0, 1, 1), (0, 0, 0, 1),
 )
+
+
+class VerifiedTree(Protocol):
+    """What verifying a tree reads (`tree_attention_mask`, `medusa_walk.walk_tree`): a `MedusaTree`, one tree for
+    every row, or an EAGLE-2 `eagle_tree.DraftTree`, one per row (each tensor then has a leading batch dimension)."""
+
+    depths: torch.Tensor  # [(batch,) num_nodes]
+    ancestors: torch.Tensor  # [(batch,) num_nodes, num_nodes] bool
+    child_table: torch.Tensor  # [(batch,) num_nodes, max_children], -1 past a node's children
+    depth: int
+
+    @property
+    def num_nodes(self) -> int: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,23 +152,25 @@ def _ancestor_matrix(parents: Sequence[int]) -> torch.Tensor:
 
 
 def tree_attention_mask(
-    tree: MedusaTree, prefix_positions: torch.Tensor, root_position: int, sliding_window: int | None = None
+    tree: VerifiedTree, prefix_positions: torch.Tensor, root_position: int, sliding_window: int | None = None
 ) -> torch.Tensor:
     """Which keys each tree node may attend to: `[num_nodes, num_prefix + num_nodes]` bool.
 
     `prefix_positions`: `[..., num_prefix]` sequence index of each cached key the layer returns (-1 for a padding
     key or a hole), one row per batch row when batched (the result is then `[..., num_nodes, num_prefix + num_nodes]`);
-    keys then continue with the tree nodes in node order. Rule: causal over the prefix (every cached key precedes the
-    root), tree ancestors and self among the nodes, and with `sliding_window` only keys whose sequence index is
-    greater than the query's minus the window (the query at depth d has index `root_position + d`).
+    keys then continue with the tree nodes in node order. `tree` is one tree for every row (`MedusaTree`: `depths`
+    `[num_nodes]`, `ancestors` `[num_nodes, num_nodes]`) or one per row (`eagle_tree.DraftTree`: the same with a
+    leading batch dimension). Rule: causal over the prefix (every cached key precedes the root), tree ancestors and
+    self among the nodes, and with `sliding_window` only keys whose sequence index is greater than the query's minus
+    the window (the query at depth d has index `root_position + d`).
     """
-    query_index = root_position + tree.depths.to(prefix_positions.device)  # [num_nodes]
+    depths = tree.depths.to(prefix_positions.device)  # [..., num_nodes]
     keys = prefix_positions.unsqueeze(-2)  # [..., 1, num_prefix]
     prefix = (keys >= 0).expand(*keys.shape[:-2], tree.num_nodes, keys.shape[-1])
     nodes = tree.ancestors.to(prefix_positions.device)
     if sliding_window is not None:
-        prefix = prefix & (keys > (query_index - sliding_window).unsqueeze(1))
-        nodes = nodes & ((tree.depths.unsqueeze(1) - tree.depths.unsqueeze(0)) < sliding_window).to(nodes.device)
+        prefix = prefix & (keys > (root_position + depths - sliding_window).unsqueeze(-1))
+        nodes = nodes & ((depths.unsqueeze(-1) - depths.unsqueeze(-2)) < sliding_window)
     return torch.cat([prefix, nodes.expand(*prefix.shape[:-1], tree.num_nodes)], dim=-1)
 
 

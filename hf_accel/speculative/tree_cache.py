@@ -19,7 +19,7 @@ from transformers.cache_utils import (
 )
 
 from ..cache.paged import PagedCache
-from .tree import MedusaTree, tree_attention_mask
+from .tree import VerifiedTree, tree_attention_mask
 
 MASKED_LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -39,7 +39,8 @@ def layer_groups(config: PreTrainedConfig) -> list[LayerGroup]:
     groups: dict[str, LayerGroup] = {}
     for index, (layer_type, kwargs) in enumerate(zip(layer_types, layer_kwargs)):
         if layer_type not in MASKED_LAYER_TYPES:
-            raise ValueError(f"medusa_generate supports layer types {MASKED_LAYER_TYPES}; the model has {layer_type!r}")
+            raise ValueError(f"tree verification (medusa_generate, eagle_generate's `eagle_tree`) supports layer "
+                             f"types {MASKED_LAYER_TYPES}; the model has {layer_type!r}")
         groups.setdefault(layer_type, LayerGroup(layer_type, index, kwargs.get("sliding_window")))
     return list(groups.values())
 
@@ -51,7 +52,8 @@ def prepare_tree_cache(cache: Cache) -> None:
         cache.activate_past_recording()  # its sliding layers keep rejected nodes until `keep_tokens` crops them
         return
     if type(cache) is not DynamicCache or not all(isinstance(layer, DynamicLayer) for layer in cache.layers):
-        raise ValueError("medusa_generate supports `past_key_values` of type DynamicCache (the default) or "
+        raise ValueError("tree verification (medusa_generate, eagle_generate's `eagle_tree`) supports "
+                         "`past_key_values` of type DynamicCache (the default) or "
                          f"hf_accel's PagedCache (cache_implementation='paged'), got {type(cache).__name__}")
     for layer in cache.layers:
         if isinstance(layer, DynamicSlidingWindowLayer):
@@ -60,7 +62,7 @@ def prepare_tree_cache(cache: Cache) -> None:
 
 
 def tree_masks(
-    cache: Cache, groups: list[LayerGroup], tree: MedusaTree, valid: torch.Tensor, dtype: torch.dtype
+    cache: Cache, groups: list[LayerGroup], tree: VerifiedTree, valid: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor | dict[str, torch.Tensor]:
     """Additive 4-D masks `[batch, 1, num_nodes, kv_length]` (0 attend, dtype min masked) for the verification
     forward: one tensor when the model has one layer type, else a dict keyed by layer type (as hybrid models accept).
