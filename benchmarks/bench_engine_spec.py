@@ -1,6 +1,7 @@
 """Engine speculation benchmark: the serving Engine plain, with `SpeculativeConfig(method="suffix")` (prompt lookup
-plus a suffix cache of earlier outputs, the default rule) and with `SpeculativeConfig(method="eagle3")` (the reference
-EAGLE head) at 1, 4, 16 and 64 concurrent requests.
+plus a suffix cache of earlier outputs, the default rule), with `SpeculativeConfig(method="eagle3")` (the reference
+EAGLE head) and with `SpeculativeConfig(method="draft")` (the reference draft model) at 1, 4, 16 and 64 concurrent
+requests.
 
 The reference target (fp32), compiled step (the engine's default). Workloads: open continuation of held-out code
 (prompt: a held-out row) and copy-heavy (the row, a blank line, then the row's first 16 tokens again: the prompt
@@ -36,9 +37,9 @@ FULL = {"concurrency": [1, 4, 16, 64], "rounds": 3, "prompt_len": 64, "new_token
 QUICK = {"concurrency": [1, 2], "rounds": 1, "prompt_len": 24, "new_tokens": 12, "single_stream_prompts": 2}
 WORKLOADS = ("open", "copy-heavy")
 COPY_PREFIX = 16  # tokens of the block the copy-heavy prompt repeats
-PLAIN, SUFFIX, EAGLE3 = "plain", "suffix", "eagle3"
-METHODS = (SUFFIX, EAGLE3)
-TARGETS = {"1": 1.5, "4": 1.5, "64": 0.95}  # issue 26: suffix or eagle3 / plain at these concurrencies
+PLAIN, SUFFIX, EAGLE3, DRAFT = "plain", "suffix", "eagle3", "draft"
+METHODS = (SUFFIX, EAGLE3, DRAFT)
+TARGETS = {"1": 1.5, "4": 1.5, "64": 0.95}  # issue 26: the best method / plain at these concurrencies
 
 
 class Prompts:
@@ -109,7 +110,9 @@ def measure(quick: bool) -> dict[str, Any]:
     built = {PLAIN: Engine(model, tokenizer, **common),
              SUFFIX: Engine(model, tokenizer, speculative=SpeculativeConfig("suffix"), **common),
              EAGLE3: Engine(model, tokenizer, speculative=SpeculativeConfig(
-                 "eagle3", model=reference.load_head("eagle", model)), **common)}
+                 "eagle3", model=reference.load_head("eagle", model)), **common),
+             DRAFT: Engine(model, tokenizer, speculative=SpeculativeConfig(
+                 "draft", model=reference.load("draft")[0]), **common)}
     results = {workload: {str(c): run_case(built, prompts, workload, c, plan) for c in plan["concurrency"]}
                for workload in WORKLOADS}
     return {
@@ -119,8 +122,9 @@ def measure(quick: bool) -> dict[str, Any]:
         "settings": {**plan, "copy_prefix": COPY_PREFIX,
                      "suffix": {"num_speculative_tokens": DEFAULT_MODEL_FREE_TOKENS,
                                 "max_speculative_batch_tokens": DEFAULT_MAX_SPECULATIVE_BATCH_TOKENS},
-                     "eagle3": {"num_speculative_tokens": DEFAULT_EAGLE_TOKENS,
-                                "max_speculative_batch_tokens": DEFAULT_EAGLE_BATCH_TOKENS}},
+                     **{method: {"num_speculative_tokens": DEFAULT_EAGLE_TOKENS,
+                                 "max_speculative_batch_tokens": DEFAULT_EAGLE_BATCH_TOKENS}
+                        for method in (EAGLE3, DRAFT)}},
         "results": results,
         "targets": {f"{workload}, {c} requests": {"target": target, "ratio": max(
                         results[workload][c][method]["ratio_to_plain"] for method in METHODS)}
@@ -129,7 +133,7 @@ def measure(quick: bool) -> dict[str, Any]:
 
 
 def headline(report: dict[str, Any]) -> str:
-    """Plain vs suffix vs eagle3 per workload and concurrency, for docs/serving.md and docs/speculative.md."""
+    """Plain vs each method per workload and concurrency, for docs/serving.md and docs/speculative.md."""
     s = report["settings"]
     rows = []
     for workload, by_concurrency in report["results"].items():
@@ -149,9 +153,11 @@ def headline(report: dict[str, Any]) -> str:
         f"{s['single_stream_prompts']} prompts one after another), {s['rounds']} interleaved rounds on new prompts "
         f"after a warm-up, {report['hardware']['torch_threads']} torch thread(s) of a shared CPU; "
         f"`SpeculativeConfig(method=\"suffix\")` (up to {s['suffix']['num_speculative_tokens']} candidates) and "
-        f"`SpeculativeConfig(method=\"eagle3\", model=reference.load_head(\"eagle\", model))` (chains of up to "
+        f"`SpeculativeConfig(method=\"eagle3\", model=reference.load_head(\"eagle\", model))` and "
+        f"`SpeculativeConfig(method=\"draft\", model=reference.load(\"draft\")[0])` (chains of up to "
         f"{s['eagle3']['num_speculative_tokens']}) with their defaults (`max_speculative_batch_tokens` "
-        f"{s['suffix']['max_speculative_batch_tokens']} and {s['eagle3']['max_speculative_batch_tokens']}). From "
+        f"{s['suffix']['max_speculative_batch_tokens']}, {s['eagle3']['max_speculative_batch_tokens']} and "
+        f"{s['draft']['max_speculative_batch_tokens']}). From "
         f"`{COMMAND}`; all numbers: [bench_engine_spec.md](bench_engine_spec.md).", "",
         format_table(columns, rows, markdown=True), "",
     ])
@@ -169,7 +175,7 @@ def markdown(report: dict[str, Any]) -> str:
         f"- hardware: {hw['cpu']}, {hw['torch_threads']} torch thread(s), torch {hw['torch']}, transformers "
         f"{hw['transformers']}; the machine was shared with other jobs, so compare ratios, not absolutes",
         f"- {report['model']}", "", headline(report), "",
-        "Targets (issue 26: the better of suffix and eagle3 / plain):", "",
+        "Targets (issue 26: the best method / plain):", "",
         format_table(["case", "target", "measured", ""], rows, markdown=True), "",
         "Candidates accepted:", "",
         format_table(["workload", "concurrent requests"] + [f"{m}: accepted / proposed" for m in METHODS], acceptance,

@@ -19,9 +19,12 @@ forwards counted (exact at batch 1 and for plain decoding).
 `hf_accel eagle` decodes with the reference target's committed EAGLE head (`reference.load_head("eagle")`); its
 "analytic x plain" is tokens per target forward / (1 + mean draft length x c), c the measured cost of one head pass
 relative to one plain decode step of the target (batch 1): the speed-up if a verification forward of k + 1 tokens
-cost what a one-token step does. `--eagle` runs only the open-continuation cases with plain generate and EAGLE,
+cost what a one-token step does. `hf_accel eagle tree` drafts EAGLE-2 dynamic trees (`hf_accel.EagleTree()`); its
+analytic figure is tokens per target forward / (v + p x c), v the measured cost of its verification forward (root
+and `total_tokens` nodes, a 4-D mask, hidden states) over a plain step, p the head passes per round. `--eagle` runs only the open-continuation cases with plain generate and EAGLE,
 each also with `compile_config` (greedy: plain compiled greedy is the paged cache's compiled loop, EAGLE's is
-`hf_accel/compiled/eagle_loop.py`; "x plain + compile" compares with the former; every row with EOS off, since
+`hf_accel/compiled/eagle_loop.py`; "x plain + compile" compares with the former; trees run eagerly; every row with
+EOS off, since
 generate's min-length processors keep compiled loops eager), and writes them as
 `bench_speculative_eagle` (its own JSON, page and section of docs/speculative.md).
 
@@ -35,6 +38,7 @@ with:
 from __future__ import annotations
 
 import copy
+import functools
 import statistics
 import sys
 import time
@@ -256,6 +260,52 @@ def hf_accel_eagle_compiled_method(pair: Pair, case: Case) -> Method | None:
     return hf_accel_eagle_method(pair, case, compiled=True)
 
 
+def hf_accel_eagle_tree_method(pair: Pair, case: Case) -> Method | None:
+    if case.workload != "open" or pair.eagle_head is None:
+        return None
+    tree = hf_accel.EagleTree()
+
+    def kwargs(model, max_len):
+        return {**case.generate_kwargs, "custom_generate": hf_accel.eagle_generate, "eagle_head": pair.eagle_head,
+                "eagle_tree": tree}
+
+    def read(stats: hf_accel.SpeculativeStats) -> dict[str, Any]:
+        # a round: one verify forward of the root and `total_tokens` nodes, plus the head's passes
+        found = read_speculative_stats(stats)
+        passes = stats.num_draft_forwards / max(stats.num_target_forwards, 1)
+        verify = verify_cost(pair.target, tree.total_tokens + 1)
+        analytic = found["tokens_per_target_forward"] / (verify + passes * pair.eagle_cost)
+        return found | {"analytic_x_plain": analytic, "head_cost_per_step": pair.eagle_cost,
+                        "head_passes_per_round": passes, "verify_cost": verify}
+
+    description = (f"custom_generate=hf_accel.eagle_generate, reference EAGLE head, eagle_tree=EagleTree("
+                   f"total_tokens={tree.total_tokens}, depth={tree.depth}, top_k={tree.top_k}) (EAGLE-2 dynamic tree)")
+    return Method(bench.Strategy("hf_accel eagle tree", description, kwargs), "eagle_stats",
+                  hf_accel.SpeculativeStats, read)
+
+
+@functools.cache
+def verify_cost(target: torch.nn.Module, num_tokens: int, context: int = 128, repeats: int = 30) -> float:
+    """Median time of a forward of `num_tokens` new tokens with a 4-D mask and hidden states (a tree verification)
+    over a plain decode step, batch 1, `context` tokens cached."""
+    ids = torch.randint(1, 1000, (1, context + num_tokens))
+    cache = transformers.DynamicCache()
+    target(input_ids=ids[:, :context], past_key_values=cache)
+    mask = torch.zeros(1, 1, num_tokens, context + num_tokens)
+    positions = torch.arange(context, context + num_tokens)[None]
+
+    def verify():
+        target(input_ids=ids[:, context:], past_key_values=cache, position_ids=positions, attention_mask=mask,
+               output_hidden_states=True)
+        cache.crop(-num_tokens)
+
+    def step():
+        target(input_ids=ids[:, context : context + 1], past_key_values=cache, position_ids=positions[:, :1])
+        cache.crop(-1)
+
+    return _median_seconds(verify, repeats) / _median_seconds(step, repeats)
+
+
 def stock_prompt_lookup_method(pair: Pair, case: Case) -> Method | None:
     if case.batch_size != 1:
         return None  # transformers' prompt lookup (assisted decoding) supports batch size 1 only
@@ -276,10 +326,12 @@ def hf_accel_ngram_methods(pair: Pair, case: Case) -> list[Method]:
 
 
 METHODS: tuple[Callable[[Pair, Case], Method | list[Method] | None], ...] = (
-    plain_method, stock_assisted_method, hf_accel_draft_method, hf_accel_eagle_method, stock_prompt_lookup_method,
+    plain_method, stock_assisted_method, hf_accel_draft_method, hf_accel_eagle_method, hf_accel_eagle_tree_method,
+    stock_prompt_lookup_method,
     hf_accel_ngram_methods)
-EAGLE_METHODS = (plain_method, plain_compiled_method, hf_accel_eagle_method, hf_accel_eagle_compiled_method)
-EAGLE_EAGER_METHODS = (plain_method, hf_accel_eagle_method)
+EAGLE_METHODS = (plain_method, plain_compiled_method, hf_accel_eagle_method, hf_accel_eagle_tree_method,
+                 hf_accel_eagle_compiled_method)
+EAGLE_EAGER_METHODS = (plain_method, hf_accel_eagle_method, hf_accel_eagle_tree_method)
 
 
 def profile(pair: Pair, method: Method, inputs: dict[str, torch.Tensor], new_tokens: int) -> dict[str, Any]:

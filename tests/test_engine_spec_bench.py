@@ -14,7 +14,7 @@ def test_bench_engine_spec_quick_writes_json_markdown_and_the_docs_tables(tmp_pa
     for by_concurrency in report["results"].values():
         assert set(by_concurrency) == {"1", "2"}
         for results in by_concurrency.values():
-            assert set(results) == {script.PLAIN, script.SUFFIX, script.EAGLE3}
+            assert set(results) == {script.PLAIN, script.SUFFIX, script.EAGLE3, script.DRAFT}
             assert all(r["tokens_per_s"] > 0 for r in results.values())
             assert results[script.PLAIN]["mean_tokens_per_speculating_step"] is None
             for method in script.METHODS:

@@ -10,7 +10,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine_helpers import greedy_reference
-from hf_accel import EagleHead, MedusaHeads, SpeculativeConfig
+from hf_accel import EagleHead, MedusaHeads, SamplingParams, SpeculativeConfig
 from hf_accel.server import command
 from hf_accel.server.speculative_option import parse_speculative_config
 from server_helpers import MODEL_NAME, live_server, load_target, prompt_ids
@@ -32,7 +32,9 @@ def test_parse_the_flag():
     ('{"num_speculative_tokens": 5}', "needs a `method`"),
     ('{"method": "suffix", "speculative_model": "x"}', "unknown keys \\['speculative_model'\\]; allowed: method"),
     ('{"method": "eagle"}', "'ngram', 'suffix', 'medusa', 'eagle3'"),
-    ('{"method": "eagle3"}', "needs `model`, the path of an EagleHead folder"),
+    ('{"method": "eagle3"}', "needs `model`, the path of a saved EAGLE head's folder"),
+    ('{"method": "draft"}', "needs `model`, the path of a saved draft model's folder"),
+    ('{"method": "draft", "model": "/no/such/model"}', "no draft model in '/no/such/model'"),
     ('{"method": "eagle3", "model": "/no/such/head"}', "no EAGLE head in '/no/such/head'"),
     ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens"),
     ('{"method": "ngram", "model": "path"}', "`model` must be None"),
@@ -64,6 +66,28 @@ def test_eagle_head_folder_through_the_flag(tmp_path, monkeypatch):
     speculative = served["app"].state.server.engine.speculative  # the head, loaded for the served model
     assert speculative.method == "eagle3" and isinstance(speculative.model, EagleHead)
     assert speculative.num_candidates == 3
+
+
+def test_draft_model_folder_through_the_flag(tmp_path, monkeypatch):
+    from hf_accel import reference
+
+    draft, _ = reference.load("draft")
+    draft.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="`prompt_lookup_max` is for the methods 'ngram', 'suffix', not 'draft'"):
+        parse_speculative_config(json.dumps({"method": "draft", "model": str(tmp_path), "prompt_lookup_max": 2}),
+                                 torch.float32)
+    served = {}
+    monkeypatch.setattr(command.uvicorn, "run", lambda app, **kwargs: served.update(app=app))
+    flag = json.dumps({"method": "draft", "model": str(tmp_path), "num_speculative_tokens": 2})
+    assert command.main(["--enforce-eager", "--no-engine-process", "--speculative-config", flag]) == 0
+    engine = served["app"].state.server.engine
+    assert engine.speculative.method == "draft" and engine.speculative.num_candidates == 2
+    assert type(engine.speculative.model).__name__ == type(draft).__name__
+    prompt = [5, 6, 7, 8]
+    out = engine.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
+    target = engine.core.model
+    expected = target.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None)
+    assert out.token_ids == expected[0, 4:].tolist()
 
 
 def test_serve_exits_with_the_reason(capsys):

@@ -24,7 +24,7 @@ def test_quick_run_writes_json_markdown_and_target_rows(tmp_path, load_benchmark
         assert names[0] == "plain generate" and {"hf_accel ngram", "hf_accel ngram + suffix cache"} <= set(names)
         assert ("transformers prompt lookup" in names) == (batch == 1)
         assert ("hf_accel draft" in names) == (workload == "open")
-        assert ("hf_accel eagle" in names) == (workload == "open")
+        assert ("hf_accel eagle" in names) == ("hf_accel eagle tree" in names) == (workload == "open")
         if mode == "greedy":
             assert all(r["greedy_agreement"] == 1.0 for r in m["rows"]), workload
         ngram = next(r for r in m["rows"] if r["name"] == "hf_accel ngram")
@@ -53,12 +53,15 @@ def test_eagle_run_writes_its_own_results(tmp_path, load_benchmark):
     assert {(m["workload"], m["mode"], m["batch_size"]) for m in report["measurements"]} == {
         ("open", mode, b) for mode in ("greedy", "sampling") for b in (1, 4)}
     for m in report["measurements"]:
-        plain, eagle = m["rows"]
-        assert (plain["name"], eagle["name"]) == ("plain generate", "hf_accel eagle")
-        assert eagle["tokens_per_target_forward"] > 1.0 and 0 < eagle["head_cost_per_step"] < 1
-        assert eagle["analytic_x_plain"] > 0 and len(eagle["acceptance_by_position"]) >= 1
-        if m["mode"] == "greedy":
-            assert eagle["greedy_agreement"] == 1.0
+        plain, eagle, tree = m["rows"]
+        assert (plain["name"], eagle["name"], tree["name"]) == ("plain generate", "hf_accel eagle",
+                                                                "hf_accel eagle tree")
+        for row in (eagle, tree):
+            assert row["tokens_per_target_forward"] > 1.0 and 0 < row["head_cost_per_step"] < 1
+            assert row["analytic_x_plain"] > 0 and len(row["acceptance_by_position"]) >= 1
+            if m["mode"] == "greedy":
+                assert row["greedy_agreement"] == 1.0
+        assert tree["verify_cost"] > 0 and tree["head_passes_per_round"] >= 1
     assert "hf_accel eagle tokens per target forward >= 3.0x (open, greedy, batch 1)" in {
         t["target"] for t in report["targets"]}
     assert "| hf_accel eagle |" in (tmp_path / "docs/speculative.md").read_text()
@@ -78,5 +81,6 @@ def test_eagle_compiled_rows_are_greedy_with_eos_off(load_benchmark):
                 kwargs = method.strategy.generate_kwargs(pair.target, 64)
                 assert kwargs["eos_token_id"] is None and not kwargs["do_sample"]
                 assert kwargs["compile_config"].fullgraph
-    assert names == {"greedy": ["plain generate", "plain + compile", "hf_accel eagle", "hf_accel eagle + compile"],
-                     "sampling": ["plain generate", "hf_accel eagle"]}
+    assert names == {"greedy": ["plain generate", "plain + compile", "hf_accel eagle", "hf_accel eagle tree",
+                                "hf_accel eagle + compile"],
+                     "sampling": ["plain generate", "hf_accel eagle", "hf_accel eagle tree"]}

@@ -78,6 +78,7 @@ class EagleProposer:
     module docstring). `allocate` gives it its K/V pool once the engine has sized the target's."""
 
     needs_hidden = False
+    has_pool = True
 
     def __init__(self, head: EagleHead, model: PreTrainedModel, num_speculative_tokens: int):
         if not isinstance(head, EagleHead):

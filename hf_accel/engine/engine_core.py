@@ -52,9 +52,9 @@ class EngineCore:
         self.speculation = None if speculative is None else Speculation(make_proposer(speculative, model))
         shape = KVShape.from_config(model.config, caller="the engine", argument="model")
         dtype, device = model.dtype, next(model.parameters()).device
-        feature_proposer = self.proposer is not None and bool(self.proposer.feature_layers)
-        head_bytes = self.proposer.kv_bytes_per_token(dtype) if feature_proposer else 0  # an EAGLE head's K/V
-        num_blocks = config.num_blocks(shape.bytes_per_token(dtype) + head_bytes, self.max_model_len)
+        pool_proposer = self.proposer is not None and self.proposer.has_pool
+        proposer_bytes = self.proposer.kv_bytes_per_token(dtype) if pool_proposer else 0  # a head's or draft's K/V
+        num_blocks = config.num_blocks(shape.bytes_per_token(dtype) + proposer_bytes, self.max_model_len)
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(_scheduler_config(config, speculative), self.blocks,
                                    *([] if self.proposer is None else [self.proposer.can_propose]))
@@ -64,7 +64,7 @@ class EngineCore:
         self.runner = ModelRunner(model, self.kv, keep_hidden=keep_hidden, enforce_eager=config.enforce_eager,
                                   max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
                                   feature_layers=() if self.proposer is None else self.proposer.feature_layers)
-        if feature_proposer:  # the EAGLE head's pool, beside the target's
+        if pool_proposer:  # the EAGLE head's or the draft model's pool, beside the target's
             self.proposer.allocate(num_blocks, config.block_size, dtype, device, self.runner.attend,
                                    compile=self.runner.forward.compiled)
         self.requests: dict[str, Request] = {}
@@ -80,9 +80,9 @@ class EngineCore:
 
     @property
     def compile_seconds(self) -> float:
-        """Seconds spent compiling at start: the model step's graphs, and an EAGLE head's."""
-        head = self.proposer.compile_seconds if self.proposer is not None and self.proposer.feature_layers else 0.0
-        return self.runner.forward.compile_seconds + head
+        """Seconds spent compiling at start: the model step's graphs, and an EAGLE head's or a draft model's."""
+        proposer = self.proposer.compile_seconds if self.proposer is not None and self.proposer.has_pool else 0.0
+        return self.runner.forward.compile_seconds + proposer
 
     @property
     def has_unfinished(self) -> bool:

@@ -22,6 +22,7 @@ class MedusaProposer:
     forward (`MedusaHeads.stacked`: a snapshot, later changes to `heads` are not seen)."""
 
     needs_hidden = True
+    has_pool = False
     feature_layers: tuple[int, ...] = ()
 
     def __init__(self, heads: MedusaHeads, num_speculative_tokens: int | None = None):

@@ -13,6 +13,7 @@ import torch
 
 from transformers import PreTrainedModel
 
+from .draft_proposer import DraftProposer
 from .eagle_proposer import EagleProposer
 from .medusa_proposer import MedusaProposer
 from .sequence import Sequence
@@ -26,10 +27,14 @@ class Proposer(Protocol):
     `needs_hidden`: the step must return the final hidden state of each sampled position (`observe` gets them).
     `feature_layers`: the step must return these `output_hidden_states` entries at every token it computes
     (`take_features` gets the committed ones; empty: not needed).
+    `has_pool`: it keeps K/V of its own in a pool addressed by the target's block tables (an EAGLE head, a draft
+    model); it then also has `allocate` (the pool, sized like the target's: the engine calls it once its own pool is
+    sized), `kv_bytes_per_token` (counted in the engine's K/V budget) and `compile_seconds`.
     """
 
     needs_hidden: bool
     feature_layers: tuple[int, ...]
+    has_pool: bool
 
     @property
     def num_tracked(self) -> int:
@@ -48,8 +53,7 @@ class Proposer(Protocol):
 
     def take_features(self, committed: list[tuple[Sequence, int, torch.Tensor]]) -> None:
         """After a step: per scheduled sequence, the first position it committed and the features there `[n, F]`
-        (at `feature_layers`; called only when those are not empty). Such a proposer also has `allocate` (its K/V
-        pool, sized like the target's) and `kv_bytes_per_token` (counted in the engine's K/V budget)."""
+        (at `feature_layers`; called only when those are not empty)."""
 
     def forget(self, seq: Sequence) -> None:
         """`seq` has finished (done, aborted or failed): drop what is kept for it."""
@@ -82,4 +86,6 @@ def make_proposer(config: SpeculativeConfig, model: PreTrainedModel) -> Proposer
         return MedusaProposer(config.model, config.num_candidates)
     if config.method == "eagle3":
         return EagleProposer(config.model, model, config.num_candidates)
+    if config.method == "draft":
+        return DraftProposer(config.model, model, config.num_candidates)
     return SuffixProposer(config)

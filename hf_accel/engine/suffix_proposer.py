@@ -24,6 +24,7 @@ class SuffixProposer:
     """Prompt lookup ("ngram"), plus a shared `SuffixCache` of finished outputs ("suffix"), for every sequence."""
 
     needs_hidden = False
+    has_pool = False
     feature_layers: tuple[int, ...] = ()
 
     def __init__(self, config: SpeculativeConfig):

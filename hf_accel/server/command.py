@@ -89,7 +89,8 @@ def _add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
                              "within this (default: 24)")
     parser.add_argument("--speculative-config", default=None, metavar="JSON",
                         help="speculative decoding as vLLM's flag: a JSON object of SpeculativeConfig fields, e.g. "
-                             f"'{EXAMPLE}'; methods ngram, suffix, medusa (model: the heads' folder)")
+                             f"'{EXAMPLE}'; methods ngram, suffix, medusa (model: the heads' folder), eagle3 (model: an "
+                             "EAGLE head's folder), draft (model: a draft LM's folder)")
 
 
 def resolve_serving(path: str | None, quant: str | None, medusa_heads: str | None) -> tuple[str | None, Path | None]:

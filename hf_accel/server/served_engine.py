@@ -15,7 +15,7 @@ from ..engine.engine import Engine
 from ..engine.engine_process import EngineProcess
 from ..quant.presets import load_model
 from ..reference import ASSETS_DIR
-from .speculative_option import EagleFolder
+from .speculative_option import ModelFolder
 
 ServedEngine = Engine | EngineProcess
 
@@ -55,7 +55,7 @@ def build_engine(spec: EngineSpec) -> Engine:
         torch.set_num_threads(spec.threads)
     model, tokenizer = load_served_model(spec.model, spec.quant, spec.dtype)
     kwargs = dict(spec.engine_kwargs)
-    if isinstance(kwargs.get("speculative"), EagleFolder):  # an EAGLE head loads for the model it serves
+    if isinstance(kwargs.get("speculative"), ModelFolder):  # a head loads for the model it serves, a draft beside it
         kwargs["speculative"] = kwargs["speculative"].config_for(model)
     return Engine(model, tokenizer, **kwargs)
 
