@@ -21,12 +21,12 @@ forwards counted (exact at batch 1 and for plain decoding).
 relative to one plain decode step of the target (batch 1): the speed-up if a verification forward of k + 1 tokens
 cost what a one-token step does. `hf_accel eagle tree` drafts EAGLE-2 dynamic trees (`hf_accel.EagleTree()`); its
 analytic figure is tokens per target forward / (v + p x c), v the measured cost of its verification forward (root
-and `total_tokens` nodes, a 4-D mask, hidden states) over a plain step, p the head passes per round. `--eagle` runs only the open-continuation cases with plain generate and EAGLE,
-each also with `compile_config` (greedy: plain compiled greedy is the paged cache's compiled loop, EAGLE's is
-`hf_accel/compiled/eagle_loop.py`; "x plain + compile" compares with the former; trees run eagerly; every row with
-EOS off, since
-generate's min-length processors keep compiled loops eager), and writes them as
-`bench_speculative_eagle` (its own JSON, page and section of docs/speculative.md).
+and `total_tokens` nodes, a 4-D mask, hidden states) over a plain step, p the head passes per round. `--eagle` runs
+only the open-continuation cases with plain generate and EAGLE, each also with `compile_config` (greedy and
+sampling: plain compiled decoding is the paged cache's compiled loop, EAGLE's is `hf_accel/compiled/eagle_loop.py`;
+"x plain + compile" compares with the former; trees run eagerly; every row with EOS off, since generate's min-length
+processors keep compiled loops eager), and writes them as `bench_speculative_eagle` (its own JSON, page and section
+of docs/speculative.md).
 
 Add a method (Medusa heads, ...) by writing a function `(pair, case) -> Method | None` and listing it in `METHODS`.
 Regenerate benchmarks/results/bench_speculative.json, docs/bench_speculative.md and the tables in docs/speculative.md
@@ -197,8 +197,6 @@ def plain_method(pair: Pair, case: Case) -> Method:
 
 
 def plain_compiled_method(pair: Pair, case: Case) -> Method | None:
-    if case.mode != "greedy":
-        return None
     return Method(bench.Strategy(PLAIN_COMPILED, "cache_implementation='paged', compile_config (hf_accel's compiled "
                                  "loop)", lambda model, max_len: {**case.generate_kwargs, **_compiled("paged")}),
                   plain=True)
@@ -236,8 +234,8 @@ def hf_accel_draft_method(pair: Pair, case: Case) -> Method | None:
 
 
 def hf_accel_eagle_method(pair: Pair, case: Case, compiled: bool = False) -> Method | None:
-    if case.workload != "open" or pair.eagle_head is None or (compiled and case.mode != "greedy"):
-        return None  # compiled EAGLE is greedy (its sampling decodes eagerly)
+    if case.workload != "open" or pair.eagle_head is None:
+        return None
 
     def kwargs(model, max_len):
         return {**case.generate_kwargs, "custom_generate": hf_accel.eagle_generate, "eagle_head": pair.eagle_head,

@@ -1,7 +1,7 @@
 """The engine's compiled model step (the default; tests elsewhere run eagerly): greedy tokens equal the eager engine's
 and sequential `generate` on Llama (grouped-query), Mistral (every layer sliding) and Gemma 2 (soft-capping), with
-prefill chunks and decodes in the same steps; exactly two graphs, both compiled at start, and no
-recompilation however the step's sizes change; `enforce_eager` and the fallback where compiling fails."""
+prefill chunks and decodes in the same steps; exactly three graphs (one token, several, and the static
+single-sequence decode), all compiled at start, and no recompilation however the step's sizes change; `enforce_eager` and the fallback where compiling fails."""
 
 import copy
 
@@ -39,9 +39,9 @@ def test_compiled_engine_equals_eager_and_generate_without_recompiling(arch):
     before = unique_graphs()
     engine = Engine(model, block_size=4, max_num_seqs=4, max_num_batched_tokens=32)
     assert engine.core.runner.forward.compiled and engine.stats().compile_seconds > 0
-    assert unique_graphs() - before == 2  # one token; several: both at start
+    assert unique_graphs() - before == 3  # one token; several; one sequence decoding: all at start
     compiled = run(engine, prompts) + run(engine, prompts[:1])  # also a step of one sequence prefilling alone
-    assert unique_graphs() - before == 2  # sizes changed every step; nothing recompiled
+    assert unique_graphs() - before == 3  # sizes changed every step; nothing recompiled
     eager = run(Engine(model, block_size=4, max_num_seqs=4, max_num_batched_tokens=32, enforce_eager=True), prompts)
     for prompt, n, got, expected in zip(prompts, MAX_TOKENS, compiled, eager):
         assert_greedy_equal(model, prompt, got, expected)  # inductor's fused kernels round differently: ties only

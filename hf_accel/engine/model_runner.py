@@ -85,7 +85,7 @@ class ModelRunner:
         if uses_cuda_graphs(device, enforce_eager, keep_hidden or bool(feature_layers)):  # decode steps: graphs
             graphs = DecodeGraphs(model, kv, max_num_seqs, max_model_len)
         self.forward = StepForward(model, kv, self.attend, keep_hidden, compile=compile, graphs=graphs,
-                                   feature_layers=feature_layers)
+                                   feature_layers=feature_layers, max_blocks=-(-max_model_len // kv.block_size))
         self.forward.warm_up()
 
     def execute(self, batch: ScheduledBatch) -> StepOutput:

@@ -7,10 +7,13 @@ op (`torch.ops.hf_accel.paged_attention`, mutating the pools in place), so the g
 Two rules keep it to two graphs (one token, several tokens): sizes are never duck-shaped into one symbol because they
 happen to be equal when traced, and the sizes that can be 1 (sequences, block-table width, kept rows), which torch
 would specialize, are padded to at least 2 (an empty sequence, a column of block 0, the last kept row repeated: none
-changes a result). Both graphs are traced and compiled in `warm_up`, at engine start, so `compile_seconds` is the
-whole cost and no request waits for a compile; inductor's on-disk cache (on by default) makes a restart cheaper.
+changes a result). A step of one sequence decoding one token (the latency-bound case: one request streaming) runs
+a third graph with static shapes instead (`max_blocks` given: its block table padded to the engine's widest), the
+way vLLM captures fixed sizes: no symbolic sizes to compute or guard on. All graphs are traced and compiled in
+`warm_up`, at engine start, so `compile_seconds` is the whole cost and no request waits for a compile; inductor's
+on-disk cache (on by default) makes a restart cheaper.
 In the engine-core process (`EngineProcess`), steps after the warm-up skip dynamo's guards (`skip_guard_eval_unsafe`:
-only the guards that tell the two graphs apart run), since every step's inputs differ from the warmed ones in sizes
+only the guards that tell the graphs apart run), since every step's inputs differ from the warmed ones in sizes
 and values only; the full guards cost about 0.5 ms a step, a tenth of a one-sequence decode on the reference target.
 Only there: dynamo's stance is process-wide, and beside an in-process engine other threads may run compiled code
 whose guards must run (`skip_warm_guards`).
@@ -101,6 +104,16 @@ class StepInputs:
     tables: list[list[int]] = field(default_factory=list)
     keep: list[int] = field(default_factory=list)
 
+    @property
+    def is_single_decode(self) -> bool:
+        """One sequence, one token, its logits kept: a decode step of a single sequence."""
+        return len(self.tokens) == 1 and len(self.kv_lengths) == 1 and len(self.keep) == 1
+
+    def with_table_width(self, width: int) -> StepInputs:
+        """The same step with every block table padded to `width` blocks (block 0: never read past a length)."""
+        tables = [table + [0] * (width - len(table)) for table in self.tables]
+        return StepInputs(self.tokens, self.positions, self.slots, self.query_start, self.kv_lengths, tables, self.keep)
+
     def padded(self) -> StepInputs:
         """The same step with no size that could be 1 except the token count: an empty sequence (no queries, no
         context) when there is one, block tables at least 2 wide, at least 2 kept rows."""
@@ -121,6 +134,10 @@ class StepInputs:
                              attend)
 
 
+_ONE_TOKEN = StepInputs(tokens=[0], positions=[0], slots=[0], query_start=[0, 1], kv_lengths=[1], tables=[[0]],
+                        keep=[0])  # one sequence's first token, in block 0
+
+
 @dataclass(slots=True)
 class ForwardOutput:
     """What one step's forward returns: `logits` `[kept, vocab]` fp32; `hidden` `[kept, hidden]` (the final normed
@@ -135,22 +152,30 @@ class ForwardOutput:
 class StepForward:
     """Runs `model` on `StepInputs` over the pool `kv`, returning a `ForwardOutput`; `keep_hidden`: with the final
     hidden states at the kept rows; `feature_layers`: with those `output_hidden_states` entries at every packed token;
-    `compile=True` compiles the forward (see the module docstring); `graphs` replays captured CUDA graphs for the
-    steps they cover (`cuda_graphs.DecodeGraphs`)."""
+    `compile=True` compiles the forward (see the module docstring), with `max_blocks` (the widest block table a
+    sequence can have) also a static graph for single-sequence decode steps; `graphs` replays captured CUDA graphs for
+    the steps they cover (`cuda_graphs.DecodeGraphs`)."""
 
     def __init__(self, model: PreTrainedModel, kv: KVPool, attend, keep_hidden: bool, compile: bool,
-                 graphs: DecodeGraphs | None = None, feature_layers: tuple[int, ...] = ()):
+                 graphs: DecodeGraphs | None = None, feature_layers: tuple[int, ...] = (),
+                 max_blocks: int | None = None):
         self.model, self.kv, self.attend, self.keep_hidden, self.graphs = model, kv, attend, keep_hidden, graphs
         self.feature_layers = feature_layers
         self.device = next(model.parameters()).device
         self.compiled = compile
         self.compile_seconds = 0.0
-        self._warm = False  # both graphs compiled: steps may skip dynamo's guards
+        self._warm = False  # every graph compiled: steps may skip dynamo's guards
         self._forward = model  # eager: the module's own __call__ (its hooks, its forward as it is at call time)
+        self._single = None  # the static single-sequence decode graph
+        self.max_blocks = max_blocks if compile and graphs is None else None
         if compile:
             compiled = compiled_for(model, call_model, "engine step",
                                     lambda function: torch.compile(function, dynamic=True, fullgraph=True))
             self._forward = functools.partial(compiled, model)
+        if self.max_blocks is not None:
+            single = compiled_for(model, call_model, "engine single-sequence step",
+                                  lambda function: torch.compile(function, dynamic=False, fullgraph=True))
+            self._single = functools.partial(single, model)
 
     def __call__(self, inputs: StepInputs) -> ForwardOutput:
         kept = len(inputs.keep)
@@ -160,13 +185,18 @@ class StepForward:
                                          inputs.kv_lengths)
             if logits is not None:
                 return ForwardOutput(logits)
-        if self.compiled:
-            inputs = inputs.padded()
+        if self._single is not None and inputs.is_single_decode:
+            return self._run(inputs.with_table_width(self.max_blocks), self._single, kept)
+        return self._run(inputs.padded() if self.compiled else inputs, self._forward, kept)
+
+    def _run(self, inputs: StepInputs, forward, kept: int) -> ForwardOutput:
+        """`inputs` (padded as `forward`, a graph or the eager model, needs them) through `forward`; the first
+        `kept` kept rows are returned."""
         step = inputs.attention(self.kv, self.attend, self.device)
         keep = self._tensor(inputs.keep)
         with torch.inference_mode(), paged_attention_implementation(self.model), \
                 symbolic_config.patch(use_duck_shape=False), self._guards():
-            out = self._forward(
+            out = forward(
                 input_ids=self._tensor([inputs.tokens]), position_ids=self._tensor([inputs.positions]),
                 use_cache=False, logits_to_keep=keep, hf_accel_step=step,
                 output_hidden_states=self.keep_hidden or bool(self.feature_layers),
@@ -178,14 +208,14 @@ class StepForward:
         return ForwardOutput(out.logits[0, :kept].float(), hidden, features)
 
     def _guards(self):
-        """Dynamo's stance for one step: the distinguishing guards only, once both graphs are warm in a process that
+        """Dynamo's stance for one step: the distinguishing guards only, once the graphs are warm in a process that
         allows it; otherwise the stance is left as it is (nothing to set on the hot path)."""
         if self._warm and _SKIP_WARM_GUARDS:
             return torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
         return contextlib.nullcontext()
 
     def warm_up(self) -> None:
-        """Compile both graphs now (a no-op when eager), timing it into `compile_seconds`; where compiling fails
+        """Compile the graphs now (a no-op when eager), timing it into `compile_seconds`; where compiling fails
         (a module dynamo cannot trace whole, e.g. weights that repack themselves on first use), warn and run eagerly.
         Writes K/V only into block 0 of a pool that holds nothing yet (an engine at start). Captures the CUDA
         graphs, if any, the same way."""
@@ -199,30 +229,26 @@ class StepForward:
         try:
             if self.feature_layers:  # transformers' capturing hooks get installed by an eager call (see above)
                 self._eager_call()
-            # each engine's two graphs count toward dynamo's process-wide total (accumulated_recompile_limit),
+            # each engine's graphs count toward dynamo's process-wide total (accumulated_recompile_limit),
             # which a long notebook or test session would otherwise reach
             with recompile_limits(), freezing(True):
-                self._trace_both_graphs()
+                self._trace_graphs()
             self._warm = True
         except Exception as error:
             warnings.warn(f"hf_accel: compiling the engine's model step failed ({type(error).__name__}: "
                           f"{str(error).splitlines()[0] if str(error) else ''}); the engine runs it eagerly",
                           RuntimeWarning, stacklevel=2)
-            self.compiled, self._forward = False, self.model
+            self.compiled, self._forward, self._single, self.max_blocks = False, self.model, None, None
         self.compile_seconds = time.perf_counter() - started
 
     def _eager_call(self) -> None:
         """One token through the model's own forward (K/V into block 0 of the empty pool)."""
-        forward, self._forward = self._forward, self.model
-        try:
-            self(StepInputs(tokens=[0], positions=[0], slots=[0], query_start=[0, 1], kv_lengths=[1], tables=[[0]],
-                            keep=[0]))
-        finally:
-            self._forward = forward
+        self._run(_ONE_TOKEN, self.model, 1)
 
-    def _trace_both_graphs(self) -> None:
+    def _trace_graphs(self) -> None:
+        """The dynamic graphs (one token; several: two sequences), then the single-sequence one."""
         size = self.kv.block_size
-        for num_tokens in (1, 3):  # one token; several (two sequences)
+        for num_tokens in (1, 3):
             lengths = [num_tokens] if num_tokens == 1 else [1, num_tokens - 1]
             inputs = StepInputs(tokens=[0] * num_tokens, positions=[0] + list(range(num_tokens - 1)),
                                 slots=list(range(num_tokens)), keep=list(range(num_tokens)))
@@ -230,7 +256,9 @@ class StepForward:
                 inputs.query_start.append(inputs.query_start[-1] + length)
                 inputs.kv_lengths.append(length)
                 inputs.tables.append([0] * -(-length // size))
-            self(inputs)
+            self._run(inputs.padded(), self._forward, num_tokens)
+        if self._single is not None:
+            self(_ONE_TOKEN)
 
     def _tensor(self, values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
