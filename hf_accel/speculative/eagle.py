@@ -28,7 +28,6 @@ from transformers.cache_utils import Cache
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from ..cache.paged import PagedCache
-
 from . import chain, loop
 from .chain_checks import check_call
 from .draft import Proposal
