@@ -26,7 +26,7 @@ import torch
 from transformers import PreTrainedModel
 
 from ..cache.kv_shape import KVShape, check_decoder_only
-from .kv_pool import KVPool, token_slots
+from .kv_pool import KVPool
 from .sequence import Sequence
 from .step_forward import StepForward, StepInputs
 
@@ -138,15 +138,7 @@ class DraftProposer:
         """The draft over packed tokens (`tokens[i]` at the positions `entries[i][1]` of a sequence with block ids
         `entries[i][0]`) -> per sequence, the argmax after its last token and whether the draft gave it
         `MIN_DRAFT_PROBABILITY`."""
-        inputs = StepInputs()
-        for row_tokens, (blocks, span) in zip(tokens, entries):
-            inputs.tokens += row_tokens
-            inputs.positions += span
-            inputs.slots += token_slots(blocks, span.start, span.stop, self.kv.block_size)
-            inputs.query_start.append(inputs.query_start[-1] + len(span))
-            inputs.kv_lengths.append(span.stop)
-            inputs.tables.append(blocks[: -(-span.stop // self.kv.block_size)])
-            inputs.keep.append(inputs.query_start[-1] - 1)
+        inputs = StepInputs.packed([t for row in tokens for t in row], entries, self.kv.block_size)
         confidence, token = torch.softmax(self.forward(inputs).logits, dim=-1).max(dim=-1)
         return token.tolist(), (confidence >= MIN_DRAFT_PROBABILITY).tolist()
 

@@ -35,7 +35,7 @@ from ..cache.kv_shape import KVShape
 from ..speculative.eagle_head import EagleHead, token_embeddings
 from .attention import ATTENTION_NAME, StepAttention
 from .frozen_graphs import compiled_for, freezing
-from .kv_pool import KVPool, token_slots
+from .kv_pool import KVPool
 from .sequence import Sequence
 from .step_forward import StepInputs, recompile_limits
 
@@ -210,14 +210,8 @@ class EagleProposer:
         its block ids and the positions of its entries, consecutive) through the head's pool -> per sequence, the
         output at its last entry `[rows, H]`, the draft read off it, and whether the head gave it
         `MIN_DRAFT_PROBABILITY`."""
-        size, device = self.kv.block_size, features.device
-        inputs = StepInputs(tokens=tokens, positions=[p for _, span in entries for p in span])
-        for blocks, span in entries:
-            inputs.slots += token_slots(blocks, span.start, span.stop, size)
-            inputs.query_start.append(inputs.query_start[-1] + len(span))
-            inputs.kv_lengths.append(span.stop)
-            inputs.tables.append(blocks[: -(-span.stop // size)])
-            inputs.keep.append(inputs.query_start[-1] - 1)
+        device = features.device
+        inputs = StepInputs.packed(tokens, entries, self.kv.block_size)
         rows = len(entries)
         if self.compiled:
             inputs = inputs.padded()  # sizes that could be 1 (but the token count) never are: two graphs in all

@@ -42,7 +42,7 @@ from transformers import PreTrainedModel
 from .attention import ATTENTION_NAME, StepAttention
 from .cuda_graphs import DecodeGraphs
 from .frozen_graphs import compiled_for, freezing
-from .kv_pool import KVPool
+from .kv_pool import KVPool, token_slots
 
 
 RECOMPILE_LIMIT = 256  # graphs of one model class in one process (two per compiled engine)
@@ -103,6 +103,19 @@ class StepInputs:
     kv_lengths: list[int] = field(default_factory=list)
     tables: list[list[int]] = field(default_factory=list)
     keep: list[int] = field(default_factory=list)
+
+    @classmethod
+    def packed(cls, tokens: list[int], entries: list[tuple[list[int], range]], block_size: int) -> StepInputs:
+        """`tokens` of several sequences packed in order (`entries`: per sequence, its block ids and the consecutive
+        positions of its tokens), each sequence's last token kept."""
+        inputs = cls(tokens=tokens, positions=[p for _, span in entries for p in span])
+        for blocks, span in entries:
+            inputs.slots += token_slots(blocks, span.start, span.stop, block_size)
+            inputs.query_start.append(inputs.query_start[-1] + len(span))
+            inputs.kv_lengths.append(span.stop)
+            inputs.tables.append(blocks[: -(-span.stop // block_size)])
+            inputs.keep.append(inputs.query_start[-1] - 1)
+        return inputs
 
     @property
     def is_single_decode(self) -> bool:
