@@ -3,11 +3,13 @@
 On CUDA: the reference target in fp32 and bf16, the engine with CUDA graphs for its decode steps (the default) against
 the same engine with `enforce_eager=True`: greedy tokens of held-out requests compared with sequential `generate`,
 graph capture seconds, and decode-step time at 1, 8 and 32 sequences (interleaved, after a warm-up) with the speed-up
-of the graphs; and compiled `generate` (`cache_implementation="paged"` + `compile_config`, whose default
-`mode="reduce-overhead"` records CUDA graphs) against eager `DynamicCache` and transformers' `StaticCache` +
-`compile_config`: identical tokens, first-call (compile) seconds and milliseconds per token at batch 1 and 8.
+of the graphs; compiled `generate` (`cache_implementation="paged"` + `compile_config`, whose default
+`mode="reduce-overhead"` replays one captured CUDA graph of the compiled step per call) against eager `DynamicCache`
+and transformers' `StaticCache` + `compile_config`: identical tokens, first-call (compile) seconds and milliseconds
+per token at batch 1 and 8; and, in fp32, compiled `draft_generate` with the reference draft against plain greedy.
 Without CUDA it says so and measures nothing, unless `--device cpu` asks for the same comparison on
-the CPU (compiled step against eager: the script's own check, used by its test).
+the CPU (compiled step against eager: the script's own check, used by its test). `--dtype fp32` or `bf16` checks one
+dtype (two shorter runs, for a device that limits a command's time).
 
     .venv/bin/python benchmarks/gpu_check.py            (writes benchmarks/results/gpu_check.json, docs/gpu_check.md)
     .venv/bin/python benchmarks/gpu_check.py --quick --device cpu
@@ -25,7 +27,7 @@ import torch
 
 from transformers import CompileConfig, StaticCache
 
-from hf_accel import Engine, SamplingParams, reference
+from hf_accel import Engine, SamplingParams, draft_generate, reference
 from hf_accel.bench import torch_threads
 from hf_accel.bench.output import benchmark_parser, hardware, output_root, write_results
 
@@ -109,46 +111,75 @@ def generate_ms(model, inputs: dict[str, torch.Tensor], new_tokens: int, device:
 
 def check_generate(model, tokenizer, device: torch.device, quick: bool) -> dict[str, Any]:
     """Compiled paged `generate` against eager DynamicCache and StaticCache + compile, batch 1 and 8."""
+    config = compile_config()
+    rows = reference.held_out_sequences(tokenizer, 64, max_rows=8)
+    sides = {"dynamic": {}, "paged + compile": {"cache_implementation": "paged", "compile_config": config},
+             "static + compile": {"compile_config": config, "past_key_values": None}}
+    return {str(batch): compare_sides(model, rows[:batch], 8 if quick else 64, device, sides)
+            for batch in ((1, 2) if quick else (1, 8))}
+
+
+def check_speculative(model, tokenizer, device: torch.device, quick: bool) -> dict[str, Any]:
+    """Compiled `draft_generate` (the reference draft; its steps and the target's verify forwards compiled) against
+    plain greedy `generate`, batch 1."""
+    draft = reference.load("draft", dtype=model.dtype)[0].to(device)
+    rows = reference.held_out_sequences(tokenizer, 64, max_rows=1)
+    sides = {"plain": {}, "draft + compile": {"custom_generate": draft_generate, "draft_model": draft,
+                                              "compile_config": compile_config()}}
+    return compare_sides(model, rows, 8 if quick else 64, device, sides)
+
+
+def compile_config() -> CompileConfig:
     config = CompileConfig()  # mode="reduce-overhead": CUDA graphs on a GPU
     config._compile_all_devices = True  # lets transformers' own loop compile StaticCache off CUDA too
-    new_tokens = 8 if quick else 64
-    rows = reference.held_out_sequences(tokenizer, 64, max_rows=8)
-    result: dict[str, Any] = {}
-    for batch in ((1, 2) if quick else (1, 8)):
-        inputs = {"input_ids": rows[:batch].to(device), "attention_mask": torch.ones_like(rows[:batch]).to(device)}
-        sides = {"dynamic": {}, "paged + compile": {"cache_implementation": "paged", "compile_config": config},
-                 "static + compile": {"compile_config": config, "past_key_values": None}}
-        first, times, outputs = {}, {name: [] for name in sides}, {}
-        for name, kwargs in sides.items():
-            fresh = dict(kwargs)
-            if "past_key_values" in fresh:
-                fresh["past_key_values"] = StaticCache(config=model.config, max_cache_len=64 + new_tokens)
-            first[name], outputs[name] = generate_ms(model, inputs, new_tokens, device, **fresh)
-        for _ in range(3):
-            for name, kwargs in sides.items():
-                fresh = dict(kwargs)
-                if "past_key_values" in fresh:
-                    fresh["past_key_values"] = StaticCache(config=model.config, max_cache_len=64 + new_tokens)
-                times[name].append(generate_ms(model, inputs, new_tokens, device, **fresh)[0])
-        per_token = {name: statistics.median(t) / new_tokens * 1e3 for name, t in times.items()}
-        result[str(batch)] = {
-            "identical": all(torch.equal(out, outputs["dynamic"]) for out in outputs.values()),
+    return config
+
+
+def compare_sides(model, prompts: torch.Tensor, new_tokens: int, device: torch.device,
+                  sides: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Greedy `generate` of `prompts` `[rows, tokens]` with each side's kwargs: whether every output equals the first
+    side's, the first call's seconds (compilation) and the median milliseconds per token of three interleaved calls."""
+    inputs = {"input_ids": prompts.to(device), "attention_mask": torch.ones_like(prompts).to(device)}
+    first, outputs, errors = {}, {}, {}
+    for name, kwargs in sides.items():
+        try:  # a side that fails is reported, not fatal: the other rows still measure
+            first[name], outputs[name] = generate_ms(model, inputs, new_tokens, device,
+                                                     **fresh_kwargs(model, kwargs, new_tokens))
+        except Exception as error:  # noqa: BLE001 (the check reports any failure)
+            errors[name] = f"{type(error).__name__}: {str(error)[:300]}"
+    times: dict[str, list[float]] = {name: [] for name in outputs}
+    for _ in range(3):
+        for name in outputs:
+            times[name].append(generate_ms(model, inputs, new_tokens, device,
+                                           **fresh_kwargs(model, sides[name], new_tokens))[0])
+    reference_side = next(iter(sides))
+    return {"identical": not errors and all(torch.equal(out, outputs[reference_side]) for out in outputs.values()),
             "first_call_s": {name: round(t, 1) for name, t in first.items()},
-            "ms_per_token": {name: round(ms, 3) for name, ms in per_token.items()}}
-    return result
+            "ms_per_token": {name: round(statistics.median(t) / new_tokens * 1e3, 3) for name, t in times.items()},
+            "errors": errors}
 
 
-def measure(device_name: str, quick: bool) -> dict[str, Any] | None:
+def fresh_kwargs(model, kwargs: dict[str, Any], new_tokens: int) -> dict[str, Any]:
+    """`kwargs` for one generate call, with a new StaticCache where the side passes one."""
+    fresh = dict(kwargs)
+    if "past_key_values" in fresh:
+        fresh["past_key_values"] = StaticCache(config=model.config, max_cache_len=64 + new_tokens)
+    return fresh
+
+
+def measure(device_name: str, quick: bool, dtypes: tuple[str, ...] = tuple(DTYPES)) -> dict[str, Any] | None:
     device = torch.device(device_name)
     if device.type == "cuda" and not torch.cuda.is_available():
         return None
     report: dict[str, Any] = {"benchmark": NAME, "command": COMMAND, "hardware": hardware(), "device": str(device),
                               "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
                               "results": {}}
-    for name in (("fp32",) if quick else tuple(DTYPES)):
+    for name in (("fp32",) if quick else dtypes):
         model, tokenizer = reference.load("target", dtype=DTYPES[name])
         report["results"][name] = check_dtype(model.to(device), tokenizer, device, quick)
         report["results"][name]["generate"] = check_generate(model, tokenizer, device, quick)
+        if name == "fp32":
+            report["results"][name]["speculative"] = check_speculative(model, tokenizer, device, quick)
     return report
 
 
@@ -168,18 +199,32 @@ def render(report: dict[str, Any]) -> str:
     for name, r in report["results"].items():
         for batch, g in r["generate"].items():
             first, ms = g["first_call_s"], g["ms_per_token"]
-            lines.append(f"| {name} | {batch} | {g['identical']} | {first['paged + compile']} / "
-                         f"{first['static + compile']} | {ms['dynamic']:.2f} / {ms['paged + compile']:.2f} / "
-                         f"{ms['static + compile']:.2f} |")
-    return "\n".join(lines) + f"\n\nFrom `{report['command']}`.\n"
+            cells = [f"{ms[side]:.2f}" if side in ms else "failed" for side in ("dynamic", "paged + compile",
+                                                                              "static + compile")]
+            lines.append(f"| {name} | {batch} | {g['identical']} | {first.get('paged + compile', 'failed')} / "
+                         f"{first.get('static + compile', 'failed')} | {' / '.join(cells)} |")
+            lines += [f"| | | {side} failed: {error} | | |" for side, error in g.get("errors", {}).items()]
+    lines += ["", "Compiled `draft_generate` (reference draft, batch 1) against plain greedy `generate`:", "",
+              "| dtype | identical | first call s | ms per token (plain / draft + compile) |", "| --- | --- | --- | --- |"]
+    for name, r in report["results"].items():
+        if "speculative" in r:
+            g = r["speculative"]
+            cells = [f"{g['ms_per_token'][side]:.2f}" if side in g["ms_per_token"] else "failed"
+                     for side in ("plain", "draft + compile")]
+            lines.append(f"| {name} | {g['identical']} | {g['first_call_s'].get('draft + compile', 'failed')} | "
+                         f"{' / '.join(cells)} |")
+            lines += [f"| | {side} failed: {error} | | |" for side, error in g["errors"].items()]
+    notes = "".join(f"- {note}\n" for note in report.get("notes", []))  # added by hand to a run's JSON
+    return "\n".join(lines) + f"\n\nFrom `{report['command']}`.\n" + (f"\nNotes:\n\n{notes}" if notes else "")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     parser = benchmark_parser(__doc__.split("\n\n")[0], NAME)
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (the same check on the CPU)")
+    parser.add_argument("--dtype", choices=[*DTYPES, "all"], default="all", help="the model dtypes checked")
     args = parser.parse_args(argv)
     with torch_threads(args.threads):
-        report = measure(args.device, args.quick)
+        report = measure(args.device, args.quick, tuple(DTYPES) if args.dtype == "all" else (args.dtype,))
     if report is None:
         print("gpu_check: no CUDA device here; nothing measured (run it where one is, or with --device cpu)")
         return None

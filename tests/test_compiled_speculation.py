@@ -14,6 +14,7 @@ from transformers.generation.streamers import BaseStreamer
 from conformance import PAD, make_draft_model, make_model, make_prompts
 from hf_accel import SpeculativeStats, SuffixCache, draft_generate, ngram_generate
 from hf_accel.compiled.spec_rows import RowTokens
+from hf_accel.compiled import speculation
 from hf_accel.compiled.speculation import TargetRounds
 
 pytestmark = pytest.mark.compiled
@@ -157,3 +158,15 @@ class Collect(BaseStreamer):
 
     def end(self):
         self.ended = True
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_compiled_draft_model_with_the_gpu_attention_rule(arch, monkeypatch):
+    """Without the CPU kernel (a GPU), every compiled step attends through `decode_attention`, n queries per row,
+    traced whole: still plain greedy's tokens (gemma2: sliding windows and a logit softcap)."""
+    monkeypatch.setattr(speculation, "paged_attention_kernel", lambda: None)
+    model = _model(arch)
+    inputs = make_prompts([6, 17, 11], seed=3)
+    stats = SpeculativeStats()
+    assert torch.equal(_draft(model, inputs, draft_stats=stats), _plain(model, inputs))
+    assert sum(stats.accepted) > 0

@@ -18,9 +18,10 @@ from test_paged_kernel import run, step_inputs
 
 @pytest.mark.parametrize("window, softcap", [(0, 0.0), (6, 0.0), (0, 30.0)])
 @pytest.mark.parametrize("heads, kv_heads", [(4, 4), (8, 2)])
-def test_decode_attention_equals_the_gather_path_and_the_kernel(window, softcap, heads, kv_heads):
+@pytest.mark.parametrize("num", [1, 4])  # queries per sequence: a decode step, a verify of 1 + 3 candidates
+def test_decode_attention_equals_the_gather_path_and_the_kernel(window, softcap, heads, kv_heads, num):
     # block tables padded past each sequence's blocks, as a captured step's are
-    inputs = step_inputs(torch.float32, heads, kv_heads, [1] * 5, [1, 9, 17, 4, 30], dim=64, block_size=16)
+    inputs = step_inputs(torch.float32, heads, kv_heads, [num] * 5, [num, 9, 17, 4, 30], dim=64, block_size=16)
     got, got_keys, got_values = run(decode_attention, inputs, window, softcap)
     expected, keys, values = run(gathered_attention, inputs, window, softcap)
     assert torch.equal(got_keys, keys) and torch.equal(got_values, values)
@@ -61,3 +62,23 @@ def test_engine_replays_decode_graphs_on_cuda():
     assert replays
     for prompt, out in zip(prompts, outputs):
         assert_greedy_equal(model, prompt, out.outputs[0].token_ids, greedy_reference(model, prompt, 16))
+
+
+@pytest.mark.gpu
+@pytest.mark.compiled
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_compiled_generate_replays_one_captured_graph_on_cuda(monkeypatch):
+    from transformers import CompileConfig
+
+    from hf_accel.compiled import captured_step
+
+    model = make_model("llama", torch.float32, "sdpa").cuda()
+    replays = []
+    replay = captured_step.CapturedStep.__call__
+    monkeypatch.setattr(captured_step.CapturedStep, "__call__", lambda *args: replays.append(1) or replay(*args))
+    inputs = {"input_ids": torch.randint(3, 100, (3, 12), device="cuda")}
+    inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
+    expected = model.generate(**inputs, max_new_tokens=16, do_sample=False)
+    out = model.generate(**inputs, max_new_tokens=16, do_sample=False, cache_implementation="paged",
+                         compile_config=CompileConfig())
+    assert torch.equal(out, expected) and len(replays) == 15  # every token after the prefill's

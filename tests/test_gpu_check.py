@@ -1,6 +1,7 @@
 """benchmarks/gpu_check.py: without CUDA it measures nothing and says so; `--device cpu --quick` runs the same
 comparison on the CPU (compiled step against eager; compiled paged generate against DynamicCache and StaticCache +
-compile), finds every output identical to sequential generate, and writes its tables."""
+compile; compiled draft_generate against plain greedy), finds every output identical to sequential generate, and
+writes its tables."""
 
 import json
 
@@ -26,3 +27,6 @@ def test_cpu_run_compares_default_and_eager_engines(load_benchmark, tmp_path):
     generate = result["generate"]
     assert set(generate) == {"1", "2"} and all(g["identical"] for g in generate.values())
     assert all(ms > 0 for g in generate.values() for ms in g["ms_per_token"].values())
+    speculative = result["speculative"]
+    assert speculative["identical"] and not speculative["errors"] and set(speculative["ms_per_token"]) == {
+        "plain", "draft + compile"}

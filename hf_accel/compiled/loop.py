@@ -34,6 +34,7 @@ from ..engine.attention import gathered_attention, register_attention
 from ..engine.cuda_graphs import decode_attention
 from ..engine.paged_kernel import paged_attention_kernel
 from ..engine.step_forward import paged_attention_implementation
+from .captured_step import CapturedStep, captures
 from .paged_rows import PagedRows, unpadded_prompts
 from .sink_rows import SinkRows
 from .step import compile_context, compiled_decode_step
@@ -150,13 +151,20 @@ class Decode:
         """Commit `tokens` (the prefill's), then step until every row stops."""
         step = compiled_decode_step(self.config.compile_config, self.model)
         positions = rows.prompt_lengths.clone()
+        graph: CapturedStep | None = None
 
         def one_step(last: torch.Tensor, warpers: tuple) -> torch.Tensor:
-            nonlocal positions
+            nonlocal positions, graph
             if sinks is not None:
                 sinks.capture(rows.kv, positions)
-            out = step(self.model, last, positions, rows.kv, rows.block_table, attend, warpers, self.do_sample,
-                       self.host_processors, sinks)
+
+            def run(tokens: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+                return step(self.model, tokens, at, rows.kv, rows.block_table, attend, warpers, self.do_sample,
+                            self.host_processors, sinks)
+
+            if graph is None and captures(rows.device, self.config.compile_config.mode):
+                graph = CapturedStep(run, last, positions)
+            out = run(last, positions) if graph is None else graph(last, positions)
             positions = positions + 1
             return out
 

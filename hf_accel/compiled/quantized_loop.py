@@ -8,16 +8,17 @@ token choice) with the flush of a full residual done on the host between steps. 
 criteria, streamer and outputs are `loop.Decode`'s. Calls it cannot serve (sliding-window or hybrid layers, which the
 eager cache keeps in transformers' own layers; beams) decode eagerly with a warning naming why; a cache object
 passed in is left to transformers (`route.py` does not route such calls here).
+On a GPU the step is not captured in a CUDA graph (`mode="reduce-overhead"` compiles in inductor's default mode):
+the live history grows at every flush (a new graph per size) and its views are rebuilt (new addresses), so graphs
+would cost more than they save.
 """
 
 from __future__ import annotations
 
-import copy
 import warnings
 
 import torch
 from transformers import (
-    CompileConfig,
     GenerationConfig,
     LogitsProcessorList,
     PreTrainedModel,
@@ -72,7 +73,7 @@ class QuantizedDecode(Decode):
         rows = QuantizedRows(self.model, self.cache, self.input_ids.shape[0], self.sequences.shape[1])
         rows.take(self.cache, self.mask)
         register_quantized_attention()
-        step = compiled_with(_without_cuda_graphs(self.config.compile_config), self.model, quantized_decode_step)
+        step = compiled_with(self.config.compile_config, self.model, quantized_decode_step)
         positions = self.mask.sum(dim=-1)  # the next token's position: real tokens before it
 
         def one_step(last: torch.Tensor, warpers: tuple) -> torch.Tensor:
@@ -94,14 +95,3 @@ class QuantizedDecode(Decode):
         out = self.model(input_ids=self.input_ids, attention_mask=self.mask, position_ids=positions,
                          past_key_values=self.cache, use_cache=True, logits_to_keep=1)
         return out.logits[:, -1].float()
-
-
-def _without_cuda_graphs(config: CompileConfig) -> CompileConfig:
-    """`config`, with `mode="reduce-overhead"` (CUDA graphs, `CompileConfig`'s default) replaced by inductor's default
-    mode: the live history grows at every flush (a new graph per size) and its views are rebuilt (new addresses, a copy
-    of every input per replay), so CUDA graphs would cost more than they save. Not yet run on a GPU."""
-    if config.mode != "reduce-overhead":
-        return config
-    plain = copy.copy(config)
-    plain.mode = "default"
-    return plain

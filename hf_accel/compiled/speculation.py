@@ -74,7 +74,8 @@ def speculation_uncovered(models: list[PreTrainedModel], config: GenerationConfi
 
 @dataclass(slots=True)
 class Attends:
-    """The attention rule per kind of forward: the CPU kernel for all, else the gathered / fixed-shape ones."""
+    """The attention rule per kind of forward: the CPU kernel for all; elsewhere (a GPU) the gathered one for the
+    eager prefill and the fixed-shape one (`n` queries per row, traceable whole) for the compiled steps."""
 
     prefill: object
     decode: object
@@ -84,7 +85,7 @@ class Attends:
     def for_device(cls, device: torch.device) -> Attends:
         register_attention()
         kernel = paged_attention_kernel() if device.type == "cpu" else None
-        return cls(kernel or gathered_attention, kernel or decode_attention, kernel or gathered_attention)
+        return cls(kernel or gathered_attention, kernel or decode_attention, kernel or decode_attention)
 
 
 def pool_for(model: PreTrainedModel | nn.Module, prompts: list[torch.Tensor], max_new_tokens: int, lookahead: int,

@@ -104,10 +104,18 @@ def compiled_with(config: CompileConfig, owner: torch.nn.Module, function: Calla
     """`function` compiled whole and dynamic with `config`'s backend, mode and options, kept for `owner` (and the
     `companions` whose weights its graphs also hold) by `frozen_graphs.compiled_for`."""
     options = tuple(sorted((config.options or {}).items()))
-    settings = {"options": dict(options)} if options else {"mode": config.mode}  # torch.compile takes one or the other
-    return compiled_for(owner, function, (function.__name__, config.backend, config.mode, options),
+    mode = inductor_mode(config.mode)
+    settings = {"options": dict(options)} if options else {"mode": mode}  # torch.compile takes one or the other
+    return compiled_for(owner, function, (function.__name__, config.backend, mode, options),
                         lambda copy: torch.compile(copy, fullgraph=True, dynamic=True, backend=config.backend,
                                                    **settings), companions)
+
+
+def inductor_mode(mode: str | None) -> str | None:
+    """The mode hf_accel's steps are compiled with for `CompileConfig.mode`: "reduce-overhead" (CUDA graphs, the
+    default) becomes inductor's default mode, since inductor's graphs skip a step whose K/V pool is written in
+    place; the plain decode loop captures its compiled step itself (`captured_step.py`)."""
+    return "default" if mode == "reduce-overhead" else mode
 
 
 @contextlib.contextmanager

@@ -28,17 +28,20 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
                      value_pool: torch.Tensor, slots: torch.Tensor, block_table: torch.Tensor,
                      query_start: torch.Tensor, kv_lengths: torch.Tensor, scale: float, window: int,
                      softcap: float) -> torch.Tensor:
-    """The kernel's rule (csrc/paged_attention.cpp) for a step where sequence s computes packed token s alone:
-    `query` `[heads, seqs, dim]` -> `[seqs, heads, dim]`, with fixed shapes and no host synchronisation (capturable in
-    a CUDA graph). `query_start` is implied (`0 .. seqs`) and not read."""
-    heads, seqs, dim = query.shape
-    kv_heads = key_pool.shape[0]
+    """The kernel's rule (csrc/paged_attention.cpp) for a step where every sequence computes the same number `n` of
+    packed tokens (1 for a decode, 1 + k for a speculative verify), sequence s the tokens `s * n .. s * n + n - 1`:
+    `query` `[heads, seqs * n, dim]` -> `[seqs * n, heads, dim]`, with fixed shapes and no host synchronisation
+    (capturable in a CUDA graph, traceable whole by the compiler). `query_start` is implied and not read."""
+    heads, tokens, dim = query.shape
+    seqs, kv_heads = block_table.shape[0], key_pool.shape[0]
+    num = tokens // seqs
     key_pool.view(kv_heads, -1, dim).index_copy_(1, slots, key)
     value_pool.view(kv_heads, -1, dim).index_copy_(1, slots, value)
     k, v = (gather_blocks(pool, block_table) for pool in (key_pool, value_pool))  # [seqs, kv_heads, columns, dim]
-    mask = query_mask(kv_lengths, 1, k.shape[2], window, heads // kv_heads)
-    out = attend_dense(query.transpose(0, 1)[:, :, None], k, v, mask, scale, softcap or None)  # [seqs, heads, 1, dim]
-    return out[:, :, 0]
+    mask = query_mask(kv_lengths, num, k.shape[2], window, heads // kv_heads)
+    q = query.view(heads, seqs, num, dim).transpose(0, 1)  # [seqs, heads, n, dim]
+    out = attend_dense(q, k, v, mask, scale, softcap or None)  # [seqs, heads, n, dim]
+    return out.transpose(1, 2).reshape(tokens, heads, dim)
 
 
 def graph_sizes(max_num_seqs: int) -> list[int]:

@@ -21,7 +21,6 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -33,6 +32,13 @@ namespace {
 
 constexpr int64_t kQueryChunk = 32;     // a long prefill chunk is split into tasks of this many positions
 constexpr int64_t kTransposeFrom = 16;  // query rows (heads x positions) from which K blocks are transposed
+
+// The float whose bits are `bits` (std::bit_cast is C++20; torch before 2.13 builds extensions as C++17).
+inline float float_from_bits(int32_t bits) {
+  float value;
+  std::memcpy(&value, &bits, sizeof(value));
+  return value;
+}
 
 // exp(x) for x <= 0 (scores minus their maximum), written so `omp simd` loops vectorize it: exp(x) = 2^n exp(r) with
 // n = round(x / ln 2), r in [-ln2 / 2, ln2 / 2] and Cephes' expf polynomial for exp(r) (relative error ~1e-7).
@@ -48,7 +54,7 @@ inline float exp_nonpositive(float x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.f;
-  return p * std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);
+  return p * float_from_bits((static_cast<int32_t>(n) + 127) << 23);
 }
 
 // A pool row as floats: the row itself for fp32, else converted into `buffer` [dim].
