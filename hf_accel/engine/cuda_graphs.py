@@ -27,21 +27,43 @@ from .kv_pool import KVPool
 def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_pool: torch.Tensor,
                      value_pool: torch.Tensor, slots: torch.Tensor, block_table: torch.Tensor,
                      query_start: torch.Tensor, kv_lengths: torch.Tensor, scale: float, window: int,
-                     softcap: float) -> torch.Tensor:
+                     softcap: float, tree_mask: torch.Tensor | None = None) -> torch.Tensor:
     """The kernel's rule (csrc/paged_attention.cpp) for a step where every sequence computes the same number `n` of
     packed tokens (1 for a decode, 1 + k for a speculative verify), sequence s the tokens `s * n .. s * n + n - 1`:
     `query` `[heads, seqs * n, dim]` -> `[seqs * n, heads, dim]`, with fixed shapes and no host synchronisation
-    (capturable in a CUDA graph, traceable whole by the compiler). `query_start` is implied and not read."""
+    (capturable in a CUDA graph, traceable whole by the compiler). `query_start` is implied and not read.
+    With `tree_mask` `[seqs, n, n]` the n tokens are a tree's nodes (`paged_tree_attention`'s rule)."""
     heads, tokens, dim = query.shape
     seqs, kv_heads = block_table.shape[0], key_pool.shape[0]
     num = tokens // seqs
     key_pool.view(kv_heads, -1, dim).index_copy_(1, slots, key)
     value_pool.view(kv_heads, -1, dim).index_copy_(1, slots, value)
     k, v = (gather_blocks(pool, block_table) for pool in (key_pool, value_pool))  # [seqs, kv_heads, columns, dim]
-    mask = query_mask(kv_lengths, num, k.shape[2], window, heads // kv_heads)
+    if tree_mask is None:
+        mask = query_mask(kv_lengths, num, k.shape[2], window, heads // kv_heads)
+    else:
+        mask = tree_query_mask(kv_lengths, tree_mask, k.shape[2], window, heads // kv_heads)
     q = query.view(heads, seqs, num, dim).transpose(0, 1)  # [seqs, heads, n, dim]
     out = attend_dense(q, k, v, mask, scale, softcap or None)  # [seqs, heads, n, dim]
     return out.transpose(1, 2).reshape(tokens, heads, dim)
+
+
+def tree_query_mask(lengths: torch.Tensor, tree_mask: torch.Tensor, columns: int, window: int,
+                    groups: int) -> torch.Tensor:
+    """`query_mask` for trees: `[rows, 1, groups * n, columns]` True where node i of row r (at column `lengths[r] - n
+    + i`) may attend: the columns before the tree within `window` of its depth-based position, and the tree columns
+    `tree_mask[r, i]` allows."""
+    num = tree_mask.shape[-1]
+    base = (lengths - num)[:, None, None]  # [rows, 1, 1] the tree's first column
+    cols = torch.arange(columns, device=lengths.device)
+    offset = cols - base  # [rows, 1, columns] column relative to the tree
+    in_tree = (offset >= 0) & (offset < num)
+    sees = tree_mask.bool().gather(2, offset.clamp(0, num - 1).expand(-1, num, -1))  # [rows, n, columns]
+    before = offset < 0
+    if window > 0:
+        depth_position = base + tree_mask.sum(-1, keepdim=True) - 1  # [rows, n, 1]
+        before = before & (cols > depth_position - window)
+    return torch.where(in_tree, sees, before).repeat(1, groups, 1)[:, None]
 
 
 def graph_sizes(max_num_seqs: int) -> list[int]:

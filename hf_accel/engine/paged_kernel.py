@@ -1,7 +1,8 @@
 """The engine's in-place paged attention: `csrc/paged_attention.cpp`, a C++ kernel built with torch's `cpp_extension` at
 first use and registered as the custom op `torch.ops.hf_accel.paged_attention` (it mutates the two pools it writes,
 and has a fake implementation, so a compiled model step traces around it as one opaque node). The same extension
-holds `torch.ops.hf_accel.quantized_decode_attention` (`csrc/quantized_attention.cpp`: compiled generate's quantized
+holds `torch.ops.hf_accel.paged_tree_attention` (the same rule with a speculative tree's mask:
+`paged_tree_attention_kernel()`) and `torch.ops.hf_accel.quantized_decode_attention` (`csrc/quantized_attention.cpp`: compiled generate's quantized
 cache, attention over packed codes; `quantized_attention_kernel()`).
 
 For one layer of one step it writes the step's new K/V into their slots, then every sequence's queries (decodes,
@@ -67,8 +68,16 @@ def _built_kernel() -> Callable[..., torch.Tensor] | None:
                       "the engine gathers K/V blocks instead", RuntimeWarning, stacklevel=2)
         return None
     torch.library.register_fake("hf_accel::paged_attention")(_fake)
+    torch.library.register_fake("hf_accel::paged_tree_attention")(_fake)
     torch.library.register_fake("hf_accel::quantized_decode_attention")(_quantized_fake)
     return torch.ops.hf_accel.paged_attention
+
+
+def paged_tree_attention_kernel() -> Callable[..., torch.Tensor] | None:
+    """`torch.ops.hf_accel.paged_tree_attention` (a speculative tree's verify: the paged kernel's rule with a
+    `[seqs, n, n]` tree mask as a last argument; see the .cpp file), built with the paged kernel; None where that is
+    switched off or not buildable."""
+    return None if paged_attention_kernel() is None else torch.ops.hf_accel.paged_tree_attention
 
 
 def quantized_attention_kernel() -> Callable[..., torch.Tensor] | None:
@@ -121,7 +130,8 @@ def _source_tag() -> str:
 
 def _fake(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_pool: torch.Tensor,
           value_pool: torch.Tensor, slots: torch.Tensor, block_table: torch.Tensor, query_start: torch.Tensor,
-          kv_lengths: torch.Tensor, scale: float, window: int, softcap: float) -> torch.Tensor:
+          kv_lengths: torch.Tensor, scale: float, window: int, softcap: float,
+          tree_mask: torch.Tensor | None = None) -> torch.Tensor:
     heads, tokens, dim = query.shape  # -> [tokens, heads, dim]
     return query.new_empty(tokens, heads, dim)
 

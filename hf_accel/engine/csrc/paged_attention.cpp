@@ -14,6 +14,12 @@
 // Query head h reads K/V head h / (heads / kv_heads). A query at position p attends to columns c <= p and, with a
 // window w > 0, c > p - w (transformers' sliding rule). With softcap > 0 the scores are tanh-capped as Gemma 2 does.
 // Accumulation is in fp32 whatever the storage dtype.
+//
+// paged_tree_attention: the same, for a speculative tree verify. Every sequence computes n packed tokens, the nodes
+// of a tree (ancestors first) written to its last n columns, and takes one more argument:
+// tree_mask   [seqs, n, n] bool         node i sees node j; each row holds the node's ancestors and itself
+// Node i attends to the columns before its tree and to the tree columns its row allows. Its position is the tree's
+// first column plus its depth (its row's count minus one), which is what a window is measured from.
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -75,6 +81,8 @@ struct Layout {
   int64_t pool_head_stride;               // num_blocks * block_size * dim
   float scale, softcap;
   int64_t window;
+  const uint8_t* tree = nullptr;  // paged_tree_attention's mask [seqs, n, n], else null
+  int64_t tree_nodes = 0;         // n
 };
 
 // One task: kv head `kvh` of sequence `seq`, its queries `first_query` .. `last_query` (exclusive) of `num_queries`.
@@ -304,18 +312,29 @@ void accumulate_values(const Layout& l, const float* weights, int64_t num_q, int
 }
 
 // Softmax of each row of `scores` over its allowed columns (zero elsewhere); row j is query position `position(j)`.
+// With a tree (`sees`: sequence's mask [n, n], node i at column tree_base + i) the tree columns a node may see are its
+// row's, and its window starts from its depth.
 void softmax_rows(const Layout& l, float* scores, int64_t num_q, int64_t columns, int64_t num_positions,
-                  int64_t first_position) {
+                  int64_t first_position, const uint8_t* sees, int64_t tree_base) {
   for (int64_t j = 0; j < num_q; ++j) {
     const int64_t position = first_position + j % num_positions;
-    const int64_t first = l.window > 0 ? std::max<int64_t>(position - l.window + 1, 0) : 0;
+    const uint8_t* row = sees == nullptr ? nullptr : sees + (position - tree_base) * l.tree_nodes;
+    int64_t depth = position;  // a node's depth-based position
+    if (row != nullptr) {
+      depth = tree_base - 1;
+      for (int64_t c = 0; c < l.tree_nodes; ++c) depth += row[c] != 0;
+    }
+    const int64_t first = l.window > 0 ? std::max<int64_t>(depth - l.window + 1, 0) : 0;
     float* w = scores + j * columns;
+    if (row != nullptr)
+      for (int64_t c = tree_base; c <= position; ++c)
+        if (row[c - tree_base] == 0) w[c] = -std::numeric_limits<float>::infinity();
     float top = -std::numeric_limits<float>::infinity();
     for (int64_t c = first; c <= position; ++c) top = std::max(top, w[c]);
     float total = 0.f;
 #pragma omp simd reduction(+ : total)
     for (int64_t c = first; c <= position; ++c) {
-      w[c] = exp_nonpositive(w[c] - top);
+      w[c] = w[c] == -std::numeric_limits<float>::infinity() ? 0.f : exp_nonpositive(w[c] - top);
       total += w[c];
     }
     const float inverse = 1.f / total;
@@ -344,7 +363,8 @@ void attend_task(const Layout& l, const Task& task, const scalar_t* query, const
     }
   float* scores = s.scores.data();
   score_columns<scalar_t>(l, q, num_q, key_pool + pool_offset, blocks, columns, s, scores);
-  softmax_rows(l, scores, num_q, columns, num_positions, first_position);
+  const uint8_t* sees = l.tree == nullptr ? nullptr : l.tree + task.seq * l.tree_nodes * l.tree_nodes;
+  softmax_rows(l, scores, num_q, columns, num_positions, first_position, sees, length - num_queries);
   float* acc = s.acc.data();
   accumulate_values<scalar_t>(l, scores, num_q, columns, value_pool + pool_offset, blocks, s, acc);
   for (int64_t g = 0; g < l.groups; ++g)
@@ -354,10 +374,10 @@ void attend_task(const Layout& l, const Task& task, const scalar_t* query, const
     }
 }
 
-at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-                           at::Tensor& key_pool, at::Tensor& value_pool, const at::Tensor& slots,
-                           const at::Tensor& block_table, const at::Tensor& query_start, const at::Tensor& kv_lengths,
-                           double scale, int64_t window, double softcap) {
+at::Tensor attend_pool(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, at::Tensor& key_pool,
+                       at::Tensor& value_pool, const at::Tensor& slots, const at::Tensor& block_table,
+                       const at::Tensor& query_start, const at::Tensor& kv_lengths, double scale, int64_t window,
+                       double softcap, const at::Tensor* tree_mask) {
   TORCH_CHECK(query.dim() == 3 && key.dim() == 3 && value.dim() == 3 && key_pool.dim() == 4,
               "query [heads, tokens, dim], key/value [kv_heads, tokens, dim], pools [kv_heads, blocks, size, dim]");
   TORCH_CHECK(key_pool.sizes() == value_pool.sizes(), "key and value pools differ in shape");
@@ -400,8 +420,20 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key, const
   for (int64_t i = 0; i < table.numel(); ++i)
     TORCH_CHECK(table_data[i] >= 0 && table_data[i] < num_blocks, "block id out of pool");
   auto out = at::empty({tokens, heads, dim}, query.options());
-  const Layout layout{heads, kv_heads, heads / kv_heads, dim, block_size, max_blocks, query.stride(0), query.stride(1),
-                      num_blocks * block_size * dim, static_cast<float>(scale), static_cast<float>(softcap), window};
+  Layout layout{heads, kv_heads, heads / kv_heads, dim, block_size, max_blocks, query.stride(0), query.stride(1),
+                num_blocks * block_size * dim, static_cast<float>(scale), static_cast<float>(softcap), window};
+  at::Tensor tree;
+  if (tree_mask != nullptr) {
+    const int64_t n = tree_mask->size(-1);
+    TORCH_CHECK(tree_mask->dim() == 3 && tree_mask->size(0) == seqs && tree_mask->size(1) == n,
+                "tree_mask must be [seqs, n, n]");
+    for (int64_t s = 0; s < seqs; ++s)
+      TORCH_CHECK(start_data[s + 1] - start_data[s] == n, "every sequence computes the tree's n nodes");
+    TORCH_CHECK(window == 0 || window > n, "a window must be longer than the tree");
+    tree = tree_mask->to(at::kByte).contiguous();
+    layout.tree = tree.data_ptr<uint8_t>();
+    layout.tree_nodes = n;
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "paged_attention", [&] {
     write_new_tokens<scalar_t>(key, key_pool, slot_data, tokens);
     write_new_tokens<scalar_t>(value, value_pool, slot_data, tokens);
@@ -419,12 +451,35 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key, const
   return out;
 }
 
+at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                           at::Tensor& key_pool, at::Tensor& value_pool, const at::Tensor& slots,
+                           const at::Tensor& block_table, const at::Tensor& query_start, const at::Tensor& kv_lengths,
+                           double scale, int64_t window, double softcap) {
+  return attend_pool(query, key, value, key_pool, value_pool, slots, block_table, query_start, kv_lengths, scale,
+                     window, softcap, nullptr);
+}
+
+at::Tensor paged_tree_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                                at::Tensor& key_pool, at::Tensor& value_pool, const at::Tensor& slots,
+                                const at::Tensor& block_table, const at::Tensor& query_start,
+                                const at::Tensor& kv_lengths, double scale, int64_t window, double softcap,
+                                const at::Tensor& tree_mask) {
+  return attend_pool(query, key, value, key_pool, value_pool, slots, block_table, query_start, kv_lengths, scale,
+                     window, softcap, &tree_mask);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(hf_accel, m) {
   m.def("paged_attention(Tensor query, Tensor key, Tensor value, Tensor(a!) key_pool, Tensor(b!) value_pool, "
         "Tensor slots, Tensor block_table, Tensor query_start, Tensor kv_lengths, float scale, int window, "
         "float softcap) -> Tensor");
+  m.def("paged_tree_attention(Tensor query, Tensor key, Tensor value, Tensor(a!) key_pool, Tensor(b!) value_pool, "
+        "Tensor slots, Tensor block_table, Tensor query_start, Tensor kv_lengths, float scale, int window, "
+        "float softcap, Tensor tree_mask) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(hf_accel, CPU, m) { m.impl("paged_attention", &paged_attention); }
+TORCH_LIBRARY_IMPL(hf_accel, CPU, m) {
+  m.impl("paged_attention", &paged_attention);
+  m.impl("paged_tree_attention", &paged_tree_attention);
+}
