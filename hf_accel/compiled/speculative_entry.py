@@ -1,8 +1,8 @@
-"""`ngram_generate`, `draft_generate` and `eagle_generate` under `compile_config`: the callables `route.py` puts in
-their place.
+"""`ngram_generate`, `draft_generate`, `eagle_generate` and `medusa_generate` under `compile_config`: the callables
+`route.py` puts in their place.
 
 Each entry has its eager function's signature (`functools.wraps`, so generate hands it the same keyword arguments)
-and runs the compiled loop (`ngram_loop.py`, `draft_loop.py`, `eagle_loop.py`) when
+and runs the compiled loop (`ngram_loop.py`, `draft_loop.py`, `eagle_loop.py`, `medusa_loop.py`) when
 `speculation.speculation_uncovered` finds nothing against it; otherwise it warns, naming the reason, and calls the
 eager function with what it was given.
 """
@@ -24,8 +24,12 @@ from ..speculative.ngram_proposer import NgramSettings
 from ..speculative.stats import SpeculativeStats
 from ..speculative.eagle import check_probability, eagle_generate
 from ..speculative.eagle_head import EagleHead
+from ..speculative.medusa import medusa_generate, trees_for
+from ..speculative.medusa_heads import MedusaHeads
+from ..speculative.tree_cache import layer_groups
 from .draft_loop import compiled_draft_generate
 from .eagle_loop import compiled_eagle_generate
+from .medusa_loop import compiled_medusa_generate
 from .ngram_loop import compiled_ngram_generate
 from .speculation import speculation_uncovered
 
@@ -105,5 +109,25 @@ def compiled_eagle_entry(model, input_ids, logits_processor, stopping_criteria, 
         options["hf_accel_streamer"], tuple(logits_processor) if generation_config.do_sample else ())
 
 
+@functools.wraps(medusa_generate)
+def compiled_medusa_entry(model, input_ids, logits_processor, stopping_criteria, generation_config, **kwargs):
+    args = (model, input_ids, logits_processor, stopping_criteria, generation_config)
+    options, model_kwargs = _options(medusa_generate, kwargs)
+    heads = options["medusa_heads"]
+    if not isinstance(heads, MedusaHeads):  # the eager function raises the error that names the argument
+        return medusa_generate(*args, **kwargs)
+    trees = trees_for(heads, options["medusa_tree"], options["medusa_adaptive"])
+    reason = speculation_uncovered([model], generation_config, logits_processor, stopping_criteria, model_kwargs)
+    windows = [g.sliding_window for g in layer_groups(model.config) if g.sliding_window is not None]
+    if reason is None and any(window <= trees.whole.num_nodes for window in windows):
+        reason = f"sliding windows {windows} no longer than the tree ({trees.whole.num_nodes} nodes)"
+    if reason is not None:
+        return _eagerly(medusa_generate, reason, args, kwargs)
+    heads.check_compatible(model)
+    stats = options["medusa_stats"] if options["medusa_stats"] is not None else SpeculativeStats()
+    return compiled_medusa_generate(model, heads, trees, input_ids, model_kwargs.get("attention_mask"),
+                                    generation_config, stats, options["hf_accel_streamer"])
+
+
 COMPILED_ENTRIES = {ngram_generate: compiled_ngram_entry, draft_generate: compiled_draft_entry,
-                    eagle_generate: compiled_eagle_entry}
+                    eagle_generate: compiled_eagle_entry, medusa_generate: compiled_medusa_entry}

@@ -69,6 +69,26 @@ def verify_features_step(model: PreTrainedModel, tokens: torch.Tensor, positions
     return (logits if return_logits else logits.argmax(dim=-1)), features
 
 
+def tree_verify_step(model: PreTrainedModel, tokens: torch.Tensor, positions: torch.Tensor, depths: torch.Tensor,
+                     tree_mask: torch.Tensor, kv: KVPool, block_table: torch.Tensor,
+                     attend: Callable) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row `r` verifies a tree of `n` nodes, `tokens[r]` `[rows, n]` (node 0 its last token, ancestors before
+    descendants), written to the `n` slots from `positions[r]` and computed at positions `positions[r] + depths`
+    (`depths` `[n]`), each node seeing the context and the nodes `tree_mask` `[rows, n, n]` allows -> greedy next
+    tokens `[rows, n]` and the last hidden states `[rows, n, H]` (what Medusa heads read). Rejected nodes' K/V stay
+    in their slots until a later step overwrites them; the accepted path is moved into place outside
+    (`KVPool.move_slots`)."""
+    rows, num = tokens.shape
+    columns = positions[:, None] + torch.arange(num, device=positions.device)  # [rows, n]
+    slots = table_slots(block_table, columns, kv.block_size).reshape(-1)
+    query_start = torch.arange(rows + 1, device=positions.device) * num
+    attention = StepAttention(kv, slots, block_table, query_start, positions + num, attend, tree_mask=tree_mask)
+    out = model(input_ids=tokens.reshape(1, -1), position_ids=(positions[:, None] + depths).reshape(1, -1),
+                use_cache=False, output_hidden_states=True, hf_accel_step=attention)
+    logits = out.logits[0].float().view(rows, num, -1)
+    return logits.argmax(dim=-1), out.hidden_states[-1][0].view(rows, num, -1)
+
+
 def _verify_forward(model: PreTrainedModel, tokens: torch.Tensor, positions: torch.Tensor, kv: KVPool,
                     block_table: torch.Tensor, attend: Callable, hidden_states: bool):
     rows, num = tokens.shape
@@ -93,6 +113,11 @@ def compiled_verify_step(config: CompileConfig, model: PreTrainedModel) -> Calla
 def compiled_verify_features_step(config: CompileConfig, model: PreTrainedModel) -> Callable[..., tuple]:
     """`verify_features_step` compiled for `model` like `compiled_decode_step`."""
     return _compiled(model, verify_features_step, config)
+
+
+def compiled_tree_verify_step(config: CompileConfig, model: PreTrainedModel) -> Callable[..., tuple]:
+    """`tree_verify_step` compiled for `model` like `compiled_decode_step`."""
+    return _compiled(model, tree_verify_step, config)
 
 
 def _compiled(model: PreTrainedModel, function: Callable, config: CompileConfig) -> Callable[..., torch.Tensor]:

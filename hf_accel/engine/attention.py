@@ -37,6 +37,9 @@ class StepAttention:
     kv_lengths: torch.Tensor  # [seqs] tokens sequence s attends over, its queries the last of them
     attend: Callable[..., torch.Tensor]  # `paged_kernel`'s op or `gathered_attention` (same signature)
     full_window: int = 0  # > 0: the window of layers that have none of their own (compiled generate's sink cache)
+    # [seqs, n, n] bool: the step verifies a speculative tree per sequence (node i sees node j), and `attend` takes
+    # it as a last argument (`paged_tree_attention_kernel()`, `cuda_graphs.decode_attention`)
+    tree_mask: torch.Tensor | None = None
 
 
 def paged_attention(
@@ -59,9 +62,10 @@ def paged_attention(
     step, layer = hf_accel_step, module.layer_idx
     keys, values = step.kv.keys[layer], step.kv.values[layer]  # [kv_heads, num_blocks, block_size, head_dim]
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = step.attend(query[0].to(keys.dtype), key[0].to(keys.dtype), value[0].to(keys.dtype), keys, values,
-                      step.slots, step.block_table, step.query_start, step.kv_lengths, scale,
-                      sliding_window or step.full_window, softcap or 0.0)
+    args = (query[0].to(keys.dtype), key[0].to(keys.dtype), value[0].to(keys.dtype), keys, values, step.slots,
+            step.block_table, step.query_start, step.kv_lengths, scale, sliding_window or step.full_window,
+            softcap or 0.0)
+    out = step.attend(*args) if step.tree_mask is None else step.attend(*args, step.tree_mask)
     return out[None].to(query.dtype), None
 
 

@@ -27,6 +27,14 @@ class KVPool:
         self.keys = [torch.zeros(size, dtype=dtype, device=device) for _ in range(shape.num_layers)]
         self.values = [torch.zeros(size, dtype=dtype, device=device) for _ in range(shape.num_layers)]
 
+    def move_slots(self, sources: torch.Tensor, targets: torch.Tensor) -> None:
+        """Copy every layer's K/V at pool slots `sources` `[n]` to slots `targets` `[n]` (all sources are read before
+        any target is written, so the two may overlap): a verified tree's accepted path moved into place."""
+        for pools in (self.keys, self.values):
+            for pool in pools:
+                flat = pool.view(pool.shape[0], -1, pool.shape[-1])  # [kv_heads, slots, head_dim]
+                flat.index_copy_(1, targets, flat.index_select(1, sources))
+
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.keys) + sum(t.nbytes for t in self.values)

@@ -38,7 +38,7 @@ __all__ = ["MedusaStats", "medusa_generate"]
 
 
 @dataclass(frozen=True, slots=True)
-class _Trees:
+class TreeChoice:
     """The trees a call may verify: prefixes of the best-first candidate list (just the whole list when the size is
     fixed), `ranks[i][j]` the best-first rank of node j of `trees[i]` (-1 for the root), and the sizer choosing."""
 
@@ -58,7 +58,7 @@ class _Run:
     decoding: Decoding
     model: PreTrainedModel
     heads: MedusaHeads
-    trees: _Trees
+    trees: TreeChoice
     cache: Cache
     groups: list[LayerGroup]
 
@@ -92,7 +92,7 @@ def medusa_generate(
     (finished rows padded with `pad_token_id`), or a `GenerateDecoderOnlyOutput` with `scores` / `logits` /
     `past_key_values` (at batch size > 1 holding holes, see `RaggedBatch`: not to be continued from).
     """
-    trees = _trees(medusa_heads, medusa_tree, medusa_adaptive)
+    trees = trees_for(medusa_heads, medusa_tree, medusa_adaptive)
     call = GenerateCall(model, input_ids.to(model.device), logits_processor, stopping_criteria, generation_config,
                         hf_accel_streamer, model_kwargs)
     run = _start(call, medusa_heads, trees, medusa_stats)
@@ -100,7 +100,9 @@ def medusa_generate(
     return loop.output(run.decoding, generation_config, run.cache if generation_config.use_cache else None)
 
 
-def _trees(heads: MedusaHeads | None, paths: Sequence[Sequence[int]] | None, adaptive: bool | None) -> _Trees:
+def trees_for(heads: MedusaHeads | None, paths: Sequence[Sequence[int]] | None, adaptive: bool | None) -> TreeChoice:
+    """The trees a call verifies, from its `medusa_heads`, `medusa_tree` and `medusa_adaptive` (validated; see
+    `medusa_generate`)."""
     if heads is None:
         raise ValueError("medusa_generate needs `medusa_heads=` (a hf_accel.MedusaHeads trained for this model)")
     adaptive = paths is None if adaptive is None else bool(adaptive)
@@ -113,10 +115,10 @@ def _trees(heads: MedusaHeads | None, paths: Sequence[Sequence[int]] | None, ada
     trees += (whole,)
     rank_of = {path: rank for rank, path in enumerate(ordered)}
     ranks = tuple((-1, *(rank_of[path] for path in tree.paths)) for tree in trees)
-    return _Trees(trees, ranks, TreeSizer(sizes) if len(sizes) > 1 else None)
+    return TreeChoice(trees, ranks, TreeSizer(sizes) if len(sizes) > 1 else None)
 
 
-def _start(call: GenerateCall, heads: MedusaHeads, trees: _Trees, stats: SpeculativeStats | None) -> _Run:
+def _start(call: GenerateCall, heads: MedusaHeads, trees: TreeChoice, stats: SpeculativeStats | None) -> _Run:
     model = call.model
     heads.check_compatible(model)
     cache = call.model_kwargs.get("past_key_values")

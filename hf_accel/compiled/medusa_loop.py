@@ -1,0 +1,152 @@
+"""`medusa_generate` with `compile_config`: each round's tree verified in one compiled forward over a static paged
+pool, the accepted path moved into place in the pool (no crop, no copy of the cache).
+
+The prompts are prefilled packed (`speculation.TargetRounds`, which also keeps the rows' positions, last tokens and
+outputs). A round, greedy:
+- the heads read each row's last hidden state (at its last verified token) and propose the round's tree: the whole
+  candidate tree, or the prefix `TreeSizer` picks (`medusa.trees_for`, as in the eager loop);
+- ONE compiled forward (`step.tree_verify_step`) verifies every row's tree: node i is written to the row's slot
+  `position + i` and computed at `position + depth(i)`, attending to the context and its ancestors through the paged
+  tree attention (`paged_tree_attention` on CPU, `decode_attention`'s tree rule elsewhere);
+- the walk follows, from the root, the child whose token is the target's greedy choice at its parent; the row emits
+  the accepted tokens and the target's choice after the last;
+- the accepted nodes' K/V move to slots `position + 1 ..` (`KVPool.move_slots`); rejected nodes' slots are
+  overwritten by later rounds.
+Greedy output equals plain greedy `generate`, at any batch size (left-padded prompts are packed without their
+padding). Sampled calls decode eagerly (`speculative_entry.py` warns).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from transformers import GenerationConfig, PreTrainedModel
+from transformers.generation.streamers import BaseStreamer
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+from ..engine.cuda_graphs import decode_attention
+from ..engine.paged_kernel import paged_tree_attention_kernel
+from ..engine.step_forward import paged_attention_implementation
+from ..speculative.medusa import TreeChoice
+from ..speculative.medusa_heads import MedusaHeads
+from ..speculative.stats import SpeculativeStats
+from ..speculative.tree import MedusaTree
+from .speculation import TargetRounds
+from .step import compile_context, compiled_tree_verify_step
+
+
+def compiled_medusa_generate(model: PreTrainedModel, heads: MedusaHeads, trees: TreeChoice, input_ids: torch.Tensor,
+                             attention_mask: torch.Tensor | None, config: GenerationConfig, stats: SpeculativeStats,
+                             streamer: BaseStreamer | None) -> GenerateDecoderOnlyOutput | torch.LongTensor:
+    """Greedy Medusa decoding with a compiled tree verify (see the module docstring); returns what `generate`
+    returns (`past_key_values` None: the pool lives for the call only)."""
+    target = TargetRounds(model, input_ids, attention_mask, config, trees.whole.num_nodes - 1, stats, streamer,
+                          feature_layers=(-1,))
+    rounds = MedusaRounds(target, heads, trees)
+    with paged_attention_implementation(model), compile_context(target.rows.device, config.compile_config):
+        sequences = target.run(rounds.step, rounds.start)
+    if not config.return_dict_in_generate:
+        return sequences
+    return GenerateDecoderOnlyOutput(sequences=sequences, past_key_values=None)
+
+
+@dataclass(slots=True)
+class MedusaRounds:
+    """The heads, the trees and the compiled verify of one call; `hidden` `[rows, H]`: each row's hidden state at
+    its last verified token (what the heads read next)."""
+
+    target: TargetRounds
+    heads: MedusaHeads
+    trees: TreeChoice
+    hidden: torch.Tensor | None = None
+    verify: object = field(init=False)
+    attend: object = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.verify = compiled_tree_verify_step(self.target.config.compile_config, self.target.model)
+        device = self.target.rows.device
+        self.attend = (paged_tree_attention_kernel() if device.type == "cpu" else None) or decode_attention
+
+    def start(self) -> None:
+        """After the prefill: each row's hidden state at its last prompt token (the packed features)."""
+        lengths = self.target.rows.prompt_lengths
+        self.hidden = self.target.features[0, lengths.cumsum(0) - 1]
+
+    def step(self) -> None:
+        """One round: propose, verify, walk, emit, move the accepted K/V into place."""
+        started, target = time.perf_counter(), self.target
+        index = self.trees.sizer.choose() if self.trees.sizer is not None else len(self.trees.trees) - 1
+        tree = self.trees.trees[index]
+        tokens = self._tree_tokens(tree)  # [rows, n]
+        rows, device = tokens.shape[0], tokens.device
+        mask = tree.ancestors.to(device).expand(rows, -1, -1)
+        predictions, hidden = self.verify(target.model, tokens, target.positions, tree.depths.to(device), mask,
+                                          target.rows.kv, target.rows.block_table, self.attend)
+        chosen, proposed = predictions.tolist(), tokens.tolist()
+        paths = greedy_paths(tree, proposed, chosen)
+        active, remaining = target._active(), target.outputs.remaining
+        for r, path in enumerate(paths):
+            if active[r]:
+                target._emit(r, [proposed[r][node] for node in path[1:]] + [chosen[r][path[-1]]])
+        self._keep_paths(paths, active)
+        last_nodes = torch.tensor([path[-1] for path in paths], device=device)
+        target.last = predictions.gather(1, last_nodes[:, None]).squeeze(1)
+        self.hidden = hidden[torch.arange(rows, device=device), last_nodes]
+        self._record(index, paths, active, remaining, time.perf_counter() - started)
+
+    def _tree_tokens(self, tree: MedusaTree) -> torch.Tensor:
+        """`[rows, n]`: each row's last token (the root), then the candidates its heads propose."""
+        root = self.target.last[:, None]
+        if tree.num_nodes == 1:
+            return root
+        weight = self.heads.lm_heads[0].weight
+        candidates = tree.candidate_tokens(self.heads(self.hidden.to(weight.dtype), tree.depth))
+        return torch.cat([root, candidates.to(root.device)], dim=1)
+
+    def _keep_paths(self, paths: list[list[int]], active: list[bool]) -> None:
+        """Move each generating row's accepted nodes to the slots after its root, and advance its position."""
+        target, pool = self.target, self.target.rows
+        bases = target.positions.tolist()
+        moves = [(r, bases[r] + node, bases[r] + i) for r, path in enumerate(paths) if active[r]
+                 for i, node in enumerate(path) if node != i]  # (row, from position, to position)
+        if moves:
+            row, source, dest = (torch.tensor(column, device=pool.device) for column in zip(*moves))
+            pool.kv.move_slots(pool.slots(row, source), pool.slots(row, dest))
+        moved = torch.tensor([len(path) if on else 0 for path, on in zip(paths, active)], device=pool.device)
+        target.positions = target.positions + moved
+
+    def _record(self, index: int, paths: list[list[int]], active: list[bool], remaining: list[int],
+                seconds: float) -> None:
+        """Count the round in the stats; time it for the sizer with what each generating row accepted and had
+        `remaining` before it (as the eager loop does)."""
+        tree, stats = self.trees.trees[index], self.target.stats
+        stats.num_draft_forwards += int(tree.num_nodes > 1)  # the heads ran
+        emitted = torch.tensor([len(path) for path in paths])
+        stats.record_round(tree.depth, emitted - 1, emitted, torch.tensor(active), tree.num_nodes - 1)
+        if self.trees.sizer is None:
+            return
+        if tree.num_nodes == 1:  # a plain step accepts no candidates
+            self.trees.sizer.record(index, [], seconds)
+            return
+        generating, ranks = [r for r, on in enumerate(active) if on], self.trees.ranks[index]
+        self.trees.sizer.record(index, [[ranks[node] for node in paths[r][1:]] for r in generating], seconds,
+                                [remaining[r] for r in generating])
+
+
+def greedy_paths(tree: MedusaTree, tokens: list[list[int]], predictions: list[list[int]]) -> list[list[int]]:
+    """Each row's accepted path of node indices, root first: from the root, the child whose token is the target's
+    greedy choice at the current node, while one is (a node's children hold distinct tokens: distinct top-k ranks of
+    one head)."""
+    paths = []
+    for row_tokens, row_predictions in zip(tokens, predictions):
+        path = [0]
+        while True:
+            chosen = row_predictions[path[-1]]
+            child = next((c for c in tree.children[path[-1]] if row_tokens[c] == chosen), None)
+            if child is None:
+                break
+            path.append(child)
+        paths.append(path)
+    return paths
