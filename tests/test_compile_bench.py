@@ -30,7 +30,7 @@ def test_quick_run_writes_its_tables(load_benchmark, tmp_path, monkeypatch):
         assert all(r["agreement"] == 1.0 and r["decode_tokens_per_s"] > 0 for r in section["results"])
     assert report["speculative"][1]["tokens_per_forward"]["ngram + compile"] > 1  # copy-heavy: drafts accepted
     assert "skipped" in report["llama_cpp"]
-    assert all(report["verify_cost"][key] > 0 for key in ("decode_ms", "verify_5_ms", "verify_9_ms"))
+    assert all(report["verify_cost"][key] > 0 for key in ("decode_ms", "verify_5_ms", "verify_9_ms", "tree_9_ms"))
     saved = json.loads((tmp_path / "benchmarks/results/bench_compile.json").read_text())
     assert saved["scenarios"][0]["scenario"] == report["scenarios"][0]["scenario"]
     page = (tmp_path / "docs/bench_compile.md").read_text()

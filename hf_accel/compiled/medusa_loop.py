@@ -4,7 +4,8 @@ pool, the accepted path moved into place in the pool (no crop, no copy of the ca
 The prompts are prefilled packed (`speculation.TargetRounds`, which also keeps the rows' positions, last tokens and
 outputs). A round, greedy:
 - the heads read each row's last hidden state (at its last verified token) and propose the round's tree: the whole
-  candidate tree, or the prefix `TreeSizer` picks (`medusa.trees_for`, as in the eager loop);
+  candidate tree, or the prefix `TreeSizer` picks (`medusa.trees_for`, as in the eager loop); the heads and their
+  top-k run compiled too (`propose`);
 - ONE compiled forward (`step.tree_verify_step`) verifies every row's tree: node i is written to the row's slot
   `position + i` and computed at `position + depth(i)`, attending to the context and its ancestors through the paged
   tree attention (`paged_tree_attention` on CPU, `decode_attention`'s tree rule elsewhere);
@@ -34,7 +35,7 @@ from ..speculative.medusa_heads import MedusaHeads
 from ..speculative.stats import SpeculativeStats
 from ..speculative.tree import MedusaTree
 from .speculation import TargetRounds
-from .step import compile_context, compiled_tree_verify_step
+from .step import compile_context, compiled_tree_verify_step, compiled_with
 
 
 def compiled_medusa_generate(model: PreTrainedModel, heads: MedusaHeads, trees: TreeChoice, input_ids: torch.Tensor,
@@ -62,10 +63,13 @@ class MedusaRounds:
     trees: TreeChoice
     hidden: torch.Tensor | None = None
     verify: object = field(init=False)
+    propose: object = field(init=False)
     attend: object = field(init=False)
 
     def __post_init__(self) -> None:
-        self.verify = compiled_tree_verify_step(self.target.config.compile_config, self.target.model)
+        config = self.target.config.compile_config
+        self.verify = compiled_tree_verify_step(config, self.target.model)
+        self.propose = compiled_with(config, self.heads, propose)
         device = self.target.rows.device
         self.attend = (paged_tree_attention_kernel() if device.type == "cpu" else None) or decode_attention
 
@@ -101,9 +105,10 @@ class MedusaRounds:
         root = self.target.last[:, None]
         if tree.num_nodes == 1:
             return root
-        weight = self.heads.lm_heads[0].weight
-        candidates = tree.candidate_tokens(self.heads(self.hidden.to(weight.dtype), tree.depth))
-        return torch.cat([root, candidates.to(root.device)], dim=1)
+        device = root.device
+        candidates = self.propose(self.heads, self.hidden, tree.candidate_heads.to(device),
+                                  tree.candidate_ranks.to(device), tree.depth, tree.max_rank)
+        return torch.cat([root, candidates], dim=1)
 
     def _keep_paths(self, paths: list[list[int]], active: list[bool]) -> None:
         """Move each generating row's accepted nodes to the slots after its root, and advance its position."""
@@ -133,6 +138,16 @@ class MedusaRounds:
         generating, ranks = [r for r, on in enumerate(active) if on], self.trees.ranks[index]
         self.trees.sizer.record(index, [[ranks[node] for node in paths[r][1:]] for r in generating], seconds,
                                 [remaining[r] for r in generating])
+
+
+def propose(heads: MedusaHeads, hidden: torch.Tensor, candidate_heads: torch.Tensor, candidate_ranks: torch.Tensor,
+            depth: int, max_rank: int) -> torch.Tensor:
+    """The candidates of a tree (`MedusaTree.candidate_tokens`, from its `candidate_heads` / `candidate_ranks`,
+    `depth` and `max_rank`) that `heads` propose from `hidden` `[rows, H]` -> `[rows, num_nodes - 1]`; compiled
+    whole, the heads' weights frozen into the graph like the target's."""
+    logits = heads(hidden.to(heads.lm_heads[0].weight.dtype), depth)  # [depth, rows, vocab]
+    top = logits.topk(max_rank, dim=-1).indices  # [depth, rows, max_rank]
+    return top[candidate_heads, :, candidate_ranks].movedim(0, -1)
 
 
 def greedy_paths(tree: MedusaTree, tokens: list[list[int]], predictions: list[list[int]]) -> list[list[int]]:
