@@ -38,6 +38,17 @@ def test_graph_sizes_cover_every_batch_up_to_max_num_seqs():
     assert graph_sizes(50) == [1, 2, 4, 8, 16, 32, 48, 50]
 
 
+def test_compiled_generate_captures_its_own_graphs_for_the_modes_that_ask_for_cuda_graphs():
+    from hf_accel.compiled.captured_step import captures
+    from hf_accel.compiled.step import inductor_mode
+
+    assert [inductor_mode(m) for m in ("reduce-overhead", "max-autotune", "default", None)] == [
+        "default", "max-autotune-no-cudagraphs", "default", None]
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert captures(cuda, "reduce-overhead") and captures(cuda, "max-autotune") and not captures(cuda, "default")
+    assert not captures(cpu, "reduce-overhead")
+
+
 def test_the_spare_block_lies_past_the_allocators_blocks():
     shape = KVShape(num_layers=2, kv_heads=2, head_dim=8)
     plain = KVPool(shape, 10, 4, torch.float32, torch.device("cpu"))

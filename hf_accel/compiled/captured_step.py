@@ -44,5 +44,6 @@ class CapturedStep:
 
 
 def captures(device: torch.device, mode: str | None) -> bool:
-    """Whether a decode loop on `device` compiled with `mode` replays a captured graph."""
-    return device.type == "cuda" and mode == "reduce-overhead"
+    """Whether a decode loop on `device` compiled with `mode` replays a captured graph (the modes that would give
+    inductor's own CUDA graphs: "reduce-overhead", "max-autotune")."""
+    return device.type == "cuda" and mode in ("reduce-overhead", "max-autotune")

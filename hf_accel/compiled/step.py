@@ -136,11 +136,16 @@ def compiled_with(config: CompileConfig, owner: torch.nn.Module, function: Calla
                                                    **settings), companions)
 
 
+# CompileConfig modes whose inductor graphs would be CUDA graphs -> the same mode without them
+WITHOUT_CUDA_GRAPHS = {"reduce-overhead": "default", "max-autotune": "max-autotune-no-cudagraphs"}
+
+
 def inductor_mode(mode: str | None) -> str | None:
-    """The mode hf_accel's steps are compiled with for `CompileConfig.mode`: "reduce-overhead" (CUDA graphs, the
-    default) becomes inductor's default mode, since inductor's graphs skip a step whose K/V pool is written in
-    place; the plain decode loop captures its compiled step itself (`captured_step.py`)."""
-    return "default" if mode == "reduce-overhead" else mode
+    """The mode hf_accel's steps are compiled with for `CompileConfig.mode`: a mode with CUDA graphs
+    ("reduce-overhead", the default, or "max-autotune") becomes the same mode without them, since inductor's graphs
+    skip a step whose K/V pool is written in place; the plain decode loop captures its compiled step itself
+    (`captured_step.py`)."""
+    return WITHOUT_CUDA_GRAPHS.get(mode, mode)
 
 
 @contextlib.contextmanager
