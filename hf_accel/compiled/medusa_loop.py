@@ -33,7 +33,7 @@ from ..engine.step_forward import paged_attention_implementation
 from ..speculative.medusa import TreeChoice
 from ..speculative.medusa_heads import MedusaHeads
 from ..speculative.stats import SpeculativeStats
-from ..speculative.tree import MedusaTree
+from ..speculative.tree import MedusaTree, candidate_tokens
 from .speculation import TargetRounds
 from .step import compile_context, compiled_tree_verify_step, compiled_with
 
@@ -146,8 +146,7 @@ def propose(heads: MedusaHeads, hidden: torch.Tensor, candidate_heads: torch.Ten
     `depth` and `max_rank`) that `heads` propose from `hidden` `[rows, H]` -> `[rows, num_nodes - 1]`; compiled
     whole, the heads' weights frozen into the graph like the target's."""
     logits = heads(hidden.to(heads.lm_heads[0].weight.dtype), depth)  # [depth, rows, vocab]
-    top = logits.topk(max_rank, dim=-1).indices  # [depth, rows, max_rank]
-    return top[candidate_heads, :, candidate_ranks].movedim(0, -1)
+    return candidate_tokens(logits, candidate_heads, candidate_ranks, depth, max_rank)
 
 
 def greedy_paths(tree: MedusaTree, tokens: list[list[int]], predictions: list[list[int]]) -> list[list[int]]:

@@ -66,8 +66,16 @@ class MedusaTree:
 
     def candidate_tokens(self, head_logits: torch.Tensor) -> torch.Tensor:
         """`head_logits`: `[num_heads, ..., vocab]` -> token ids of nodes 1.. `[..., num_nodes - 1]`."""
-        top = head_logits[: self.depth].topk(self.max_rank, dim=-1).indices  # [depth, ..., max_rank]
-        return top[self.candidate_heads, ..., self.candidate_ranks].movedim(0, -1)
+        return candidate_tokens(head_logits, self.candidate_heads.to(head_logits.device),
+                                self.candidate_ranks.to(head_logits.device), self.depth, self.max_rank)
+
+
+def candidate_tokens(head_logits: torch.Tensor, candidate_heads: torch.Tensor, candidate_ranks: torch.Tensor,
+                     depth: int, max_rank: int) -> torch.Tensor:
+    """A tree's candidates from its heads' logits `[num_heads, ..., vocab]`: node j + 1 is rank
+    `candidate_ranks[j]` of head `candidate_heads[j]` -> `[..., num_nodes - 1]` (tensors only: traceable)."""
+    top = head_logits[:depth].topk(max_rank, dim=-1).indices  # [depth, ..., max_rank]
+    return top[candidate_heads, ..., candidate_ranks].movedim(0, -1)
 
 
 def build_tree(paths: Sequence[Sequence[int]], num_heads: int) -> MedusaTree:
