@@ -23,9 +23,9 @@ cost what a one-token step does. `hf_accel eagle tree` drafts EAGLE-2 dynamic tr
 analytic figure is tokens per target forward / (v + p x c), v the measured cost of its verification forward (root
 and `total_tokens` nodes, a 4-D mask, hidden states) over a plain step, p the head passes per round. `--eagle` runs
 only the open-continuation cases with plain generate and EAGLE, each also with `compile_config` (greedy and
-sampling: plain compiled decoding is the paged cache's compiled loop, EAGLE's is `hf_accel/compiled/eagle_loop.py`;
-"x plain + compile" compares with the former; trees run eagerly; every row with EOS off, since generate's min-length
-processors keep compiled loops eager), and writes them as `bench_speculative_eagle` (its own JSON, page and section
+sampling: plain compiled decoding is the paged cache's compiled loop, EAGLE's is `hf_accel/compiled/eagle_loop.py`,
+greedy trees' `hf_accel/compiled/eagle_tree_loop.py`; "x plain + compile" compares with the former; every row with EOS
+off, since generate's min-length processors keep compiled loops eager), and writes them as `bench_speculative_eagle` (its own JSON, page and section
 of docs/speculative.md).
 
 Add a method (Medusa heads, ...) by writing a function `(pair, case) -> Method | None` and listing it in `METHODS`.
@@ -73,6 +73,7 @@ TARGETS = (("hf_accel draft", "x_plain", ("open",), None, (1, 4), 2.0),
            *((row, "x_plain", ("nothing repeats",), ("greedy",), (1, 4), 0.95) for row in NGRAM_ROWS),
            ("hf_accel eagle", "x_plain", ("open",), ("greedy",), (1,), 2.0),
            ("hf_accel eagle + compile", "x_plain", ("open",), ("greedy",), (1,), 2.0),
+           ("hf_accel eagle tree + compile", "x_plain", ("open",), ("greedy",), (1,), 2.0),
            ("hf_accel eagle", "tokens_per_target_forward", ("open",), ("greedy",), (1,), 3.0))
 
 
@@ -258,18 +259,20 @@ def hf_accel_eagle_compiled_method(pair: Pair, case: Case) -> Method | None:
     return hf_accel_eagle_method(pair, case, compiled=True)
 
 
-def hf_accel_eagle_tree_method(pair: Pair, case: Case) -> Method | None:
-    if case.workload != "open" or pair.eagle_head is None:
-        return None
+def hf_accel_eagle_tree_method(pair: Pair, case: Case, compiled: bool = False) -> Method | None:
+    if case.workload != "open" or pair.eagle_head is None or (compiled and case.mode != "greedy"):
+        return None  # compiled trees are greedy (sampled ones decode eagerly)
     tree = hf_accel.EagleTree()
 
     def kwargs(model, max_len):
         return {**case.generate_kwargs, "custom_generate": hf_accel.eagle_generate, "eagle_head": pair.eagle_head,
-                "eagle_tree": tree}
+                "eagle_tree": tree, **(_compiled() if compiled else {})}
 
     def read(stats: hf_accel.SpeculativeStats) -> dict[str, Any]:
         # a round: one verify forward of the root and `total_tokens` nodes, plus the head's passes
         found = read_speculative_stats(stats)
+        if compiled:
+            return found
         passes = stats.num_draft_forwards / max(stats.num_target_forwards, 1)
         verify = verify_cost(pair.target, tree.total_tokens + 1)
         analytic = found["tokens_per_target_forward"] / (verify + passes * pair.eagle_cost)
@@ -278,8 +281,14 @@ def hf_accel_eagle_tree_method(pair: Pair, case: Case) -> Method | None:
 
     description = (f"custom_generate=hf_accel.eagle_generate, reference EAGLE head, eagle_tree=EagleTree("
                    f"total_tokens={tree.total_tokens}, depth={tree.depth}, top_k={tree.top_k}) (EAGLE-2 dynamic tree)")
-    return Method(bench.Strategy("hf_accel eagle tree", description, kwargs), "eagle_stats",
-                  hf_accel.SpeculativeStats, read)
+    if compiled:
+        description += ", compile_config (compiled/eagle_tree_loop.py)"
+    return Method(bench.Strategy("hf_accel eagle tree" + (" + compile" if compiled else ""), description, kwargs),
+                  "eagle_stats", hf_accel.SpeculativeStats, read)
+
+
+def hf_accel_eagle_tree_compiled_method(pair: Pair, case: Case) -> Method | None:
+    return hf_accel_eagle_tree_method(pair, case, compiled=True)
 
 
 @functools.cache
@@ -328,7 +337,7 @@ METHODS: tuple[Callable[[Pair, Case], Method | list[Method] | None], ...] = (
     stock_prompt_lookup_method,
     hf_accel_ngram_methods)
 EAGLE_METHODS = (plain_method, plain_compiled_method, hf_accel_eagle_method, hf_accel_eagle_tree_method,
-                 hf_accel_eagle_compiled_method)
+                 hf_accel_eagle_compiled_method, hf_accel_eagle_tree_compiled_method)
 EAGLE_EAGER_METHODS = (plain_method, hf_accel_eagle_method, hf_accel_eagle_tree_method)
 
 

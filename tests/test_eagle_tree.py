@@ -45,11 +45,16 @@ def test_tree_scores_equal_chain_replay(monkeypatch):
     that node's path as a chain (`HeadState.draft_step`) from the same root."""
     model = model_for("llama")
     head = trained_head(model)
-    checked = []
-    original = eagle_tree.grow_tree
+    checked, states = [], []
+    original, original_expand = eagle_tree.grow_tree, eagle_tree.eager_expand
 
-    def replaying(state, model_, batch, hidden, settings):
-        tree, passes = original(state, model_, batch, hidden, settings)
+    def recording(state, model_, batch, top_k):
+        states.append((state, model_, batch))
+        return original_expand(state, model_, batch, top_k)
+
+    def replaying(expand, hidden, roots, root_children, settings):
+        tree, passes = original(expand, hidden, roots, root_children, settings)
+        state, model_, batch = states[-1]
         state.drop_drafts()
         for node in range(1, tree.num_nodes):
             path = [node]
@@ -67,6 +72,7 @@ def test_tree_scores_equal_chain_replay(monkeypatch):
             checked.append(len(path))
         return tree, passes
 
+    monkeypatch.setattr(eagle, "eager_expand", recording)
     monkeypatch.setattr(eagle, "grow_tree", replaying)
     run(model, make_prompts([9], seed=3), eagle_tree=EagleTree(total_tokens=64, depth=4, top_k=2))  # whole pools
     assert len(checked) > 20 and max(checked) == 4

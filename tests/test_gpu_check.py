@@ -25,7 +25,7 @@ def test_cpu_run_compares_default_and_eager_engines(load_benchmark, tmp_path):
     assert json.loads((tmp_path / "benchmarks/results/gpu_check.json").read_text())["device"] == "cpu"
     assert "| fp32 | False | 4/4 |" in (tmp_path / "docs/gpu_check.md").read_text()
     generate = result["generate"]
-    assert set(generate) == {"1", "2"} and all(g["identical"] for g in generate.values())
+    assert set(generate) == {"2"} and all(g["identical"] for g in generate.values())
     assert all(ms > 0 for g in generate.values() for ms in g["ms_per_token"].values())
     speculative = result["speculative"]
     assert speculative["identical"] and not speculative["errors"] and set(speculative["ms_per_token"]) == {

@@ -82,4 +82,4 @@ def test_eagle_compiled_rows_have_eos_off(load_benchmark):
                 assert kwargs["eos_token_id"] is None and kwargs["do_sample"] == (mode == "sampling")
                 assert kwargs["compile_config"].fullgraph
     rows = ["plain generate", "plain + compile", "hf_accel eagle", "hf_accel eagle tree", "hf_accel eagle + compile"]
-    assert names == {"greedy": rows, "sampling": rows}
+    assert names == {"greedy": [*rows, "hf_accel eagle tree + compile"], "sampling": rows}  # compiled trees: greedy

@@ -1,7 +1,8 @@
 """Tree verification over the block pool: `torch.ops.hf_accel.paged_tree_attention` (the C++ kernel with a
-`[seqs, n, n]` tree mask) and `decode_attention`'s tree rule (a GPU's, fixed shapes) both equal attention computed
+`[seqs, n, m]` tree mask) and `decode_attention`'s tree rule (a GPU's, fixed shapes) both equal attention computed
 naively node by node: each node sees the columns before its tree (within a sliding window measured from its depth)
-and its ancestors; grouped-query heads, soft-capping, fp32 and bf16, scattered blocks, ragged lengths."""
+and its ancestors; grouped-query heads, soft-capping, fp32 and bf16, scattered blocks, ragged lengths; the n nodes
+computed may be the last of a tree of m > n columns (a draft head growing a tree level by level)."""
 
 from __future__ import annotations
 
@@ -36,14 +37,14 @@ def naive(inputs, trees: torch.Tensor, window: int, softcap: float) -> torch.Ten
     kv_heads, _, block_size, _ = key_pool.shape
     for pool, fresh in ((key_pool, key), (value_pool, value)):
         pool.view(kv_heads, -1, dim)[:, slots] = fresh
-    seqs, num = trees.shape[:2]
+    seqs, num, width = trees.shape  # n nodes computed, tree of m columns
     out = torch.empty(tokens, heads, dim)
     for s in range(seqs):
-        base = int(lengths[s]) - num
+        base = int(lengths[s]) - width
         for i in range(num):
             depth = int(trees[s, i].sum()) - 1
             visible = [c for c in range(base) if window == 0 or c > base + depth - window]
-            visible += [base + j for j in range(num) if trees[s, i, j]]
+            visible += [base + j for j in range(width) if trees[s, i, j]]
             cols = torch.tensor(visible)
             slot = table[s, cols // block_size] * block_size + cols % block_size
             for h in range(heads):
@@ -77,6 +78,18 @@ def test_tree_attention_equals_the_naive_rule(rule, dtype, atol, heads, kv_heads
     assert torch.equal(values.view(kv_heads, -1, 32)[:, inputs[5]], inputs[2])
 
 
+@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("window", [0, 14])
+def test_nodes_of_a_wider_tree_see_their_ancestors_in_earlier_columns(rule, window):
+    if RULES[rule] is None:
+        pytest.skip("the paged attention kernel could not be built here")
+    num, width, lengths = 4, 11, [11, 23, 40]
+    trees = random_trees(len(lengths), width, seed=window)[:, width - num:]  # the newest nodes' rows: [seqs, n, m]
+    inputs = step_inputs(torch.float32, 8, 2, [num] * len(lengths), lengths, dim=32, block_size=8)
+    got = run(lambda *args: RULES[rule](*args, trees), inputs, window, 0.0)[0]
+    torch.testing.assert_close(got.float(), naive(inputs, trees, window, 0.0), atol=2e-5, rtol=2e-5)
+
+
 def test_a_chain_tree_is_plain_causal_attention():
     if kernel is None:
         pytest.skip("the paged attention kernel could not be built here")
@@ -94,9 +107,13 @@ def test_bad_tree_masks_are_refused():
     if kernel is None:
         pytest.skip("the paged attention kernel could not be built here")
     inputs = step_inputs(torch.float32, 4, 4, [3, 3], [5, 9])
-    with pytest.raises(RuntimeError, match=r"tree_mask must be \[seqs, n, n\]"):
-        run(lambda *args: kernel(*args, torch.ones(2, 3, 4, dtype=torch.bool)), inputs, 0, 0.0)
-    with pytest.raises(RuntimeError, match="every sequence computes the tree's n nodes"):
+    with pytest.raises(RuntimeError, match=r"tree_mask must be \[seqs, n, m\]"):
+        run(lambda *args: kernel(*args, torch.ones(3, 3, 4, dtype=torch.bool)), inputs, 0, 0.0)
+    with pytest.raises(RuntimeError, match="needs m >= n"):
+        run(lambda *args: kernel(*args, torch.ones(2, 3, 2, dtype=torch.bool)), inputs, 0, 0.0)
+    with pytest.raises(RuntimeError, match="every sequence computes n tree nodes"):
         run(lambda *args: kernel(*args, torch.ones(2, 2, 2, dtype=torch.bool)), inputs, 0, 0.0)
+    with pytest.raises(RuntimeError, match="holds the tree's m columns"):
+        run(lambda *args: kernel(*args, torch.ones(2, 3, 6, dtype=torch.bool)), inputs, 0, 0.0)
     with pytest.raises(RuntimeError, match="a window must be longer than the tree"):
         run(lambda *args: kernel(*args, torch.ones(2, 3, 3, dtype=torch.bool)), inputs, 3, 0.0)

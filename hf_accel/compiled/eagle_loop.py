@@ -45,6 +45,14 @@ def head_pass(model: PreTrainedModel, head: EagleHead, features: torch.Tensor, t
     """Row `r` writes `n` head entries (`features[r, i]`, `tokens[r, i]`), `[rows, n, F]` / `[rows, n]`, at
     positions `positions[r] + i` of the head's pool (`fuse`: F is the target's concatenated features, else the head's
     own output, F = H) -> the head's draft from its output at entry `pick[r]` of each row (`readout`)."""
+    hidden = picked_output(model, head, features, tokens, positions, kv, block_table, attend, pick, fuse)
+    return readout(model, head, hidden, warpers, do_sample)
+
+
+def picked_output(model: PreTrainedModel, head: EagleHead, features: torch.Tensor, tokens: torch.Tensor,
+                  positions: torch.Tensor, kv, block_table: torch.Tensor, attend: Callable, pick: torch.Tensor,
+                  fuse: bool) -> torch.Tensor:
+    """`head_pass`'s entries written -> the head's output at entry `pick[r]` of each row, `[rows, H]`."""
     rows, num = tokens.shape
     at = positions[:, None] + torch.arange(num, device=positions.device)  # [rows, n]
     slots = table_slots(block_table, at, kv.block_size).reshape(-1)
@@ -52,8 +60,7 @@ def head_pass(model: PreTrainedModel, head: EagleHead, features: torch.Tensor, t
     attention = StepAttention(kv, slots, block_table, query_start, positions + num, attend)
     out = head_entries(model, head, features.reshape(1, rows * num, -1), tokens.reshape(1, -1), at.reshape(1, -1),
                        attention, fuse)
-    hidden = out[0].view(rows, num, -1).gather(1, pick[:, None, None].expand(-1, 1, out.shape[-1]))[:, 0]
-    return readout(model, head, hidden, warpers, do_sample)
+    return out[0].view(rows, num, -1).gather(1, pick[:, None, None].expand(-1, 1, out.shape[-1]))[:, 0]
 
 
 def head_entries(model: PreTrainedModel, head: EagleHead, features: torch.Tensor, tokens: torch.Tensor,

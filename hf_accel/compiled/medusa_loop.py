@@ -12,7 +12,7 @@ outputs). A round, greedy:
 - the walk follows, from the root, the child whose token is the target's greedy choice at its parent; the row emits
   the accepted tokens and the target's choice after the last;
 - the accepted nodes' K/V move to slots `position + 1 ..` (`KVPool.move_slots`); rejected nodes' slots are
-  overwritten by later rounds.
+  overwritten by later rounds (`tree_paths.py`: the walk and the move, shared with compiled EAGLE-2 trees).
 Greedy output equals plain greedy `generate`, at any batch size (left-padded prompts are packed without their
 padding). Sampled calls decode eagerly (`speculative_entry.py` warns).
 """
@@ -36,6 +36,7 @@ from ..speculative.stats import SpeculativeStats
 from ..speculative.tree import MedusaTree, candidate_tokens
 from .speculation import TargetRounds
 from .step import compile_context, compiled_tree_verify_step, compiled_with
+from .tree_paths import greedy_paths, keep_paths
 
 
 def compiled_medusa_generate(model: PreTrainedModel, heads: MedusaHeads, trees: TreeChoice, input_ids: torch.Tensor,
@@ -88,15 +89,11 @@ class MedusaRounds:
         mask = tree.ancestors.to(device).expand(rows, -1, -1)
         predictions, hidden = self.verify(target.model, tokens, target.positions, tree.depths.to(device), mask,
                                           target.rows.kv, target.rows.block_table, self.attend)
-        chosen, proposed = predictions.tolist(), tokens.tolist()
-        paths = greedy_paths(tree, proposed, chosen)
+        proposed = tokens.tolist()
+        paths = greedy_paths([tree.children] * rows, proposed, predictions.tolist())
         active, remaining = target._active(), target.outputs.remaining
-        for r, path in enumerate(paths):
-            if active[r]:
-                target._emit(r, [proposed[r][node] for node in path[1:]] + [chosen[r][path[-1]]])
-        self._keep_paths(paths, active)
+        keep_paths(target, paths, proposed, predictions, active)
         last_nodes = torch.tensor([path[-1] for path in paths], device=device)
-        target.last = predictions.gather(1, last_nodes[:, None]).squeeze(1)
         self.hidden = hidden[torch.arange(rows, device=device), last_nodes]
         self._record(index, paths, active, remaining, time.perf_counter() - started)
 
@@ -109,18 +106,6 @@ class MedusaRounds:
         candidates = self.propose(self.heads, self.hidden, tree.candidate_heads.to(device),
                                   tree.candidate_ranks.to(device), tree.depth, tree.max_rank)
         return torch.cat([root, candidates], dim=1)
-
-    def _keep_paths(self, paths: list[list[int]], active: list[bool]) -> None:
-        """Move each generating row's accepted nodes to the slots after its root, and advance its position."""
-        target, pool = self.target, self.target.rows
-        bases = target.positions.tolist()
-        moves = [(r, bases[r] + node, bases[r] + i) for r, path in enumerate(paths) if active[r]
-                 for i, node in enumerate(path) if node != i]  # (row, from position, to position)
-        if moves:
-            row, source, dest = (torch.tensor(column, device=pool.device) for column in zip(*moves))
-            pool.kv.move_slots(pool.slots(row, source), pool.slots(row, dest))
-        moved = torch.tensor([len(path) if on else 0 for path, on in zip(paths, active)], device=pool.device)
-        target.positions = target.positions + moved
 
     def _record(self, index: int, paths: list[list[int]], active: list[bool], remaining: list[int],
                 seconds: float) -> None:
@@ -147,20 +132,3 @@ def propose(heads: MedusaHeads, hidden: torch.Tensor, candidate_heads: torch.Ten
     whole, the heads' weights frozen into the graph like the target's."""
     logits = heads(hidden.to(heads.lm_heads[0].weight.dtype), depth)  # [depth, rows, vocab]
     return candidate_tokens(logits, candidate_heads, candidate_ranks, depth, max_rank)
-
-
-def greedy_paths(tree: MedusaTree, tokens: list[list[int]], predictions: list[list[int]]) -> list[list[int]]:
-    """Each row's accepted path of node indices, root first: from the root, the child whose token is the target's
-    greedy choice at the current node, while one is (a node's children hold distinct tokens: distinct top-k ranks of
-    one head)."""
-    paths = []
-    for row_tokens, row_predictions in zip(tokens, predictions):
-        path = [0]
-        while True:
-            chosen = row_predictions[path[-1]]
-            child = next((c for c in tree.children[path[-1]] if row_tokens[c] == chosen), None)
-            if child is None:
-                break
-            path.append(child)
-        paths.append(path)
-    return paths

@@ -24,11 +24,13 @@ from ..speculative.ngram_proposer import NgramSettings
 from ..speculative.stats import SpeculativeStats
 from ..speculative.eagle import check_probability, eagle_generate
 from ..speculative.eagle_head import EagleHead
+from ..speculative.eagle_tree import EagleTree
 from ..speculative.medusa import medusa_generate, trees_for
 from ..speculative.medusa_heads import MedusaHeads
 from ..speculative.tree_cache import layer_groups
 from .draft_loop import compiled_draft_generate
 from .eagle_loop import compiled_eagle_generate
+from .eagle_tree_loop import compiled_eagle_tree_generate
 from .medusa_loop import compiled_medusa_generate
 from .ngram_loop import compiled_ngram_generate
 from .speculation import speculation_uncovered
@@ -94,15 +96,21 @@ def compiled_eagle_entry(model, input_ids, logits_processor, stopping_criteria, 
     head = options["eagle_head"]
     if not isinstance(head, EagleHead):  # the eager function raises the error that names the argument
         return eagle_generate(*args, **kwargs)
+    tree = options["eagle_tree"]
     reason = speculation_uncovered([model], generation_config, logits_processor, stopping_criteria, model_kwargs,
-                                   sampling=True)
-    if options["eagle_tree"] is not None:  # the compiled step's paged attention has no tree (ancestor) mask
-        reason = "`eagle_tree`: EAGLE-2 trees are verified eagerly"
+                                   sampling=tree is None)  # sampled trees: the eager loop's lossless walk
+    if reason is None and tree is not None:
+        reason = _tree_uncovered(model, tree.total_tokens + 1)
     if reason is not None:
         return _eagerly(eagle_generate, reason, args, kwargs)
     head.check_compatible(model)
     min_probability = check_probability(options["min_draft_probability"])
     stats = options["eagle_stats"] if options["eagle_stats"] is not None else SpeculativeStats()
+    if tree is not None:
+        if not isinstance(tree, EagleTree):  # the eager function raises the error that names the argument
+            return eagle_generate(*args, **kwargs)
+        return compiled_eagle_tree_generate(model, head, tree, input_ids, model_kwargs.get("attention_mask"),
+                                            generation_config, stats, options["hf_accel_streamer"])
     return compiled_eagle_generate(
         model, head, input_ids, model_kwargs.get("attention_mask"), generation_config,
         DraftLength(options["num_draft_tokens"], options["max_draft_tokens"]), min_probability, stats,
@@ -118,15 +126,23 @@ def compiled_medusa_entry(model, input_ids, logits_processor, stopping_criteria,
         return medusa_generate(*args, **kwargs)
     trees = trees_for(heads, options["medusa_tree"], options["medusa_adaptive"])
     reason = speculation_uncovered([model], generation_config, logits_processor, stopping_criteria, model_kwargs)
-    windows = [g.sliding_window for g in layer_groups(model.config) if g.sliding_window is not None]
-    if reason is None and any(window <= trees.whole.num_nodes for window in windows):
-        reason = f"sliding windows {windows} no longer than the tree ({trees.whole.num_nodes} nodes)"
+    if reason is None:
+        reason = _tree_uncovered(model, trees.whole.num_nodes)
     if reason is not None:
         return _eagerly(medusa_generate, reason, args, kwargs)
     heads.check_compatible(model)
     stats = options["medusa_stats"] if options["medusa_stats"] is not None else SpeculativeStats()
     return compiled_medusa_generate(model, heads, trees, input_ids, model_kwargs.get("attention_mask"),
                                     generation_config, stats, options["hf_accel_streamer"])
+
+
+def _tree_uncovered(model, num_nodes: int) -> str | None:
+    """Why a compiled tree verify of up to `num_nodes` nodes cannot run on `model` (the paged tree attention measures
+    windows from a node's depth, inside windows longer than the tree), or None."""
+    windows = [g.sliding_window for g in layer_groups(model.config) if g.sliding_window is not None]
+    if any(window <= num_nodes for window in windows):
+        return f"sliding windows {windows} no longer than the tree ({num_nodes} nodes)"
+    return None
 
 
 COMPILED_ENTRIES = {ngram_generate: compiled_ngram_entry, draft_generate: compiled_draft_entry,

@@ -70,14 +70,15 @@ def verify_features_step(model: PreTrainedModel, tokens: torch.Tensor, positions
 
 
 def tree_verify_step(model: PreTrainedModel, tokens: torch.Tensor, positions: torch.Tensor, depths: torch.Tensor,
-                     tree_mask: torch.Tensor, kv: KVPool, block_table: torch.Tensor,
-                     attend: Callable) -> tuple[torch.Tensor, torch.Tensor]:
+                     tree_mask: torch.Tensor, kv: KVPool, block_table: torch.Tensor, attend: Callable,
+                     feature_layers: tuple[int, ...] = (-1,)) -> tuple[torch.Tensor, torch.Tensor]:
     """Row `r` verifies a tree of `n` nodes, `tokens[r]` `[rows, n]` (node 0 its last token, ancestors before
     descendants), written to the `n` slots from `positions[r]` and computed at positions `positions[r] + depths`
-    (`depths` `[n]`), each node seeing the context and the nodes `tree_mask` `[rows, n, n]` allows -> greedy next
-    tokens `[rows, n]` and the last hidden states `[rows, n, H]` (what Medusa heads read). Rejected nodes' K/V stay
-    in their slots until a later step overwrites them; the accepted path is moved into place outside
-    (`KVPool.move_slots`)."""
+    (`depths` `[n]`, or `[rows, n]` for a tree per row), each node seeing the context and the nodes `tree_mask`
+    `[rows, n, n]` allows -> greedy next tokens `[rows, n]` and the hidden states `feature_layers` index in the
+    model's `output_hidden_states`, concatenated: `[rows, n, len(feature_layers) * H]` (the last: what Medusa heads
+    read; an EAGLE head's fused layers). Rejected nodes' K/V stay in their slots until a later step overwrites them;
+    the accepted path is moved into place outside (`KVPool.move_slots`)."""
     rows, num = tokens.shape
     columns = positions[:, None] + torch.arange(num, device=positions.device)  # [rows, n]
     slots = table_slots(block_table, columns, kv.block_size).reshape(-1)
@@ -86,7 +87,8 @@ def tree_verify_step(model: PreTrainedModel, tokens: torch.Tensor, positions: to
     out = model(input_ids=tokens.reshape(1, -1), position_ids=(positions[:, None] + depths).reshape(1, -1),
                 use_cache=False, output_hidden_states=True, hf_accel_step=attention)
     logits = out.logits[0].float().view(rows, num, -1)
-    return logits.argmax(dim=-1), out.hidden_states[-1][0].view(rows, num, -1)
+    features = torch.cat([out.hidden_states[i][0] for i in feature_layers], dim=-1)
+    return logits.argmax(dim=-1), features.view(rows, num, -1)
 
 
 def _verify_forward(model: PreTrainedModel, tokens: torch.Tensor, positions: torch.Tensor, kv: KVPool,

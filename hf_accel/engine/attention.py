@@ -37,8 +37,8 @@ class StepAttention:
     kv_lengths: torch.Tensor  # [seqs] tokens sequence s attends over, its queries the last of them
     attend: Callable[..., torch.Tensor]  # `paged_kernel`'s op or `gathered_attention` (same signature)
     full_window: int = 0  # > 0: the window of layers that have none of their own (compiled generate's sink cache)
-    # [seqs, n, n] bool: the step verifies a speculative tree per sequence (node i sees node j), and `attend` takes
-    # it as a last argument (`paged_tree_attention_kernel()`, `cuda_graphs.decode_attention`)
+    # [seqs, n, m] bool: each sequence computes n nodes of a speculative tree of its last m columns (node i sees tree
+    # column j), and `attend` takes it as a last argument (`paged_tree_attention_kernel()`, `decode_attention`)
     tree_mask: torch.Tensor | None = None
 
 

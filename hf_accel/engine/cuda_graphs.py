@@ -32,7 +32,8 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     packed tokens (1 for a decode, 1 + k for a speculative verify), sequence s the tokens `s * n .. s * n + n - 1`:
     `query` `[heads, seqs * n, dim]` -> `[seqs * n, heads, dim]`, with fixed shapes and no host synchronisation
     (capturable in a CUDA graph, traceable whole by the compiler). `query_start` is implied and not read.
-    With `tree_mask` `[seqs, n, n]` the n tokens are a tree's nodes (`paged_tree_attention`'s rule)."""
+    With `tree_mask` `[seqs, n, m]` the n tokens are nodes of a tree of the last m columns (`paged_tree_attention`'s
+    rule)."""
     heads, tokens, dim = query.shape
     seqs, kv_heads = block_table.shape[0], key_pool.shape[0]
     num = tokens // seqs
@@ -51,14 +52,15 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 def tree_query_mask(lengths: torch.Tensor, tree_mask: torch.Tensor, columns: int, window: int,
                     groups: int) -> torch.Tensor:
     """`query_mask` for trees: `[rows, 1, groups * n, columns]` True where node i of row r (at column `lengths[r] - n
-    + i`) may attend: the columns before the tree within `window` of its depth-based position, and the tree columns
-    `tree_mask[r, i]` allows."""
-    num = tree_mask.shape[-1]
+    + i`) may attend: the columns before the tree (its last m columns) within `window` of its depth-based position,
+    and the tree columns `tree_mask[r, i]` `[n, m]` allows."""
+    num = tree_mask.shape[-1]  # m
     base = (lengths - num)[:, None, None]  # [rows, 1, 1] the tree's first column
     cols = torch.arange(columns, device=lengths.device)
     offset = cols - base  # [rows, 1, columns] column relative to the tree
     in_tree = (offset >= 0) & (offset < num)
-    sees = tree_mask.bool().gather(2, offset.clamp(0, num - 1).expand(-1, num, -1))  # [rows, n, columns]
+    queries = tree_mask.shape[1]
+    sees = tree_mask.bool().gather(2, offset.clamp(0, num - 1).expand(-1, queries, -1))  # [rows, n, columns]
     before = offset < 0
     if window > 0:
         depth_position = base + tree_mask.sum(-1, keepdim=True) - 1  # [rows, n, 1]

@@ -75,7 +75,7 @@ def _built_kernel() -> Callable[..., torch.Tensor] | None:
 
 def paged_tree_attention_kernel() -> Callable[..., torch.Tensor] | None:
     """`torch.ops.hf_accel.paged_tree_attention` (a speculative tree's verify: the paged kernel's rule with a
-    `[seqs, n, n]` tree mask as a last argument; see the .cpp file), built with the paged kernel; None where that is
+    `[seqs, n, m]` tree mask as a last argument; see the .cpp file), built with the paged kernel; None where that is
     switched off or not buildable."""
     return None if paged_attention_kernel() is None else torch.ops.hf_accel.paged_tree_attention
 

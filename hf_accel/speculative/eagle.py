@@ -34,7 +34,7 @@ from .draft import Proposal
 from .draft_length import DraftLength
 from .eagle_draft import HeadState, new_head_state
 from .eagle_head import EagleHead
-from .eagle_tree import EagleTree, grow_tree
+from .eagle_tree import EagleTree, eager_expand, grow_tree, top_children
 from .loop import Decoding, GenerateCall
 from .medusa_walk import walk_tree
 from .stats import SpeculativeStats
@@ -201,7 +201,9 @@ def _propose(run: _Run, k: int) -> Proposal:
 def _tree_round(run: _Run) -> None:
     """Grow each row's EAGLE-2 tree, verify every tree in one target forward, walk it, keep the accepted paths."""
     batch, state = run.decoding.batch, run.head
-    tree, passes = grow_tree(state, run.model, batch, state.catch_up(run.model, batch), run.tree)
+    hidden, k = state.catch_up(run.model, batch), run.tree.top_k
+    tree, passes = grow_tree(eager_expand(state, run.model, batch, k), hidden, batch.columns[:, -1],
+                             top_children(run.model, state.head, hidden, k), run.tree)
     state.drop_drafts()
     out = run.model(input_ids=tree.tokens, position_ids=batch.positions[:, -1:] + tree.depths,
                     attention_mask=tree_masks(run.cache, run.groups, tree, batch.mask.bool(), run.model.dtype),

@@ -21,12 +21,14 @@ as plain decoding would, then follows the child holding it) is exact for greedy 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedModel
 
 from .eagle_draft import HeadState
+from .eagle_head import EagleHead
 from .ragged_batch import RaggedBatch
 
 
@@ -95,23 +97,37 @@ class _Pool:
         return start
 
 
-def grow_tree(state: HeadState, model: PreTrainedModel, batch: RaggedBatch, hidden: torch.Tensor,
+# one level of growth: (features [batch, k, H], tokens [batch, k], level index i for nodes at depth i + 1, visible
+# [batch, k, m] bool over the level's and earlier levels' entries) -> (the entries' outputs [batch, k, H], and each
+# entry's top_k children: log probabilities [batch, k, top_k] and tokens [batch, k, top_k])
+Expand = Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+def top_children(model: PreTrainedModel, head: EagleHead, hidden: torch.Tensor,
+                 top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `top_k` best next tokens from the head's outputs `hidden` `[..., H]` -> their log probabilities and the
+    tokens, `[..., top_k]` each."""
+    return torch.log_softmax(head.logits(model, hidden), dim=-1).topk(top_k, dim=-1)
+
+
+def grow_tree(expand: Expand, hidden: torch.Tensor, roots: torch.Tensor, root_children: tuple[torch.Tensor, torch.Tensor],
               settings: EagleTree) -> tuple[DraftTree, int]:
-    """Grow each row's tree from the head's output at its root, `hidden` `[batch, H]`; returns the tree (the root
-    token first: the batch's newest column) and the number of head passes run (the catch-up's not counted)."""
-    k, head = settings.top_k, state.head
-    scores, tokens = torch.log_softmax(head.logits(model, hidden), dim=-1).topk(k, dim=-1)  # [batch, k]
+    """Grow each row's tree from the head's output at its root, `hidden` `[batch, H]`, whose `top_k` children
+    `root_children` (log probabilities, tokens: `[batch, k]`) are depth 1, one `expand` per deeper level; returns the
+    tree (rooted at `roots` `[batch]`, each row's newest token) and the number of head passes run (the catch-up's
+    not counted)."""
+    k = settings.top_k
+    scores, tokens = root_children
     pool = _Pool(tokens, scores, torch.full_like(tokens, -1), torch.ones_like(tokens))
     features = hidden[:, None].expand(-1, k, -1)  # each expanded node's entry reads its parent's output
     indices = torch.arange(k, device=tokens.device).expand_as(tokens)  # pool indices of the expanded nodes
     visible = torch.eye(k, dtype=torch.bool, device=tokens.device).expand(tokens.shape[0], k, k)
     for level in range(1, settings.depth):
-        out = state.tree_step(model, batch, features, tokens, level - 1, visible)  # [batch, k, H]
-        child_scores, child_tokens = torch.log_softmax(head.logits(model, out), dim=-1).topk(k, dim=-1)
+        out, child_scores, child_tokens = expand(features, tokens, level - 1, visible)  # [batch, k, H / k]
         child_scores = (scores[:, :, None] + child_scores).flatten(1)  # [batch, k * k], parent-major
         start = pool.add(child_tokens.flatten(1), child_scores, indices.repeat_interleave(k, dim=1), level + 1)
         if level + 1 == settings.depth or _settled(pool, child_scores, settings.total_tokens):
-            return _tree_from_pool(pool, batch.columns[:, -1], settings.total_tokens), level
+            return _tree_from_pool(pool, roots, settings.total_tokens), level
         pick = child_scores.topk(k, dim=-1).indices  # [batch, k]: the level's best nodes, expanded next
         parent = pick // k  # which of this pass's entries each one's parent is
         features = out.gather(1, parent[..., None].expand(-1, -1, out.shape[-1]))
@@ -119,7 +135,17 @@ def grow_tree(state: HeadState, model: PreTrainedModel, batch: RaggedBatch, hidd
         indices = start + pick
         ancestors = visible.gather(1, parent[..., None].expand(-1, -1, visible.shape[-1]))
         visible = torch.cat([ancestors, torch.eye(k, dtype=torch.bool, device=tokens.device).expand(len(pick), k, k)], 2)
-    return _tree_from_pool(pool, batch.columns[:, -1], settings.total_tokens), 0  # depth 1: no pass
+    return _tree_from_pool(pool, roots, settings.total_tokens), 0  # depth 1: no pass
+
+
+def eager_expand(state: HeadState, model: PreTrainedModel, batch: RaggedBatch, top_k: int) -> Expand:
+    """`grow_tree`'s level step for the eager loop: the head's entries appended to its DynamicCache
+    (`HeadState.tree_step`), their children read out eagerly."""
+    def expand(features: torch.Tensor, tokens: torch.Tensor, index: int, visible: torch.Tensor):
+        out = state.tree_step(model, batch, features, tokens, index, visible)
+        return out, *top_children(model, state.head, out, top_k)
+
+    return expand
 
 
 def _settled(pool: _Pool, newest: torch.Tensor, total_tokens: int) -> bool:

@@ -15,10 +15,12 @@
 // window w > 0, c > p - w (transformers' sliding rule). With softcap > 0 the scores are tanh-capped as Gemma 2 does.
 // Accumulation is in fp32 whatever the storage dtype.
 //
-// paged_tree_attention: the same, for a speculative tree verify. Every sequence computes n packed tokens, the nodes
-// of a tree (ancestors first) written to its last n columns, and takes one more argument:
-// tree_mask   [seqs, n, n] bool         node i sees node j; each row holds the node's ancestors and itself
-// Node i attends to the columns before its tree and to the tree columns its row allows. Its position is the tree's
+// paged_tree_attention: the same, for a speculative tree. Every sequence computes n packed tokens, nodes of a tree
+// written to its last n columns; the tree is its last m >= n columns (m > n: nodes written by earlier steps, as when
+// a draft head grows a tree level by level), ancestors before descendants. One more argument:
+// tree_mask   [seqs, n, m] bool         node i (column length - n + i) sees tree column j; each row holds the node's
+//                                       ancestors and itself
+// Node i attends to the columns before the tree and to the tree columns its row allows. Its position is the tree's
 // first column plus its depth (its row's count minus one), which is what a window is measured from.
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -81,8 +83,9 @@ struct Layout {
   int64_t pool_head_stride;               // num_blocks * block_size * dim
   float scale, softcap;
   int64_t window;
-  const uint8_t* tree = nullptr;  // paged_tree_attention's mask [seqs, n, n], else null
-  int64_t tree_nodes = 0;         // n
+  const uint8_t* tree = nullptr;  // paged_tree_attention's mask [seqs, n, m], else null
+  int64_t tree_queries = 0;       // n
+  int64_t tree_columns = 0;       // m
 };
 
 // One task: kv head `kvh` of sequence `seq`, its queries `first_query` .. `last_query` (exclusive) of `num_queries`.
@@ -312,17 +315,17 @@ void accumulate_values(const Layout& l, const float* weights, int64_t num_q, int
 }
 
 // Softmax of each row of `scores` over its allowed columns (zero elsewhere); row j is query position `position(j)`.
-// With a tree (`sees`: sequence's mask [n, n], node i at column tree_base + i) the tree columns a node may see are its
-// row's, and its window starts from its depth.
+// With a tree (`sees`: sequence's mask [n, m]; node i at column query_base + i, tree column j at tree_base + j) the
+// tree columns a node may see are its row's, and its window starts from its depth.
 void softmax_rows(const Layout& l, float* scores, int64_t num_q, int64_t columns, int64_t num_positions,
-                  int64_t first_position, const uint8_t* sees, int64_t tree_base) {
+                  int64_t first_position, const uint8_t* sees, int64_t tree_base, int64_t query_base) {
   for (int64_t j = 0; j < num_q; ++j) {
     const int64_t position = first_position + j % num_positions;
-    const uint8_t* row = sees == nullptr ? nullptr : sees + (position - tree_base) * l.tree_nodes;
+    const uint8_t* row = sees == nullptr ? nullptr : sees + (position - query_base) * l.tree_columns;
     int64_t depth = position;  // a node's depth-based position
     if (row != nullptr) {
       depth = tree_base - 1;
-      for (int64_t c = 0; c < l.tree_nodes; ++c) depth += row[c] != 0;
+      for (int64_t c = 0; c < l.tree_columns; ++c) depth += row[c] != 0;
     }
     const int64_t first = l.window > 0 ? std::max<int64_t>(depth - l.window + 1, 0) : 0;
     float* w = scores + j * columns;
@@ -363,8 +366,9 @@ void attend_task(const Layout& l, const Task& task, const scalar_t* query, const
     }
   float* scores = s.scores.data();
   score_columns<scalar_t>(l, q, num_q, key_pool + pool_offset, blocks, columns, s, scores);
-  const uint8_t* sees = l.tree == nullptr ? nullptr : l.tree + task.seq * l.tree_nodes * l.tree_nodes;
-  softmax_rows(l, scores, num_q, columns, num_positions, first_position, sees, length - num_queries);
+  const uint8_t* sees = l.tree == nullptr ? nullptr : l.tree + task.seq * l.tree_queries * l.tree_columns;
+  softmax_rows(l, scores, num_q, columns, num_positions, first_position, sees, length - l.tree_columns,
+               length - num_queries);
   float* acc = s.acc.data();
   accumulate_values<scalar_t>(l, scores, num_q, columns, value_pool + pool_offset, blocks, s, acc);
   for (int64_t g = 0; g < l.groups; ++g)
@@ -424,15 +428,17 @@ at::Tensor attend_pool(const at::Tensor& query, const at::Tensor& key, const at:
                 num_blocks * block_size * dim, static_cast<float>(scale), static_cast<float>(softcap), window};
   at::Tensor tree;
   if (tree_mask != nullptr) {
-    const int64_t n = tree_mask->size(-1);
-    TORCH_CHECK(tree_mask->dim() == 3 && tree_mask->size(0) == seqs && tree_mask->size(1) == n,
-                "tree_mask must be [seqs, n, n]");
+    TORCH_CHECK(tree_mask->dim() == 3 && tree_mask->size(0) == seqs, "tree_mask must be [seqs, n, m]");
+    const int64_t n = tree_mask->size(1), m = tree_mask->size(2);
+    TORCH_CHECK(m >= n, "tree_mask [seqs, n, m] needs m >= n: the n nodes are the tree's last columns");
     for (int64_t s = 0; s < seqs; ++s)
-      TORCH_CHECK(start_data[s + 1] - start_data[s] == n, "every sequence computes the tree's n nodes");
-    TORCH_CHECK(window == 0 || window > n, "a window must be longer than the tree");
+      TORCH_CHECK(start_data[s + 1] - start_data[s] == n && len_data[s] >= m,
+                  "every sequence computes n tree nodes and holds the tree's m columns");
+    TORCH_CHECK(window == 0 || window > m, "a window must be longer than the tree");
     tree = tree_mask->to(at::kByte).contiguous();
     layout.tree = tree.data_ptr<uint8_t>();
-    layout.tree_nodes = n;
+    layout.tree_queries = n;
+    layout.tree_columns = m;
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "paged_attention", [&] {
     write_new_tokens<scalar_t>(key, key_pool, slot_data, tokens);
