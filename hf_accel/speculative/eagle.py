@@ -14,7 +14,7 @@ head's confidence predicts acceptance). With `eagle_tree=hf_accel.EagleTree(...)
 dynamic tree per row (`eagle_tree.py`) and verifies it with the Medusa tree machinery (tree masks, the walk, keeping
 the accepted path). With `compile_config` in the generation config, greedy calls and calls
 sampling with temperature / top-k / top-p / min-p only run compiled instead (`hf_accel/compiled/eagle_loop.py`, on
-CPU too; their output's `past_key_values` is None).
+CPU too; their output's `past_key_values` is None); greedy trees too (`hf_accel/compiled/eagle_tree_loop.py`).
 """
 
 from __future__ import annotations
@@ -87,7 +87,8 @@ def eagle_generate(
             in every generating row (the head's confidence predicts acceptance; 0 drafts the whole k), in [0, 1).
         eagle_tree: an `EagleTree` to draft EAGLE-2 dynamic trees instead of chains (`num_draft_tokens`,
             `max_draft_tokens` and `min_draft_probability` then do not apply). Needs a DynamicCache or, at batch
-            size 1, the paged cache; runs eagerly under `compile_config`.
+            size 1, the paged cache; under `compile_config` greedy trees run compiled at any batch size
+            (`hf_accel/compiled/eagle_tree_loop.py`), sampled ones eagerly.
         eagle_stats: a `SpeculativeStats` to add this call's counters to (`num_draft_forwards`: head passes).
         tokenizer: needed by `stop_strings` (generate hands it only to callables that name it).
         hf_accel_streamer: the `streamer=` of `generate` (hf_accel's registry forwards it under this name).
