@@ -2,7 +2,7 @@
 greedy token for token at batch 1 and in ragged batches, DynamicCache and paged cache, full and sliding-window
 layers; every tree node's score equals the head's chain replay of its path (the tree entries' masks and positions are
 exact); the pool's rerank keeps trees prefix-closed; a trained head gets more tokens per target forward from a tree
-than from chains; compile_config warns and decodes eagerly; bad input. Sampling: test_eagle_sampling.py."""
+than from chains; bad input (compiled trees: test_compiled_eagle_tree.py). Sampling: test_eagle_sampling.py."""
 
 import pytest
 import torch
@@ -115,16 +115,6 @@ def test_trees_accept_more_per_forward_than_chains():
         assert torch.equal(got, expected), name
         found[name] = stats.tokens_per_forward
     assert found["tree"] > found["chain"] + 0.2, found
-
-
-def test_compile_config_decodes_eagerly():
-    from transformers import CompileConfig
-
-    model = model_for("llama")
-    inputs = make_prompts([9], seed=1)
-    with pytest.warns(UserWarning, match="eagle_tree"):
-        got = run(model, inputs, eagle_tree=TREE, compile_config=CompileConfig(fullgraph=True))
-    assert torch.equal(got, run(model, inputs, eagle=False))
 
 
 def test_bad_input():

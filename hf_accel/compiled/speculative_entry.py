@@ -97,6 +97,8 @@ def compiled_eagle_entry(model, input_ids, logits_processor, stopping_criteria, 
     if not isinstance(head, EagleHead):  # the eager function raises the error that names the argument
         return eagle_generate(*args, **kwargs)
     tree = options["eagle_tree"]
+    if tree is not None and not isinstance(tree, EagleTree):  # the eager function raises the error naming it
+        return eagle_generate(*args, **kwargs)
     reason = speculation_uncovered([model], generation_config, logits_processor, stopping_criteria, model_kwargs,
                                    sampling=tree is None)  # sampled trees: the eager loop's lossless walk
     if reason is None and tree is not None:
@@ -107,8 +109,6 @@ def compiled_eagle_entry(model, input_ids, logits_processor, stopping_criteria, 
     min_probability = check_probability(options["min_draft_probability"])
     stats = options["eagle_stats"] if options["eagle_stats"] is not None else SpeculativeStats()
     if tree is not None:
-        if not isinstance(tree, EagleTree):  # the eager function raises the error that names the argument
-            return eagle_generate(*args, **kwargs)
         return compiled_eagle_tree_generate(model, head, tree, input_ids, model_kwargs.get("attention_mask"),
                                             generation_config, stats, options["hf_accel_streamer"])
     return compiled_eagle_generate(
