@@ -21,7 +21,7 @@ the eager loop does; the entry tokens are then the sampled tokens, accepted draf
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -165,15 +165,22 @@ def compiled_eagle_generate(model: PreTrainedModel, head: EagleHead, input_ids: 
     pool = pool_for(head, target.prompts, target.outputs.max_new_tokens, length.max_tokens, config, layer_config)
     step = compiled_head_pass(config.compile_config, head, model)
     rounds = HeadRounds(model, head, pool, target.attends.verify, step, min_probability, warpers, target.do_sample)
-    with contextlib.ExitStack() as stack:
-        for entered in (paged_attention_implementation(model), head.attention_implementation(ATTENTION_NAME),
-                        compile_context(target.rows.device, config.compile_config)):
-            stack.enter_context(entered)
+    with head_contexts(model, head, target.rows.device, config.compile_config):
         sequences = target.run(lambda: _round(target, rounds, length), lambda: rounds.start(
             target.prompts, target.last, target.features))
     if not config.return_dict_in_generate:
         return sequences
     return GenerateDecoderOnlyOutput(sequences=sequences, past_key_values=None)
+
+
+@contextlib.contextmanager
+def head_contexts(model: PreTrainedModel, head: EagleHead, device: torch.device,
+                  config: CompileConfig) -> Iterator[None]:
+    """Around a compiled EAGLE loop: the target's and the head's attention through the paged pools, and the
+    compile settings (`step.compile_context`)."""
+    with paged_attention_implementation(model), head.attention_implementation(ATTENTION_NAME), \
+            compile_context(device, config):
+        yield
 
 
 def _round(target: TargetRounds, head: HeadRounds, length: DraftLength) -> None:

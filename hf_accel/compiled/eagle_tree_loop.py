@@ -22,7 +22,6 @@ Greedy output equals plain greedy `generate`, at any batch size. Sampled calls d
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -30,17 +29,14 @@ from transformers import GenerationConfig, PreTrainedModel
 from transformers.generation.streamers import BaseStreamer
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from ..engine.attention import ATTENTION_NAME, StepAttention
-from ..engine.cuda_graphs import decode_attention
-from ..engine.paged_kernel import paged_tree_attention_kernel
-from ..engine.step_forward import paged_attention_implementation
+from ..engine.attention import StepAttention
 from ..speculative.eagle_head import EagleHead
 from ..speculative.eagle_tree import EagleTree, grow_tree, top_children
 from ..speculative.stats import SpeculativeStats
-from .eagle_loop import HeadRounds, compiled_head_pass, head_entries, picked_output
+from .eagle_loop import HeadRounds, compiled_head_pass, head_contexts, head_entries, picked_output
 from .paged_rows import table_slots
 from .speculation import TargetRounds, pool_for
-from .step import compile_context, compiled_tree_verify_step, compiled_with
+from .step import compiled_tree_verify_step, compiled_with
 from .tree_paths import children_lists, greedy_paths, keep_paths
 
 
@@ -87,10 +83,7 @@ def compiled_eagle_tree_generate(model: PreTrainedModel, head: EagleHead, settin
     compile_config = config.compile_config
     heads = HeadRounds(model, head, pool, target.attends.verify, compiled_head_pass(compile_config, head, model), 0.0)
     rounds = TreeRounds(target, heads, settings)
-    with contextlib.ExitStack() as stack:
-        for entered in (paged_attention_implementation(model), head.attention_implementation(ATTENTION_NAME),
-                        compile_context(target.rows.device, compile_config)):
-            stack.enter_context(entered)
+    with head_contexts(model, head, target.rows.device, compile_config):
         sequences = target.run(rounds.step, rounds.start)
     if not config.return_dict_in_generate:
         return sequences
@@ -111,15 +104,12 @@ class TreeRounds:
     level: object = field(init=False)
     catch_up: object = field(init=False)
     verify: object = field(init=False)
-    tree_attend: object = field(init=False)
 
     def __post_init__(self) -> None:
         config, model, head = self.target.config.compile_config, self.target.model, self.heads.head
         self.level = compiled_with(config, head, tree_level_pass, companions=(model,))
         self.catch_up = compiled_with(config, head, tree_catch_up, companions=(model,))
         self.verify = compiled_tree_verify_step(config, model)
-        device = self.target.rows.device
-        self.tree_attend = (paged_tree_attention_kernel() if device.type == "cpu" else None) or decode_attention
 
     def start(self) -> None:
         """After the prefill: the head's entries over the prompts, and the first roots' children."""
@@ -133,7 +123,7 @@ class TreeRounds:
         target, start = self.target, self.target.positions
         tree, passes = grow_tree(self._expand, self.hidden, target.last, self.children, self.settings)
         predictions, features = self.verify(target.model, tree.tokens, start, tree.depths, tree.ancestors,
-                                            target.rows.kv, target.rows.block_table, self.tree_attend,
+                                            target.rows.kv, target.rows.block_table, target.attends.tree,
                                             target.feature_layers)
         proposed = tree.tokens.tolist()
         paths = greedy_paths(children_lists(tree.child_table), proposed, predictions.tolist())
@@ -149,7 +139,7 @@ class TreeRounds:
         """`grow_tree`'s level step: the compiled `tree_level_pass` over the head's pool."""
         target, heads = self.target, self.heads
         return self.level(target.model, heads.head, features, tokens, target.positions, target.positions + index,
-                          visible.contiguous(), heads.pool.kv, heads.pool.block_table, self.tree_attend,
+                          visible.contiguous(), heads.pool.kv, heads.pool.block_table, target.attends.tree,
                           self.settings.top_k)
 
     def _read_paths(self, paths: list[list[int]], proposed: list[list[int]], last: list[int],

@@ -27,8 +27,6 @@ from transformers import GenerationConfig, PreTrainedModel
 from transformers.generation.streamers import BaseStreamer
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from ..engine.cuda_graphs import decode_attention
-from ..engine.paged_kernel import paged_tree_attention_kernel
 from ..engine.step_forward import paged_attention_implementation
 from ..speculative.medusa import TreeChoice
 from ..speculative.medusa_heads import MedusaHeads
@@ -65,14 +63,11 @@ class MedusaRounds:
     hidden: torch.Tensor | None = None
     verify: object = field(init=False)
     propose: object = field(init=False)
-    attend: object = field(init=False)
 
     def __post_init__(self) -> None:
         config = self.target.config.compile_config
         self.verify = compiled_tree_verify_step(config, self.target.model)
         self.propose = compiled_with(config, self.heads, propose)
-        device = self.target.rows.device
-        self.attend = (paged_tree_attention_kernel() if device.type == "cpu" else None) or decode_attention
 
     def start(self) -> None:
         """After the prefill: each row's hidden state at its last prompt token (the packed features)."""
@@ -88,7 +83,7 @@ class MedusaRounds:
         rows, device = tokens.shape[0], tokens.device
         mask = tree.ancestors.to(device).expand(rows, -1, -1)
         predictions, hidden = self.verify(target.model, tokens, target.positions, tree.depths.to(device), mask,
-                                          target.rows.kv, target.rows.block_table, self.attend)
+                                          target.rows.kv, target.rows.block_table, target.attends.tree)
         proposed = tokens.tolist()
         paths = greedy_paths([tree.children] * rows, proposed, predictions.tolist())
         active, remaining = target._active(), target.outputs.remaining

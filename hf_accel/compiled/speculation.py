@@ -32,7 +32,7 @@ from ..cache.kv_shape import FULL_AND_SLIDING, KVShape
 from ..cache.paged_config import PagedCacheConfig
 from ..engine.attention import gathered_attention, register_attention
 from ..engine.cuda_graphs import decode_attention
-from ..engine.paged_kernel import paged_attention_kernel
+from ..engine.paged_kernel import paged_attention_kernel, paged_tree_attention_kernel
 from ..speculative.stats import SpeculativeStats
 from ..speculative.verify import Verdict, greedy_accept, speculative_sample
 from .paged_rows import PagedRows, unpadded_prompts
@@ -74,18 +74,22 @@ def speculation_uncovered(models: list[PreTrainedModel], config: GenerationConfi
 
 @dataclass(slots=True)
 class Attends:
-    """The attention rule per kind of forward: the CPU kernel for all; elsewhere (a GPU) the gathered one for the
-    eager prefill and the fixed-shape one (`n` queries per row, traceable whole) for the compiled steps."""
+    """The attention rule per kind of forward: the CPU kernel for all (its tree variant for trees); elsewhere (a GPU)
+    the gathered one for the eager prefill and the fixed-shape one (`n` queries per row, traceable whole, with its
+    tree rule) for the compiled steps."""
 
     prefill: object
     decode: object
     verify: object
+    tree: object  # a speculative tree's forwards (a `[rows, n, m]` tree mask as a last argument)
 
     @classmethod
     def for_device(cls, device: torch.device) -> Attends:
         register_attention()
         kernel = paged_attention_kernel() if device.type == "cpu" else None
-        return cls(kernel or gathered_attention, kernel or decode_attention, kernel or decode_attention)
+        tree = paged_tree_attention_kernel() if kernel is not None else None
+        return cls(kernel or gathered_attention, kernel or decode_attention, kernel or decode_attention,
+                   tree or decode_attention)
 
 
 def pool_for(model: PreTrainedModel | nn.Module, prompts: list[torch.Tensor], max_new_tokens: int, lookahead: int,
