@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from hf_accel.engine.attention import gathered_attention
-from hf_accel.engine.paged_kernel import build_directory, paged_attention_kernel
+from hf_accel.engine.paged_kernel import _exclusive, build_directory, paged_attention_kernel
 
 kernel = paged_attention_kernel()
 pytestmark = pytest.mark.skipif(kernel is None, reason="the paged attention kernel could not be built here")
@@ -103,11 +103,16 @@ def test_engine_tokens_equal_with_and_without_the_kernel(arch, monkeypatch):
 def test_a_build_lock_left_by_a_killed_process_does_not_hang_the_next_one():
     """torch's build takes a lock file and waits, forever, while one exists; a process killed mid-build leaves it
     behind. The kernel builds under an OS lock instead, so a later process finds that file stale and removes it."""
-    stale = build_directory() / "lock"
-    stale.write_text("")
+    build = build_directory()
+    stale, os_lock = build / "lock", build.parent / f"{build.name}.lock"
+    # under the OS lock, as the kernel's loader holds it: no other process of the suite is loading the kernel (whose
+    # torch lock file exists while it loads) when the stale file is written or looked for
+    with _exclusive(os_lock):
+        stale.write_text("")
     try:
         code = "from hf_accel.engine.paged_kernel import paged_attention_kernel; assert paged_attention_kernel()"
         subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
-        assert not stale.exists()
+        with _exclusive(os_lock):
+            assert not stale.exists()
     finally:
         stale.unlink(missing_ok=True)
