@@ -109,15 +109,20 @@ def make_model(arch: str, dtype: torch.dtype, attn_implementation: str) -> PreTr
 
 
 def weights_packed_while(action: Callable[[], Any]) -> tuple[Any, int]:
-    """`action()` with inductor's caches off (a cache hit skips the pass that packs weights) -> its result and how
-    many Linear weights inductor's freezing packed for oneDNN meanwhile."""
+    """`action()` with inductor's caches off (a cache hit skips the passes that pack weights) -> its result and how
+    many Linear weights were packed meanwhile, for oneDNN by inductor's freezing or into panels by hf_accel's pass
+    (`engine/packed_linears.py`)."""
     import torch._dynamo.utils as dynamo_utils
 
-    before = dynamo_utils.counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"]
+    def count() -> int:
+        return (dynamo_utils.counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"]
+                + dynamo_utils.counters["hf_accel"]["packed_linears"])
+
+    before = count()
     with torch._inductor.config.patch(fx_graph_cache=False), \
             torch._functorch.config.patch(enable_autograd_cache=False):
         result = action()
-    return result, dynamo_utils.counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"] - before
+    return result, count() - before
 
 
 @functools.lru_cache(maxsize=None)

@@ -168,7 +168,7 @@ def test_verify_step_gives_the_greedy_token_after_each_candidate_and_rolls_back_
     verify = compiled_verify_step(COMPILE, model)
     attend = paged_attention_kernel() or gathered_attention
     rounds = [torch.randint(3, 100, (2, 5), generator=torch.Generator().manual_seed(seed)) for seed in (1, 2)]
-    with torch.no_grad(), paged_attention_implementation(model), compile_context(rows.device, COMPILE):
+    with torch.no_grad(), paged_attention_implementation(model), compile_context(rows.device, COMPILE, model.dtype):
         inputs = rows.prefill(prompts, attend)
         model(input_ids=inputs.tokens, position_ids=inputs.positions, use_cache=False, hf_accel_step=inputs.attention)
         # the second round starts at the same positions: it overwrites the first one's K/V
@@ -192,7 +192,7 @@ def test_dynamo_limits_reached_elsewhere_do_not_stop_compiled_generate():
 
 
 def test_graphs_freeze_packed_weights_and_changed_weights_get_new_graphs():
-    # on CPU the graphs hold each Linear's weight packed for oneDNN (inductor's freezing); a fine-tune step, a loaded
+    # on CPU the graphs hold each Linear's weight packed (inductor's freezing, hf_accel's panels); a fine-tune step, a loaded
     # state dict or any in-place change between calls must reach the next call
     model = copy.deepcopy(make_model("llama", torch.float32, "sdpa"))  # its weights change: not the shared one
     inputs = make_prompts([6, 11], seed=3)

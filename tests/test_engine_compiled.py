@@ -105,7 +105,7 @@ def test_many_engines_in_one_process_all_compile():
 
 
 def test_the_compiled_engine_packs_its_weights_and_a_new_engine_sees_changed_ones():
-    # inductor's freezing packs each Linear's weight for oneDNN when the engine is built (a copy); weights changed
+    # the engine's graphs pack each Linear's weight when the engine is built (a copy); weights changed
     # in place afterwards need a new engine, which must not reuse the first one's graph
     model = copy.deepcopy(make_model("llama", torch.float32, "sdpa"))  # its weights change: not the shared one
     prompts = random_prompts(LENGTHS[:3], seed=7)

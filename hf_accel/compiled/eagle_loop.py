@@ -179,7 +179,7 @@ def head_contexts(model: PreTrainedModel, head: EagleHead, device: torch.device,
     """Around a compiled EAGLE loop: the target's and the head's attention through the paged pools, and the
     compile settings (`step.compile_context`)."""
     with paged_attention_implementation(model), head.attention_implementation(ATTENTION_NAME), \
-            compile_context(device, config):
+            compile_context(device, config, model.dtype):
         yield
 
 

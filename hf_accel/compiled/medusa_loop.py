@@ -45,7 +45,7 @@ def compiled_medusa_generate(model: PreTrainedModel, heads: MedusaHeads, trees: 
     target = TargetRounds(model, input_ids, attention_mask, config, trees.whole.num_nodes - 1, stats, streamer,
                           feature_layers=(-1,))
     rounds = MedusaRounds(target, heads, trees)
-    with paged_attention_implementation(model), compile_context(target.rows.device, config.compile_config):
+    with paged_attention_implementation(model), compile_context(target.rows.device, config.compile_config, model.dtype):
         sequences = target.run(rounds.step, rounds.start)
     if not config.return_dict_in_generate:
         return sequences

@@ -151,13 +151,14 @@ def inductor_mode(mode: str | None) -> str | None:
 
 
 @contextlib.contextmanager
-def compile_context(device: torch.device, config: CompileConfig) -> Iterator[None]:
-    """Around a decode loop on `device`: sizes that happen to be equal when traced stay separate symbols (duck
-    shaping off), dynamo's recompile limits are raised (`recompile_limits`: a long session compiles more than
-    dynamo's default total), and on CPU graphs compiled here freeze the weights (inductor's `freezing`: each Linear
-    runs oneDNN's matmul over a weight packed once, a copy kept with the graph; MKL's sgemm on the weights as they lie
-    made a 5-token verify forward 1.6x a decode step, 1.07x frozen), unless `config.options` says
-    `"freezing": False`."""
+def compile_context(device: torch.device, config: CompileConfig, dtype: torch.dtype) -> Iterator[None]:
+    """Around a decode loop of a `dtype` model on `device`: sizes that happen to be equal when traced stay separate
+    symbols (duck shaping off), dynamo's recompile limits are raised (`recompile_limits`: a long session compiles
+    more than dynamo's default total), and on CPU graphs compiled here freeze the weights (inductor's `freezing`: each
+    Linear runs over a weight packed once, a copy kept with the graph: fp32 ones through hf_accel's kernel for a few
+    rows, `engine/packed_linears.py`, others through oneDNN; MKL's sgemm on the weights as they lie made a 5-token
+    verify forward 1.6x a decode step), unless `config.options` says `"freezing": False`."""
     freeze = device.type == "cpu" and (config.options or {}).get("freezing", True)
-    with symbolic_config.patch(use_duck_shape=False), recompile_limits(), freezing(freeze):
+    with symbolic_config.patch(use_duck_shape=False), recompile_limits(), \
+            freezing(freeze, packed_linears=dtype == torch.float32):
         yield

@@ -117,7 +117,7 @@ class EagleProposer:
                                   companions=(self.model,))
         self.compiled = True
         try:
-            with recompile_limits(), freezing(True), torch.inference_mode():
+            with recompile_limits(), freezing(True, packed_linears=self.head.dtype == torch.float32), torch.inference_mode():
                 self._trace_both_graphs(device)
         except Exception as error:
             warnings.warn(f"hf_accel: compiling the EAGLE head's pass failed ({type(error).__name__}: "

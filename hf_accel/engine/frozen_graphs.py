@@ -20,6 +20,8 @@ import torch
 import torch._inductor.config as inductor_config
 from torch import nn
 
+from .packed_linears import settings as packed_linear_settings
+
 
 @dataclass
 class _ModelGraphs:
@@ -49,11 +51,12 @@ def compiled_for(model: nn.Module, function: Callable, key: Hashable, compile: C
     return known.functions[key]
 
 
-def freezing(enabled: bool):
-    """A config patch under which inductor compiles graphs with frozen weights (or not). Inductor reads it when a
-    graph is compiled, so it goes around the calls that compile; `torch.compile(options={"freezing": True})` does
-    not reach it."""
-    return inductor_config.patch(freezing=enabled)
+def freezing(enabled: bool, packed_linears: bool = False):
+    """A config patch under which inductor compiles graphs with frozen weights (or not), with `packed_linears` their
+    fp32 Linears over weights packed in column panels (`packed_linears.py`: for CPU graphs of a few rows each).
+    Inductor reads it when a graph is compiled, so it goes around the calls that compile;
+    `torch.compile(options={"freezing": True})` does not reach it."""
+    return inductor_config.patch(freezing=enabled, **packed_linear_settings(enabled and packed_linears))
 
 
 def weights_signature(model: nn.Module) -> tuple:

@@ -2,8 +2,10 @@
 first use and registered as the custom op `torch.ops.hf_accel.paged_attention` (it mutates the two pools it writes,
 and has a fake implementation, so a compiled model step traces around it as one opaque node). The same extension
 holds `torch.ops.hf_accel.paged_tree_attention` (the same rule with a speculative tree's mask:
-`paged_tree_attention_kernel()`) and `torch.ops.hf_accel.quantized_decode_attention` (`csrc/quantized_attention.cpp`: compiled generate's quantized
-cache, attention over packed codes; `quantized_attention_kernel()`).
+`paged_tree_attention_kernel()`), `torch.ops.hf_accel.quantized_decode_attention` (`csrc/quantized_attention.cpp`:
+compiled generate's quantized cache, attention over packed codes; `quantized_attention_kernel()`) and
+`torch.ops.hf_accel.packed_linear` (`csrc/packed_linear.cpp`: the compiled steps' Linears of a few rows;
+`packed_linear_kernel()`).
 
 For one layer of one step it writes the step's new K/V into their slots, then every sequence's queries (decodes,
 speculative candidates, prefill chunks) attend over that sequence's blocks where they lie (block table, lengths), so
@@ -33,6 +35,9 @@ import torch
 SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_attention.cpp"
 # built into the same extension: compiled generate's quantized-cache decode attention (`quantized_attention_kernel`)
 QUANTIZED_SOURCE = SOURCE.with_name("quantized_attention.cpp")
+# and the compiled steps' Linears over packed weights (`packed_linear_kernel`, `packed_linears.py`)
+LINEAR_SOURCE = SOURCE.with_name("packed_linear.cpp")
+SOURCES = (SOURCE, QUANTIZED_SOURCE, LINEAR_SOURCE)
 SWITCH = "HF_ACCEL_PAGED_KERNEL"
 # `omp simd` loops vectorized; their reductions may reassociate, so results match the gather path up to float
 # rounding, not bit for bit
@@ -60,7 +65,7 @@ def _built_kernel() -> Callable[..., torch.Tensor] | None:
         with _exclusive(build.parent / f"{build.name}.lock"):
             # inside the lock no other process is building here: torch's lock file, if any, is a dead process's
             (build / "lock").unlink(missing_ok=True)
-            load(name=build.name, sources=[str(SOURCE), str(QUANTIZED_SOURCE)], extra_cflags=CFLAGS,
+            load(name=build.name, sources=[str(source) for source in SOURCES], extra_cflags=CFLAGS,
                  build_directory=str(build),
                  is_python_module=False, verbose=False)
     except Exception as error:  # no compiler, headers or ninja: the gather path still works
@@ -70,6 +75,7 @@ def _built_kernel() -> Callable[..., torch.Tensor] | None:
     torch.library.register_fake("hf_accel::paged_attention")(_fake)
     torch.library.register_fake("hf_accel::paged_tree_attention")(_fake)
     torch.library.register_fake("hf_accel::quantized_decode_attention")(_quantized_fake)
+    torch.library.register_fake("hf_accel::packed_linear")(_linear_fake)
     return torch.ops.hf_accel.paged_attention
 
 
@@ -84,6 +90,13 @@ def quantized_attention_kernel() -> Callable[..., torch.Tensor] | None:
     """`torch.ops.hf_accel.quantized_decode_attention` (csrc/quantized_attention.cpp, built with the paged kernel);
     None where that is switched off or not buildable."""
     return None if paged_attention_kernel() is None else torch.ops.hf_accel.quantized_decode_attention
+
+
+def packed_linear_kernel() -> Callable[..., torch.Tensor] | None:
+    """`torch.ops.hf_accel.packed_linear` (csrc/packed_linear.cpp: a Linear of a few rows over a weight packed in
+    column panels, `packed_linears.py`), built with the paged kernel; None where that is switched off or not
+    buildable."""
+    return None if paged_attention_kernel() is None else torch.ops.hf_accel.packed_linear
 
 
 def build_directory() -> Path:
@@ -125,7 +138,7 @@ def _cpu_tag() -> str:
 
 
 def _source_tag() -> str:
-    return hashlib.sha256(SOURCE.read_bytes() + QUANTIZED_SOURCE.read_bytes()).hexdigest()[:12]
+    return hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES)).hexdigest()[:12]
 
 
 def _fake(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_pool: torch.Tensor,
@@ -138,3 +151,8 @@ def _fake(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_pool:
 
 def _quantized_fake(query: torch.Tensor, *args) -> torch.Tensor:
     return query.new_empty(query.shape)  # [rows, heads, dim]
+
+
+def _linear_fake(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor,
+                 bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[1])  # [M, N]

@@ -244,7 +244,7 @@ class StepForward:
                 self._eager_call()
             # each engine's graphs count toward dynamo's process-wide total (accumulated_recompile_limit),
             # which a long notebook or test session would otherwise reach
-            with recompile_limits(), freezing(True):
+            with recompile_limits(), freezing(True, packed_linears=self.model.dtype == torch.float32):
                 self._trace_graphs()
             self._warm = True
         except Exception as error:

@@ -1,0 +1,88 @@
+"""The packed Linear of the compiled CPU steps: `torch.ops.hf_accel.packed_linear` against ATen's matmul at every row
+count the kernel's blocking has a case for (and past its row limit, where it calls ATen), odd sizes, biases and
+strided inputs; the panel layout exact on a small weight; the post-grad pass rewriting exactly the frozen fp32
+Linears of a compiled graph (not bf16 ones, nothing without the setting) with the module's results."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from hf_accel.engine.frozen_graphs import freezing
+from hf_accel.engine.packed_linears import pack_weight
+from hf_accel.engine.paged_kernel import packed_linear_kernel
+
+kernel = packed_linear_kernel()
+pytestmark = pytest.mark.skipif(kernel is None, reason="the hf_accel kernels could not be built here")
+
+ROWS = (1, 2, 3, 4, 5, 6, 7, 9, 12, 13, 128, 129, 300)  # 6 a pass; 1-3 with interleaved k-streams; >128: ATen
+
+
+def test_panels_hold_sixteen_columns_each_and_zeros_past_the_last():
+    weight = torch.arange(3 * 20, dtype=torch.float32).view(3, 20)  # [K, N]
+    panels = pack_weight(weight)
+    assert panels.shape == (2, 3, 16) and panels.is_contiguous()
+    assert torch.equal(panels[0], weight[:, :16])
+    assert torch.equal(panels[1, :, :4], weight[:, 16:]) and not panels[1, :, 4:].any()
+    assert torch.equal(pack_weight(weight.t().contiguous().t()), panels)  # any strides
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("k,n", [(256, 768), (64, 50), (7, 3), (33, 16), (300, 17)])
+def test_the_op_equals_atens_matmul(rows, k, n):
+    gen = torch.Generator().manual_seed(rows * 1000 + k + n)
+    weight = torch.randn(n, k, generator=gen).t()  # a Linear's weight as the matmul reads it: [K, N], strided
+    bias = torch.randn(n, generator=gen)
+    x = torch.randn(rows, k, generator=gen)
+    panels = pack_weight(weight)
+    torch.testing.assert_close(kernel(x, panels, weight, bias), torch.addmm(bias, x, weight), rtol=1e-4, atol=1e-4)
+    strided = torch.randn(k, rows, generator=gen).t()
+    torch.testing.assert_close(kernel(strided, panels, weight, None), strided @ weight, rtol=1e-4, atol=1e-4)
+
+
+def test_bad_shapes_are_refused():
+    weight = torch.randn(8, 20)
+    panels = pack_weight(weight)
+    with pytest.raises(RuntimeError, match="disagree on K"):
+        kernel(torch.randn(2, 9), panels, weight, None)
+    with pytest.raises(RuntimeError, match="bias must be"):
+        kernel(torch.randn(2, 8), panels, weight, torch.randn(19))
+    with pytest.raises(RuntimeError, match="packed must be"):
+        kernel(torch.randn(2, 8), panels[:1], weight, None)
+
+
+def test_the_op_and_its_fake_agree():
+    weight = torch.randn(24, 40)
+    torch.library.opcheck(torch.ops.hf_accel.packed_linear.default,
+                          (torch.randn(5, 24), pack_weight(weight), weight, torch.randn(40)))
+
+
+def mlp(dtype: torch.dtype) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(48, 80), torch.nn.SiLU(), torch.nn.Linear(80, 24, bias=False)).to(dtype)
+
+
+def compiled_rewrites(module: torch.nn.Module, packed_linears: bool, inputs: list[torch.Tensor]) -> int:
+    """Run `module` compiled (frozen, dynamic) on each input, checking it against the module; -> matmuls rewritten."""
+    before = counters["hf_accel"]["packed_linears"]
+    compiled = torch.compile(module, dynamic=True, fullgraph=True)
+    tolerance = 1e-5 if next(module.parameters()).dtype == torch.float32 else 3e-2
+    with torch.inference_mode(), torch._inductor.config.patch(fx_graph_cache=False), \
+            freezing(True, packed_linears=packed_linears):
+        for x in inputs:
+            torch.testing.assert_close(compiled(x), module(x), rtol=tolerance, atol=tolerance)
+    return counters["hf_accel"]["packed_linears"] - before
+
+
+def test_the_pass_rewrites_each_frozen_fp32_linear_once_for_every_row_count():
+    torch._dynamo.reset()
+    inputs = [torch.randn(1, rows, 48) for rows in (3, 5, 9, 200)]  # one dynamic graph for all of them
+    assert compiled_rewrites(mlp(torch.float32), True, inputs) == 2
+
+
+def test_the_pass_leaves_bf16_linears_and_runs_only_when_asked():
+    torch._dynamo.reset()
+    assert compiled_rewrites(mlp(torch.bfloat16), True, [torch.randn(1, 4, 48, dtype=torch.bfloat16)]) == 0
+    torch._dynamo.reset()
+    assert compiled_rewrites(mlp(torch.float32), False, [torch.randn(1, 4, 48)]) == 0
