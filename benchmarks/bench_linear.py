@@ -1,11 +1,12 @@
-"""Why hf_accel's compiled steps freeze the weights: a Linear at a few rows, MKL's sgemm over the weight as it lies
-(what eager PyTorch and an unfrozen compiled graph call) against oneDNN's matmul over the same weight packed once
-(what inductor's `freezing` compiles: `engine/step_forward.py`, `compiled/step.py`).
+"""Why hf_accel's compiled steps freeze the weights and run their fp32 Linears over packed panels: a Linear at a few
+rows, MKL's sgemm over the weight as it lies (what eager PyTorch and an unfrozen compiled graph call), oneDNN's matmul
+over the same weight packed once (what inductor's `freezing` compiles by itself) and hf_accel's `packed_linear` over
+the weight packed in 16-column panels (what hf_accel's compiled CPU steps run: `engine/packed_linears.py`).
 
 Method: the Linear shapes of the reference target (hidden 256) and of the 185M Llama of bench_vllm_peer (hidden
 1024), at 1, 5, 9, 64 and 512 rows (a decode, speculative verify forwards of 1 + 4 and 1 + 8 tokens, an engine decode
-batch, a prefill chunk); fp32, one thread; the two calls interleaved (`bench.time_interleaved`), median of repeats.
-The outputs agree to fp32 rounding (checked).
+batch, a prefill chunk); fp32, one thread; the three calls interleaved (`bench.time_interleaved`), median of
+repeats. The outputs agree to fp32 rounding (checked). Without the hf_accel kernels the panels column is skipped.
 
 Regenerate benchmarks/results/bench_linear.json and docs/bench_linear.md:
     .venv/bin/python benchmarks/bench_linear.py
@@ -26,11 +27,13 @@ import torch
 
 from hf_accel.bench.output import hardware, run_benchmark
 from hf_accel.bench.timing import time_interleaved
+from hf_accel.engine.packed_linears import pack_weight
+from hf_accel.engine.paged_kernel import packed_linear_kernel
 
 ROOT = Path(__file__).resolve().parents[1]
 NAME = "bench_linear"
 COMMAND = ".venv/bin/python benchmarks/bench_linear.py"
-SIDES = ("sgemm", "packed")
+SIDES = ("sgemm", "packed", "panels")
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,13 +59,27 @@ def packed_linear(weight: torch.Tensor, rows: int):
     return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 
 
+def panel_linear(weight: torch.Tensor):
+    """`x @ weight.T` through hf_accel's `packed_linear` over `weight` packed in panels once, as hf_accel's compiled
+    CPU steps run it; None without the kernel."""
+    kernel = packed_linear_kernel()
+    if kernel is None:
+        return None
+    right = weight.t()  # [K, N]: the matmul's operand as a frozen graph holds it
+    panels = pack_weight(right)
+    return lambda x: kernel(x, panels, right, None)
+
+
 def time_shape(in_features: int, out_features: int, rows: int, plan: Plan) -> dict[str, Any]:
     generator = torch.Generator().manual_seed(rows)
     weight = torch.randn(out_features, in_features, generator=generator) / in_features ** 0.5
     x = torch.randn(rows, in_features, generator=generator)
-    packed = packed_linear(weight, rows)
+    packed, panels = packed_linear(weight, rows), panel_linear(weight)
     calls = {"sgemm": lambda: torch.nn.functional.linear(x, weight), "packed": lambda: packed(x)}
-    torch.testing.assert_close(calls["packed"](), calls["sgemm"](), rtol=1e-4, atol=1e-4)
+    if panels is not None:
+        calls["panels"] = lambda: panels(x)
+    for side in calls:
+        torch.testing.assert_close(calls[side](), calls["sgemm"](), rtol=1e-4, atol=1e-4)
 
     def measure(side: str) -> tuple[float, None]:
         started = time.perf_counter()
@@ -70,10 +87,13 @@ def time_shape(in_features: int, out_features: int, rows: int, plan: Plan) -> di
             calls[side]()
         return (time.perf_counter() - started) / plan.calls * 1e6, None
 
-    timings = time_interleaved(list(SIDES), measure, plan.repeats)
-    us = {side: statistics.median(timings.seconds[side]) for side in SIDES}
-    return {"rows": rows, "sgemm_us": round(us["sgemm"], 1), "packed_us": round(us["packed"], 1),
-            "sgemm_over_packed": round(us["sgemm"] / us["packed"], 2)}
+    timings = time_interleaved(list(calls), measure, plan.repeats)
+    us = {side: statistics.median(timings.seconds[side]) for side in calls}
+    result = {"rows": rows, "sgemm_us": round(us["sgemm"], 1), "packed_us": round(us["packed"], 1),
+              "sgemm_over_packed": round(us["sgemm"] / us["packed"], 2)}
+    if "panels" in us:
+        result |= {"panels_us": round(us["panels"], 1), "packed_over_panels": round(us["packed"] / us["panels"], 2)}
+    return result
 
 
 def measure(quick: bool) -> dict[str, Any]:
@@ -91,16 +111,19 @@ def measure(quick: bool) -> dict[str, Any]:
 def render(report: dict[str, Any]) -> str:
     rows = report["plan"]["rows"]
     lines = ["A Linear (`x @ W.T`, fp32) at a few rows: MKL's sgemm over W as it lies (eager PyTorch, an unfrozen "
-             "graph) against oneDNN's matmul over W packed once (inductor's `freezing`, which hf_accel's compiled "
-             f"steps use); {report['hardware']['torch_threads']} torch thread(s) ({report['hardware']['cpu']}), "
-             "interleaved, median. Cells: sgemm / packed microseconds (sgemm's time over packed's).", "",
+             "graph), oneDNN's matmul over W packed once (inductor's `freezing` by itself) and hf_accel's "
+             "`packed_linear` over W packed in 16-column panels (what hf_accel's compiled CPU steps run); "
+             f"{report['hardware']['torch_threads']} torch thread(s) ({report['hardware']['cpu']}), interleaved, "
+             "median. Cells: sgemm / oneDNN / panels microseconds (oneDNN's time over the panels').", "",
              "| model | Linear (in -> out) | " + " | ".join(f"{n} rows" for n in rows) + " |",
              "| --- | --- |" + " --- |" * len(rows)]
     shapes: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for result in report["results"]:
         shapes.setdefault((result["model"], result["linear"]), []).append(result)
     for (model, name), found in shapes.items():
-        cells = [f"{r['sgemm_us']:.0f} / {r['packed_us']:.0f} ({r['sgemm_over_packed']:.2f}x)" for r in found]
+        cells = [f"{r['sgemm_us']:.0f} / {r['packed_us']:.0f} / " + (
+                     f"{r['panels_us']:.0f} ({r['packed_over_panels']:.2f}x)" if "panels_us" in r else "-")
+                 for r in found]
         size = f"{found[0]['in_features']} -> {found[0]['out_features']}"
         lines.append(f"| {model} | {name} ({size}) | " + " | ".join(cells) + " |")
     return "\n".join(lines) + f"\n\nFrom `{report['command']}`.\n"
