@@ -1,7 +1,8 @@
 """Compiled functions whose graphs hold a model's weights frozen (inductor's `freezing`), kept per model.
 
 On CPU hf_accel compiles its steps with `freezing`: each Linear's weight becomes a constant of the graph, packed
-once for oneDNN's matmul (MKL's sgemm over the weights as they lie is 1.1-4.3x slower at 5-64 rows:
+once, into column panels for hf_accel's kernel in fp32 (`packed_linears.py`), else for oneDNN's matmul (MKL's sgemm
+over the weights as they lie is 1.1-4.3x slower than oneDNN at 5-64 rows, and oneDNN slower than the panels:
 benchmarks/bench_linear.py). A frozen graph must then serve only the model it froze, and only while that model's
 weights are the ones it holds. Dynamo keeps graphs on the code object it traced, and its guards tell models apart
 but not weight values, so each model compiles its own copy of a step function (`own_code`), kept here beside a

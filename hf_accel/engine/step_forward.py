@@ -17,9 +17,10 @@ only the guards that tell the graphs apart run), since every step's inputs diffe
 and values only; the full guards cost about 0.5 ms a step, a tenth of a one-sequence decode on the reference target.
 Only there: dynamo's stance is process-wide, and beside an in-process engine other threads may run compiled code
 whose guards must run (`skip_warm_guards`).
-The weights are frozen into the graphs (inductor's `freezing`), so each Linear runs oneDNN's matmul over a weight
-packed once; the graphs are kept per model and its weights (`frozen_graphs.py`), so engines on the same unchanged
-model share them and a model whose weights changed gets new ones.
+The weights are frozen into the graphs (inductor's `freezing`), so each Linear runs over a weight packed once (fp32:
+hf_accel's kernel over column panels, `packed_linears.py`; else oneDNN's matmul); the graphs are kept per model and
+its weights (`frozen_graphs.py`), so engines on the same unchanged model share them and a model whose weights changed
+gets new ones.
 On a GPU, decode steps replay CUDA graphs instead (`cuda_graphs.py`), captured in the same warm-up.
 With `feature_layers` (an EAGLE head's inputs) the step also returns those hidden states at every packed token,
 compiled too: transformers installs its hidden-state capturing hooks on the first call, behind a lock dynamo cannot
