@@ -14,6 +14,7 @@ from hf_accel import Engine, SamplingParams, SpeculativeConfig
 from hf_accel.eagle_training.features import target_features
 from hf_accel.eagle_training.unroll import unrolled_hidden
 from hf_accel.engine.eagle_proposer import EagleProposer
+from hf_accel.engine.step_forward import skip_warm_guards
 
 
 def greedy(max_tokens: int) -> SamplingParams:
@@ -53,6 +54,34 @@ def test_greedy_equals_plain_and_drafts_are_accepted(arch):
     assert stats.num_steps < max(p.max_tokens for p in params)
     assert engine.core.runner.forward.compiled  # the step returning features is compiled
     assert_nothing_kept(engine)
+
+
+@pytest.mark.compiled
+def test_warm_head_passes_skip_guards_where_the_process_allows(monkeypatch):
+    """In a process that allows it (the engine-core process calls `skip_warm_guards(True)`), the warm head's passes
+    run under dynamo's distinguishing guards only, as the steps do, with the same tokens."""
+    model = model_for("llama")
+    prompts, params = prompts_of(model, [5, 9]), [greedy(16), greedy(20)]
+    plain = Engine(model, block_size=4).generate(prompts, params)
+    engine = eagle_engine(model)
+    proposer, stances = engine.core.proposer, []
+    assert proposer.compiled
+    compiled_pass = proposer._step
+
+    def recording(*args):
+        stances.append(torch._dynamo.eval_frame._stance.skip_guard_eval_unsafe)
+        return compiled_pass(*args)
+
+    monkeypatch.setattr(proposer, "_step", recording)
+    skip_warm_guards(True)
+    try:
+        outputs = engine.generate(prompts, params)
+    finally:
+        skip_warm_guards(False)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in plain]
+    assert stances and all(stances)
+    engine.generate(prompts, params)  # an in-process engine (the default) keeps every guard
+    assert not any(stances[-3:])
 
 
 def test_chunked_prefill_prefix_hits_and_preemption_keep_outputs_plain():

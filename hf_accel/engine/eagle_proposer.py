@@ -17,7 +17,8 @@ Rules:
 - drafts are the head's argmax: deterministic proposals, which the engine verifies losslessly for sampling
   requests too (`speculation.py`).
 The head attends through the engine's paged attention (`hf_accel_step`, the kernel where it is built); its pass and
-readout are compiled when the engine's step is (two graphs, traced at start).
+readout are compiled when the engine's step is (two graphs, traced at start; in the engine-core process, warm passes
+skip dynamo's guards as the step's do: `step_forward.warm_guards`).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from .attention import ATTENTION_NAME, StepAttention
 from .frozen_graphs import compiled_for, freezing
 from .kv_pool import KVPool
 from .sequence import Sequence
-from .step_forward import StepInputs, recompile_limits
+from .step_forward import StepInputs, recompile_limits, warm_guards
 
 
 MIN_DRAFT_PROBABILITY = 0.2  # a chain ends after a draft the head is less sure of (eagle_generate's default)
@@ -91,6 +92,7 @@ class EagleProposer:
         self.kv: KVPool | None = None
         self.attend = None
         self.compiled, self.compile_seconds = False, 0.0
+        self._warm = False  # both graphs traced: passes may skip dynamo's guards (`warm_guards`)
         self._step = head_step
         self._rows: dict[int, _HeadRow] = {}
 
@@ -119,6 +121,7 @@ class EagleProposer:
         try:
             with recompile_limits(), freezing(True, packed_linears=self.head.dtype == torch.float32), torch.inference_mode():
                 self._trace_both_graphs(device)
+            self._warm = True
         except Exception as error:
             warnings.warn(f"hf_accel: compiling the EAGLE head's pass failed ({type(error).__name__}: "
                           f"{str(error).splitlines()[0] if str(error) else ''}); the head runs eagerly",
@@ -217,7 +220,8 @@ class EagleProposer:
             inputs = inputs.padded()  # sizes that could be 1 (but the token count) never are: two graphs in all
         step = inputs.attention(self.kv, self.attend, device)
         tensor = functools.partial(torch.tensor, dtype=torch.long, device=device)
-        with self.head.attention_implementation(ATTENTION_NAME), symbolic_config.patch(use_duck_shape=False):
+        with self.head.attention_implementation(ATTENTION_NAME), symbolic_config.patch(use_duck_shape=False), \
+                warm_guards(self._warm):
             hidden, token, confidence = self._step(self.model, self.head, features, tensor(inputs.tokens),
                                                    tensor(inputs.positions), step, tensor(inputs.keep))
         return hidden[:rows], token[:rows].tolist(), (confidence[:rows] >= MIN_DRAFT_PROBABILITY).tolist()

@@ -12,9 +12,9 @@ a third graph with static shapes instead (`max_blocks` given: its block table pa
 way vLLM captures fixed sizes: no symbolic sizes to compute or guard on. All graphs are traced and compiled in
 `warm_up`, at engine start, so `compile_seconds` is the whole cost and no request waits for a compile; inductor's
 on-disk cache (on by default) makes a restart cheaper.
-In the engine-core process (`EngineProcess`), steps after the warm-up skip dynamo's guards (`skip_guard_eval_unsafe`:
-only the guards that tell the graphs apart run), since every step's inputs differ from the warmed ones in sizes
-and values only; the full guards cost about 0.5 ms a step, a tenth of a one-sequence decode on the reference target.
+In the engine-core process (`EngineProcess`), steps (and an EAGLE head's passes) after the warm-up skip dynamo's
+guards (`skip_guard_eval_unsafe`: only the guards that tell the graphs apart run; `warm_guards`), since every step's
+inputs differ from the warmed ones in sizes and values only; the full guards cost about 0.5 ms a step, a tenth of a one-sequence decode on the reference target.
 Only there: dynamo's stance is process-wide, and beside an in-process engine other threads may run compiled code
 whose guards must run (`skip_warm_guards`).
 The weights are frozen into the graphs (inductor's `freezing`), so each Linear runs over a weight packed once (fp32:
@@ -60,6 +60,14 @@ def skip_warm_guards(enabled: bool) -> None:
     compiled code (the engine-core process)."""
     global _SKIP_WARM_GUARDS
     _SKIP_WARM_GUARDS = enabled
+
+
+def warm_guards(warm: bool):
+    """Dynamo's stance for one call of graphs traced at start: the distinguishing guards only, when `warm` (every
+    graph compiled) in a process that allows it (`skip_warm_guards`); otherwise the stance is left as it is."""
+    if warm and _SKIP_WARM_GUARDS:
+        return torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
+    return contextlib.nullcontext()
 
 
 def call_model(model: PreTrainedModel, **kwargs):
@@ -209,7 +217,7 @@ class StepForward:
         step = inputs.attention(self.kv, self.attend, self.device)
         keep = self._tensor(inputs.keep)
         with torch.inference_mode(), paged_attention_implementation(self.model), \
-                symbolic_config.patch(use_duck_shape=False), self._guards():
+                symbolic_config.patch(use_duck_shape=False), warm_guards(self._warm):
             out = forward(
                 input_ids=self._tensor([inputs.tokens]), position_ids=self._tensor([inputs.positions]),
                 use_cache=False, logits_to_keep=keep, hf_accel_step=step,
@@ -220,13 +228,6 @@ class StepForward:
         if self.feature_layers:
             features = torch.cat([out.hidden_states[i][0] for i in self.feature_layers], dim=-1)
         return ForwardOutput(out.logits[0, :kept].float(), hidden, features)
-
-    def _guards(self):
-        """Dynamo's stance for one step: the distinguishing guards only, once the graphs are warm in a process that
-        allows it; otherwise the stance is left as it is (nothing to set on the hot path)."""
-        if self._warm and _SKIP_WARM_GUARDS:
-            return torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
-        return contextlib.nullcontext()
 
     def warm_up(self) -> None:
         """Compile the graphs now (a no-op when eager), timing it into `compile_seconds`; where compiling fails
