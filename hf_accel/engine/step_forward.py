@@ -11,7 +11,8 @@ changes a result). A step of one sequence decoding one token (the latency-bound 
 a third graph with static shapes instead (`max_blocks` given: its block table padded to the engine's widest), the
 way vLLM captures fixed sizes: no symbolic sizes to compute or guard on. All graphs are traced and compiled in
 `warm_up`, at engine start, so `compile_seconds` is the whole cost and no request waits for a compile; inductor's
-on-disk cache (on by default) makes a restart cheaper.
+on-disk cache of built C++ kernels makes a restart cheaper (its FX graph cache is skipped for fp32 graphs with packed
+Linears: `packed_linears.settings`).
 In the engine-core process (`EngineProcess`), steps (and an EAGLE head's passes) after the warm-up skip dynamo's
 guards (`skip_guard_eval_unsafe`: only the guards that tell the graphs apart run; `warm_guards`), since every step's
 inputs differ from the warmed ones in sizes and values only; the full guards cost about 0.5 ms a step, a tenth of a one-sequence decode on the reference target.
