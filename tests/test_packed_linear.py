@@ -63,13 +63,14 @@ def mlp(dtype: torch.dtype) -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(48, 80), torch.nn.SiLU(), torch.nn.Linear(80, 24, bias=False)).to(dtype)
 
 
-def compiled_rewrites(module: torch.nn.Module, packed_linears: bool, inputs: list[torch.Tensor]) -> int:
-    """Run `module` compiled (frozen, dynamic) on each input, checking it against the module; -> matmuls rewritten."""
+def compiled_rewrites(module: torch.nn.Module, dtype: torch.dtype | None, inputs: list[torch.Tensor]) -> int:
+    """Run `module` compiled (frozen for a model of `dtype`, dynamic) on each input, checking it against the module;
+    -> matmuls rewritten."""
     before = counters["hf_accel"]["packed_linears"]
     compiled = torch.compile(module, dynamic=True, fullgraph=True)
     tolerance = 1e-5 if next(module.parameters()).dtype == torch.float32 else 3e-2
     with torch.inference_mode(), torch._inductor.config.patch(fx_graph_cache=False), \
-            freezing(True, packed_linears=packed_linears):
+            freezing(True, dtype):
         for x in inputs:
             torch.testing.assert_close(compiled(x), module(x), rtol=tolerance, atol=tolerance)
     return counters["hf_accel"]["packed_linears"] - before
@@ -78,11 +79,11 @@ def compiled_rewrites(module: torch.nn.Module, packed_linears: bool, inputs: lis
 def test_the_pass_rewrites_each_frozen_fp32_linear_once_for_every_row_count():
     torch._dynamo.reset()
     inputs = [torch.randn(1, rows, 48) for rows in (3, 5, 9, 200)]  # one dynamic graph for all of them
-    assert compiled_rewrites(mlp(torch.float32), True, inputs) == 2
+    assert compiled_rewrites(mlp(torch.float32), torch.float32, inputs) == 2
 
 
 def test_the_pass_leaves_bf16_linears_and_runs_only_when_asked():
     torch._dynamo.reset()
-    assert compiled_rewrites(mlp(torch.bfloat16), True, [torch.randn(1, 4, 48, dtype=torch.bfloat16)]) == 0
+    assert compiled_rewrites(mlp(torch.bfloat16), torch.float32, [torch.randn(1, 4, 48, dtype=torch.bfloat16)]) == 0
     torch._dynamo.reset()
-    assert compiled_rewrites(mlp(torch.float32), False, [torch.randn(1, 4, 48)]) == 0
+    assert compiled_rewrites(mlp(torch.float32), None, [torch.randn(1, 4, 48)]) == 0

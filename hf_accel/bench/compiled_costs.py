@@ -45,7 +45,8 @@ def verify_cost(model: PreTrainedModel, prompt_len: int, repeats: int) -> dict[s
     tree_attend, mask = paged_tree_attention_kernel() or decode_attention, tree.ancestors[None]
     calls["tree 9"] = lambda: tree_verify(model, prompt[None, :9], position, tree.depths, mask, rows.kv,
                                           rows.block_table, tree_attend)
-    with torch.inference_mode(), paged_attention_implementation(model), compile_context(rows.device, config, model.dtype):
+    with torch.inference_mode(), paged_attention_implementation(model), \
+            compile_context(rows.device, config, model.dtype):
         inputs = rows.prefill([prompt], attend)
         # output_hidden_states eagerly first: transformers installs its capturing hooks then, outside any graph
         model(input_ids=inputs.tokens, position_ids=inputs.positions, use_cache=False, output_hidden_states=True,

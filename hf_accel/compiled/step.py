@@ -160,5 +160,5 @@ def compile_context(device: torch.device, config: CompileConfig, dtype: torch.dt
     verify forward 1.6x a decode step), unless `config.options` says `"freezing": False`."""
     freeze = device.type == "cpu" and (config.options or {}).get("freezing", True)
     with symbolic_config.patch(use_duck_shape=False), recompile_limits(), \
-            freezing(freeze, packed_linears=dtype == torch.float32):
+            freezing(freeze, dtype):
         yield

@@ -119,7 +119,7 @@ class EagleProposer:
                                   companions=(self.model,))
         self.compiled = True
         try:
-            with recompile_limits(), freezing(True, packed_linears=self.head.dtype == torch.float32), torch.inference_mode():
+            with recompile_limits(), freezing(True, self.head.dtype), torch.inference_mode():
                 self._trace_both_graphs(device)
             self._warm = True
         except Exception as error:

@@ -52,12 +52,13 @@ def compiled_for(model: nn.Module, function: Callable, key: Hashable, compile: C
     return known.functions[key]
 
 
-def freezing(enabled: bool, packed_linears: bool = False):
-    """A config patch under which inductor compiles graphs with frozen weights (or not), with `packed_linears` their
-    fp32 Linears over weights packed in column panels (`packed_linears.py`: for CPU graphs of a few rows each).
-    Inductor reads it when a graph is compiled, so it goes around the calls that compile;
-    `torch.compile(options={"freezing": True})` does not reach it."""
-    return inductor_config.patch(freezing=enabled, **packed_linear_settings(enabled and packed_linears))
+def freezing(enabled: bool, dtype: torch.dtype | None = None):
+    """A config patch under which inductor compiles graphs with frozen weights (or not); for a model of `dtype`
+    float32, their Linears over weights packed in column panels (`packed_linears.py`: CPU graphs of a few rows
+    each; other dtypes keep oneDNN's packing). Inductor reads it when a graph is compiled, so it goes around the
+    calls that compile; `torch.compile(options={"freezing": True})` does not reach it."""
+    return inductor_config.patch(freezing=enabled,
+                                 **packed_linear_settings(enabled and dtype == torch.float32))
 
 
 def weights_signature(model: nn.Module) -> tuple:

@@ -12,8 +12,8 @@ Why: at the few rows of a decode, a speculative verify or a small batch, oneDNN'
 weight once per handful of rows and run far below the core's peak; the kernel streams each panel once for up to six
 rows (see the .cpp file). One thread of an AVX2 EPYC, reference target's Linears (µs, oneDNN over its packed weight /
 this kernel, benchmarks/bench_linear.py): gate_proj 256 -> 768 at 1 row 45 / 18, 5 rows 76 / 29, 9 rows 85 / 48;
-lm_head 256 -> 4096 at 9 rows 326 / 284. Past `kPackedRows` (128) rows the op runs ATen's matmul over `W`. Results equal `x @ W` up to float
-rounding (another summation order). Without AVX2 and FMA, or where the kernel cannot be built, the op is ATen's
+lm_head 256 -> 4096 at 9 rows 326 / 284. Past `kPackedRows` (128) rows the op runs ATen's matmul over `W`. Results
+equal `x @ W` up to float rounding (another summation order). Without AVX2 and FMA, or where the kernel cannot be built, the op is ATen's
 matmul (the settings are then not applied).
 """
 

@@ -15,7 +15,8 @@ on-disk cache of built C++ kernels makes a restart cheaper (its FX graph cache i
 Linears: `packed_linears.settings`).
 In the engine-core process (`EngineProcess`), steps (and an EAGLE head's passes) after the warm-up skip dynamo's
 guards (`skip_guard_eval_unsafe`: only the guards that tell the graphs apart run; `warm_guards`), since every step's
-inputs differ from the warmed ones in sizes and values only; the full guards cost about 0.5 ms a step, a tenth of a one-sequence decode on the reference target.
+inputs differ from the warmed ones in sizes and values only; the full guards cost about 0.5 ms a step, a tenth of a
+one-sequence decode on the reference target.
 Only there: dynamo's stance is process-wide, and beside an in-process engine other threads may run compiled code
 whose guards must run (`skip_warm_guards`).
 The weights are frozen into the graphs (inductor's `freezing`), so each Linear runs over a weight packed once (fp32:
@@ -247,7 +248,7 @@ class StepForward:
                 self._eager_call()
             # each engine's graphs count toward dynamo's process-wide total (accumulated_recompile_limit),
             # which a long notebook or test session would otherwise reach
-            with recompile_limits(), freezing(True, packed_linears=self.model.dtype == torch.float32):
+            with recompile_limits(), freezing(True, self.model.dtype):
                 self._trace_graphs()
             self._warm = True
         except Exception as error:
