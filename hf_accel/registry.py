@@ -14,12 +14,12 @@ What it changes (all undone by `unregister`):
   just before and after the prefill forward, so it can fill columns it already holds (a prefix store) and generate
   computes only the rest (it starts at the cache's `get_seq_length()`). Other caches see no change.
 - `generation.configuration_utils.ALL_CACHE_IMPLEMENTATIONS`: our names are added so validation accepts them.
-The pristine functions are kept on the wrappers (never in a module global), so `importlib.reload` cannot stack them.
+The pristine functions are kept on the wrappers (never in a module global), so `importlib.reload` cannot stack them;
+`PrefillHooks` lives in `prefill_hooks.py`, so a reload keeps the class the caches subclass.
 """
 
 from __future__ import annotations
 
-import abc
 import functools
 import inspect
 from collections.abc import Callable, Mapping
@@ -30,6 +30,8 @@ from transformers import GenerationConfig, StopStringCriteria, StoppingCriteriaL
 
 from transformers.generation import configuration_utils
 from transformers.generation.utils import GenerationMixin
+
+from .prefill_hooks import PrefillHooks
 
 PAGED_ALIAS = "hf_accel_paged"  # "paged" is intercepted by stock generate; we pass this name through instead
 SINK_ALIAS = "hf_accel_sink"
@@ -51,22 +53,6 @@ class CacheRequest:
     num_rows: int
     max_cache_len: int
     attention_mask: torch.Tensor | None
-
-
-class PrefillHooks(abc.ABC):
-    """A cache that wants the prompt around generate's prefill forward (`_sample` and `_beam_search` call it once).
-
-    `input_ids`: `[rows, width]` prompt rows, already expanded for beams / num_return_sequences; `attention_mask`:
-    their 2-D padding mask, or None for no padding. `before_prefill` may fill the cache with leading columns; generate
-    then computes only the columns after the cache's `get_seq_length()`."""
-
-    @abc.abstractmethod
-    def before_prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
-        """Called before the prefill forward."""
-
-    @abc.abstractmethod
-    def after_prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
-        """Called after the prefill forward, which stored the whole prompt."""
 
 
 # builder(model, request) -> Cache

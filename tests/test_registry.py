@@ -112,6 +112,19 @@ def test_reload_of_the_registry_wraps_once(restores_registration):
         assert GenerationMixin.__dict__[attr] is PRISTINE[attr]
 
 
+def test_the_prefix_store_is_still_consulted_after_a_reload_of_the_registry(restores_registration, model):
+    # a notebook's autoreload re-runs registry.py; the prefill hook must still recognise the caches built before
+    importlib.reload(hf_accel.registry)
+    hf_accel.register()
+    store = hf_accel.PrefixStore(model, max_memory="16MiB")
+    prompt = torch.randint(2, 128, (1, 40), generator=torch.Generator().manual_seed(1))
+    for _ in range(2):
+        model.generate(prompt, max_new_tokens=2, do_sample=False, cache_implementation="paged",
+                       cache_config={"block_size": 16, "prefix_store": store})
+    stats = store.stats()
+    assert (stats.hits, stats.misses, stats.tokens_saved) == (1, 1, 32)
+
+
 def test_unregister_restores_transformers_exactly(unregistered):
     for attr in PATCHED:
         assert GenerationMixin.__dict__[attr] is PRISTINE[attr]

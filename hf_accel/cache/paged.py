@@ -15,7 +15,7 @@ from transformers import PreTrainedConfig
 from transformers.cache_utils import Cache
 
 from ..display import CacheDisplay
-from ..registry import PrefillHooks
+from ..prefill_hooks import PrefillHooks
 from .block_pool import BlockPool
 from .block_table import BlockTables
 from .kv_shape import ATTENTION_KINDS, KVShape
