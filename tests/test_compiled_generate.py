@@ -8,6 +8,7 @@ a ring of blocks, tokens equal to eager `SinkCache`'s); the quantized cache's lo
 test_compiled_quantized.py."""
 
 import copy
+import logging
 
 import pytest
 import torch
@@ -59,6 +60,48 @@ def test_no_recompilation_across_tokens_and_calls():
         assert torch.equal(run(model, inputs, compiled=True, max_new_tokens=new),
                            run(model, inputs, compiled=False, max_new_tokens=new))
     assert unique_graphs() == before  # rows, block-table width and positions are symbols of one graph
+
+
+class DynamoRestarts(logging.Handler):
+    """Counts dynamo's "Restarting analysis" records (a graph traced and lowered again from scratch)."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.reasons = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.getMessage().startswith("Restarting analysis"):
+            self.reasons.append(record.getMessage())
+
+
+@pytest.fixture
+def dynamo_restarts():
+    logger = logging.getLogger("torch._dynamo.convert_frame")
+    handler, level = DynamoRestarts(), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    yield handler
+    logger.removeHandler(handler)
+    logger.setLevel(level)
+
+
+def test_each_greedy_graph_is_traced_once(dynamo_restarts):
+    # module floats (an attention's `scaling`, passed to the paged op) traced as symbols made dynamo restart every
+    # compile: each graph traced and lowered twice
+    model = make_model("llama", torch.float32, "sdpa")
+    inputs = make_prompts([6, 11])
+    assert torch.equal(run(model, inputs, compiled=True, max_new_tokens=4),
+                       run(model, inputs, compiled=False, max_new_tokens=4))
+    assert dynamo_restarts.reasons == []
+
+
+def test_another_temperature_reuses_the_sampled_graph():
+    model = make_model("llama", torch.float32, "sdpa")
+    inputs = make_prompts([5, 9], seed=2)
+    run(model, inputs, compiled=True, max_new_tokens=4, do_sample=True, top_k=0, temperature=0.7)
+    before = unique_graphs()
+    run(model, inputs, compiled=True, max_new_tokens=4, do_sample=True, top_k=0, temperature=1.3)
+    assert unique_graphs() == before  # sampled loops keep the warpers' floats symbolic
 
 
 def test_the_compiled_loop_really_runs_and_returns_its_own_output(monkeypatch):

@@ -54,7 +54,7 @@ def compiled_draft_generate(model: PreTrainedModel, draft: PreTrainedModel, inpu
     pool = pool_for(draft, target.prompts, target.outputs.max_new_tokens, length.max_tokens, config)
     with contextlib.ExitStack() as stack:
         for entered in (paged_attention_implementation(model), paged_attention_implementation(draft),
-                        compile_context(target.rows.device, config.compile_config, model.dtype)):
+                        compile_context(target.rows.device, config.compile_config, model.dtype, config.do_sample)):
             stack.enter_context(entered)
         prefill(draft, pool, target.prompts, target.attends.prefill)
         steps = DraftSteps(draft, compiled_decode_step(config.compile_config, draft),

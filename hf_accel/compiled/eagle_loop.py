@@ -165,7 +165,7 @@ def compiled_eagle_generate(model: PreTrainedModel, head: EagleHead, input_ids: 
     pool = pool_for(head, target.prompts, target.outputs.max_new_tokens, length.max_tokens, config, layer_config)
     step = compiled_head_pass(config.compile_config, head, model)
     rounds = HeadRounds(model, head, pool, target.attends.verify, step, min_probability, warpers, target.do_sample)
-    with head_contexts(model, head, target.rows.device, config.compile_config):
+    with head_contexts(model, head, target.rows.device, config.compile_config, target.do_sample):
         sequences = target.run(lambda: _round(target, rounds, length), lambda: rounds.start(
             target.prompts, target.last, target.features))
     if not config.return_dict_in_generate:
@@ -174,12 +174,12 @@ def compiled_eagle_generate(model: PreTrainedModel, head: EagleHead, input_ids: 
 
 
 @contextlib.contextmanager
-def head_contexts(model: PreTrainedModel, head: EagleHead, device: torch.device,
-                  config: CompileConfig) -> Iterator[None]:
+def head_contexts(model: PreTrainedModel, head: EagleHead, device: torch.device, config: CompileConfig,
+                  sampling: bool = False) -> Iterator[None]:
     """Around a compiled EAGLE loop: the target's and the head's attention through the paged pools, and the
     compile settings (`step.compile_context`)."""
     with paged_attention_implementation(model), head.attention_implementation(ATTENTION_NAME), \
-            compile_context(device, config, model.dtype):
+            compile_context(device, config, model.dtype, sampling):
         yield
 
 

@@ -131,7 +131,7 @@ class Decode:
         rows, sinks = self._layout()
         kernel = paged_attention_kernel() if rows.device.type == "cpu" else None
         register_attention()
-        settings = compile_context(rows.device, self.config.compile_config, self.model.dtype)
+        settings = compile_context(rows.device, self.config.compile_config, self.model.dtype, self.config.do_sample)
         with paged_attention_implementation(self.model), settings:
             self._decode(rows, sinks, self._prefill(rows, kernel or gathered_attention), kernel or decode_attention)
 

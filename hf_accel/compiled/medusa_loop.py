@@ -45,7 +45,8 @@ def compiled_medusa_generate(model: PreTrainedModel, heads: MedusaHeads, trees: 
     target = TargetRounds(model, input_ids, attention_mask, config, trees.whole.num_nodes - 1, stats, streamer,
                           feature_layers=(-1,))
     rounds = MedusaRounds(target, heads, trees)
-    with paged_attention_implementation(model), compile_context(target.rows.device, config.compile_config, model.dtype):
+    settings = compile_context(target.rows.device, config.compile_config, model.dtype, config.do_sample)
+    with paged_attention_implementation(model), settings:
         sequences = target.run(rounds.step, rounds.start)
     if not config.return_dict_in_generate:
         return sequences

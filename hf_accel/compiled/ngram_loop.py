@@ -38,7 +38,8 @@ def compiled_ngram_generate(model: PreTrainedModel, input_ids: torch.Tensor, att
     target = TargetRounds(model, input_ids, attention_mask, config, budget.max_tokens, stats, streamer, warpers)
     proposers = [NgramProposer(settings, shared) for _ in target.prompts]
     contexts = [prompt.tolist() for prompt in target.prompts]  # each row's tokens so far, no padding
-    with paged_attention_implementation(model), compile_context(target.rows.device, config.compile_config, model.dtype):
+    settings = compile_context(target.rows.device, config.compile_config, model.dtype, config.do_sample)
+    with paged_attention_implementation(model), settings:
         sequences = target.run(lambda: _round(target, proposers, contexts, budget))
     if shared is not None:
         for output in target.outputs.generated:

@@ -85,7 +85,8 @@ class QuantizedDecode(Decode):
             return out
 
         with paged_attention_implementation(self.model, ATTENTION_NAME), \
-                compile_context(self.input_ids.device, self.config.compile_config, self.model.dtype):
+                compile_context(self.input_ids.device, self.config.compile_config, self.model.dtype,
+                                self.config.do_sample):
             self._steps(tokens, one_step)
 
     def _prefill_eagerly(self) -> torch.Tensor:

@@ -21,7 +21,7 @@ from transformers.generation.configuration_utils import CompileConfig
 
 from ..engine.kv_pool import KVPool
 from ..engine.frozen_graphs import compiled_for, freezing
-from ..engine.step_forward import recompile_limits
+from ..engine.step_forward import dynamo_settings
 from ..engine.attention import StepAttention
 from .paged_rows import decode_attention_inputs, table_slots
 from .sink_rows import SinkRows
@@ -151,14 +151,16 @@ def inductor_mode(mode: str | None) -> str | None:
 
 
 @contextlib.contextmanager
-def compile_context(device: torch.device, config: CompileConfig, dtype: torch.dtype) -> Iterator[None]:
+def compile_context(device: torch.device, config: CompileConfig, dtype: torch.dtype,
+                    sampling: bool = False) -> Iterator[None]:
     """Around a decode loop of a `dtype` model on `device`: sizes that happen to be equal when traced stay separate
-    symbols (duck shaping off), dynamo's recompile limits are raised (`recompile_limits`: a long session compiles
-    more than dynamo's default total), and on CPU graphs compiled here freeze the weights (inductor's `freezing`: each
+    symbols (duck shaping off), dynamo's settings are hf_accel's (`dynamo_settings`: recompile limits raised, as a
+    long session compiles more than dynamo's default total; floats traced as constants unless the loop is `sampling`
+    inside its graphs), and on CPU graphs compiled here freeze the weights (inductor's `freezing`: each
     Linear runs over a weight packed once, a copy kept with the graph: fp32 ones through hf_accel's kernel for a few
     rows, `engine/packed_linears.py`, others through oneDNN; MKL's sgemm on the weights as they lie made a 5-token
     verify forward 1.6x a decode step), unless `config.options` says `"freezing": False`."""
     freeze = device.type == "cpu" and (config.options or {}).get("freezing", True)
-    with symbolic_config.patch(use_duck_shape=False), recompile_limits(), \
+    with symbolic_config.patch(use_duck_shape=False), dynamo_settings(constant_floats=not sampling), \
             freezing(freeze, dtype):
         yield

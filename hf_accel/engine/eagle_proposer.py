@@ -38,7 +38,7 @@ from .attention import ATTENTION_NAME, StepAttention
 from .frozen_graphs import compiled_for, freezing
 from .kv_pool import KVPool
 from .sequence import Sequence
-from .step_forward import StepInputs, recompile_limits, warm_guards
+from .step_forward import StepInputs, dynamo_settings, warm_guards
 
 
 MIN_DRAFT_PROBABILITY = 0.2  # a chain ends after a draft the head is less sure of (eagle_generate's default)
@@ -119,7 +119,7 @@ class EagleProposer:
                                   companions=(self.model,))
         self.compiled = True
         try:
-            with recompile_limits(), freezing(True, self.head.dtype), torch.inference_mode():
+            with dynamo_settings(), freezing(True, self.head.dtype), torch.inference_mode():
                 self._trace_both_graphs(device)
             self._warm = True
         except Exception as error:

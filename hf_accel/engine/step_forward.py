@@ -77,12 +77,18 @@ def call_model(model: PreTrainedModel, **kwargs):
     return model(**kwargs)
 
 
-def recompile_limits():
-    """A dynamo config patch raising both recompile limits to hf_accel's (never lowering them)."""
+def dynamo_settings(constant_floats: bool = True):
+    """hf_accel's dynamo config patch around its compiled graphs: both recompile limits raised to hf_accel's (never
+    lowered), and with `constant_floats` every Python float traced as the constant it is. Rule: a module's float
+    attribute (an attention's `scaling`, which reaches the paged-attention op) is otherwise traced as a symbol, the op
+    specializes it, and dynamo's tensorify pass then restarts the analysis: the whole graph traced and handed to AOT
+    twice, a third of each compile. A call that samples inside its graph passes False, so that its warpers'
+    temperature / top-p stay graph inputs and another value reuses the graph."""
     config = torch._dynamo.config
     return config.patch(recompile_limit=max(config.recompile_limit, RECOMPILE_LIMIT),
                         accumulated_recompile_limit=max(config.accumulated_recompile_limit,
-                                                        ACCUMULATED_RECOMPILE_LIMIT))
+                                                        ACCUMULATED_RECOMPILE_LIMIT),
+                        specialize_float=constant_floats or config.specialize_float)
 
 
 @contextlib.contextmanager
@@ -248,7 +254,7 @@ class StepForward:
                 self._eager_call()
             # each engine's graphs count toward dynamo's process-wide total (accumulated_recompile_limit),
             # which a long notebook or test session would otherwise reach
-            with recompile_limits(), freezing(True, self.model.dtype):
+            with dynamo_settings(), freezing(True, self.model.dtype):
                 self._trace_graphs()
             self._warm = True
         except Exception as error:
