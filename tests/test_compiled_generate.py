@@ -260,3 +260,24 @@ def test_freezing_false_in_the_options_compiles_the_weights_as_inputs():
         compile_config=unfrozen))
     assert packed == 0
     assert torch.equal(out, run(model, inputs, compiled=False))
+
+
+def test_pool_sizes_fixed_by_the_model_are_static_in_a_dynamic_graph():
+    # kv_heads, block_size and head_dim each got a symbol of their own under dynamic=True (a third of the sink
+    # step's compile time went to proving reshapes over them); only the number of blocks varies between pools
+    from hf_accel.cache.kv_shape import KVShape
+    from hf_accel.engine.kv_pool import KVPool
+
+    seen = []
+
+    def backend(graph, example_inputs):
+        values = [node.meta.get("example_value") for node in graph.graph.nodes if node.op == "placeholder"]
+        seen.extend(tuple(v.shape) for v in values if isinstance(v, torch.Tensor) and v.dim() == 4)  # fake tensors
+        return graph.forward
+
+    pool = KVPool(KVShape(num_layers=1, kv_heads=2, head_dim=8), num_blocks=5, block_size=4, dtype=torch.float32,
+                  device=torch.device("cpu"))
+    torch.compile(lambda keys: keys * 2, backend=backend, dynamic=True, fullgraph=True)(pool.keys[0])
+    ((heads, blocks, block_size, head_dim),) = seen
+    assert (heads, block_size, head_dim) == (2, 4, 8) and all(type(s) is int for s in (heads, block_size, head_dim))
+    assert isinstance(blocks, torch.SymInt)

@@ -23,7 +23,7 @@ from transformers import PreTrainedModel
 from ..cache.kv_shape import FULL_AND_SLIDING, KVShape
 from ..cache.rope import rope_inverse_frequencies, rotate, rotation
 from ..cache.sink_config import SinkCacheConfig
-from ..engine.kv_pool import KVPool
+from ..engine.kv_pool import KVPool, static_sizes
 from .paged_rows import PagedRows, table_slots
 
 
@@ -55,8 +55,8 @@ class SinkRows:
         size = (shape.kv_heads, rows.rows, self.num_sinks, shape.head_dim)
         dtype = rows.kv.keys[0].dtype
         # per full-attention layer: [kv_heads, rows, S, head_dim] keys (at their own positions) and values
-        self.keys = [torch.zeros(size, dtype=dtype, device=rows.device) for _ in self.layers]
-        self.values = [torch.zeros(size, dtype=dtype, device=rows.device) for _ in self.layers]
+        self.keys = [static_sizes(torch.zeros(size, dtype=dtype, device=rows.device)) for _ in self.layers]
+        self.values = [static_sizes(torch.zeros(size, dtype=dtype, device=rows.device)) for _ in self.layers]
         self.captured = torch.zeros(rows.rows, dtype=torch.bool, device=rows.device)
 
     @property

@@ -24,8 +24,8 @@ class KVPool:
         self.spare_block = num_blocks if spare_block else None
         size = (shape.kv_heads, num_blocks + spare_block, block_size, shape.head_dim)
         # keys[layer], values[layer]: [kv_heads, num_blocks, block_size, head_dim]
-        self.keys = [torch.zeros(size, dtype=dtype, device=device) for _ in range(shape.num_layers)]
-        self.values = [torch.zeros(size, dtype=dtype, device=device) for _ in range(shape.num_layers)]
+        self.keys = [static_sizes(torch.zeros(size, dtype=dtype, device=device)) for _ in range(shape.num_layers)]
+        self.values = [static_sizes(torch.zeros(size, dtype=dtype, device=device)) for _ in range(shape.num_layers)]
 
     def move_slots(self, sources: torch.Tensor, targets: torch.Tensor) -> None:
         """Copy every layer's K/V at pool slots `sources` `[n]` to slots `targets` `[n]` (all sources are read before
@@ -38,6 +38,15 @@ class KVPool:
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.keys) + sum(t.nbytes for t in self.values)
+
+
+def static_sizes(tensor: torch.Tensor, dims: tuple[int, ...] = (0, 2, 3)) -> torch.Tensor:
+    """`tensor`, its sizes at `dims` marked static for dynamo (a pool's kv_heads, block_size and head_dim: fixed by
+    the model and the pool; only the number of blocks varies between pools). A graph compiled with `dynamic=True`
+    otherwise gives each of them its own symbol and proves every reshape over them."""
+    for dim in dims:
+        torch._dynamo.mark_static(tensor, dim)
+    return tensor
 
 
 def token_slots(block_ids: list[int], start: int, stop: int, block_size: int) -> list[int]:
