@@ -18,10 +18,12 @@ from transformers.generation.streamers import BaseStreamer
 
 from conformance import PAD, make_model, make_prompts, weights_packed_while
 from hf_accel import OutOfBlocksError
+from hf_accel.cache.kv_shape import KVShape
 from hf_accel.compiled.loop import compiled_generate
 from hf_accel.compiled.paged_rows import PagedRows
 from hf_accel.compiled.step import compile_context, compiled_verify_step
 from hf_accel.engine.attention import gathered_attention, register_attention
+from hf_accel.engine.kv_pool import KVPool
 from hf_accel.engine.paged_kernel import paged_attention_kernel
 from hf_accel.engine.step_forward import paged_attention_implementation
 from hf_accel.compiled.route import route_generate
@@ -265,9 +267,6 @@ def test_freezing_false_in_the_options_compiles_the_weights_as_inputs():
 def test_pool_sizes_fixed_by_the_model_are_static_in_a_dynamic_graph():
     # kv_heads, block_size and head_dim each got a symbol of their own under dynamic=True (a third of the sink
     # step's compile time went to proving reshapes over them); only the number of blocks varies between pools
-    from hf_accel.cache.kv_shape import KVShape
-    from hf_accel.engine.kv_pool import KVPool
-
     seen = []
 
     def backend(graph, example_inputs):
