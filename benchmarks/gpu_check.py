@@ -6,12 +6,15 @@ graph capture seconds, and decode-step time at 1, 8 and 32 sequences (interleave
 of the graphs; compiled `generate` (`cache_implementation="paged"` + `compile_config`, whose default
 `mode="reduce-overhead"` replays one captured CUDA graph of the compiled step per call) against eager `DynamicCache`
 and transformers' `StaticCache` + `compile_config`: identical tokens, first-call (compile) seconds and milliseconds
-per token at batch 1 and 8; and, in fp32, compiled `draft_generate` with the reference draft against plain greedy.
-Without CUDA it says so and measures nothing, unless `--device cpu` asks for the same comparison on
-the CPU (compiled step against eager: the script's own check, used by its test). `--dtype fp32` or `bf16` checks one
-dtype (two shorter runs, for a device that limits a command's time).
+per token at batch 1 and 8; and, in fp32, compiled speculative `generate` against plain greedy (`--speculative`:
+`draft_generate` with the reference draft by default; `ngram_generate`, `eagle_generate` with the reference EAGLE head,
+chain or EAGLE-2 tree). Without CUDA it says so and measures nothing, unless `--device cpu` asks for the same
+comparison on the CPU (compiled step against eager: the script's own check, used by its test). `--dtype fp32` or
+`bf16`, `--sections` (engine, generate, speculative) and `--batches` check a part (shorter runs, for a device that
+limits a command's time); each side's first-call seconds are printed as it finishes.
 
     .venv/bin/python benchmarks/gpu_check.py            (writes benchmarks/results/gpu_check.json, docs/gpu_check.md)
+    .venv/bin/python benchmarks/gpu_check.py --dtype fp32 --sections speculative --speculative ngram,eagle,eagle_tree
     .venv/bin/python benchmarks/gpu_check.py --quick --device cpu
 """
 
@@ -27,7 +30,7 @@ import torch
 
 from transformers import CompileConfig, StaticCache
 
-from hf_accel import Engine, SamplingParams, draft_generate, reference
+from hf_accel import EagleTree, Engine, SamplingParams, draft_generate, eagle_generate, ngram_generate, reference
 from hf_accel.bench import torch_threads
 from hf_accel.bench.output import benchmark_parser, hardware, output_root, write_results
 
@@ -109,23 +112,39 @@ def generate_ms(model, inputs: dict[str, torch.Tensor], new_tokens: int, device:
     return time.perf_counter() - started, out
 
 
-def check_generate(model, tokenizer, device: torch.device, quick: bool) -> dict[str, Any]:
+def check_generate(model, tokenizer, device: torch.device, quick: bool,
+                   batches: tuple[int, ...] = (1, 8)) -> dict[str, Any]:
     """Compiled paged `generate` against eager DynamicCache and StaticCache + compile, batch 1 and 8."""
     config = compile_config()
     rows = reference.held_out_sequences(tokenizer, 64, max_rows=8)
     sides = {"dynamic": {}, "paged + compile": {"cache_implementation": "paged", "compile_config": config},
              "static + compile": {"compile_config": config, "past_key_values": None}}
     return {str(batch): compare_sides(model, rows[:batch], 8 if quick else 64, device, sides)
-            for batch in ((2,) if quick else (1, 8))}
+            for batch in ((2,) if quick else batches)}
 
 
-def check_speculative(model, tokenizer, device: torch.device, quick: bool) -> dict[str, Any]:
-    """Compiled `draft_generate` (the reference draft; its steps and the target's verify forwards compiled) against
-    plain greedy `generate`, batch 1."""
-    draft = reference.load("draft", dtype=model.dtype)[0].to(device)
+SPECULATIVE = ("draft", "ngram", "eagle", "eagle_tree")
+
+
+def check_speculative(model, tokenizer, device: torch.device, quick: bool,
+                      methods: tuple[str, ...] = ("draft",)) -> dict[str, Any]:
+    """Compiled speculative `generate` (each of `methods`: `draft_generate` with the reference draft,
+    `ngram_generate`, `eagle_generate` with the reference EAGLE head, chain or EAGLE-2 tree; drafting and verify
+    forwards compiled) against plain greedy `generate`, batch 1."""
     rows = reference.held_out_sequences(tokenizer, 64, max_rows=1)
-    sides = {"plain": {}, "draft + compile": {"custom_generate": draft_generate, "draft_model": draft,
-                                              "compile_config": compile_config()}}
+    config, sides = compile_config(), {"plain": {}}
+    if "draft" in methods:
+        draft = reference.load("draft", dtype=model.dtype)[0].to(device)
+        sides["draft + compile"] = {"custom_generate": draft_generate, "draft_model": draft, "compile_config": config}
+    if "ngram" in methods:
+        sides["ngram + compile"] = {"custom_generate": ngram_generate, "compile_config": config}
+    if "eagle" in methods or "eagle_tree" in methods:
+        head = reference.load_head("eagle", model=model, dtype=model.dtype).to(device)
+        eagle = {"custom_generate": eagle_generate, "eagle_head": head, "compile_config": config}
+        if "eagle" in methods:
+            sides["eagle + compile"] = eagle
+        if "eagle_tree" in methods:
+            sides["eagle tree + compile"] = {**eagle, "eagle_tree": EagleTree()}
     return compare_sides(model, rows, 8 if quick else 64, device, sides)
 
 
@@ -147,13 +166,16 @@ def compare_sides(model, prompts: torch.Tensor, new_tokens: int, device: torch.d
                                                      **fresh_kwargs(model, kwargs, new_tokens))
         except Exception as error:  # noqa: BLE001 (the check reports any failure)
             errors[name] = f"{type(error).__name__}: {str(error)[:300]}"
+        print(f"  {name}: first call {f'{first[name]:.1f} s' if name in first else errors[name]}", flush=True)
     times: dict[str, list[float]] = {name: [] for name in outputs}
     for _ in range(3):
         for name in outputs:
             times[name].append(generate_ms(model, inputs, new_tokens, device,
                                            **fresh_kwargs(model, sides[name], new_tokens))[0])
     reference_side = next(iter(sides))
-    return {"identical": not errors and all(torch.equal(out, outputs[reference_side]) for out in outputs.values()),
+    same = ({name: torch.equal(out, outputs[reference_side]) for name, out in outputs.items()}
+            if reference_side in outputs else {})
+    return {"identical": not errors and len(same) == len(sides) and all(same.values()), "identical_sides": same,
             "first_call_s": {name: round(t, 1) for name, t in first.items()},
             "ms_per_token": {name: round(statistics.median(t) / new_tokens * 1e3, 3) for name, t in times.items()},
             "errors": errors}
@@ -167,7 +189,12 @@ def fresh_kwargs(model, kwargs: dict[str, Any], new_tokens: int) -> dict[str, An
     return fresh
 
 
-def measure(device_name: str, quick: bool, dtypes: tuple[str, ...] = tuple(DTYPES)) -> dict[str, Any] | None:
+SECTIONS = ("engine", "generate", "speculative")
+
+
+def measure(device_name: str, quick: bool, dtypes: tuple[str, ...] = tuple(DTYPES),
+            sections: tuple[str, ...] = SECTIONS, methods: tuple[str, ...] = ("draft",),
+            batches: tuple[int, ...] = (1, 8)) -> dict[str, Any] | None:
     device = torch.device(device_name)
     if device.type == "cuda" and not torch.cuda.is_available():
         return None
@@ -176,55 +203,78 @@ def measure(device_name: str, quick: bool, dtypes: tuple[str, ...] = tuple(DTYPE
                               "results": {}}
     for name in (("fp32",) if quick else dtypes):
         model, tokenizer = reference.load("target", dtype=DTYPES[name])
-        report["results"][name] = check_dtype(model.to(device), tokenizer, device, quick)
-        report["results"][name]["generate"] = check_generate(model, tokenizer, device, quick)
-        if name == "fp32":
-            report["results"][name]["speculative"] = check_speculative(model, tokenizer, device, quick)
+        model.to(device)
+        result = report["results"][name] = {}
+        if "engine" in sections:
+            result.update(check_dtype(model, tokenizer, device, quick))
+        if "generate" in sections:
+            result["generate"] = check_generate(model, tokenizer, device, quick, batches)
+        if "speculative" in sections and name == "fp32":
+            result["speculative"] = check_speculative(model, tokenizer, device, quick, methods)
     return report
 
 
 def render(report: dict[str, Any]) -> str:
-    lines = [f"hf_accel Engine on {report['gpu'] or report['device']}: the default engine (CUDA graphs for decode "
-             "steps on a GPU; compiled step on CPU) against `enforce_eager=True`, reference target.", "",
-             "| dtype | graphs | identical to generate | start s | decode step ms (default / eager / speed-up) |",
-             "| --- | --- | --- | --- | --- |"]
-    for name, r in report["results"].items():
-        steps = "; ".join(f"{n} seq: {s['default_ms']:.2f} / {s['eager_ms']:.2f} / {s['speedup']:.2f}x"
-                          for n, s in r["steps"].items())
-        lines.append(f"| {name} | {r['graphs']} | {r['identical']}/{r['requests']} | {r['start_seconds']} | {steps} |")
-    lines += ["", "Compiled `generate` (paged + compile_config, reduce-overhead) against eager DynamicCache and "
-              "StaticCache + compile_config:", "",
-              "| dtype | batch | identical | first call s (paged+compile / static+compile) | ms per token "
-              "(dynamic / paged+compile / static+compile) |", "| --- | --- | --- | --- | --- |"]
-    for name, r in report["results"].items():
-        for batch, g in r["generate"].items():
-            first, ms = g["first_call_s"], g["ms_per_token"]
-            cells = [f"{ms[side]:.2f}" if side in ms else "failed" for side in ("dynamic", "paged + compile",
-                                                                              "static + compile")]
-            lines.append(f"| {name} | {batch} | {g['identical']} | {first.get('paged + compile', 'failed')} / "
-                         f"{first.get('static + compile', 'failed')} | {' / '.join(cells)} |")
-            lines += [f"| | | {side} failed: {error} | | |" for side, error in g.get("errors", {}).items()]
-    lines += ["", "Compiled `draft_generate` (reference draft, batch 1) against plain greedy `generate`:", "",
-              "| dtype | identical | first call s | ms per token (plain / draft + compile) |", "| --- | --- | --- | --- |"]
-    for name, r in report["results"].items():
+    results = report["results"]
+    lines = [f"hf_accel on {report['gpu'] or report['device']}, reference target.", ""]
+    if any("steps" in r for r in results.values()):
+        lines += ["The default engine (CUDA graphs for decode steps on a GPU; compiled step on CPU) against "
+                  "`enforce_eager=True`:", "",
+                  "| dtype | graphs | identical to generate | start s | decode step ms (default / eager / speed-up) |",
+                  "| --- | --- | --- | --- | --- |"]
+        for name, r in results.items():
+            if "steps" in r:
+                steps = "; ".join(f"{n} seq: {s['default_ms']:.2f} / {s['eager_ms']:.2f} / {s['speedup']:.2f}x"
+                                  for n, s in r["steps"].items())
+                lines.append(f"| {name} | {r['graphs']} | {r['identical']}/{r['requests']} | {r['start_seconds']} "
+                             f"| {steps} |")
+        lines.append("")
+    if any("generate" in r for r in results.values()):
+        lines += ["Compiled `generate` (paged + compile_config, reduce-overhead) against eager DynamicCache and "
+                  "StaticCache + compile_config:", "",
+                  "| dtype | batch | identical | first call s (paged+compile / static+compile) | ms per token "
+                  "(dynamic / paged+compile / static+compile) |", "| --- | --- | --- | --- | --- |"]
+        for name, r in results.items():
+            for batch, g in r.get("generate", {}).items():
+                first, ms = g["first_call_s"], g["ms_per_token"]
+                cells = [f"{ms[side]:.2f}" if side in ms else "failed"
+                         for side in ("dynamic", "paged + compile", "static + compile")]
+                lines.append(f"| {name} | {batch} | {g['identical']} | {first.get('paged + compile', 'failed')} / "
+                             f"{first.get('static + compile', 'failed')} | {' / '.join(cells)} |")
+                lines += [f"| | | {side} failed: {error} | | |" for side, error in g.get("errors", {}).items()]
+        lines.append("")
+    for name, r in results.items():
         if "speculative" in r:
             g = r["speculative"]
-            cells = [f"{g['ms_per_token'][side]:.2f}" if side in g["ms_per_token"] else "failed"
-                     for side in ("plain", "draft + compile")]
-            lines.append(f"| {name} | {g['identical']} | {g['first_call_s'].get('draft + compile', 'failed')} | "
-                         f"{' / '.join(cells)} |")
-            lines += [f"| | {side} failed: {error} | | |" for side, error in g["errors"].items()]
+            lines += ["Compiled speculative `generate` (batch 1, 64 held-out prompt tokens) against plain greedy "
+                      f"`generate`, {name}:", "", "| side | identical to plain | first call s | ms per token |",
+                      "| --- | --- | --- | --- |"]
+            for side in [*g["first_call_s"], *(side for side in g["errors"] if side not in g["first_call_s"])]:
+                ms = g["ms_per_token"].get(side)
+                lines.append(f"| {side} | {g['identical_sides'].get(side, 'failed')} | "
+                             f"{g['first_call_s'].get(side, 'failed')} | {f'{ms:.2f}' if ms else 'failed'} |")
+            lines += [f"| {side} failed: {error} | | | |" for side, error in g["errors"].items()]
+            lines.append("")
     notes = "".join(f"- {note}\n" for note in report.get("notes", []))  # added by hand to a run's JSON
-    return "\n".join(lines) + f"\n\nFrom `{report['command']}`.\n" + (f"\nNotes:\n\n{notes}" if notes else "")
+    return "\n".join(lines) + f"\nFrom `{report['command']}`.\n" + (f"\nNotes:\n\n{notes}" if notes else "")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     parser = benchmark_parser(__doc__.split("\n\n")[0], NAME)
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (the same check on the CPU)")
     parser.add_argument("--dtype", choices=[*DTYPES, "all"], default="all", help="the model dtypes checked")
+    parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated, of {SECTIONS}")
+    parser.add_argument("--speculative", default="draft",
+                        help=f"comma-separated compiled speculative methods checked, of {SPECULATIVE}")
+    parser.add_argument("--batches", default="1,8", help="batch sizes of the compiled generate section")
     args = parser.parse_args(argv)
+    sections, methods = tuple(args.sections.split(",")), tuple(args.speculative.split(","))
+    if not set(sections) <= set(SECTIONS) or not set(methods) <= set(SPECULATIVE):
+        parser.error(f"--sections takes {SECTIONS}, --speculative {SPECULATIVE}; got {args.sections!r}, "
+                     f"{args.speculative!r}")
     with torch_threads(args.threads):
-        report = measure(args.device, args.quick, tuple(DTYPES) if args.dtype == "all" else (args.dtype,))
+        report = measure(args.device, args.quick, tuple(DTYPES) if args.dtype == "all" else (args.dtype,),
+                         sections, methods, tuple(int(b) for b in args.batches.split(",")))
     if report is None:
         print("gpu_check: no CUDA device here; nothing measured (run it where one is, or with --device cpu)")
         return None
