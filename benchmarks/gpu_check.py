@@ -130,9 +130,11 @@ def check_speculative(model, tokenizer, device: torch.device, quick: bool,
                       methods: tuple[str, ...] = ("draft",)) -> dict[str, Any]:
     """Compiled speculative `generate` (each of `methods`: `draft_generate` with the reference draft,
     `ngram_generate`, `eagle_generate` with the reference EAGLE head, chain or EAGLE-2 tree; drafting and verify
-    forwards compiled) against plain greedy `generate`, batch 1."""
+    forwards compiled, captured in CUDA graphs on a GPU but for the trees) against plain greedy `generate`, eager and
+    compiled (the paged cache), batch 1."""
     rows = reference.held_out_sequences(tokenizer, 64, max_rows=1)
-    config, sides = compile_config(), {"plain": {}}
+    config = compile_config()
+    sides = {"plain": {}, "plain + compile": {"cache_implementation": "paged", "compile_config": config}}
     if "draft" in methods:
         draft = reference.load("draft", dtype=model.dtype)[0].to(device)
         sides["draft + compile"] = {"custom_generate": draft_generate, "draft_model": draft, "compile_config": config}
@@ -247,13 +249,15 @@ def render(report: dict[str, Any]) -> str:
         if "speculative" in r:
             g = r["speculative"]
             lines += ["Compiled speculative `generate` (batch 1, 64 held-out prompt tokens) against plain greedy "
-                      f"`generate`, {name}:", "", "| side | identical to plain | first call s | ms per token |",
-                      "| --- | --- | --- | --- |"]
+                      f"`generate`, {name}:", "", "| side | identical to plain | first call s | ms per token | "
+                      "x plain + compile |", "| --- | --- | --- | --- | --- |"]
+            compiled = g["ms_per_token"].get("plain + compile")
             for side in [*g["first_call_s"], *(side for side in g["errors"] if side not in g["first_call_s"])]:
                 ms = g["ms_per_token"].get(side)
+                ratio = f"{compiled / ms:.2f}x" if ms and compiled else "-"
                 lines.append(f"| {side} | {g['identical_sides'].get(side, 'failed')} | "
-                             f"{g['first_call_s'].get(side, 'failed')} | {f'{ms:.2f}' if ms else 'failed'} |")
-            lines += [f"| {side} failed: {error} | | | |" for side, error in g["errors"].items()]
+                             f"{g['first_call_s'].get(side, 'failed')} | {f'{ms:.2f}' if ms else 'failed'} | {ratio} |")
+            lines += [f"| {side} failed: {error} | | | | |" for side, error in g["errors"].items()]
             lines.append("")
     notes = "".join(f"- {note}\n" for note in report.get("notes", []))  # added by hand to a run's JSON
     return "\n".join(lines) + f"\nFrom `{report['command']}`.\n" + (f"\nNotes:\n\n{notes}" if notes else "")

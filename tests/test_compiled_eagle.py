@@ -13,13 +13,13 @@ import torch
 import torch._dynamo.utils as dynamo_utils
 from conformance import PAD, make_model, make_prompts
 from test_eagle_generate import model_for, own_text, trained_head
-from test_compiled_speculation import Collect
+from test_compiled_speculation import Collect, RecordedGraph
 from test_eagle_sampling import NUM_EAGLE, check_columns, peaked_model_and_head
 from test_medusa_sampling import NUM_PLAIN, PROMPT
 from transformers import CompileConfig
 
 from hf_accel import EagleHead, SpeculativeStats, eagle_generate
-from hf_accel.compiled import eagle_loop
+from hf_accel.compiled import eagle_loop, speculation
 from hf_accel.eagle_training.features import target_features
 from hf_accel.eagle_training.unroll import unrolled_hidden
 
@@ -32,7 +32,7 @@ NEW = 24
 def _eagle(model, head, inputs, compiled=True, **kwargs):
     kwargs = {"max_new_tokens": NEW, "do_sample": False, "pad_token_id": PAD, **kwargs}
     if compiled:
-        kwargs["compile_config"] = COMPILE
+        kwargs.setdefault("compile_config", COMPILE)
     return model.generate(**inputs, custom_generate=eagle_generate, eagle_head=head, **kwargs)
 
 
@@ -200,3 +200,17 @@ def test_processors_decode_eagerly_with_a_warning():
     with pytest.warns(UserWarning, match="eagle_generate"):
         out = _eagle(model, trained_head(model), inputs, repetition_penalty=1.3, return_dict_in_generate=True)
     assert out.past_key_values is not None  # the eager loop ran
+
+
+def test_where_graphs_are_captured_the_verify_and_both_head_passes_replay_one_per_shape(monkeypatch):
+    """With CUDA graphs asked for (a GPU, mode "reduce-overhead"), the target's verify and the head's two kinds of
+    pass (a draft step, the catch-up over the verify's features) each go through one captured graph per shape."""
+    RecordedGraph.install(monkeypatch, speculation, eagle_loop)
+    model = model_for("llama")
+    inputs = _own_prompts(model, [5, 12, 3])
+    out = _eagle(model, trained_head(model), inputs, min_draft_probability=0.0,  # every round drafts k tokens
+                 compile_config=CompileConfig(fullgraph=True, mode="reduce-overhead"))
+    assert torch.equal(out, _plain(model, inputs))
+    shapes = RecordedGraph.assert_one_per_shape_and_replayed()
+    assert any(shape[:2] == (3, 1) for shape in shapes), shapes  # a draft step: one entry per row
+    assert len({step for step, _ in RecordedGraph.built}) == 3  # the verify, the draft step, the catch-up

@@ -14,7 +14,7 @@ from transformers.generation.streamers import BaseStreamer
 from conformance import PAD, make_draft_model, make_model, make_prompts
 from hf_accel import SpeculativeStats, SuffixCache, draft_generate, ngram_generate
 from hf_accel.compiled.spec_rows import RowTokens
-from hf_accel.compiled import speculation
+from hf_accel.compiled import captured_step, draft_loop, speculation
 from hf_accel.compiled.speculation import TargetRounds
 
 pytestmark = pytest.mark.compiled
@@ -37,8 +37,8 @@ def _plain(model, inputs, **kwargs):
 def _ngram(model, inputs, **kwargs):
     kwargs.setdefault("max_new_tokens", NEW)
     kwargs.setdefault("draft_token_cost", 0.0)  # verify every draft: the acceptance paths are what is tested
-    return model.generate(**inputs, pad_token_id=PAD, do_sample=False, custom_generate=ngram_generate,
-                          compile_config=COMPILE, **kwargs)
+    kwargs.setdefault("compile_config", COMPILE)
+    return model.generate(**inputs, pad_token_id=PAD, do_sample=False, custom_generate=ngram_generate, **kwargs)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -104,8 +104,9 @@ def test_row_tokens_stop_at_eos_and_budget_and_pad():
 
 def _draft(model, inputs, **kwargs):
     kwargs.setdefault("max_new_tokens", NEW)
+    kwargs.setdefault("compile_config", COMPILE)
     return model.generate(**inputs, pad_token_id=PAD, do_sample=False, custom_generate=draft_generate,
-                          draft_model=make_draft_model(model), compile_config=COMPILE, **kwargs)
+                          draft_model=make_draft_model(model), **kwargs)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -170,3 +171,72 @@ def test_compiled_draft_model_with_the_gpu_attention_rule(monkeypatch):
     stats = SpeculativeStats()
     assert torch.equal(_draft(model, inputs, draft_stats=stats), _plain(model, inputs))
     assert sum(stats.accepted) > 0
+
+
+class RecordedGraph:
+    """Stands in for `captured_step.CapturedStep` off a GPU: records the shape it was built for and each call, and
+    runs the step itself (what a replay of its graph computes)."""
+
+    built: list[tuple[int, tuple[int, ...]]] = []  # (id of the step, shape of its first input)
+    calls: list[tuple[int, tuple[int, ...]]] = []
+
+    def __init__(self, step, *inputs):
+        self.step = step
+        RecordedGraph.built.append((id(step), tuple(inputs[0].shape)))
+
+    def __call__(self, *inputs):
+        RecordedGraph.calls.append((id(self.step), tuple(inputs[0].shape)))
+        return self.step(*inputs)
+
+    @classmethod
+    def install(cls, monkeypatch, *loops) -> None:
+        """Record every graph the `loops` modules would capture for mode "reduce-overhead", at each shape's first
+        call (as if on a GPU)."""
+        monkeypatch.setattr(captured_step, "CapturedStep", cls)
+        monkeypatch.setattr(captured_step, "CAPTURE_AT", 1)
+        for module in loops:
+            monkeypatch.setattr(module, "captures", lambda device, mode: mode == "reduce-overhead")
+        cls.built, cls.calls = [], []
+
+    @classmethod
+    def assert_one_per_shape_and_replayed(cls) -> list[tuple[int, ...]]:
+        """One graph per forward and shape, every call through one, called again after it was built -> the shapes
+        of the graphs' first inputs."""
+        assert len(cls.built) == len(set(cls.built)) and set(cls.calls) == set(cls.built)
+        assert len(cls.calls) > len(cls.built)
+        return [shape for _, shape in cls.built]
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_where_graphs_are_captured_each_forward_shape_gets_one_and_replays_it(monkeypatch, method):
+    """With CUDA graphs asked for (a GPU, mode "reduce-overhead"), the target's verify (one graph per number of
+    candidates) and plain steps, and the draft's pair and single steps, each go through one captured graph per
+    shape, built once and called every round after."""
+    RecordedGraph.install(monkeypatch, speculation, draft_loop)
+    model = _model("llama")
+    inputs = make_prompts([6, 17, 11], seed=3, period=4)
+    run = _ngram if method == "ngram" else _draft
+    out = run(model, inputs, compile_config=CompileConfig(fullgraph=True, mode="reduce-overhead"))
+    assert torch.equal(out, _plain(model, inputs))
+    shapes = RecordedGraph.assert_one_per_shape_and_replayed()
+    assert any(len(shape) == 2 and shape[1] > 2 for shape in shapes)  # the target's verify of 1 + k, k > 1
+    if method == "draft":
+        assert (3, 2) in shapes and (3,) in shapes  # the draft's pair forward and its single steps
+
+
+def test_a_shape_is_captured_at_its_third_call_and_replayed_after(monkeypatch):
+    monkeypatch.setattr(captured_step, "CapturedStep", RecordedGraph)
+    RecordedGraph.built, RecordedGraph.calls = [], []
+    ran = []
+    steps = captured_step.CapturedSteps(lambda tokens, at: ran.append(tuple(tokens.shape)) or tokens + at, True)
+    rows, three = torch.zeros(2, dtype=torch.long), torch.ones(2, 3, dtype=torch.long)
+    for _ in range(4):
+        assert torch.equal(steps(three, rows[:, None]), three)
+    steps(torch.ones(2, 5, dtype=torch.long), rows[:, None])  # a shape seen once runs as is
+    assert [shape for _, shape in RecordedGraph.built] == [(2, 3)]
+    assert [shape for _, shape in RecordedGraph.calls] == [(2, 3), (2, 3)]  # the third and fourth calls
+    assert len(ran) == 5
+    off = captured_step.CapturedSteps(lambda tokens, at: tokens, False)
+    for _ in range(4):
+        off(three, rows)
+    assert len(RecordedGraph.built) == 1  # not enabled: never captured

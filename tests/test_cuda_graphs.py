@@ -93,3 +93,36 @@ def test_compiled_generate_replays_one_captured_graph_on_cuda(monkeypatch):
     out = model.generate(**inputs, max_new_tokens=16, do_sample=False, cache_implementation="paged",
                          compile_config=CompileConfig())
     assert torch.equal(out, expected) and len(replays) == 15  # every token after the prefill's
+
+
+@pytest.mark.gpu
+@pytest.mark.compiled
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("capture_at", [1, 3])  # every shape at its first call; the default
+@pytest.mark.parametrize("method", ["ngram", "draft", "eagle"])
+def test_compiled_speculation_replays_captured_graphs_on_cuda(monkeypatch, method, capture_at):
+    from transformers import CompileConfig
+
+    from hf_accel import EagleHead, draft_generate, eagle_generate, ngram_generate
+    from hf_accel.compiled import captured_step
+
+    model = make_model("llama", torch.float32, "sdpa").cuda()
+    built, replays = [], []
+    init, replay = captured_step.CapturedStep.__init__, captured_step.CapturedStep.__call__
+    monkeypatch.setattr(captured_step.CapturedStep, "__init__",
+                        lambda self, step, *inputs: built.append(tuple(inputs[0].shape)) or init(self, step, *inputs))
+    monkeypatch.setattr(captured_step.CapturedStep, "__call__", lambda *args: replays.append(1) or replay(*args))
+    monkeypatch.setattr(captured_step, "CAPTURE_AT", capture_at)
+    motif = torch.randint(3, 100, (1, 5), generator=torch.Generator().manual_seed(7))
+    inputs = {"input_ids": motif.repeat(2, 4).cuda()}  # repeating prompts: prompt lookup finds matches
+    inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
+    expected = model.generate(**inputs, max_new_tokens=48, do_sample=False)
+    speculative = {"ngram": {"custom_generate": ngram_generate, "draft_token_cost": 0.0},
+                   "draft": {"custom_generate": draft_generate, "draft_model": model},
+                   "eagle": {"custom_generate": eagle_generate, "eagle_head": EagleHead.for_model(model).cuda(),
+                             "min_draft_probability": 0.0}}[method]
+    out = model.generate(**inputs, max_new_tokens=48, do_sample=False, compile_config=CompileConfig(), **speculative)
+    assert torch.equal(out, expected)
+    assert built and len(replays) > len(built)
+    if capture_at == 1:
+        assert any(len(shape) == 2 and shape[1] > 2 for shape in built)  # a target verify of 1 + k, k > 1

@@ -11,7 +11,9 @@ Draft K/V past a row's accepted tokens are overwritten next round (rollback by p
 stay on the device until the verify's outcome is read: one host synchronisation per round. Greedy output equals
 plain greedy `generate`. Sampling (temperature / top-k / top-p / min-p) is lossless as in the eager loop: the draft's
 compiled forwards return their logits, each draft is drawn from the draft's warped distribution (`token_choice.draw`,
-outside the graph), and the target accepts by speculative sampling against those distributions.
+outside the graph), and the target accepts by speculative sampling against those distributions. On a GPU with a
+mode that asks for CUDA graphs, each of the draft's forwards and the target's is a captured graph per input shape
+once that shape recurs (`captured_step.CapturedSteps`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from ..engine.step_forward import paged_attention_implementation
 from ..speculative.draft_length import DraftLength
 from ..speculative.stats import SpeculativeStats
+from .captured_step import CapturedSteps, captures
 from .paged_rows import PagedRows
 from .speculation import TargetRounds, pool_for, prefill
 from .step import compile_context, compiled_decode_step, compiled_verify_step
@@ -36,11 +39,25 @@ from .token_choice import draw
 
 @dataclass(frozen=True, slots=True)
 class DraftSteps:
-    """The draft model and its own compiled steps (`step.compiled_decode_step`, `compiled_verify_step`)."""
+    """The draft's compiled forwards over its pool (`step.compiled_verify_step`, `compiled_decode_step`), each
+    `(tokens, positions) -> tensor`: `pair`, `[rows, 2]` tokens from `positions` -> `[rows, 2]` next tokens (sampling:
+    `[rows, 2, vocab]` logits); `step`, `[rows]` tokens -> `[rows]` next tokens (sampling: `[rows, vocab]` logits)."""
 
-    model: PreTrainedModel
-    decode: Callable[..., torch.Tensor]
-    verify: Callable[..., torch.Tensor]
+    pair: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+    @classmethod
+    def compile(cls, draft: PreTrainedModel, pool: PagedRows, target: TargetRounds,
+                config: GenerationConfig) -> DraftSteps:
+        """The draft's steps compiled with `config.compile_config`, captured in CUDA graphs where its mode asks."""
+        decode = compiled_decode_step(config.compile_config, draft)
+        verify = compiled_verify_step(config.compile_config, draft)
+        attends, sampled = target.attends, target.do_sample
+        graphs = captures(pool.device, config.compile_config.mode)
+        return cls(CapturedSteps(lambda tokens, at: verify(draft, tokens, at, pool.kv, pool.block_table,
+                                                           attends.verify, sampled), graphs),
+                   CapturedSteps(lambda tokens, at: decode(draft, tokens, at, pool.kv, pool.block_table,
+                                                           attends.decode, (), False, sampled), graphs))
 
 
 def compiled_draft_generate(model: PreTrainedModel, draft: PreTrainedModel, input_ids: torch.Tensor,
@@ -57,39 +74,36 @@ def compiled_draft_generate(model: PreTrainedModel, draft: PreTrainedModel, inpu
                         compile_context(target.rows.device, config.compile_config, model.dtype, config.do_sample)):
             stack.enter_context(entered)
         prefill(draft, pool, target.prompts, target.attends.prefill)
-        steps = DraftSteps(draft, compiled_decode_step(config.compile_config, draft),
-                           compiled_verify_step(config.compile_config, draft))
-        sequences = target.run(lambda: _round(target, steps, pool, length))
+        steps = DraftSteps.compile(draft, pool, target, config)
+        sequences = target.run(lambda: _round(target, steps, length))
     if not config.return_dict_in_generate:
         return sequences
     return GenerateDecoderOnlyOutput(sequences=sequences, past_key_values=None)
 
 
-def _round(target: TargetRounds, draft: DraftSteps, pool: PagedRows, length: DraftLength) -> None:
+def _round(target: TargetRounds, draft: DraftSteps, length: DraftLength) -> None:
     """Draft k tokens per row, verify them, adapt k. Where no row may gain two tokens (the last round) the round still
     verifies one draft, counted as no candidate, so that no target decode-step graph is compiled for that one
     token."""
     k = length.next(max(target.outputs.remaining))
     generating = [not done for done in target.outputs.finished]
     counts = None if k else torch.zeros_like(target.positions)  # the last round: its one draft counts as none
-    candidates, draft_probs = _propose(target, draft, pool, max(k, 1))
+    candidates, draft_probs = _propose(target, draft, max(k, 1))
     accepted = target.verify_round(candidates, counts, draft_probs)
     if k:
         target.stats.num_draft_forwards += k
         length.update(k, min(n for n, on in zip(accepted, generating) if on))
 
 
-def _propose(target: TargetRounds, draft: DraftSteps, pool: PagedRows,
-             k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _propose(target: TargetRounds, draft: DraftSteps, k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`[rows, k]` draft tokens: a 2-token forward (the token before the last, the last), then k - 1 steps; when
     sampling, also the `[rows, k, vocab]` distributions they were drawn from (else None)."""
-    positions, attends, sampled = target.positions, target.attends, target.do_sample
+    positions, sampled = target.positions, target.do_sample
     pair = torch.stack([target.previous, target.last], dim=1)  # [rows, 2] at positions - 1, positions
-    first = draft.verify(draft.model, pair, positions - 1, pool.kv, pool.block_table, attends.verify, sampled)[:, 1]
+    first = draft.pair(pair, positions - 1)[:, 1]
     drafts = [draw(first, target.warpers) if sampled else (first, None)]
     for j in range(1, k):
-        out = draft.decode(draft.model, drafts[-1][0], positions + j, pool.kv, pool.block_table, attends.decode, (),
-                           False, sampled)
+        out = draft.step(drafts[-1][0], positions + j)
         drafts.append(draw(out, target.warpers) if sampled else (out, None))
     tokens = torch.stack([token for token, _ in drafts], dim=1)
     return tokens, torch.stack([probs for _, probs in drafts], dim=1) if sampled else None

@@ -16,13 +16,16 @@ pairs the target's feature at t with the token at t + 1, and its output predicts
 Greedy output equals plain greedy `generate`. Sampling (temperature, top-k, top-p, min-p, applied in the graphs)
 draws each draft from the head's warped distribution and accepts by lossless speculative sampling against it, as
 the eager loop does; the entry tokens are then the sampled tokens, accepted drafts and the resampled one.
+On a GPU with a mode that asks for CUDA graphs, the verify forward and each kind of head pass are captured graphs,
+one per input shape once it recurs (`captured_step.CapturedSteps`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import CompileConfig, GenerationConfig, PreTrainedModel
@@ -34,6 +37,7 @@ from ..engine.step_forward import paged_attention_implementation
 from ..speculative.draft_length import DraftLength
 from ..speculative.eagle_head import EagleHead, token_embeddings
 from ..speculative.stats import SpeculativeStats
+from .captured_step import CapturedSteps, captures
 from .paged_rows import PagedRows, table_slots
 from .speculation import TargetRounds, pool_for
 from .step import compile_context, compiled_with
@@ -85,6 +89,16 @@ def readout(model: PreTrainedModel, head: EagleHead, hidden: torch.Tensor, warpe
     return HeadOutput(hidden, token, confidence, probs if do_sample else None)
 
 
+def _head_pass_outputs(step: Callable[..., HeadOutput], model: PreTrainedModel, head: EagleHead, pool: PagedRows,
+                       attend: Callable, fuse: bool, warpers: tuple, do_sample: bool, features: torch.Tensor,
+                       tokens: torch.Tensor, positions: torch.Tensor, pick: torch.Tensor) -> tuple:
+    """The compiled head pass `step` over `pool` (`head_pass`'s arguments) -> its `HeadOutput`'s fields, a tuple (what
+    a captured graph returns)."""
+    out = step(model, head, features, tokens, positions, pool.kv, pool.block_table, attend, pick, fuse, warpers,
+               do_sample)
+    return out.hidden, out.token, out.confidence, out.probs
+
+
 def compiled_head_pass(config: CompileConfig, head: EagleHead, model: PreTrainedModel) -> Callable[..., HeadOutput]:
     """`head_pass` compiled for `head` and its target `model` (on CPU their weights are frozen into the graphs, kept
     while neither changes)."""
@@ -105,7 +119,8 @@ class HeadOutput:
 @dataclass(slots=True)
 class HeadRounds:
     """The head's pool and compiled pass, the decoding rule (`warpers`, `do_sample`), and the draft its last pass
-    left (`last`: draft 1 of the next round)."""
+    left (`last`: draft 1 of the next round); `captured`: the passes are captured in CUDA graphs (`draft_pass`, one
+    entry per row on the head's own output; `catch_up_pass`, the verify's entries over the target's features)."""
 
     model: PreTrainedModel
     head: EagleHead
@@ -116,6 +131,17 @@ class HeadRounds:
     warpers: tuple = ()
     do_sample: bool = False
     last: HeadOutput | None = None
+    captured: bool = False
+    draft_pass: CapturedSteps = field(init=False)
+    catch_up_pass: CapturedSteps = field(init=False)
+
+    def __post_init__(self) -> None:
+        # the passes hold what they read, not `self` (no reference cycle keeping the pool and graphs alive)
+        reads = (self.step, self.model, self.head, self.pool, self.attend)
+        self.draft_pass = CapturedSteps(functools.partial(_head_pass_outputs, *reads, False, self.warpers,
+                                                          self.do_sample), self.captured)
+        self.catch_up_pass = CapturedSteps(functools.partial(_head_pass_outputs, *reads, True, self.warpers,
+                                                             self.do_sample), self.captured)
 
     def start(self, prompts: list[torch.Tensor], first: torch.Tensor, features: torch.Tensor) -> None:
         """The prompts' entries (eager, packed): row r's prompt shifted by one with its first new token `first[r]`
@@ -137,9 +163,8 @@ class HeadRounds:
             if self.min_probability > 0 and not bool(((drafts[-1].confidence >= self.min_probability)
                                                       & generating).any()):
                 break
-            drafts.append(self.step(self.model, self.head, drafts[-1].hidden[:, None], drafts[-1].token[:, None],
-                                    positions + j, self.pool.kv, self.pool.block_table, self.attend, zeros, False,
-                                    self.warpers, self.do_sample))
+            drafts.append(HeadOutput(*self.draft_pass(drafts[-1].hidden[:, None], drafts[-1].token[:, None],
+                                                      positions + j, zeros)))
         tokens = torch.stack([d.token for d in drafts], dim=1)
         return tokens, torch.stack([d.probs for d in drafts], dim=1) if self.do_sample else None
 
@@ -148,8 +173,7 @@ class HeadRounds:
         """After a verify forward from `start` `[rows]`: its `features` `[rows, 1 + k, F]` and the emitted token
         after each position `[rows, 1 + k]` (the true next token up to `start + accepted + 1`) become entries
         `start .. start + k`; keeps the draft from the output at `start + accepted`."""
-        self.last = self.step(self.model, self.head, features, next_tokens, start, self.pool.kv,
-                              self.pool.block_table, self.attend, accepted, True, self.warpers, self.do_sample)
+        self.last = HeadOutput(*self.catch_up_pass(features, next_tokens, start, accepted))
 
 
 def compiled_eagle_generate(model: PreTrainedModel, head: EagleHead, input_ids: torch.Tensor,
@@ -164,7 +188,8 @@ def compiled_eagle_generate(model: PreTrainedModel, head: EagleHead, input_ids: 
     layer_config = head.midlayer.self_attn.config
     pool = pool_for(head, target.prompts, target.outputs.max_new_tokens, length.max_tokens, config, layer_config)
     step = compiled_head_pass(config.compile_config, head, model)
-    rounds = HeadRounds(model, head, pool, target.attends.verify, step, min_probability, warpers, target.do_sample)
+    rounds = HeadRounds(model, head, pool, target.attends.verify, step, min_probability, warpers, target.do_sample,
+                        captured=captures(pool.device, config.compile_config.mode))
     with head_contexts(model, head, target.rows.device, config.compile_config, target.do_sample):
         sequences = target.run(lambda: _round(target, rounds, length), lambda: rounds.start(
             target.prompts, target.last, target.features))

@@ -8,6 +8,8 @@ round verifies `[rows, 1 + k]` tokens (the last token and k candidates per row, 
 advances `positions[r]` by the tokens kept: the rejected candidates' K/V stay in the pool and the next round
 overwrites them (rollback in place, no copy). A round with k = 0 is one compiled plain decode step. Finished rows
 stay in the batch (fixed shapes: no recompilation) with frozen positions; their tokens are dropped (`RowTokens`).
+On a GPU with a `compile_config` mode that asks for CUDA graphs (the default "reduce-overhead"), both forwards are
+captured per input shape once it recurs, and replayed (`captured_step.CapturedSteps`).
 
 Covered: greedy decoding without logits processors, and (for callers that pass `sampling=True` to
 `speculation_uncovered`) sampling after transformers' temperature / top-k / top-p / min-p warpers, stopped by
@@ -17,6 +19,7 @@ streamer at batch 1; `speculation_uncovered` names what is not (the caller then 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -35,6 +38,7 @@ from ..engine.cuda_graphs import decode_attention
 from ..engine.paged_kernel import paged_attention_kernel, paged_tree_attention_kernel
 from ..speculative.stats import SpeculativeStats
 from ..speculative.verify import Verdict, greedy_accept, speculative_sample
+from .captured_step import CapturedSteps, captures
 from .paged_rows import PagedRows, unpadded_prompts
 from .spec_rows import RowTokens
 from .step import compiled_decode_step, compiled_verify_features_step, compiled_verify_step
@@ -147,9 +151,15 @@ class TargetRounds:
                                        [] if eos is None else eos.reshape(-1).tolist())
         self.rows = pool_for(model, self.prompts, self.outputs.max_new_tokens, lookahead, config)
         self.attends = Attends.for_device(self.rows.device)
-        self.decode = compiled_decode_step(config.compile_config, model)
-        self.verify = (compiled_verify_features_step if feature_layers else compiled_verify_step)(
-            config.compile_config, model)
+        decode = compiled_decode_step(config.compile_config, model)
+        verify = (compiled_verify_features_step if feature_layers else compiled_verify_step)(config.compile_config,
+                                                                                              model)
+        # the forwards hold what they read, not `self` (no reference cycle keeping the pool and graphs alive)
+        captured = captures(self.rows.device, config.compile_config.mode)
+        self.decode = CapturedSteps(functools.partial(_decode_forward, decode, model, self.rows, self.attends.decode,
+                                                      warpers, self.do_sample), captured)
+        self.verify = CapturedSteps(functools.partial(_verify_forward, verify, model, self.rows, self.attends.verify,
+                                                      feature_layers, self.do_sample), captured)
         self.positions = self.rows.prompt_lengths.clone()  # [rows] where each row's last token goes
         self.last = torch.zeros_like(self.positions)  # [rows] each row's last emitted token
         self.previous = torch.stack([p[-1] for p in self.prompts])  # [rows] the token before it (at positions - 1)
@@ -184,8 +194,7 @@ class TargetRounds:
     def plain_round(self) -> None:
         """One compiled decode step: every row gains one token (k = 0, the off-switch)."""
         active = self._active()
-        tokens = self.decode(self.model, self.last, self.positions, self.rows.kv, self.rows.block_table,
-                             self.attends.decode, self.warpers, self.do_sample, False)
+        tokens = self.decode(self.last, self.positions)
         for row, token in enumerate(tokens.tolist()):
             if active[row]:
                 self._emit(row, [token])
@@ -219,10 +228,7 @@ class TargetRounds:
                 draft_probs: torch.Tensor | None) -> Verdict:
         """One compiled verify forward of `tokens` `[rows, 1 + k]`, then greedy prefix match, or lossless speculative
         sampling against `draft_probs` (one-hot where None: deterministic candidates)."""
-        args = (self.model, tokens, self.positions, self.rows.kv, self.rows.block_table, self.attends.verify)
-        if self.feature_layers:
-            args = (*args, self.feature_layers)
-        result = self.verify(*args, self.do_sample)
+        result = self.verify(tokens, self.positions)
         if self.feature_layers:
             result, self.features = result
         if not self.do_sample:
@@ -246,3 +252,18 @@ class TargetRounds:
         if self.streamer is not None and kept:
             self.streamer.put(torch.tensor(tokens[:kept]))
         return kept
+
+
+def _decode_forward(step: Callable, model: PreTrainedModel, rows: PagedRows, attend, warpers: tuple, do_sample: bool,
+                    tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The compiled decode `step` of `tokens` `[rows]` at `positions` over `rows`' pool -> `[rows]` next tokens."""
+    return step(model, tokens, positions, rows.kv, rows.block_table, attend, warpers, do_sample, False)
+
+
+def _verify_forward(step: Callable, model: PreTrainedModel, rows: PagedRows, attend, feature_layers: tuple[int, ...],
+                    do_sample: bool, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | tuple:
+    """The compiled verify `step` of `tokens` `[rows, 1 + k]` from `positions` over `rows`' pool -> `[rows, 1 + k]`
+    greedy next tokens, or when sampling `[rows, 1 + k, vocab]` logits; with `feature_layers`, and the features
+    `[rows, 1 + k, F]` they index."""
+    args = (model, tokens, positions, rows.kv, rows.block_table, attend)
+    return step(*args, feature_layers, do_sample) if feature_layers else step(*args, do_sample)
