@@ -19,6 +19,7 @@ once that shape recurs (`captured_step.CapturedSteps`).
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -32,8 +33,8 @@ from ..speculative.draft_length import DraftLength
 from ..speculative.stats import SpeculativeStats
 from .captured_step import CapturedSteps, captures
 from .paged_rows import PagedRows
-from .speculation import TargetRounds, pool_for, prefill
-from .step import compile_context, compiled_decode_step, compiled_verify_step
+from .speculation import TargetRounds, decode_forward, pool_for, prefill, verify_forward
+from .step import compiled_decode_step, compiled_verify_step, generate_context
 from .token_choice import draw
 
 
@@ -53,11 +54,12 @@ class DraftSteps:
         decode = compiled_decode_step(config.compile_config, draft)
         verify = compiled_verify_step(config.compile_config, draft)
         attends, sampled = target.attends, target.do_sample
-        graphs = captures(pool.device, config.compile_config.mode)
-        return cls(CapturedSteps(lambda tokens, at: verify(draft, tokens, at, pool.kv, pool.block_table,
-                                                           attends.verify, sampled), graphs),
-                   CapturedSteps(lambda tokens, at: decode(draft, tokens, at, pool.kv, pool.block_table,
-                                                           attends.decode, (), False, sampled), graphs))
+        captured = captures(pool.device, config.compile_config.mode)
+        # drafts are drawn outside the graphs when sampling: the forwards return logits then
+        return cls(CapturedSteps(functools.partial(verify_forward, verify, draft, pool, attends.verify, (), sampled),
+                                 captured),
+                   CapturedSteps(functools.partial(decode_forward, decode, draft, pool, attends.decode, (), False,
+                                                   sampled), captured))
 
 
 def compiled_draft_generate(model: PreTrainedModel, draft: PreTrainedModel, input_ids: torch.Tensor,
@@ -71,7 +73,7 @@ def compiled_draft_generate(model: PreTrainedModel, draft: PreTrainedModel, inpu
     pool = pool_for(draft, target.prompts, target.outputs.max_new_tokens, length.max_tokens, config)
     with contextlib.ExitStack() as stack:
         for entered in (paged_attention_implementation(model), paged_attention_implementation(draft),
-                        compile_context(target.rows.device, config.compile_config, model.dtype, config.do_sample)):
+                        generate_context(target.rows.device, config, model.dtype)):
             stack.enter_context(entered)
         prefill(draft, pool, target.prompts, target.attends.prefill)
         steps = DraftSteps.compile(draft, pool, target, config)

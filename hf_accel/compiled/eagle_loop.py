@@ -40,7 +40,7 @@ from ..speculative.stats import SpeculativeStats
 from .captured_step import CapturedSteps, captures
 from .paged_rows import PagedRows, table_slots
 from .speculation import TargetRounds, pool_for
-from .step import compile_context, compiled_with
+from .step import compiled_with, generate_context
 
 
 def head_pass(model: PreTrainedModel, head: EagleHead, features: torch.Tensor, tokens: torch.Tensor,
@@ -190,7 +190,7 @@ def compiled_eagle_generate(model: PreTrainedModel, head: EagleHead, input_ids: 
     step = compiled_head_pass(config.compile_config, head, model)
     rounds = HeadRounds(model, head, pool, target.attends.verify, step, min_probability, warpers, target.do_sample,
                         captured=captures(pool.device, config.compile_config.mode))
-    with head_contexts(model, head, target.rows.device, config.compile_config, target.do_sample):
+    with head_contexts(model, head, target.rows.device, config):
         sequences = target.run(lambda: _round(target, rounds, length), lambda: rounds.start(
             target.prompts, target.last, target.features))
     if not config.return_dict_in_generate:
@@ -199,12 +199,12 @@ def compiled_eagle_generate(model: PreTrainedModel, head: EagleHead, input_ids: 
 
 
 @contextlib.contextmanager
-def head_contexts(model: PreTrainedModel, head: EagleHead, device: torch.device, config: CompileConfig,
-                  sampling: bool = False) -> Iterator[None]:
-    """Around a compiled EAGLE loop: the target's and the head's attention through the paged pools, and the
-    compile settings (`step.compile_context`)."""
+def head_contexts(model: PreTrainedModel, head: EagleHead, device: torch.device,
+                  config: GenerationConfig) -> Iterator[None]:
+    """Around a compiled EAGLE loop of a `generate` call with `config`: the target's and the head's attention
+    through the paged pools, and the compile settings (`step.generate_context`)."""
     with paged_attention_implementation(model), head.attention_implementation(ATTENTION_NAME), \
-            compile_context(device, config, model.dtype, sampling):
+            generate_context(device, config, model.dtype):
         yield
 
 

@@ -80,10 +80,10 @@ def compiled_eagle_tree_generate(model: PreTrainedModel, head: EagleHead, settin
     lookahead = max((settings.depth - 1) * settings.top_k, settings.depth)
     pool = pool_for(head, target.prompts, target.outputs.max_new_tokens, lookahead, config,
                     head.midlayer.self_attn.config)
-    compile_config = config.compile_config
-    heads = HeadRounds(model, head, pool, target.attends.verify, compiled_head_pass(compile_config, head, model), 0.0)
+    heads = HeadRounds(model, head, pool, target.attends.verify,
+                       compiled_head_pass(config.compile_config, head, model), 0.0)
     rounds = TreeRounds(target, heads, settings)
-    with head_contexts(model, head, target.rows.device, compile_config):
+    with head_contexts(model, head, target.rows.device, config):
         sequences = target.run(rounds.step, rounds.start)
     if not config.return_dict_in_generate:
         return sequences

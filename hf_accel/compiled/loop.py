@@ -37,7 +37,7 @@ from ..engine.step_forward import paged_attention_implementation
 from .captured_step import CapturedStep, captures
 from .paged_rows import PagedRows, unpadded_prompts
 from .sink_rows import SinkRows
-from .step import compile_context, compiled_decode_step
+from .step import compiled_decode_step, generate_context
 from .token_choice import choose_tokens, needs_host_processors
 
 SINK_BLOCK_SIZE = 16  # the sink cache's ring of blocks (its settings have no block size)
@@ -131,7 +131,7 @@ class Decode:
         rows, sinks = self._layout()
         kernel = paged_attention_kernel() if rows.device.type == "cpu" else None
         register_attention()
-        settings = compile_context(rows.device, self.config.compile_config, self.model.dtype, self.config.do_sample)
+        settings = generate_context(rows.device, self.config, self.model.dtype)
         with paged_attention_implementation(self.model), settings:
             self._decode(rows, sinks, self._prefill(rows, kernel or gathered_attention), kernel or decode_attention)
 

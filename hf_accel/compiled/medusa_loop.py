@@ -33,7 +33,7 @@ from ..speculative.medusa_heads import MedusaHeads
 from ..speculative.stats import SpeculativeStats
 from ..speculative.tree import MedusaTree, candidate_tokens
 from .speculation import TargetRounds
-from .step import compile_context, compiled_tree_verify_step, compiled_with
+from .step import compiled_tree_verify_step, compiled_with, generate_context
 from .tree_paths import greedy_paths, keep_paths
 
 
@@ -45,8 +45,7 @@ def compiled_medusa_generate(model: PreTrainedModel, heads: MedusaHeads, trees: 
     target = TargetRounds(model, input_ids, attention_mask, config, trees.whole.num_nodes - 1, stats, streamer,
                           feature_layers=(-1,))
     rounds = MedusaRounds(target, heads, trees)
-    settings = compile_context(target.rows.device, config.compile_config, model.dtype, config.do_sample)
-    with paged_attention_implementation(model), settings:
+    with paged_attention_implementation(model), generate_context(target.rows.device, config, model.dtype):
         sequences = target.run(rounds.step, rounds.start)
     if not config.return_dict_in_generate:
         return sequences

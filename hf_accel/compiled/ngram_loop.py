@@ -24,7 +24,7 @@ from ..speculative.ngram_proposer import NgramProposer, NgramSettings
 from ..speculative.stats import SpeculativeStats
 from ..speculative.suffix_cache import Draft, SuffixCache
 from .speculation import TargetRounds
-from .step import compile_context
+from .step import generate_context
 
 
 def compiled_ngram_generate(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
@@ -38,8 +38,7 @@ def compiled_ngram_generate(model: PreTrainedModel, input_ids: torch.Tensor, att
     target = TargetRounds(model, input_ids, attention_mask, config, budget.max_tokens, stats, streamer, warpers)
     proposers = [NgramProposer(settings, shared) for _ in target.prompts]
     contexts = [prompt.tolist() for prompt in target.prompts]  # each row's tokens so far, no padding
-    settings = compile_context(target.rows.device, config.compile_config, model.dtype, config.do_sample)
-    with paged_attention_implementation(model), settings:
+    with paged_attention_implementation(model), generate_context(target.rows.device, config, model.dtype):
         sequences = target.run(lambda: _round(target, proposers, contexts, budget))
     if shared is not None:
         for output in target.outputs.generated:

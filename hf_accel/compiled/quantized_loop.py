@@ -36,7 +36,7 @@ from .quantized_rows import (
     quantized_decode_step,
     register_quantized_attention,
 )
-from .step import compile_context, compiled_with
+from .step import compiled_with, generate_context
 
 
 def compiled_quantized_generate(model: PreTrainedModel, input_ids: torch.LongTensor,
@@ -85,8 +85,7 @@ class QuantizedDecode(Decode):
             return out
 
         with paged_attention_implementation(self.model, ATTENTION_NAME), \
-                compile_context(self.input_ids.device, self.config.compile_config, self.model.dtype,
-                                self.config.do_sample):
+                generate_context(self.input_ids.device, self.config, self.model.dtype):
             self._steps(tokens, one_step)
 
     def _prefill_eagerly(self) -> torch.Tensor:

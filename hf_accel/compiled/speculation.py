@@ -156,9 +156,9 @@ class TargetRounds:
                                                                                               model)
         # the forwards hold what they read, not `self` (no reference cycle keeping the pool and graphs alive)
         captured = captures(self.rows.device, config.compile_config.mode)
-        self.decode = CapturedSteps(functools.partial(_decode_forward, decode, model, self.rows, self.attends.decode,
-                                                      warpers, self.do_sample), captured)
-        self.verify = CapturedSteps(functools.partial(_verify_forward, verify, model, self.rows, self.attends.verify,
+        self.decode = CapturedSteps(functools.partial(decode_forward, decode, model, self.rows, self.attends.decode,
+                                                      warpers, self.do_sample, False), captured)
+        self.verify = CapturedSteps(functools.partial(verify_forward, verify, model, self.rows, self.attends.verify,
                                                       feature_layers, self.do_sample), captured)
         self.positions = self.rows.prompt_lengths.clone()  # [rows] where each row's last token goes
         self.last = torch.zeros_like(self.positions)  # [rows] each row's last emitted token
@@ -254,16 +254,18 @@ class TargetRounds:
         return kept
 
 
-def _decode_forward(step: Callable, model: PreTrainedModel, rows: PagedRows, attend, warpers: tuple, do_sample: bool,
-                    tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """The compiled decode `step` of `tokens` `[rows]` at `positions` over `rows`' pool -> `[rows]` next tokens."""
-    return step(model, tokens, positions, rows.kv, rows.block_table, attend, warpers, do_sample, False)
+def decode_forward(step: Callable, model: PreTrainedModel, rows: PagedRows, attend, warpers: tuple, do_sample: bool,
+                   return_logits: bool, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The compiled decode `step` (`step.decode_step`) of `tokens` `[rows]` at `positions` over `rows`' pool ->
+    `[rows]` next tokens, or with `return_logits` `[rows, vocab]` logits. Bound to all but the last two arguments
+    (`functools.partial`), a model's forward for `CapturedSteps`."""
+    return step(model, tokens, positions, rows.kv, rows.block_table, attend, warpers, do_sample, return_logits)
 
 
-def _verify_forward(step: Callable, model: PreTrainedModel, rows: PagedRows, attend, feature_layers: tuple[int, ...],
-                    do_sample: bool, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | tuple:
+def verify_forward(step: Callable, model: PreTrainedModel, rows: PagedRows, attend, feature_layers: tuple[int, ...],
+                   do_sample: bool, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | tuple:
     """The compiled verify `step` of `tokens` `[rows, 1 + k]` from `positions` over `rows`' pool -> `[rows, 1 + k]`
     greedy next tokens, or when sampling `[rows, 1 + k, vocab]` logits; with `feature_layers`, and the features
-    `[rows, 1 + k, F]` they index."""
+    `[rows, 1 + k, F]` they index. Bound like `decode_forward`."""
     args = (model, tokens, positions, rows.kv, rows.block_table, attend)
     return step(*args, feature_layers, do_sample) if feature_layers else step(*args, do_sample)

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 import torch.fx.experimental._config as symbolic_config
-from transformers import PreTrainedModel
+from transformers import GenerationConfig, PreTrainedModel
 from transformers.generation.configuration_utils import CompileConfig
 
 from ..engine.kv_pool import KVPool
@@ -164,3 +164,8 @@ def compile_context(device: torch.device, config: CompileConfig, dtype: torch.dt
     with symbolic_config.patch(use_duck_shape=False), dynamo_settings(constant_floats=not sampling), \
             freezing(freeze, dtype):
         yield
+
+
+def generate_context(device: torch.device, config: GenerationConfig, dtype: torch.dtype):
+    """`compile_context` for a `generate` call's decode loop: its `compile_config`, sampling when it samples."""
+    return compile_context(device, config.compile_config, dtype, bool(config.do_sample))
