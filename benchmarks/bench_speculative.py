@@ -348,8 +348,13 @@ def profile(pair: Pair, method: Method, inputs: dict[str, torch.Tensor], new_tok
     max_len = inputs["input_ids"].shape[1] + new_tokens
     options = {**method.strategy.generate_kwargs(pair.target, max_len), **extra}
     torch.manual_seed(0)
-    forwards = new_tokens if method.plain else bench.count_forwards(pair.target, lambda: pair.target.generate(
-        **inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **options))
+    run = functools.partial(pair.target.generate, **inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                            **options)
+    if stats is not None:  # the method counts its own forwards (a forward hook would make compiled loops recompile)
+        run()
+        forwards = stats.num_target_forwards + 1  # and the prefill
+    else:
+        forwards = new_tokens if method.plain else bench.count_forwards(pair.target, run)
     found = {"tokens_per_target_forward": (new_tokens - 1) / max(forwards - 1, 1), "target_forwards": forwards}
     return found | (method.read_stats(stats) if stats is not None else {})
 

@@ -33,9 +33,10 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     16p .. 16p + 15, row k their k-th inputs, zeros past N."""
     k, n = weight.shape
     panels = -(-n // PANEL)
-    padded = weight.new_zeros(k, panels * PANEL)
-    padded[:, :n] = weight
-    return padded.view(k, panels, PANEL).transpose(0, 1).contiguous()
+    columns = weight.t()  # [N, K]: a Linear's own weight, contiguous, so the panels are one transposing copy
+    if n % PANEL:
+        columns = torch.cat([columns, columns.new_zeros(panels * PANEL - n, k)])
+    return columns.reshape(panels, PANEL, k).transpose(1, 2).contiguous()
 
 
 class PackLinears(CustomGraphPass):

@@ -91,7 +91,8 @@ def draft_generate(
     call = GenerateCall(model, input_ids, logits_processor, stopping_criteria, generation_config, hf_accel_streamer,
                         model_kwargs)
     run = _start(call, draft_model, DraftLength(num_draft_tokens, max_draft_tokens), draft_stats)
-    loop.run(run.decoding, lambda: chain.prefill(run.decoding, run.target, run.target_cache), lambda _: _round(run))
+    loop.run(run.decoding, lambda: chain.prefill(run.decoding, run.target, run.target_cache), lambda _: _round(run),
+             (run.target, run.draft))
     return loop.output(run.decoding, generation_config, run.target_cache)
 
 

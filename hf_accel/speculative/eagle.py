@@ -101,7 +101,8 @@ def eagle_generate(
                         model_kwargs)
     run = _start(call, eagle_head, DraftLength(num_draft_tokens, max_draft_tokens), eagle_stats, min_probability,
                  eagle_tree)
-    loop.run(run.decoding, lambda: _prefill(run), lambda _: _round(run) if run.tree is None else _tree_round(run))
+    loop.run(run.decoding, lambda: _prefill(run), lambda _: _round(run) if run.tree is None else _tree_round(run),
+             (model, eagle_head))
     return loop.output(run.decoding, generation_config, run.cache)
 
 

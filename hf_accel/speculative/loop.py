@@ -6,8 +6,8 @@ candidates and verifies them.
   tokens, then argmax or one multinomial draw; a row stops at the first token a stopping criterion fires on (EOS or
   any other; max length is the batch's own budget); scores and raw logits are kept per row when asked.
 - `Decoding`: one call's state (`RaggedBatch`, rules, `SpeculativeStats`, streamer); `start` builds it, `run` drives
-  prefill then steps until every row is finished (the streamer ends however the loop ends), `emit` streams and
-  commits a step's tokens, `output` returns what `generate` returns.
+  prefill then steps until every row is finished (the models' Linears over packed panels, the streamer ended however
+  the loop ends), `emit` streams and commits a step's tokens, `output` returns what `generate` returns.
 """
 
 from __future__ import annotations
@@ -17,11 +17,13 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
+from torch import nn
 from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel, StoppingCriteriaList
 from transformers.cache_utils import Cache
 from transformers.generation.streamers import BaseStreamer
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from .packed_linears import packed_linears
 from .ragged_batch import RaggedBatch, batch_for_generate, stack_steps
 from .stats import SpeculativeStats
 
@@ -123,12 +125,15 @@ def start(call: GenerateCall, stats: SpeculativeStats | None) -> Decoding:
     return Decoding(batch, rules, stats if stats is not None else SpeculativeStats(), call.streamer)
 
 
-def run(decoding: Decoding, prefill: Callable[[], State], step: Callable[[State], State]) -> None:
-    """`prefill()`, then `step(state)` until every row is finished; the streamer ends however the loop ends."""
+def run(decoding: Decoding, prefill: Callable[[], State], step: Callable[[State], State],
+        models: tuple[nn.Module | None, ...]) -> None:
+    """`prefill()`, then `step(state)` until every row is finished, the Linears of `models` (target, draft, heads)
+    over packed panels (`packed_linears`); the streamer ends however the loop ends."""
     try:
-        state = prefill()
-        while bool(decoding.batch.unfinished.any()):
-            state = step(state)
+        with packed_linears(*models):
+            state = prefill()
+            while bool(decoding.batch.unfinished.any()):
+                state = step(state)
     finally:
         if decoding.streamer is not None:
             decoding.streamer.end()

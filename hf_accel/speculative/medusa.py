@@ -96,7 +96,7 @@ def medusa_generate(
     call = GenerateCall(model, input_ids.to(model.device), logits_processor, stopping_criteria, generation_config,
                         hf_accel_streamer, model_kwargs)
     run = _start(call, medusa_heads, trees, medusa_stats)
-    loop.run(run.decoding, lambda: _prefill(run), lambda hidden: _step(run, hidden))
+    loop.run(run.decoding, lambda: _prefill(run), lambda hidden: _step(run, hidden), (model, medusa_heads))
     return loop.output(run.decoding, generation_config, run.cache if generation_config.use_cache else None)
 
 

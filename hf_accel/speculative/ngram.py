@@ -96,7 +96,7 @@ def ngram_generate(
     call = GenerateCall(model, input_ids, logits_processor, stopping_criteria, generation_config, hf_accel_streamer,
                         model_kwargs)
     run = _start(call, suffix_cache, ngram_settings, max_draft_tokens, draft_token_cost, ngram_stats)
-    loop.run(run.decoding, lambda: _prefill(run), lambda _: _round(run))
+    loop.run(run.decoding, lambda: _prefill(run), lambda _: _round(run), (model,))
     if run.shared is not None:
         for output in run.outputs():
             run.shared.add(output)
