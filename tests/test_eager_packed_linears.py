@@ -12,6 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_accel
 import hf_accel.speculative.packed_linears as packed_module
+from hf_accel.engine.packed_linears import pack_weight
 from hf_accel.engine.paged_kernel import packed_linear_kernel
 from hf_accel.speculative.packed_linears import packed_linears
 
@@ -43,9 +44,10 @@ def test_eligible_linears_compute_over_panels_and_are_restored():
     expected = [plain(x), bias_free(x)]
     with packed_linears(stack, None, plain) as count:  # None skipped, a module named twice packed once
         assert count == 2 and set(_patched(stack)) == {"0", "1"}
-        got = [plain(x), bias_free(x), plain(input=x[0])]
+        got = [plain(x), bias_free(x), plain(input=x[0]), plain(x.transpose(0, 1)), plain(x[:, :0])]
         assert sub(x).shape == (2, 5, 40) and half(x.bfloat16()).dtype == torch.bfloat16
-    for value, reference in zip(got, expected + [expected[0][0]]):
+    references = expected + [expected[0][0], expected[0].transpose(0, 1), expected[0][:, :0]]
+    for value, reference in zip(got, references, strict=True):
         assert value.shape == reference.shape
         torch.testing.assert_close(value, reference, rtol=1e-5, atol=1e-5)
     assert _patched(stack) == []
@@ -58,6 +60,22 @@ def test_forwards_are_removed_when_the_body_raises():
         assert count == 2 * 7 + 1  # q k v o gate up down per layer, and the LM head
         raise RuntimeError("stop")
     assert _patched(model) == []
+
+
+@torch.no_grad()
+def test_forwards_are_removed_when_packing_fails_part_way(monkeypatch):
+    model, calls = _model(), []
+
+    def failing(weight):
+        calls.append(weight.shape)
+        if len(calls) == 5:
+            raise MemoryError("no room for panels")
+        return pack_weight(weight)
+
+    monkeypatch.setattr(packed_module, "pack_weight", failing)
+    with pytest.raises(MemoryError), packed_linears(model):
+        pass
+    assert len(calls) == 5 and _patched(model) == []
 
 
 def test_nothing_is_packed_with_gradients_on_or_a_forward_already_replaced():
@@ -73,18 +91,73 @@ def test_nothing_is_packed_with_gradients_on_or_a_forward_already_replaced():
 
 
 @torch.no_grad()
-def test_nothing_is_packed_without_the_kernel(monkeypatch):
-    monkeypatch.setattr(packed_module, "packed_linear_kernel", lambda: None)
+def test_nothing_is_packed_without_the_kernel_or_when_switched_off(monkeypatch):
+    with monkeypatch.context() as patch:
+        patch.setattr(packed_module, "packed_linear_kernel", lambda: None)
+        with packed_linears(_model()) as count:
+            assert count == 0
+    monkeypatch.setenv("HF_ACCEL_PACKED_LINEARS", "0")
     with packed_linears(_model()) as count:
         assert count == 0
 
 
-def _counting_kernel(monkeypatch) -> list[int]:
-    """Rows of each call to the packed op, recorded while the real kernel computes it."""
+@torch.no_grad()
+def test_nothing_is_packed_where_the_panels_would_not_fit_in_memory(monkeypatch):
+    model = _model()
+    needed = sum(m.weight.numel() * 4 for m in model.modules() if isinstance(m, nn.Linear))
+    memory = type("Memory", (), {"available": needed})  # the panels would take all of it
+    monkeypatch.setattr(packed_module.psutil, "virtual_memory", lambda: memory)
+    with pytest.warns(UserWarning, match="GiB available"), packed_linears(model) as count:
+        assert count == 0
+    memory.available = 2 * needed
+    with packed_linears(model) as count:
+        assert count == 2 * 7 + 1
+
+
+class _Marked(torch.Tensor):
+    """A tensor subclass weight (as torchao's quantized weights are): its matmul is its own."""
+
+
+@torch.no_grad()
+def test_nothing_is_packed_under_autocast_in_a_compiled_tree_or_for_a_subclass_weight():
+    model = _model()
+    with torch.autocast("cpu", dtype=torch.bfloat16), packed_linears(model) as count:
+        assert count == 0  # F.linear would return bf16 there
+    compiled = _model()
+    compiled.model.layers[1].compile()  # dynamo would trace the replaced forwards and recompile every call
+    with packed_linears(compiled) as count:
+        assert count == 0 and _patched(compiled) == []
+    wrapped = _model()
+    wrapped.forward = torch.compile(wrapped.forward)
+    with packed_linears(wrapped) as count:
+        assert count == 0
+    marked = _model()
+    gate = marked.model.layers[0].mlp.gate_proj
+    gate.weight = nn.Parameter(torch.Tensor._make_subclass(_Marked, gate.weight.detach()), requires_grad=False)
+    with packed_linears(marked) as count:
+        assert count == 2 * 7 and "forward" not in gate.__dict__
+
+
+@torch.no_grad()
+def test_a_forward_set_during_the_call_is_left_in_place():
+    model = _model()
+    linear = model.model.layers[0].self_attn.q_proj
+
+    def hooked(x):  # as accelerate's add_hook_to_module replaces a forward it wraps
+        return torch.zeros(x.shape[:-1] + (64,))
+
+    with packed_linears(model):
+        linear.forward = hooked
+    assert linear.__dict__["forward"] is hooked and len(_patched(model)) == 1
+
+
+def _counting_kernel(monkeypatch, watched: nn.Linear) -> list[int]:
+    """Rows of each call to the packed op over `watched`'s weight, recorded while the real kernel computes it."""
     kernel, rows = packed_linear_kernel(), []
 
     def counted(x, panels, weight, bias):
-        rows.append(x.shape[0])
+        if weight.data_ptr() == watched.weight.data_ptr():
+            rows.append(x.shape[0])
         return kernel(x, panels, weight, bias)
 
     monkeypatch.setattr(packed_module, "packed_linear_kernel", lambda: counted)
@@ -108,8 +181,8 @@ def test_speculative_loops_run_their_linears_packed(monkeypatch, method):
         "medusa": lambda: {"custom_generate": hf_accel.medusa_generate,
                            "medusa_heads": hf_accel.MedusaHeads.for_model(model, num_heads=2).eval()},
     }[method]()
-    rows = _counting_kernel(monkeypatch)
+    rows = _counting_kernel(monkeypatch, model.model.layers[0].self_attn.q_proj)  # one per target forward
     out = _generate(model, **kwargs)
     assert torch.equal(out, plain)
-    assert rows and max(rows) > 1  # verify forwards of several rows went through the kernel
+    assert rows[0] == 13 and max(rows[1:]) > 1  # the prefill, then verify forwards of several rows
     assert _patched(model) == [] and all(_patched(v) == [] for v in kwargs.values() if isinstance(v, nn.Module))

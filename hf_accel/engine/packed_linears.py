@@ -6,7 +6,8 @@ graph. Where `settings()` is applied, a post-grad pass (`PackLinears`, inductor'
 fp32 matmul whose right operand is such a constant, `mm(x, W)` or `addmm(b, x, W)`, into
 `packed_linear(x, pack_weight(W), W, b)`; the panels are computed once, when the graph is compiled, and kept as a new
 constant of the graph (as oneDNN's packed copy was, which those graphs no longer make: `cpp.weight_prepack` off). The
-model itself is not changed: its own forward and every eager call still run `torch.nn.functional.linear`.
+model itself is not changed: its own forward still runs `torch.nn.functional.linear` (eager speculative loops run
+the same op for the length of a call: `speculative/packed_linears.py`).
 
 Why: at the few rows of a decode, a speculative verify or a small batch, oneDNN's and MKL's fp32 matmuls read the
 weight once per handful of rows and run far below the core's peak; the kernel streams each panel once for up to six
@@ -33,8 +34,8 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     16p .. 16p + 15, row k their k-th inputs, zeros past N."""
     k, n = weight.shape
     panels = -(-n // PANEL)
-    columns = weight.t()  # [N, K]: a Linear's own weight, contiguous, so the panels are one transposing copy
-    if n % PANEL:
+    columns = weight.t()  # [N, K]: a Linear's own weight, contiguous, so the panels take one transposing copy
+    if n % PANEL:  # (and the padded copy, where N is not a multiple of 16)
         columns = torch.cat([columns, columns.new_zeros(panels * PANEL - n, k)])
     return columns.reshape(panels, PANEL, k).transpose(1, 2).contiguous()
 

@@ -9,20 +9,31 @@ hf_accel's compiled CPU steps use) streams each 16-column panel once for up to s
 
 `packed_linears(*modules)` packs every eligible `torch.nn.Linear` of the modules on entry (one more copy of those
 weights while the call runs; 2-4 ms per million parameters to make on one core) and gives each an instance `forward`
-over its panels; on exit, however the call ends, the forwards are removed and the panels freed. Nothing is kept
+over its panels; on exit, however the call ends, the forwards it set are removed and the panels freed. Nothing is kept
 between calls, so a model trained or edited between calls is packed afresh. Eligible: exactly `nn.Linear` (not a
-subclass or a quantized layer), fp32 weight on the CPU, no forward already replaced on the instance (accelerate's
-hooks, another loop's panels), with gradients off. Results equal `F.linear` up to float rounding (another summation
-order), as the compiled steps' do. Where the kernel cannot be built, or with `HF_ACCEL_PAGED_KERNEL=0`, nothing is
-packed.
+subclass or a quantized layer) whose weight is a plain fp32 CPU tensor (not a tensor subclass, as torchao's quantized
+weights are), no forward already replaced on the instance (accelerate's hooks, another loop's panels). Nothing is
+packed where the panels would take more than half the memory available (a warning says so), with gradients or CPU
+autocast on, in a module tree holding a compiled module (`module.compile()`, a compiled `forward`: dynamo would trace
+the replaced forwards and recompile on every call), without the kernel (not buildable, `HF_ACCEL_PAGED_KERNEL=0`) or
+with `HF_ACCEL_PACKED_LINEARS=0`. Results equal `F.linear` up to float rounding (another summation order), as the
+compiled steps' do.
+
+Why instance forwards: no transformers or torch seam swaps a Linear's matmul for the length of a call without a
+per-op cost (a `TorchFunctionMode` intercepting `F.linear` sees every torch call of the forward and gave back most
+of the gain), and a copy of the model would double its memory for good. The forwards are the loops' own, set and
+removed around one call; a model serving from another thread meanwhile (the Engine compiling it) would trace them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import os
+import warnings
 from collections.abc import Callable, Iterator
 
+import psutil
 import torch
 from torch import nn
 
@@ -30,32 +41,63 @@ from ..engine.packed_linears import pack_weight
 from ..engine.paged_kernel import packed_linear_kernel
 
 
+ENV_SWITCH = "HF_ACCEL_PACKED_LINEARS"  # "0": eager loops keep MKL's matmuls
+MEMORY_SHARE = 0.5  # the most of the available memory the panels may take
+
+
 @contextlib.contextmanager
 def packed_linears(*modules: nn.Module | None) -> Iterator[int]:
     """Within: the eligible Linears of `modules` (None entries skipped) compute over packed panels; yields how many."""
     kernel = packed_linear_kernel()
-    linears = [] if kernel is None or torch.is_grad_enabled() else _eligible(modules)
-    for linear in linears:
-        weight = linear.weight.detach().t()  # [in, out]: the matmul's right operand as it lies
-        linear.forward = functools.partial(_packed_forward, kernel, pack_weight(weight), weight, linear.bias)
-    try:
-        yield len(linears)
-    finally:
+    off = (kernel is None or os.environ.get(ENV_SWITCH) == "0" or torch.is_grad_enabled()
+           or torch.is_autocast_enabled("cpu"))
+    linears = [] if off else _fitting(_eligible(modules))
+    installed: list[tuple[nn.Linear, Callable[..., torch.Tensor]]] = []
+    try:  # packing inside: a failure part-way (out of memory) still restores the forwards already replaced
         for linear in linears:
-            linear.__dict__.pop("forward", None)
+            weight = linear.weight.detach().t()  # [in, out]: the matmul's right operand as it lies
+            forward = functools.partial(_packed_forward, kernel, pack_weight(weight), weight, linear.bias)
+            linear.forward = forward
+            installed.append((linear, forward))
+        yield len(installed)
+    finally:
+        for linear, forward in installed:
+            if linear.__dict__.get("forward") is forward:  # what this call set, not what came after it
+                del linear.forward
 
 
 def _eligible(modules: tuple[nn.Module | None, ...]) -> list[nn.Linear]:
-    """Each eligible Linear once (a module shared by two of `modules` is packed once)."""
+    """Each eligible Linear once (a module shared by two of `modules` is packed once); none under a compiled tree."""
     found: dict[int, nn.Linear] = {}
     for module in modules:
-        if module is None:
+        if module is None or _compiled(module):
             continue
         for sub in module.modules():
-            if (type(sub) is nn.Linear and "forward" not in sub.__dict__ and sub.weight.dtype == torch.float32
-                    and sub.weight.device.type == "cpu"):
+            weight = sub.weight if type(sub) is nn.Linear else None
+            if (weight is not None and "forward" not in sub.__dict__ and type(weight.data) is torch.Tensor
+                    and weight.dtype == torch.float32 and weight.device.type == "cpu"):
                 found.setdefault(id(sub), sub)
     return list(found.values())
+
+
+def _fitting(linears: list[nn.Linear]) -> list[nn.Linear]:
+    """`linears`, or none (with a warning) where their panels would take more than `MEMORY_SHARE` of the memory
+    available now: a large fp32 model must not run out of memory to go faster."""
+    needed = sum(linear.weight.numel() * 4 for linear in linears)  # bytes, fp32 (the padding aside)
+    available = psutil.virtual_memory().available
+    if needed <= MEMORY_SHARE * available:
+        return linears
+    warnings.warn(f"hf_accel: the eager loop's Linears keep MKL's matmuls: packing them would take "
+                  f"{needed / 2**30:.1f} GiB of the {available / 2**30:.1f} GiB available "
+                  f"({ENV_SWITCH}=0 turns packing off, and this warning)", stacklevel=4)
+    return []
+
+
+def _compiled(module: nn.Module) -> bool:
+    """Whether any module of the tree is compiled (`nn.Module.compile`) or has a replaced non-Linear forward (a
+    `torch.compile`d `forward`, a wrapper): its graphs would trace the packed forwards."""
+    return any(getattr(sub, "_compiled_call_impl", None) is not None
+               or ("forward" in sub.__dict__ and type(sub) is not nn.Linear) for sub in module.modules())
 
 
 def _packed_forward(kernel: Callable[..., torch.Tensor], panels: torch.Tensor, weight: torch.Tensor,
