@@ -40,7 +40,6 @@ from torch import nn
 from ..engine.packed_linears import pack_weight
 from ..engine.paged_kernel import packed_linear_kernel
 
-
 ENV_SWITCH = "HF_ACCEL_PACKED_LINEARS"  # "0": eager loops keep MKL's matmuls
 MEMORY_SHARE = 0.5  # the most of the available memory the panels may take
 
@@ -73,11 +72,14 @@ def _eligible(modules: tuple[nn.Module | None, ...]) -> list[nn.Linear]:
         if module is None or _compiled(module):
             continue
         for sub in module.modules():
-            weight = sub.weight if type(sub) is nn.Linear else None
-            if (weight is not None and "forward" not in sub.__dict__ and type(weight.data) is torch.Tensor
-                    and weight.dtype == torch.float32 and weight.device.type == "cpu"):
+            if type(sub) is nn.Linear and "forward" not in sub.__dict__ and _plain_fp32_cpu(sub.weight):
                 found.setdefault(id(sub), sub)
     return list(found.values())
+
+
+def _plain_fp32_cpu(weight: torch.Tensor) -> bool:
+    """A plain tensor (not a subclass with its own matmul, as torchao's quantized weights are), fp32, on the CPU."""
+    return type(weight.data) is torch.Tensor and weight.dtype == torch.float32 and weight.device.type == "cpu"
 
 
 def _fitting(linears: list[nn.Linear]) -> list[nn.Linear]:
