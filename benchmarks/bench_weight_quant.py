@@ -9,7 +9,8 @@ Two models, because where decode time goes decides what weight quantization can 
   weight from memory, the regime weight-only quantization is for; speed and weight bytes only (the perplexity of
   random weights means nothing, so none is measured). Its variants are loaded after the reference ones are freed.
 Speed: batch 1, a held-out prompt, greedy; every variant timed once per repeat, interleaved (order alternating), after
-a warm-up; decode time = time(N new tokens) - time(1 new token); ratios are medians of per-repeat ratios.
+a warm-up; decode time = from the first new token's arrival to the last's (a streamer stamps each), so N new tokens
+time N - 1 decode steps and never a prefill; ratios are medians of per-repeat ratios.
 
 Regenerate benchmarks/results/bench_weight_quant.json and docs/bench_weight_quant.md (+ docs/weight-quantization.md):
     .venv/bin/python benchmarks/bench_weight_quant.py
@@ -30,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers.generation.streamers import BaseStreamer
 
 import hf_accel
 from hf_accel import bench, reference
@@ -127,12 +129,31 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return total
 
 
+class _TokenClock(BaseStreamer):
+    """Stamps the time each chunk reaches the streamer: the prompt first, then every new token (batch 1)."""
+
+    def __init__(self) -> None:
+        self.stamps: list[float] = []
+
+    def put(self, value: torch.Tensor) -> None:
+        self.stamps.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
 def decode_seconds(model: torch.nn.Module, prompt: torch.Tensor, new_tokens: int) -> float:
-    def timed(n: int) -> float:
-        start = time.perf_counter()
-        model.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False)
-        return time.perf_counter() - start
-    return timed(new_tokens) - timed(1)
+    """Seconds from the first new token to the last: `new_tokens - 1` decode steps, the prefill excluded.
+
+    Timing the decode steps themselves (not time(N) - time(1) of two generate calls) keeps the figure positive when
+    the machine's noise is larger than a short run.
+    """
+    clock = _TokenClock()
+    model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, streamer=clock)
+    new_token_stamps = clock.stamps[1:]  # stamps[0]: the prompt
+    if len(new_token_stamps) != new_tokens:
+        raise RuntimeError(f"generate streamed {len(new_token_stamps)} new tokens, expected {new_tokens}")
+    return new_token_stamps[-1] - new_token_stamps[0]
 
 
 def measure_speed(models: dict[str, torch.nn.Module], prompt: torch.Tensor, new_tokens: int,
