@@ -88,3 +88,34 @@ def test_timing_noise_cannot_make_a_speculating_round_free():
     for tokens in (8, 20, 36):
         cost.observe(tokens, 4, 0.009)  # speculating rounds timed faster than plain ones: noise
     assert cost.relative(36, 4) == pytest.approx(1.2)  # never below 1 + MIN_EXTRA_COST: a tiny trust cannot pay
+
+
+def test_per_row_counts_verify_the_likeliest_candidates_of_the_whole_step():
+    budget = DraftBudget(max_tokens=8, token_cost=0.25)  # a candidate costs a quarter of a plain step over 1 row
+    # over 2 rows a candidate costs 1/8 of the plain step: worth it while its probability beats 1/8 of the step's
+    # expected tokens per cost (3.4 after the three likeliest: 0.6 is worth it, 0.1 and 0.05 are not)
+    sure, unsure = [0.95, 0.9, 0.85, 0.05], [0.6, 0.1]
+    assert budget.choose_counts(_drafts(sure, unsure), batch_size=2) == [3, 1]
+    assert budget.choose_counts(_drafts(unsure, sure), batch_size=2) == [1, 3]  # by probability, not by row
+    assert budget.choose_counts(_drafts([], sure), batch_size=2) == [0, 3]  # a row without a draft decodes plainly
+    assert DraftBudget(max_tokens=2, token_cost=0.25).choose_counts(_drafts(sure, unsure), 2) == [2, 1]  # the cap
+
+
+def test_per_row_counts_switch_off_where_trust_is_low_and_probe_later():
+    budget = DraftBudget(max_tokens=8, token_cost=0.1)
+    draft = _drafts([1.0] * 8, [0.9] * 8)
+    assert budget.choose_counts(draft, 2) == [8, 8]
+    for _ in range(4):  # nothing is ever accepted
+        budget.learn(draft, [8, 8], [0, 0])
+    off = 0
+    while (counts := budget.choose_counts(draft, 2)) == [0, 0]:
+        off += 1
+    assert off == 3 and max(counts) <= 4  # the fourth round off probes, with at most PROBE_TOKENS per row
+
+
+def test_round_costs_are_kept_per_batch_size():
+    budget = DraftBudget()
+    for _ in range(3):
+        budget.cost(1).observe(1, 1, 0.010)
+        budget.cost(4).observe(4, 4, 0.020)
+    assert budget.cost(1).plain != budget.cost(4).plain and set(budget.costs) == {1, 4}

@@ -73,6 +73,27 @@ def test_greedy_equals_plain_and_candidates_are_accepted(method, monkeypatch):
     assert_nothing_kept(engine)
 
 
+def test_the_step_budget_learns_costs_and_acceptance_from_the_steps_that_ran():
+    model, prompts = tiny(), repetitive_prompts()
+    engine = Engine(model, block_size=4, speculative=SpeculativeConfig("suffix"))
+    steps = []
+    observe_step = engine.core.proposer.observe_step
+
+    def recording(batch, seconds):
+        steps.append((len(batch.scheduled), batch.num_tokens, seconds))
+        observe_step(batch, seconds)
+
+    engine.core.proposer.observe_step = recording
+    engine.generate(prompts, greedy(24))
+    assert len(steps) == engine.stats().num_steps and all(seconds > 0 for _, _, seconds in steps)
+    budget = engine.core.proposer.budget
+    # decode-only steps of 4 rows were timed, plain (4 tokens) and speculating (more) ones alike
+    assert budget.cost(4).plain and budget.cost(4).num_speculating > 0
+    accepted, expected = budget.evidence["own"]  # decayed sums over the rounds the prompts' own tokens drafted
+    assert accepted > 0 and expected > 0
+    assert engine.core.proposer._verifying == {}  # nothing kept once every request has finished
+
+
 def test_suffix_cache_is_shared_across_requests():
     model, prompts = tiny(), repetitive_prompts()
     engine = Engine(model, block_size=4, speculative=SpeculativeConfig("suffix"))

@@ -27,6 +27,7 @@ from transformers import PreTrainedModel
 
 from ..cache.kv_shape import KVShape, check_decoder_only
 from .kv_pool import KVPool
+from .scheduler import ScheduledBatch
 from .sequence import Sequence
 from .step_forward import StepForward, StepInputs
 
@@ -106,6 +107,9 @@ class DraftProposer:
 
     def take_features(self, committed: list[tuple[Sequence, int, torch.Tensor]]) -> None:
         """Nothing: the draft reads tokens only."""
+
+    def observe_step(self, batch: ScheduledBatch, seconds: float) -> None:
+        """Nothing to learn: chains are as long as the scheduler allows and the drafts' confidence keeps."""
 
     def forget(self, seq: Sequence) -> None:
         self._rows.pop(seq.seq_id, None)

@@ -37,6 +37,7 @@ from ..speculative.eagle_head import EagleHead, token_embeddings
 from .attention import ATTENTION_NAME, StepAttention
 from .frozen_graphs import compiled_for, freezing
 from .kv_pool import KVPool
+from .scheduler import ScheduledBatch
 from .sequence import Sequence
 from .step_forward import StepInputs, dynamo_settings, warm_guards
 
@@ -163,6 +164,9 @@ class EagleProposer:
             row = self._row_from(seq.seq_id, first)
             row.add(fused[end : end + features.shape[0]])
             end += features.shape[0]
+
+    def observe_step(self, batch: ScheduledBatch, seconds: float) -> None:
+        """Nothing to learn: chains are as long as the scheduler allows and the drafts' confidence keeps."""
 
     def forget(self, seq: Sequence) -> None:
         self._rows.pop(seq.seq_id, None)

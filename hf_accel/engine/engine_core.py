@@ -145,10 +145,14 @@ class EngineCore:
         self._propose(batch)
         if not batch.scheduled:  # nothing to run, or every speculating sequence's proposer failed
             return self._take_failed()
+        started = time.perf_counter()
         out = self.runner.execute(batch)
-        num_accepted = self._commit(out, time.perf_counter())
+        now = time.perf_counter()
+        num_accepted = self._commit(out, now)
         if out.features is not None:
             self._take_features(batch, out, num_accepted)
+        if self.proposer is not None:
+            self.proposer.observe_step(batch, now - started)
         self.scheduler.postprocess(batch, num_accepted)
         self.num_steps += 1
         changed = {s.seq.request.request_id: s.seq.request for s in out.sampling}

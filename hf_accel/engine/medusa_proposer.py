@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..speculative.medusa_heads import MedusaHeads
+from .scheduler import ScheduledBatch
 from .sequence import Sequence
 
 
@@ -49,6 +50,9 @@ class MedusaProposer:
         candidates are verified greedily)."""
         if hidden is not None and not seq.params.needs_processing:
             self._hidden[seq.seq_id] = hidden
+
+    def observe_step(self, batch: ScheduledBatch, seconds: float) -> None:
+        """Nothing to learn: chains are as long as the scheduler allows and the drafts' confidence keeps."""
 
     def forget(self, seq: Sequence) -> None:
         self._hidden.pop(seq.seq_id, None)

@@ -16,6 +16,7 @@ from transformers import PreTrainedModel
 from .draft_proposer import DraftProposer
 from .eagle_proposer import EagleProposer
 from .medusa_proposer import MedusaProposer
+from .scheduler import ScheduledBatch
 from .sequence import Sequence
 from .speculative_config import SpeculativeConfig
 from .suffix_proposer import SuffixProposer
@@ -54,6 +55,10 @@ class Proposer(Protocol):
     def take_features(self, committed: list[tuple[Sequence, int, torch.Tensor]]) -> None:
         """After a step: per scheduled sequence, the first position it committed and the features there `[n, F]`
         (at `feature_layers`; called only when those are not empty)."""
+
+    def observe_step(self, batch: ScheduledBatch, seconds: float) -> None:
+        """After a step whose tokens are committed: `batch` as it ran (`num_drafts`: the candidates each verified)
+        and the seconds the model's forward took (what a proposer that sizes its drafts by cost learns from)."""
 
     def forget(self, seq: Sequence) -> None:
         """`seq` has finished (done, aborted or failed): drop what is kept for it."""

@@ -16,7 +16,11 @@ verified.
   trust were 1, with at most `PROBE_TOKENS` candidates (a probe measures; it need not pay). Its outcome is evidence
   like any round's: when it pays, speculation is back on; when not, the next probe waits four times as long
   (`FIRST_PROBE_INTERVAL`, then x4 up to `MAX_PROBE_INTERVAL`): 3 probes in 128 rounds where nothing repeats.
-- cost: a speculating round's seconds relative to a plain round's (`RoundCost`): the median of recent plain rounds,
+- per row (`choose_counts`, the engine's packed steps, where rows need not verify equally many): every row's
+  candidates ranked by trusted probability (a row's run in order: its probabilities never rise), and the round
+  verifies the best-ranked prefix of that ranking that maximises expected tokens per cost; the cap bounds each row.
+- cost: a speculating round's seconds relative to a plain round's (`RoundCost`, one per batch size: a packed step of
+  4 rows is a different round from one of 1): the median of recent plain rounds,
   and a least squares line of speculating rounds' seconds on the tokens they forward (on CPU a forward of more than
   one token per row costs a step up: a matrix product instead of a matrix-vector one, more logits, a materialised
   causal mask). The line needs 3 rounds (before: the prior slope through their mean); its slope is never negative and
@@ -86,7 +90,7 @@ class DraftBudget:
     max_tokens: int = 32
     token_cost: float | None = None
     evidence: dict[str, list[float]] = field(default_factory=dict)  # source -> decayed [accepted, expected]
-    cost: RoundCost = field(default_factory=RoundCost)
+    costs: dict[int, RoundCost] = field(default_factory=dict)  # batch size -> what its rounds cost
     num_rounds: int = 0  # rounds updated so far (the first one's time holds one-off costs: not measured)
     num_off_rounds: int = 0  # rounds switched off since the last speculating round
     probe_interval: int = FIRST_PROBE_INTERVAL
@@ -97,18 +101,56 @@ class DraftBudget:
         accepted, expected = self.evidence.get(source, (0.0, 0.0))
         return (accepted + PRIOR_WEIGHT) / (expected + PRIOR_WEIGHT)
 
+    def cost(self, batch_size: int) -> RoundCost:
+        """What rounds of `batch_size` rows cost (learned from those rounds only)."""
+        return self.costs.setdefault(batch_size, RoundCost())
+
     def choose(self, drafts: Sequence[Draft], batch_size: int) -> int:
         """k for a round in which the generating rows bring `drafts` and the forward runs `batch_size` rows."""
         k = self._best_k(drafts, batch_size, probe=False)
-        if k > 0:
-            self.num_off_rounds, self.probe_interval = 0, FIRST_PROBE_INTERVAL
-        elif any(d.tokens for d in drafts):  # switched off
-            self.num_off_rounds += 1
-            if self.num_off_rounds >= self.probe_interval:
-                self.num_off_rounds = 0
-                self.probe_interval = min(4 * self.probe_interval, MAX_PROBE_INTERVAL)
-                k = min(self._best_k(drafts, batch_size, probe=True), PROBE_TOKENS)
+        if self._probes(drafts, k > 0):
+            k = min(self._best_k(drafts, batch_size, probe=True), PROBE_TOKENS)
         return k
+
+    def choose_counts(self, drafts: Sequence[Draft], batch_size: int) -> list[int]:
+        """Candidates to verify per row (0: it decodes plainly) for a packed round of `batch_size` rows (those with
+        `drafts` and the others, one token each), where rows verify different counts; see the module docstring."""
+        counts = self._best_counts(drafts, batch_size, probe=False)
+        if self._probes(drafts, any(counts)):
+            counts = [min(n, PROBE_TOKENS) for n in self._best_counts(drafts, batch_size, probe=True)]
+        return counts
+
+    def _probes(self, drafts: Sequence[Draft], speculating: bool) -> bool:
+        """Count a round on or off; whether this off round is a probe."""
+        if speculating:
+            self.num_off_rounds, self.probe_interval = 0, FIRST_PROBE_INTERVAL
+            return False
+        if not any(d.tokens for d in drafts):  # nothing to verify: not switched off
+            return False
+        self.num_off_rounds += 1
+        if self.num_off_rounds < self.probe_interval:
+            return False
+        self.num_off_rounds = 0
+        self.probe_interval = min(4 * self.probe_interval, MAX_PROBE_INTERVAL)
+        return True
+
+    def _best_counts(self, drafts: Sequence[Draft], batch_size: int, probe: bool) -> list[int]:
+        longest = min(self.max_tokens, self.cap)
+        ranked = []  # (trusted probability, position in its row, row) of every candidate the cap allows
+        for r, draft in enumerate(drafts):
+            trust = 1.0 if probe else self.trust(draft.source)
+            ranked += [(trust * p, j, r) for j, p in enumerate(draft.probabilities[: min(longest, len(draft.tokens))])]
+        ranked.sort(key=lambda c: (-c[0], c[1]))  # best first; a row's in order (its probabilities never rise)
+        best_size, best_rate, gain = 0, batch_size * (1.0 + MARGIN), 0.0
+        for size, (trusted, _, _) in enumerate(ranked, start=1):
+            gain += trusted
+            rate = (batch_size + gain) / self._relative_cost(size, batch_size, per_row=False)
+            if rate > best_rate:
+                best_size, best_rate = size, rate
+        counts = [0] * len(drafts)
+        for _, _, r in ranked[:best_size]:
+            counts[r] += 1
+        return counts
 
     def _best_k(self, drafts: Sequence[Draft], batch_size: int, probe: bool) -> int:
         longest = min(self.max_tokens, self.cap, max((len(d.tokens) for d in drafts), default=0))
@@ -122,7 +164,7 @@ class DraftBudget:
                 gains[k] += total
         best_k, best_rate = 0, len(drafts) * (1.0 + MARGIN)
         for k in range(1, longest + 1):
-            rate = (len(drafts) + gains[k]) / self._relative_cost(k, batch_size)
+            rate = (len(drafts) + gains[k]) / self._relative_cost(k, batch_size, per_row=True)
             if rate > best_rate:
                 best_k, best_rate = k, rate
         return best_k
@@ -131,9 +173,17 @@ class DraftBudget:
                seconds: float | None) -> None:
         """After a round of k candidates per row in which the generating rows' `drafts` got `accepted[r]` of their
         first k accepted; `seconds`: the round's wall time (None: not measured)."""
+        self.learn(drafts, [min(k, len(d.tokens)) for d in drafts], accepted)
+        if seconds is not None and self.num_rounds > 0:
+            self.cost(batch_size).observe(batch_size * (k + 1), batch_size, seconds)
+        self.num_rounds += 1
+
+    def learn(self, drafts: Sequence[Draft], counts: Sequence[int], accepted: Sequence[int]) -> None:
+        """Trust and cap from a round in which row r verified the first `counts[r]` tokens of `drafts[r]` and
+        `accepted[r]` of them were accepted."""
         total_accepted, total_expected = 0, 0.0
-        for draft, num in zip(drafts, accepted):
-            expected = sum(draft.probabilities[:k])
+        for draft, count, num in zip(drafts, counts, accepted):
+            expected = sum(draft.probabilities[:count])
             if expected > 0:
                 evidence = self.evidence.setdefault(draft.source, [0.0, 0.0])
                 evidence[0], evidence[1] = evidence[0] * DECAY + num, evidence[1] * DECAY + expected
@@ -141,11 +191,10 @@ class DraftBudget:
         if total_expected > 0:
             paid = 2 * total_accepted >= total_expected
             self.cap = min(2 * self.cap, self.max_tokens) if paid else max(self.cap // 2, PROBE_TOKENS)
-        if seconds is not None and self.num_rounds > 0:
-            self.cost.observe(batch_size * (k + 1), batch_size, seconds)
-        self.num_rounds += 1
 
-    def _relative_cost(self, k: int, batch_size: int) -> float:
+    def _relative_cost(self, extra: int, batch_size: int, per_row: bool) -> float:
+        """A round's cost over a plain one's with `extra` candidates per row (`per_row`, padded rounds) or in all."""
         if self.token_cost is not None:
-            return 1.0 + self.token_cost * k
-        return self.cost.relative(batch_size * (k + 1), batch_size)
+            return 1.0 + self.token_cost * (extra if per_row else extra / batch_size)
+        tokens = batch_size * (extra + 1) if per_row else batch_size + extra
+        return self.cost(batch_size).relative(tokens, batch_size)
