@@ -139,7 +139,7 @@ class _TokenClock(BaseStreamer):
         self.stamps.append(time.perf_counter())
 
     def end(self) -> None:
-        pass
+        """Nothing: the last new token was stamped when it arrived."""
 
 
 def decode_seconds(model: torch.nn.Module, prompt: torch.Tensor, new_tokens: int) -> float:

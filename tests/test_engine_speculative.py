@@ -79,9 +79,9 @@ def test_the_step_budget_learns_costs_and_acceptance_from_the_steps_that_ran():
     steps = []
     observe_step = engine.core.proposer.observe_step
 
-    def recording(batch, seconds):
+    def recording(batch, num_accepted, seconds):
         steps.append((len(batch.scheduled), batch.num_tokens, seconds))
-        observe_step(batch, seconds)
+        observe_step(batch, num_accepted, seconds)
 
     engine.core.proposer.observe_step = recording
     engine.generate(prompts, greedy(24))

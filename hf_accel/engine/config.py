@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ..cache.paged_config import parse_bytes
 from ..cache.settings import check_int
+from .scheduler import SchedulerConfig
+
+if TYPE_CHECKING:
+    from .speculative_config import SpeculativeConfig
 
 
 @dataclass(slots=True)
@@ -60,3 +65,10 @@ class EngineConfig:
             raise ValueError(f"`kv_cache_memory` ({self.kv_cache_memory} bytes) cannot hold one sequence of "
                              f"max_model_len={max_model_len} tokens ({need} bytes); raise it or lower max_model_len")
         return num
+
+    def scheduler_config(self, speculative: SpeculativeConfig | None) -> SchedulerConfig:
+        """One step's limits: these, and with `speculative` its candidates per sequence and batch-token rule."""
+        if speculative is None:
+            return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens)
+        return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, speculative.num_candidates,
+                               speculative.batch_tokens)

@@ -108,7 +108,7 @@ class DraftProposer:
     def take_features(self, committed: list[tuple[Sequence, int, torch.Tensor]]) -> None:
         """Nothing: the draft reads tokens only."""
 
-    def observe_step(self, batch: ScheduledBatch, seconds: float) -> None:
+    def observe_step(self, batch: ScheduledBatch, num_accepted: dict[int, int], seconds: float) -> None:
         """Nothing to learn: chains are as long as the scheduler allows and the drafts' confidence keeps."""
 
     def forget(self, seq: Sequence) -> None:

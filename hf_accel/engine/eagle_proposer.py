@@ -165,7 +165,7 @@ class EagleProposer:
             row.add(fused[end : end + features.shape[0]])
             end += features.shape[0]
 
-    def observe_step(self, batch: ScheduledBatch, seconds: float) -> None:
+    def observe_step(self, batch: ScheduledBatch, num_accepted: dict[int, int], seconds: float) -> None:
         """Nothing to learn: chains are as long as the scheduler allows and the drafts' confidence keeps."""
 
     def forget(self, seq: Sequence) -> None:

@@ -29,7 +29,7 @@ from .model_runner import ModelRunner, StepOutput, uses_cuda_graphs
 from .proposer import Proposer, SpecDecodeStats, make_proposer
 from .sampling_params import SamplingParams
 from .sampler import sample, token_logprobs
-from .scheduler import ScheduledBatch, ScheduledSeq, Scheduler, SchedulerConfig
+from .scheduler import ScheduledBatch, ScheduledSeq, Scheduler
 from .sequence import Request, Sequence, make_sequences
 from .speculation import Speculation
 from .speculative_config import SpeculativeConfig
@@ -56,7 +56,7 @@ class EngineCore:
         proposer_bytes = self.proposer.kv_bytes_per_token(dtype) if pool_proposer else 0  # a head's or draft's K/V
         num_blocks = config.num_blocks(shape.bytes_per_token(dtype) + proposer_bytes, self.max_model_len)
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(_scheduler_config(config, speculative), self.blocks,
+        self.scheduler = Scheduler(config.scheduler_config(speculative), self.blocks,
                                    *([] if self.proposer is None else [self.proposer.can_propose]))
         keep_hidden = self.proposer is not None and self.proposer.needs_hidden
         self.kv = KVPool(shape, num_blocks, config.block_size, dtype, device,
@@ -152,7 +152,7 @@ class EngineCore:
         if out.features is not None:
             self._take_features(batch, out, num_accepted)
         if self.proposer is not None:
-            self.proposer.observe_step(batch, now - started)
+            self.proposer.observe_step(batch, num_accepted, now - started)
         self.scheduler.postprocess(batch, num_accepted)
         self.num_steps += 1
         changed = {s.seq.request.request_id: s.seq.request for s in out.sampling}
@@ -296,9 +296,3 @@ def _eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | 
         return set()
     return {eos} if isinstance(eos, int) else set(eos)
 
-
-def _scheduler_config(config: EngineConfig, speculative: SpeculativeConfig | None) -> SchedulerConfig:
-    if speculative is None:
-        return SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens)
-    return SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, speculative.num_candidates,
-                           speculative.batch_tokens)

@@ -51,7 +51,7 @@ class MedusaProposer:
         if hidden is not None and not seq.params.needs_processing:
             self._hidden[seq.seq_id] = hidden
 
-    def observe_step(self, batch: ScheduledBatch, seconds: float) -> None:
+    def observe_step(self, batch: ScheduledBatch, num_accepted: dict[int, int], seconds: float) -> None:
         """Nothing to learn: chains are as long as the scheduler allows and the drafts' confidence keeps."""
 
     def forget(self, seq: Sequence) -> None:

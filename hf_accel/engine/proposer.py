@@ -56,9 +56,10 @@ class Proposer(Protocol):
         """After a step: per scheduled sequence, the first position it committed and the features there `[n, F]`
         (at `feature_layers`; called only when those are not empty)."""
 
-    def observe_step(self, batch: ScheduledBatch, seconds: float) -> None:
-        """After a step whose tokens are committed: `batch` as it ran (`num_drafts`: the candidates each verified)
-        and the seconds the model's forward took (what a proposer that sizes its drafts by cost learns from)."""
+    def observe_step(self, batch: ScheduledBatch, num_accepted: dict[int, int], seconds: float) -> None:
+        """After a step whose tokens are committed: `batch` as it ran (`num_drafts`: the candidates each verified),
+        the candidates each kept by `seq_id`, and the seconds the model's forward took (what a proposer that sizes
+        its drafts by cost learns from)."""
 
     def forget(self, seq: Sequence) -> None:
         """`seq` has finished (done, aborted or failed): drop what is kept for it."""

@@ -18,8 +18,6 @@ Rules:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from ..speculative.draft_budget import DraftBudget
@@ -28,22 +26,6 @@ from ..speculative.suffix_cache import NO_DRAFT, Draft, SuffixCache
 from .scheduler import ScheduledBatch
 from .sequence import Sequence
 from .speculative_config import SpeculativeConfig
-
-
-@dataclass(slots=True)
-class _Verifying:
-    """A sequence's draft in the step that verifies it: the first `count` tokens, proposed when the sequence had
-    `num_tokens` tokens."""
-
-    seq: Sequence
-    draft: Draft
-    count: int
-    num_tokens: int
-
-    @property
-    def accepted(self) -> int:
-        """Candidates accepted: the step appended them and the target's token."""
-        return max(min(self.seq.num_tokens - self.num_tokens - 1, self.count), 0)
 
 
 class SuffixProposer:
@@ -61,7 +43,7 @@ class SuffixProposer:
             self.shared = SuffixCache(self.settings.max_depth, config.suffix_decoding_max_cached_requests)
         self.budget = DraftBudget(max_tokens=config.num_candidates)
         self._proposers: dict[int, NgramProposer] = {}  # seq_id -> its own tokens' proposer
-        self._verifying: dict[int, _Verifying] = {}  # seq_id -> its draft in the step running now
+        self._verifying: dict[int, Draft] = {}  # seq_id -> its draft in the step running now
 
     @property
     def num_tracked(self) -> int:
@@ -74,9 +56,7 @@ class SuffixProposer:
         """Each sequence's draft, cut to the count the step's budget gives it (see the module docstring)."""
         drafts = [self._draft(seq, n) for seq, n in zip(seqs, num_drafts)]
         counts = self.budget.choose_counts(drafts, len(seqs))
-        for seq, draft, count in zip(seqs, drafts, counts):
-            if count:
-                self._verifying[seq.seq_id] = _Verifying(seq, draft, count, seq.num_tokens)
+        self._verifying.update((seq.seq_id, draft) for seq, draft, count in zip(seqs, drafts, counts) if count)
         return [draft.tokens[:count] for draft, count in zip(drafts, counts)]
 
     def _draft(self, seq: Sequence, num_drafts: int) -> Draft:
@@ -89,13 +69,14 @@ class SuffixProposer:
     def observe(self, seq: Sequence, hidden: torch.Tensor | None) -> None:
         """Nothing to keep: the next proposal reads the sequence's tokens."""
 
-    def observe_step(self, batch: ScheduledBatch, seconds: float) -> None:
-        """Learn from the step that ran: how many candidates its sequences accepted against what their drafts
-        expected (finished and failed sequences left out: a stop rule may have cut their tokens), and, for a step
-        of decodes only, its forward's seconds against the tokens it forwarded."""
-        verified = [v for v in self._verifying.values() if not v.seq.is_finished]
+    def observe_step(self, batch: ScheduledBatch, num_accepted: dict[int, int], seconds: float) -> None:
+        """Learn from the step that ran: the candidates its sequences kept against what their drafts expected
+        (finished and failed sequences left out: a stop rule may have cut their tokens), and, for a step of decodes
+        only, its forward's seconds against the tokens it forwarded."""
+        verified = [s for s in batch.scheduled if s.num_drafts and not s.seq.is_finished]
+        self.budget.learn([self._verifying[s.seq.seq_id] for s in verified], [s.num_drafts for s in verified],
+                          [num_accepted[s.seq.seq_id] for s in verified])
         self._verifying = {}
-        self.budget.learn([v.draft for v in verified], [v.count for v in verified], [v.accepted for v in verified])
         if all(s.num_new - s.num_drafts == 1 for s in batch.scheduled):  # one token each, and candidates
             rows = len(batch.scheduled)
             self.budget.cost(rows).observe(batch.num_tokens, rows, seconds)

@@ -144,7 +144,7 @@ class DraftBudget:
         best_size, best_rate, gain = 0, batch_size * (1.0 + MARGIN), 0.0
         for size, (trusted, _, _) in enumerate(ranked, start=1):
             gain += trusted
-            rate = (batch_size + gain) / self._relative_cost(size, batch_size, per_row=False)
+            rate = (batch_size + gain) / self._relative_cost(batch_size + size, batch_size)
             if rate > best_rate:
                 best_size, best_rate = size, rate
         counts = [0] * len(drafts)
@@ -164,7 +164,7 @@ class DraftBudget:
                 gains[k] += total
         best_k, best_rate = 0, len(drafts) * (1.0 + MARGIN)
         for k in range(1, longest + 1):
-            rate = (len(drafts) + gains[k]) / self._relative_cost(k, batch_size, per_row=True)
+            rate = (len(drafts) + gains[k]) / self._relative_cost(batch_size * (k + 1), batch_size)
             if rate > best_rate:
                 best_k, best_rate = k, rate
         return best_k
@@ -192,9 +192,8 @@ class DraftBudget:
             paid = 2 * total_accepted >= total_expected
             self.cap = min(2 * self.cap, self.max_tokens) if paid else max(self.cap // 2, PROBE_TOKENS)
 
-    def _relative_cost(self, extra: int, batch_size: int, per_row: bool) -> float:
-        """A round's cost over a plain one's with `extra` candidates per row (`per_row`, padded rounds) or in all."""
+    def _relative_cost(self, tokens: int, batch_size: int) -> float:
+        """A round's cost over a plain one's when it forwards `tokens` tokens for `batch_size` rows."""
         if self.token_cost is not None:
-            return 1.0 + self.token_cost * (extra if per_row else extra / batch_size)
-        tokens = batch_size * (extra + 1) if per_row else batch_size + extra
+            return 1.0 + self.token_cost * (tokens - batch_size) / batch_size
         return self.cost(batch_size).relative(tokens, batch_size)
