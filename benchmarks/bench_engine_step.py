@@ -28,10 +28,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import AttentionInterface
 
 from hf_accel import Engine, RequestOutputKind, SamplingParams, bench, reference
 from hf_accel.bench.output import hardware, run_benchmark
-from hf_accel.engine import attention, engine_core
+from hf_accel.engine import engine_core
+from hf_accel.runtime import attention
 
 ROOT = Path(__file__).resolve().parents[1]
 NAME = "bench_engine_step"
@@ -91,18 +93,20 @@ def instrumented(engine: Engine, clock: StageClock) -> Iterator[None]:
         (engine_core, "sample"), (engine_core, "token_logprobs"),
     ]
     names = {"schedule": "schedule", "postprocess": "postprocess", "execute": "metadata", "_forward": "forward",
-             "_append_all": "append", "_deliver": "outputs", "paged_attention": "attention call", "gather_blocks": "gather",
+             "_append_all": "append", "_deliver": "outputs", "paged_attention": "attention call",
+             "gather_blocks": "gather",
              "attend": "K/V write + attention", "sample": "sampling", "token_logprobs": "sampling"}
     saved = [(owner, attr, getattr(owner, attr)) for owner, attr in patches]
     for owner, attr, function in saved:
         setattr(owner, attr, clock.wrap(names[attr], function))
-    attention.register_attention()  # the registry holds the function object: register the timed one
+    # transformers' registry holds the function object: register the timed one for the block
+    AttentionInterface.register(attention.ATTENTION_NAME, attention.paged_attention)
     try:
         yield
     finally:
         for owner, attr, function in saved:
             setattr(owner, attr, function)
-        attention.register_attention()
+        AttentionInterface.register(attention.ATTENTION_NAME, attention.paged_attention)
 
 
 def decoding_engine(model, prompts: torch.Tensor, steps: int, enforce_eager: bool) -> Engine:

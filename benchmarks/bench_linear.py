@@ -1,7 +1,7 @@
 """Why hf_accel's compiled steps freeze the weights and run their fp32 Linears over packed panels: a Linear at a few
 rows, MKL's sgemm over the weight as it lies (what eager PyTorch and an unfrozen compiled graph call), oneDNN's matmul
 over the same weight packed once (what inductor's `freezing` compiles by itself) and hf_accel's `packed_linear` over
-the weight packed in 16-column panels (what hf_accel's compiled CPU steps run: `engine/packed_linears.py`).
+the weight packed in 16-column panels (what hf_accel's compiled CPU steps run: `kernels/packed_linear.py`).
 
 Method: the Linear shapes of the reference target (hidden 256) and of the 185M Llama of bench_vllm_peer (hidden
 1024), at 1, 5, 9, 64 and 512 rows (a decode, speculative verify forwards of 1 + 4 and 1 + 8 tokens, an engine decode
@@ -27,8 +27,8 @@ import torch
 
 from hf_accel.bench.output import hardware, run_benchmark
 from hf_accel.bench.timing import time_interleaved
-from hf_accel.engine.packed_linears import pack_weight
-from hf_accel.engine.paged_kernel import packed_linear_kernel
+from hf_accel.kernels.packed_linear import pack_weight
+from hf_accel.kernels.ops import packed_linear_kernel
 
 ROOT = Path(__file__).resolve().parents[1]
 NAME = "bench_linear"

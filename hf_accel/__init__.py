@@ -16,6 +16,7 @@ from .cache.quantized import QuantizedKVCache
 from .cache.quantized_config import QuantizedKVConfig
 from .cache.sink import SinkCache
 from .cache.sink_config import SinkCacheConfig
+from .compiled import quantized_rows as _quantized_rows
 from .compiled.route import route_generate
 from .engine.engine import Engine
 from .engine.engine_process import EngineProcess
@@ -24,10 +25,10 @@ from .engine.errors import ContextLengthExceededError, EngineDeadError
 from .engine.outputs import CompletionOutput, RequestOutput, RequestOutputKind
 from .engine.sampling_params import SamplingParams
 from .engine.speculative_config import SpeculativeConfig
-from .quant import quantizer as _weight_quantizer
 from .quant.linear import Int4Linear, Int8Linear
 from .quant.presets import list_quantization_presets, load_model, quantization_config
-from .quant.quantizer import WeightOnlyConfig, quantize_model
+from .quant.quantizer import METHODS as _WEIGHT_METHODS, WeightOnlyConfig, WeightOnlyQuantizer, quantize_model
+from .runtime import attention as _attention
 from .speculative.medusa import MedusaStats, medusa_generate
 from .speculative.medusa_heads import MedusaConfig, MedusaHeads
 from .medusa_training.train import train_medusa
@@ -49,18 +50,22 @@ CACHE_BUILDERS = {
     registry.QUANTIZED_ALIAS: build_quantized_cache,
     registry.SINK_ALIAS: build_sink_cache,
 }
+ATTENTION_FUNCTIONS = {
+    _attention.ATTENTION_NAME: _attention.paged_attention,
+    _quantized_rows.ATTENTION_NAME: _quantized_rows.quantized_attention,
+}
+QUANTIZATION_METHODS = {method: (WeightOnlyConfig, WeightOnlyQuantizer) for method in _WEIGHT_METHODS.values()}
 
 
 def register() -> None:
-    """Register hf_accel with transformers (done on import; idempotent)."""
-    registry.register(CACHE_BUILDERS, route_generate)
-    _weight_quantizer.register_methods()
+    """Register hf_accel with transformers (done on import; idempotent): cache names, the generate router, attention
+    functions and weight-quantization methods."""
+    registry.register(CACHE_BUILDERS, route_generate, ATTENTION_FUNCTIONS, QUANTIZATION_METHODS)
 
 
 def unregister() -> None:
-    """Restore stock transformers behaviour exactly."""
+    """Restore stock transformers behaviour exactly: everything `register` added is removed."""
     registry.unregister()
-    _weight_quantizer.unregister_methods()
 
 
 register()

@@ -1,10 +1,10 @@
-"""The one module that patches transformers: idempotent, reload-safe, reversible.
+"""The one module that patches transformers (and the user's modules): idempotent, reload-safe, reversible.
 
-What it changes (all undone by `unregister`):
+What `register` changes (all undone by `unregister`):
 - `GenerationMixin.generate`: the router given to `register` sees (and may edit) the kwargs first (compiled generate
-  claims `compile_config` with the paged cache there); our user-facing names ("paged", "sink") are renamed to internal aliases before stock
-  `generate` sees them, so the stock continuous-batching shim does not take over "paged" (`model.generate_batch`
-  stays available) and a saved generation config never names a cache that needs hf_accel.
+  claims `compile_config` with the paged cache there); our user-facing names ("paged", "sink") are renamed to internal
+  aliases before stock `generate` sees them, so the stock continuous-batching shim does not take over "paged"
+  (`model.generate_batch` stays available) and a saved generation config never names a cache that needs hf_accel.
 - `GenerationMixin._prepare_cache_for_generation`: our cache names build our caches, and so does the stock name
   "quantized" with `cache_config={"backend": "hf_accel", ...}` (other backends stay stock); for an assistant model
   that already holds a cache, `cache_implementation` is ignored (stock raises "Passing both ..." in round 2).
@@ -14,22 +14,31 @@ What it changes (all undone by `unregister`):
   just before and after the prefill forward, so it can fill columns it already holds (a prefix store) and generate
   computes only the rest (it starts at the cache's `get_seq_length()`). Other caches see no change.
 - `generation.configuration_utils.ALL_CACHE_IMPLEMENTATIONS`: our names are added so validation accepts them.
-The pristine functions are kept on the wrappers (never in a module global), so `importlib.reload` cannot stack them;
-`PrefillHooks` lives in `prefill_hooks.py`, so a reload keeps the class the caches subclass.
+- `AttentionInterface`: our attention functions (the engine's and compiled generate's paged attention, compiled
+  generate's quantized attention) under our own names.
+- transformers' quantizer registries: our weight-only methods (`from_pretrained(..., quantization_config=...)`).
+The pristine functions and what was registered are kept on the wrappers (never in a module global), so
+`importlib.reload` cannot stack them; `PrefillHooks` lives in `prefill_hooks.py`, so a reload keeps the class the
+caches subclass.
+For the length of a block, never for good: `attention_implementation` switches a model to one of our attention
+functions, `instance_forwards` gives modules forwards of hf_accel's (the eager loops' packed Linears).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
-from transformers import GenerationConfig, StopStringCriteria, StoppingCriteriaList
-
+from torch import nn
+from transformers import AttentionInterface, GenerationConfig, StopStringCriteria, StoppingCriteriaList
 from transformers.generation import configuration_utils
 from transformers.generation.utils import GenerationMixin
+from transformers.quantizers import register_quantization_config, register_quantizer
+from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING
 
 from .prefill_hooks import PrefillHooks
 
@@ -39,7 +48,7 @@ QUANTIZED_ALIAS = "hf_accel_quantized"
 USER_NAMES = {"paged": PAGED_ALIAS, "sink": SINK_ALIAS}
 QUANTIZED_BACKEND = "hf_accel"  # cache_implementation="quantized" with this cache_config backend is ours
 _ORIGINAL_ATTR = "__hf_accel_original__"
-_NAMES_ATTR = "__hf_accel_cache_names__"
+_REGISTRATION_ATTR = "__hf_accel_registration__"
 
 
 
@@ -63,25 +72,48 @@ CacheBuilder = Callable[..., object]
 GenerateRouter = Callable[[object, dict], None]
 
 
-def register(cache_builders: Mapping[str, CacheBuilder], router: GenerateRouter | None = None) -> None:
-    """Install the hooks for `cache_builders` (keyed by internal cache name) and `router`. Safe to call again."""
+@dataclass(frozen=True, slots=True)
+class Registration:
+    """What `register` added to transformers' registries (kept on the installed `generate` wrapper)."""
+
+    cache_names: tuple[str, ...] = ()
+    attention_names: tuple[str, ...] = ()
+    quantization_methods: tuple[str, ...] = ()
+
+
+def register(cache_builders: Mapping[str, CacheBuilder], router: GenerateRouter | None = None,
+             attention_functions: Mapping[str, Callable] | None = None,
+             quantization_methods: Mapping[str, tuple[type, type]] | None = None) -> None:
+    """Install the hooks for `cache_builders` (keyed by internal cache name) and `router`, register
+    `attention_functions` (name -> transformers attention function) and `quantization_methods` (name -> (config
+    class, quantizer class)). Safe to call again."""
     unregister()
-    builders = dict(cache_builders)
+    builders, attention = dict(cache_builders), dict(attention_functions or {})
+    methods = dict(quantization_methods or {})
     _install(GenerationMixin, "generate", functools.partial(_wrap_generate, router))
     _install(GenerationMixin, "_prepare_cache_for_generation", functools.partial(_wrap_prepare_cache, builders))
     _install(GenerationMixin, "_prefill", _wrap_prefill)
-    names = tuple(builders)
-    configuration_utils.ALL_CACHE_IMPLEMENTATIONS = configuration_utils.ALL_CACHE_IMPLEMENTATIONS + names
-    setattr(GenerationMixin._prepare_cache_for_generation, _NAMES_ATTR, names)
+    configuration_utils.ALL_CACHE_IMPLEMENTATIONS = configuration_utils.ALL_CACHE_IMPLEMENTATIONS + tuple(builders)
+    for name, function in attention.items():
+        AttentionInterface.register(name, function)
+    for method, (config_class, quantizer_class) in methods.items():
+        register_quantization_config(method)(config_class)
+        register_quantizer(method)(quantizer_class)
+    registration = Registration(tuple(builders), tuple(attention), tuple(methods))
+    setattr(GenerationMixin.generate, _REGISTRATION_ATTR, registration)
 
 
 def unregister() -> None:
     """Restore stock transformers exactly. Safe to call when not registered."""
-    prepare = GenerationMixin.__dict__.get("_prepare_cache_for_generation")
-    names = getattr(prepare, _NAMES_ATTR, ())
+    registration = getattr(GenerationMixin.__dict__.get("generate"), _REGISTRATION_ATTR, Registration())
     configuration_utils.ALL_CACHE_IMPLEMENTATIONS = tuple(
-        name for name in configuration_utils.ALL_CACHE_IMPLEMENTATIONS if name not in names
+        name for name in configuration_utils.ALL_CACHE_IMPLEMENTATIONS if name not in registration.cache_names
     )
+    for name in registration.attention_names:
+        AttentionInterface._global_mapping.pop(name, None)
+    for method in registration.quantization_methods:
+        AUTO_QUANTIZATION_CONFIG_MAPPING.pop(method, None)
+        AUTO_QUANTIZER_MAPPING.pop(method, None)
     for attr in ("generate", "_prepare_cache_for_generation", "_prefill"):
         current = GenerationMixin.__dict__.get(attr)
         if hasattr(current, _ORIGINAL_ATTR):
@@ -90,6 +122,42 @@ def unregister() -> None:
 
 def is_registered() -> bool:
     return hasattr(GenerationMixin.__dict__.get("generate"), _ORIGINAL_ATTR)
+
+
+@contextlib.contextmanager
+def attention_implementation(model: nn.Module, name: str) -> Iterator[None]:
+    """Run `model` (a transformers model) with the registered attention function `name` inside the block, its own
+    implementation after (a no-op when already inside one: the Engine switches once per run of steps, so single
+    steps pay nothing)."""
+    saved = model.config._attn_implementation
+    if saved == name:
+        yield
+        return
+    if name not in AttentionInterface._global_mapping:
+        raise RuntimeError(f"attention {name!r} is not registered with transformers: hf_accel.unregister() was "
+                           "called; call hf_accel.register() to use hf_accel's engine and compiled generate again")
+    model.set_attn_implementation(name)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(saved)
+
+
+@contextlib.contextmanager
+def instance_forwards(forwards: Iterable[tuple[nn.Module, Callable]]) -> Iterator[int]:
+    """Within: each module of `forwards` runs the forward paired with it (set on the instance); yields how many were
+    set. `forwards` is consumed inside, so an error part-way (out of memory while packing) still restores those set
+    already. After, however the block ends, the forwards this call set are removed (one replaced since is left)."""
+    installed: list[tuple[nn.Module, Callable]] = []
+    try:
+        for module, forward in forwards:
+            module.forward = forward
+            installed.append((module, forward))
+        yield len(installed)
+    finally:
+        for module, forward in installed:
+            if module.__dict__.get("forward") is forward:
+                del module.forward
 
 
 def _install(owner: type, attr: str, make_wrapper: Callable[[Callable], Callable]) -> None:

@@ -111,7 +111,7 @@ def make_model(arch: str, dtype: torch.dtype, attn_implementation: str) -> PreTr
 def weights_packed_while(action: Callable[[], Any]) -> tuple[Any, int]:
     """`action()` with inductor's caches off (a cache hit skips the passes that pack weights) -> its result and how
     many Linear weights were packed meanwhile, for oneDNN by inductor's freezing or into panels by hf_accel's pass
-    (`engine/packed_linears.py`)."""
+    (`kernels/packed_linear.py`)."""
     import torch._dynamo.utils as dynamo_utils
 
     def count() -> int:

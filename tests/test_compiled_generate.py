@@ -22,10 +22,10 @@ from hf_accel.cache.kv_shape import KVShape
 from hf_accel.compiled.loop import compiled_generate
 from hf_accel.compiled.paged_rows import PagedRows
 from hf_accel.compiled.step import compile_context, compiled_verify_step
-from hf_accel.engine.attention import gathered_attention, register_attention
-from hf_accel.engine.kv_pool import KVPool
-from hf_accel.engine.paged_kernel import paged_attention_kernel
-from hf_accel.engine.step_forward import paged_attention_implementation
+from hf_accel.runtime.attention import ATTENTION_NAME, gathered_attention
+from hf_accel.runtime.kv_pool import KVPool
+from hf_accel.kernels.ops import paged_attention_kernel
+from hf_accel.registry import attention_implementation
 from hf_accel.compiled.route import route_generate
 
 pytestmark = pytest.mark.compiled
@@ -207,13 +207,13 @@ def test_fixed_pool_too_small_raises_and_a_passed_cache_is_left_alone():
 
 def test_verify_step_gives_the_greedy_token_after_each_candidate_and_rolls_back_in_place():
     model = make_model("llama", torch.float32, "sdpa")
-    register_attention()
     rows = PagedRows(model, [7, 12], 30, 4)
     prompts = [torch.randint(3, 100, (n,), generator=torch.Generator().manual_seed(n)) for n in (7, 12)]
     verify = compiled_verify_step(COMPILE, model)
     attend = paged_attention_kernel() or gathered_attention
     rounds = [torch.randint(3, 100, (2, 5), generator=torch.Generator().manual_seed(seed)) for seed in (1, 2)]
-    with torch.no_grad(), paged_attention_implementation(model), compile_context(rows.device, COMPILE, model.dtype):
+    with torch.no_grad(), attention_implementation(model, ATTENTION_NAME), \
+            compile_context(rows.device, COMPILE, model.dtype):
         inputs = rows.prefill(prompts, attend)
         model(input_ids=inputs.tokens, position_ids=inputs.positions, use_cache=False, hf_accel_step=inputs.attention)
         # the second round starts at the same positions: it overwrites the first one's K/V

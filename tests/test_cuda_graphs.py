@@ -9,10 +9,10 @@ from conformance import make_model
 from engine_helpers import assert_greedy_equal, greedy_reference, random_prompts
 from hf_accel import Engine, SamplingParams
 from hf_accel.cache.kv_shape import KVShape
-from hf_accel.engine.attention import gathered_attention
-from hf_accel.engine.cuda_graphs import decode_attention, graph_sizes
-from hf_accel.engine.kv_pool import KVPool
-from hf_accel.engine.paged_kernel import paged_attention_kernel
+from hf_accel.runtime.attention import gathered_attention
+from hf_accel.runtime.cuda_graphs import decode_attention, graph_sizes
+from hf_accel.runtime.kv_pool import KVPool
+from hf_accel.kernels.ops import paged_attention_kernel
 from test_paged_kernel import run, step_inputs
 
 

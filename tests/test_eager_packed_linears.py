@@ -1,4 +1,4 @@
-"""Eager speculative loops' Linears over packed panels (`hf_accel/speculative/packed_linears.py`): which Linears are
+"""Eager speculative loops' Linears over packed panels (`hf_accel/kernels/eager_packing.py`): which Linears are
 packed, results equal to `F.linear` up to rounding, the forwards removed however the context ends, and the loops of
 `eagle_generate`, `draft_generate`, `ngram_generate` and `medusa_generate` running their models' Linears through the
 kernel (tokens equal to plain greedy are the loops' own tests)."""
@@ -11,10 +11,10 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_accel
-import hf_accel.speculative.packed_linears as packed_module
-from hf_accel.engine.packed_linears import pack_weight
-from hf_accel.engine.paged_kernel import packed_linear_kernel
-from hf_accel.speculative.packed_linears import packed_linears
+import hf_accel.kernels.eager_packing as packed_module
+from hf_accel.kernels.packed_linear import pack_weight
+from hf_accel.kernels.ops import packed_linear_kernel
+from hf_accel.kernels.eager_packing import packed_linears
 
 pytestmark = pytest.mark.skipif(packed_linear_kernel() is None, reason="the hf_accel kernels could not be built here")
 

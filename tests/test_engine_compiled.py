@@ -12,8 +12,8 @@ import torch._dynamo.utils as dynamo_utils
 from conformance import make_model, weights_packed_while
 from engine_helpers import assert_greedy_equal, greedy_reference, random_prompts
 from hf_accel import Engine, MedusaHeads, SamplingParams, WeightOnlyConfig, bench, quantize_model
-from hf_accel.engine.paged_kernel import paged_attention_kernel
-from hf_accel.engine.step_forward import StepInputs
+from hf_accel.kernels.ops import paged_attention_kernel
+from hf_accel.runtime.step_inputs import StepInputs
 
 pytestmark = [pytest.mark.compiled,
               pytest.mark.skipif(paged_attention_kernel() is None, reason="the paged attention kernel is not built")]

@@ -14,7 +14,7 @@ from hf_accel import Engine, SamplingParams, SpeculativeConfig
 from hf_accel.eagle_training.features import target_features
 from hf_accel.eagle_training.unroll import unrolled_hidden
 from hf_accel.engine.eagle_proposer import EagleProposer
-from hf_accel.engine.step_forward import skip_warm_guards
+from hf_accel.runtime.dynamo import skip_warm_guards
 
 
 def greedy(max_tokens: int) -> SamplingParams:

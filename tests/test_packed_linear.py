@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from hf_accel.engine.frozen_graphs import freezing
-from hf_accel.engine.packed_linears import pack_weight
-from hf_accel.engine.paged_kernel import packed_linear_kernel
+from hf_accel.runtime.frozen_graphs import freezing
+from hf_accel.kernels.packed_linear import pack_weight
+from hf_accel.kernels.ops import packed_linear_kernel
 
 kernel = packed_linear_kernel()
 pytestmark = pytest.mark.skipif(kernel is None, reason="the hf_accel kernels could not be built here")

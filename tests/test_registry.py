@@ -2,6 +2,8 @@
 
 import importlib
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -135,6 +137,64 @@ def test_unregister_restores_transformers_exactly(unregistered):
     for attr in PATCHED:
         assert GenerationMixin.__dict__[attr] is PRISTINE[attr]
     assert configuration_utils.ALL_CACHE_IMPLEMENTATIONS == STOCK_CACHE_NAMES
+
+
+# What transformers' registries hold, as names of what they hold: run in a fresh process, after `setup`.
+REGISTRIES_SNAPSHOT = """
+import json, sys
+{setup}
+from transformers import AttentionInterface
+from transformers.generation import configuration_utils
+from transformers.generation.utils import GenerationMixin
+from transformers.masking_utils import AttentionMaskInterface
+from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING
+
+def named(mapping):
+    return {{key: f"{{value.__module__}}.{{value.__qualname__}}" for key, value in mapping.items()}}
+
+json.dump({{
+    "attention": named(AttentionInterface._global_mapping),
+    "attention_masks": named(AttentionMaskInterface._global_mapping),
+    "quantizers": named(AUTO_QUANTIZER_MAPPING),
+    "quantization_configs": named(AUTO_QUANTIZATION_CONFIG_MAPPING),
+    "cache_names": list(configuration_utils.ALL_CACHE_IMPLEMENTATIONS),
+    "generate": named({{attr: GenerationMixin.__dict__[attr] for attr in {patched!r}}}),
+}}, sys.stdout)
+"""
+
+USE_THEN_UNREGISTER = """
+import torch
+import hf_accel
+from transformers import LlamaConfig, LlamaForCausalLM
+model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                     num_attention_heads=2, num_key_value_heads=1)).eval()
+hf_accel.Engine(model, enforce_eager=True).generate([[1, 2, 3]], hf_accel.SamplingParams(max_tokens=2))
+hf_accel.quantize_model(model, hf_accel.WeightOnlyConfig(bits=8))
+hf_accel.unregister()
+"""
+
+
+def registries_after(setup: str) -> dict:
+    code = REGISTRIES_SNAPSHOT.format(setup=setup, patched=PATCHED)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_after_unregister_transformers_registries_equal_a_fresh_imports():
+    """Everything `register` adds (generate hooks, cache names, attention functions, quantization methods) is gone
+    after `unregister`, even after the engine and the weight quantizer ran: the registries read as a process that
+    never imported hf_accel."""
+    fresh = registries_after("import transformers")
+    used = registries_after(USE_THEN_UNREGISTER)
+    assert used == fresh
+    registered = registries_after("import hf_accel")
+    assert set(registered["attention"]) - set(fresh["attention"]) == set(hf_accel.ATTENTION_FUNCTIONS)
+    assert set(registered["quantizers"]) - set(fresh["quantizers"]) == set(hf_accel.QUANTIZATION_METHODS)
+
+
+def test_without_registration_the_engine_says_how_to_register_again(unregistered, model):
+    with pytest.raises(RuntimeError, match=r"hf_accel.register\(\)"):
+        hf_accel.Engine(model, enforce_eager=True).generate([[1, 2, 3]], hf_accel.SamplingParams(max_tokens=2))
 
 
 def test_after_unregister_paged_is_stock_continuous_batching_again(unregistered, model, prompt):

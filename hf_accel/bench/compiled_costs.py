@@ -18,11 +18,11 @@ from transformers import CompileConfig, PreTrainedModel
 
 from ..compiled.paged_rows import PagedRows
 from ..compiled.step import compile_context, compiled_decode_step, compiled_tree_verify_step, compiled_verify_step
-from ..engine.attention import gathered_attention, register_attention
-from ..engine.cuda_graphs import decode_attention
-from ..engine.paged_kernel import paged_attention_kernel, paged_tree_attention_kernel
+from ..runtime.attention import ATTENTION_NAME, gathered_attention
+from ..runtime.cuda_graphs import decode_attention
+from ..kernels.ops import paged_attention_kernel, paged_tree_attention_kernel
 from ..speculative.tree import DEFAULT_TREE, build_tree
-from ..engine.step_forward import paged_attention_implementation
+from ..registry import attention_implementation
 from .timing import time_interleaved
 
 
@@ -32,7 +32,6 @@ def verify_cost(model: PreTrainedModel, prompt_len: int, repeats: int) -> dict[s
     multiple of a compiled decode step (target: <= 1.15x), interleaved, median of `repeats` x 20 calls."""
     rows = PagedRows(model, [prompt_len], prompt_len + 16, 16)
     attend = paged_attention_kernel() or gathered_attention
-    register_attention()
     config = CompileConfig()
     decode, verify = compiled_decode_step(config, model), compiled_verify_step(config, model)
     tree_verify, tree = compiled_tree_verify_step(config, model), build_tree(DEFAULT_TREE[:8], 4)
@@ -45,7 +44,7 @@ def verify_cost(model: PreTrainedModel, prompt_len: int, repeats: int) -> dict[s
     tree_attend, mask = paged_tree_attention_kernel() or decode_attention, tree.ancestors[None]
     calls["tree 9"] = lambda: tree_verify(model, prompt[None, :9], position, tree.depths, mask, rows.kv,
                                           rows.block_table, tree_attend)
-    with torch.inference_mode(), paged_attention_implementation(model), \
+    with torch.inference_mode(), attention_implementation(model, ATTENTION_NAME), \
             compile_context(rows.device, config, model.dtype):
         inputs = rows.prefill([prompt], attend)
         # output_hidden_states eagerly first: transformers installs its capturing hooks then, outside any graph

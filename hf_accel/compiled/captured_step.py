@@ -6,7 +6,7 @@ they skip the graph, and with torch 2.11's graph partitions the partitioned code
 from a partition's arguments; seen on an H100). So the step is compiled in inductor's default mode (fused kernels, no
 graphs: `step.inductor_mode`), and the decode loop captures that compiled step once per `generate` call into one CUDA
 graph over static token and position buffers, then replays it for every later token, as the engine's decode graphs do
-(`engine/cuda_graphs.py`). Everything else the step reads (the pool, the block table, the sink window) keeps its
+(`runtime/cuda_graphs.py`). Everything else the step reads (the pool, the block table, the sink window) keeps its
 address for the whole call.
 
 Compiled speculation's forwards (the target's verify of 1 + k tokens per row, its plain step, a draft model's and

@@ -28,7 +28,8 @@ from transformers import GenerationConfig, PreTrainedModel
 from transformers.generation.streamers import BaseStreamer
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from ..engine.step_forward import paged_attention_implementation
+from ..registry import attention_implementation
+from ..runtime.attention import ATTENTION_NAME
 from ..speculative.draft_length import DraftLength
 from ..speculative.stats import SpeculativeStats
 from .captured_step import CapturedSteps, captures
@@ -72,7 +73,8 @@ def compiled_draft_generate(model: PreTrainedModel, draft: PreTrainedModel, inpu
     target = TargetRounds(model, input_ids, attention_mask, config, length.max_tokens, stats, streamer, warpers)
     pool = pool_for(draft, target.prompts, target.outputs.max_new_tokens, length.max_tokens, config)
     with contextlib.ExitStack() as stack:
-        for entered in (paged_attention_implementation(model), paged_attention_implementation(draft),
+        for entered in (attention_implementation(model, ATTENTION_NAME),
+                        attention_implementation(draft, ATTENTION_NAME),
                         generate_context(target.rows.device, config, model.dtype)):
             stack.enter_context(entered)
         prefill(draft, pool, target.prompts, target.attends.prefill)

@@ -32,8 +32,8 @@ from transformers import CompileConfig, GenerationConfig, PreTrainedModel
 from transformers.generation.streamers import BaseStreamer
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from ..engine.attention import ATTENTION_NAME, StepAttention
-from ..engine.step_forward import paged_attention_implementation
+from ..runtime.attention import ATTENTION_NAME, StepAttention
+from ..registry import attention_implementation
 from ..speculative.draft_length import DraftLength
 from ..speculative.eagle_head import EagleHead, token_embeddings
 from ..speculative.stats import SpeculativeStats
@@ -78,8 +78,8 @@ def head_entries(model: PreTrainedModel, head: EagleHead, features: torch.Tensor
 
 def readout(model: PreTrainedModel, head: EagleHead, hidden: torch.Tensor, warpers: tuple,
             do_sample: bool) -> HeadOutput:
-    """The head's draft from `hidden` `[rows, H]` through its norm and the target's LM head: greedy, or drawn (exponential race)
-    from the distribution after `warpers`; with the probability the head gave it."""
+    """The head's draft from `hidden` `[rows, H]` through its norm and the target's LM head: greedy, or drawn
+    (exponential race) from the distribution after `warpers`; with the probability the head gave it."""
     scores = head.logits(model, hidden)
     for warper in warpers:
         scores = warper(None, scores)  # in-graph warpers never read input_ids
@@ -203,7 +203,7 @@ def head_contexts(model: PreTrainedModel, head: EagleHead, device: torch.device,
                   config: GenerationConfig) -> Iterator[None]:
     """Around a compiled EAGLE loop of a `generate` call with `config`: the target's and the head's attention
     through the paged pools, and the compile settings (`step.generate_context`)."""
-    with paged_attention_implementation(model), head.attention_implementation(ATTENTION_NAME), \
+    with attention_implementation(model, ATTENTION_NAME), head.attention_implementation(ATTENTION_NAME), \
             generate_context(device, config, model.dtype):
         yield
 

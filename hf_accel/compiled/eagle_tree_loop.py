@@ -29,7 +29,7 @@ from transformers import GenerationConfig, PreTrainedModel
 from transformers.generation.streamers import BaseStreamer
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from ..engine.attention import StepAttention
+from ..runtime.attention import StepAttention
 from ..speculative.eagle_head import EagleHead
 from ..speculative.eagle_tree import EagleTree, grow_tree, top_children
 from ..speculative.stats import SpeculativeStats

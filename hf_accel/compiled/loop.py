@@ -30,10 +30,10 @@ from ..cache.paged import PagedCache
 from ..cache.paged_config import PagedCacheConfig
 from ..cache.sink import SinkCache
 from ..cache.sink_config import SinkCacheConfig
-from ..engine.attention import gathered_attention, register_attention
-from ..engine.cuda_graphs import decode_attention
-from ..engine.paged_kernel import paged_attention_kernel
-from ..engine.step_forward import paged_attention_implementation
+from ..runtime.attention import ATTENTION_NAME, gathered_attention
+from ..runtime.cuda_graphs import decode_attention
+from ..kernels.ops import paged_attention_kernel
+from ..registry import attention_implementation
 from .captured_step import CapturedStep, captures
 from .paged_rows import PagedRows, unpadded_prompts
 from .sink_rows import SinkRows
@@ -130,9 +130,8 @@ class Decode:
         """The prefill and the decode steps, over the paged layout."""
         rows, sinks = self._layout()
         kernel = paged_attention_kernel() if rows.device.type == "cpu" else None
-        register_attention()
         settings = generate_context(rows.device, self.config, self.model.dtype)
-        with paged_attention_implementation(self.model), settings:
+        with attention_implementation(self.model, ATTENTION_NAME), settings:
             self._decode(rows, sinks, self._prefill(rows, kernel or gathered_attention), kernel or decode_attention)
 
     def _layout(self) -> tuple[PagedRows, SinkRows | None]:

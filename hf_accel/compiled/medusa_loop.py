@@ -27,7 +27,8 @@ from transformers import GenerationConfig, PreTrainedModel
 from transformers.generation.streamers import BaseStreamer
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from ..engine.step_forward import paged_attention_implementation
+from ..registry import attention_implementation
+from ..runtime.attention import ATTENTION_NAME
 from ..speculative.medusa import TreeChoice
 from ..speculative.medusa_heads import MedusaHeads
 from ..speculative.stats import SpeculativeStats
@@ -45,7 +46,7 @@ def compiled_medusa_generate(model: PreTrainedModel, heads: MedusaHeads, trees: 
     target = TargetRounds(model, input_ids, attention_mask, config, trees.whole.num_nodes - 1, stats, streamer,
                           feature_layers=(-1,))
     rounds = MedusaRounds(target, heads, trees)
-    with paged_attention_implementation(model), generate_context(target.rows.device, config, model.dtype):
+    with attention_implementation(model, ATTENTION_NAME), generate_context(target.rows.device, config, model.dtype):
         sequences = target.run(rounds.step, rounds.start)
     if not config.return_dict_in_generate:
         return sequences

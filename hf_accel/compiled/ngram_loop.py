@@ -18,7 +18,8 @@ from transformers import GenerationConfig, PreTrainedModel
 from transformers.generation.streamers import BaseStreamer
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from ..engine.step_forward import paged_attention_implementation
+from ..registry import attention_implementation
+from ..runtime.attention import ATTENTION_NAME
 from ..speculative.draft_budget import DraftBudget
 from ..speculative.ngram_proposer import NgramProposer, NgramSettings
 from ..speculative.stats import SpeculativeStats
@@ -38,7 +39,7 @@ def compiled_ngram_generate(model: PreTrainedModel, input_ids: torch.Tensor, att
     target = TargetRounds(model, input_ids, attention_mask, config, budget.max_tokens, stats, streamer, warpers)
     proposers = [NgramProposer(settings, shared) for _ in target.prompts]
     contexts = [prompt.tolist() for prompt in target.prompts]  # each row's tokens so far, no padding
-    with paged_attention_implementation(model), generate_context(target.rows.device, config, model.dtype):
+    with attention_implementation(model, ATTENTION_NAME), generate_context(target.rows.device, config, model.dtype):
         sequences = target.run(lambda: _round(target, proposers, contexts, budget))
     if shared is not None:
         for output in target.outputs.generated:

@@ -10,7 +10,7 @@ block `b mod R`: a token overwrites one that left every window long ago, and mem
 row grows. Prompts are packed without their left padding: row `r`'s real tokens
 sit at positions `0 .. L_r - 1`, the positions transformers gives them (from the padding mask), and attention reads
 exactly `L_r + generated` tokens per row, so pads are never stored or read. The pool uses the engine's layout
-(`engine/kv_pool.py`) and is attended in place by the same op (`engine/attention.py`).
+(`runtime/kv_pool.py`) and is attended in place by the same op (`runtime/attention.py`).
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from ..cache.block_pool import OutOfBlocksError
 from ..cache.kv_shape import KVShape
-from ..engine.attention import StepAttention
-from ..engine.kv_pool import KVPool
+from ..runtime.attention import StepAttention
+from ..runtime.kv_pool import KVPool
 
 MIN_WIDTH = 2  # a 1-wide block table would be specialized by the compiler: one more graph for short generations
 

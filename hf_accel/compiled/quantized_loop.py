@@ -28,13 +28,12 @@ from transformers.generation.streamers import BaseStreamer
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from ..cache.quantized import QuantizedKVCache, QuantizedKVLayer
-from ..engine.step_forward import paged_attention_implementation
+from ..registry import attention_implementation
 from .loop import Decode, stock_decoding, uncovered
 from .quantized_rows import (
     ATTENTION_NAME,
     QuantizedRows,
     quantized_decode_step,
-    register_quantized_attention,
 )
 from .step import compiled_with, generate_context
 
@@ -72,7 +71,6 @@ class QuantizedDecode(Decode):
         # allocated after the prefill: its activations and the eager cache are not held beside the buffers
         rows = QuantizedRows(self.model, self.cache, self.input_ids.shape[0], self.sequences.shape[1])
         rows.take(self.cache, self.mask)
-        register_quantized_attention()
         step = compiled_with(self.config.compile_config, self.model, quantized_decode_step)
         positions = self.mask.sum(dim=-1)  # the next token's position: real tokens before it
 
@@ -84,7 +82,7 @@ class QuantizedDecode(Decode):
             positions = positions + 1
             return out
 
-        with paged_attention_implementation(self.model, ATTENTION_NAME), \
+        with attention_implementation(self.model, ATTENTION_NAME), \
                 generate_context(self.input_ids.device, self.config, self.model.dtype):
             self._steps(tokens, one_step)
 

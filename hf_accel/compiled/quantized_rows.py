@@ -33,12 +33,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from transformers import AttentionInterface, PreTrainedModel
+from transformers import PreTrainedModel
 
 from ..cache.kv_shape import config_head_dim
 from ..cache.quantized import KEY_AXIS, VALUE_AXIS, QuantizedKVCache, QuantizedKVLayer
-from ..engine.attention import attend_dense
-from ..engine.paged_kernel import quantized_attention_kernel
+from ..runtime.attention import attend_dense
+from ..kernels.ops import quantized_attention_kernel
 from ..quant import ops
 from ..quant.ops import QuantizedTensor
 from .token_choice import choose_tokens
@@ -241,11 +241,6 @@ def quantized_attention(
     values = torch.cat((step.fp_values[:, own].transpose(0, 1), history_values(step, layer, dim), value), dim=2)
     out = attend_dense(query.to(dtype), keys, values, hf_accel_mask[:, None, None, :], scale, softcap)
     return out.transpose(1, 2).to(query.dtype), None
-
-
-def register_quantized_attention() -> None:
-    """Make `ATTENTION_NAME` selectable as an attention implementation (idempotent)."""
-    AttentionInterface.register(ATTENTION_NAME, quantized_attention)
 
 
 def quantized_decode_step(model: PreTrainedModel, tokens: torch.Tensor, positions: torch.Tensor,

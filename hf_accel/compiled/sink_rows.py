@@ -23,7 +23,7 @@ from transformers import PreTrainedModel
 from ..cache.kv_shape import FULL_AND_SLIDING, KVShape
 from ..cache.rope import rope_inverse_frequencies, rotate, rotation
 from ..cache.sink_config import SinkCacheConfig
-from ..engine.kv_pool import KVPool, static_sizes
+from ..runtime.kv_pool import KVPool, static_sizes
 from .paged_rows import PagedRows, table_slots
 
 

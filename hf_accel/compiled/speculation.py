@@ -33,9 +33,9 @@ from transformers.generation.streamers import BaseStreamer
 
 from ..cache.kv_shape import FULL_AND_SLIDING, KVShape
 from ..cache.paged_config import PagedCacheConfig
-from ..engine.attention import gathered_attention, register_attention
-from ..engine.cuda_graphs import decode_attention
-from ..engine.paged_kernel import paged_attention_kernel, paged_tree_attention_kernel
+from ..runtime.attention import gathered_attention
+from ..runtime.cuda_graphs import decode_attention
+from ..kernels.ops import paged_attention_kernel, paged_tree_attention_kernel
 from ..speculative.stats import SpeculativeStats
 from ..speculative.verify import Verdict, greedy_accept, speculative_sample
 from .captured_step import CapturedSteps, captures
@@ -89,7 +89,6 @@ class Attends:
 
     @classmethod
     def for_device(cls, device: torch.device) -> Attends:
-        register_attention()
         kernel = paged_attention_kernel() if device.type == "cpu" else None
         tree = paged_tree_attention_kernel() if kernel is not None else None
         return cls(kernel or gathered_attention, kernel or decode_attention, kernel or decode_attention,

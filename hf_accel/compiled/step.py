@@ -1,12 +1,12 @@
 """The whole decode step of compiled generate, as one graph: attention metadata from the positions, the model's own
-forward (attention in place over the pool, `engine/attention.py`), and the next-token choice (`token_choice.py`).
+forward (attention in place over the pool, `runtime/attention.py`), and the next-token choice (`token_choice.py`).
 
 Compiled with `fullgraph=True` (no graph break anywhere: the attention is one opaque custom op) and dynamic sizes, so
 the number of rows and the block table's width are symbols: one graph serves every call of a model at a batch size
 above 1 (a batch of 1 is specialized by the compiler: a second graph), whatever the prompt and output lengths, with
 no recompilation per token. Compiled functions are kept per model and `CompileConfig` (backend, mode, options), and
 on CPU freeze the model's weights into their graphs (`compile_context`); a model whose weights changed since gets
-new ones (`engine/frozen_graphs.py`).
+new ones (`runtime/frozen_graphs.py`).
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ import torch.fx.experimental._config as symbolic_config
 from transformers import GenerationConfig, PreTrainedModel
 from transformers.generation.configuration_utils import CompileConfig
 
-from ..engine.kv_pool import KVPool
-from ..engine.frozen_graphs import compiled_for, freezing
-from ..engine.step_forward import dynamo_settings
-from ..engine.attention import StepAttention
+from ..runtime.kv_pool import KVPool
+from ..runtime.frozen_graphs import compiled_for, freezing
+from ..runtime.dynamo import dynamo_settings
+from ..runtime.attention import StepAttention
 from .paged_rows import decode_attention_inputs, table_slots
 from .sink_rows import SinkRows
 from .token_choice import choose_tokens
@@ -158,8 +158,8 @@ def compile_context(device: torch.device, config: CompileConfig, dtype: torch.dt
     long session compiles more than dynamo's default total; floats traced as constants unless the loop is `sampling`
     inside its graphs), and on CPU graphs compiled here freeze the weights (inductor's `freezing`: each
     Linear runs over a weight packed once, a copy kept with the graph: fp32 ones through hf_accel's kernel for a few
-    rows, `engine/packed_linears.py`, others through oneDNN; MKL's sgemm on the weights as they lie made a 5-token
-    verify forward 1.6x a decode step), unless `config.options` says `"freezing": False`."""
+    rows, `kernels/packed_linear.py`, others through oneDNN, both faster than MKL's sgemm on the weights as they lie
+    at a few rows), unless `config.options` says `"freezing": False`."""
     freeze = device.type == "cpu" and (config.options or {}).get("freezing", True)
     with symbolic_config.patch(use_duck_shape=False), dynamo_settings(constant_floats=not sampling), \
             freezing(freeze, dtype):

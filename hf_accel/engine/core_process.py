@@ -19,7 +19,9 @@ from .engine_stats import EngineStats
 from .errors import describe
 from .limits import EngineLimits
 from .outputs import RequestOutput
-from .step_forward import paged_attention_implementation, skip_warm_guards
+from ..registry import attention_implementation
+from ..runtime.attention import ATTENTION_NAME
+from ..runtime.dynamo import skip_warm_guards
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,7 +76,7 @@ class _CoreLoop:
         engine.add_finish_observer(self.finished.append)
 
     def run(self) -> None:
-        with paged_attention_implementation(self.engine.core.model):  # the model is this process's alone
+        with attention_implementation(self.engine.core.model, ATTENTION_NAME):  # the model is this process's alone
             while self._take_commands():
                 if not self.engine.has_unfinished_requests():
                     continue

@@ -26,10 +26,11 @@ import torch
 from transformers import PreTrainedModel
 
 from ..cache.kv_shape import KVShape, check_decoder_only
-from .kv_pool import KVPool
+from ..runtime.kv_pool import KVPool
 from .scheduler import ScheduledBatch
 from .sequence import Sequence
-from .step_forward import StepForward, StepInputs
+from ..runtime.step_forward import StepForward
+from ..runtime.step_inputs import StepInputs
 
 MIN_DRAFT_PROBABILITY = 0.2  # a chain ends after a draft the draft model is less sure of
 

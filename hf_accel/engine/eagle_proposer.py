@@ -34,12 +34,13 @@ from transformers import PreTrainedModel
 
 from ..cache.kv_shape import KVShape
 from ..speculative.eagle_head import EagleHead, token_embeddings
-from .attention import ATTENTION_NAME, StepAttention
-from .frozen_graphs import compiled_for, freezing
-from .kv_pool import KVPool
+from ..runtime.attention import ATTENTION_NAME, StepAttention
+from ..runtime.frozen_graphs import compiled_for, freezing
+from ..runtime.kv_pool import KVPool
 from .scheduler import ScheduledBatch
 from .sequence import Sequence
-from .step_forward import StepInputs, dynamo_settings, warm_guards
+from ..runtime.dynamo import dynamo_settings, warm_guards
+from ..runtime.step_inputs import StepInputs
 
 
 MIN_DRAFT_PROBABILITY = 0.2  # a chain ends after a draft the head is less sure of (eagle_generate's default)

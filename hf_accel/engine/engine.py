@@ -39,7 +39,8 @@ from .outputs import RequestOutput, RequestOutputKind
 from .sampling_params import SamplingParams
 from .sequence import Request
 from .speculative_config import SpeculativeConfig, speculative_config
-from .step_forward import paged_attention_implementation
+from ..registry import attention_implementation
+from ..runtime.attention import ATTENTION_NAME
 
 logger = logging.getLogger(__name__)
 
@@ -149,7 +150,7 @@ class Engine(RichDisplay):
         if self.is_running:
             done.wait()
             return
-        with self._drive_lock, paged_attention_implementation(self.core.model):  # switched once per call
+        with self._drive_lock, attention_implementation(self.core.model, ATTENTION_NAME):  # switched once per call
             while not done.is_set():
                 self._step()
                 if not done.is_set() and not self.has_unfinished_requests():
@@ -221,7 +222,8 @@ class Engine(RichDisplay):
                         self._drive_lock.acquire()
                     continue
                 try:
-                    with paged_attention_implementation(self.core.model):  # once per busy spell, restored when idle
+                    # switched once per busy spell, restored when idle
+                    with attention_implementation(self.core.model, ATTENTION_NAME):
                         while not self._stopping and self.has_unfinished_requests():
                             self._step()
                 except BaseException as error:  # the loop is dead: tell every waiting request, refuse new ones

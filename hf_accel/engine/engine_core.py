@@ -23,7 +23,7 @@ from .config import EngineConfig
 from .detokenizer import Detokenizer
 from .engine_stats import EngineStats
 from .errors import each_alone_on_error
-from .kv_pool import KVPool
+from ..runtime.kv_pool import KVPool
 from .limits import EngineLimits, context_length
 from .model_runner import ModelRunner, StepOutput, uses_cuda_graphs
 from .proposer import Proposer, SpecDecodeStats, make_proposer

@@ -16,13 +16,14 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from .attention import gathered_attention, register_attention
-from .kv_pool import KVPool, token_slots
-from .paged_kernel import paged_attention_kernel
+from ..runtime.attention import gathered_attention
+from ..runtime.kv_pool import KVPool, token_slots
+from ..kernels.ops import paged_attention_kernel
 from .scheduler import ScheduledBatch, ScheduledSeq
 from .sequence import Sequence
-from .cuda_graphs import DecodeGraphs
-from .step_forward import StepForward, StepInputs
+from ..runtime.cuda_graphs import DecodeGraphs
+from ..runtime.step_forward import StepForward
+from ..runtime.step_inputs import StepInputs
 
 
 @dataclass(slots=True)
@@ -72,7 +73,6 @@ class ModelRunner:
         if not getattr(model, "_supports_attention_backend", False):
             raise ValueError(f"`model` ({type(model).__name__}) does not use transformers' AttentionInterface, "
                              "which the engine needs")
-        register_attention()
         self.model, self.kv = model, kv
         device = next(model.parameters()).device
         # built (or found in torch's cache) now, once per engine; the kernel is CPU code

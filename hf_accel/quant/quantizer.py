@@ -21,8 +21,7 @@ from torch import nn
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 from transformers.core_model_loading import ConversionOps
-from transformers.quantizers import HfQuantizer, register_quantization_config, register_quantizer
-from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING
+from transformers.quantizers import HfQuantizer
 from transformers.quantizers.quantizers_utils import get_module_from_name, should_convert_module
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
@@ -156,18 +155,3 @@ def replace_linear_modules(model: nn.Module, bits: int, group_size: int, skip: l
             raise ValueError(f"cannot quantize {name!r}: {error}") from None
         model.set_submodule(name, quantized)
     return len(targets)
-
-
-def register_methods() -> None:
-    """Add `hf_accel_int8` / `hf_accel_int4` to transformers' quantizer registry (idempotent, reload-safe)."""
-    unregister_methods()
-    for method in METHODS.values():
-        register_quantization_config(method)(WeightOnlyConfig)
-        register_quantizer(method)(WeightOnlyQuantizer)
-
-
-def unregister_methods() -> None:
-    """Remove our methods from transformers' quantizer registry."""
-    for method in METHODS.values():
-        AUTO_QUANTIZATION_CONFIG_MAPPING.pop(method, None)
-        AUTO_QUANTIZER_MAPPING.pop(method, None)

@@ -23,7 +23,7 @@ from transformers.cache_utils import Cache
 from transformers.generation.streamers import BaseStreamer
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .packed_linears import packed_linears
+from ..kernels.eager_packing import packed_linears
 from .ragged_batch import RaggedBatch, batch_for_generate, stack_steps
 from .stats import SpeculativeStats
 

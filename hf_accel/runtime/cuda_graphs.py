@@ -28,11 +28,11 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
                      value_pool: torch.Tensor, slots: torch.Tensor, block_table: torch.Tensor,
                      query_start: torch.Tensor, kv_lengths: torch.Tensor, scale: float, window: int,
                      softcap: float, tree_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """The kernel's rule (csrc/paged_attention.cpp) for a step where every sequence computes the same number `n` of
-    packed tokens (1 for a decode, 1 + k for a speculative verify), sequence s the tokens `s * n .. s * n + n - 1`:
+    """The kernel's rule (kernels/csrc/paged_attention.cpp) for a step where every sequence computes the same number `n`
+    of packed tokens (1 for a decode, 1 + k for a speculative verify), sequence s the tokens `s * n .. s * n + n - 1`:
     `query` `[heads, seqs * n, dim]` -> `[seqs * n, heads, dim]`, with fixed shapes and no host synchronisation
-    (capturable in a CUDA graph, traceable whole by the compiler). `query_start` is implied and not read.
-    With `tree_mask` `[seqs, n, m]` the n tokens are nodes of a tree of the last m columns (`paged_tree_attention`'s
+    (capturable in a CUDA graph, traceable whole by the compiler). `query_start` is implied and not read. With
+    `tree_mask` `[seqs, n, m]` the n tokens are nodes of a tree of the last m columns (`paged_tree_attention`'s
     rule)."""
     heads, tokens, dim = query.shape
     seqs, kv_heads = block_table.shape[0], key_pool.shape[0]

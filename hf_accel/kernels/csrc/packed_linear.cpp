@@ -1,5 +1,5 @@
 // A Linear of the few rows a decode or speculative verify step has, over a weight packed once into column panels
-// (hf_accel/engine/packed_linears.py packs it and rewrites the frozen matmuls of hf_accel's compiled CPU steps into
+// (hf_accel/kernels/packed_linear.py packs it and rewrites the frozen matmuls of hf_accel's compiled CPU steps into
 // this op). fp32.
 //
 // x        [M, K]                 the step's rows (any strides)

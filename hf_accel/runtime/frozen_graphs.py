@@ -1,13 +1,13 @@
 """Compiled functions whose graphs hold a model's weights frozen (inductor's `freezing`), kept per model.
 
-On CPU hf_accel compiles its steps with `freezing`: each Linear's weight becomes a constant of the graph, packed
-once, into column panels for hf_accel's kernel in fp32 (`packed_linears.py`), else for oneDNN's matmul (MKL's sgemm
-over the weights as they lie is 1.1-4.3x slower than oneDNN at 5-64 rows, and oneDNN slower than the panels:
-benchmarks/bench_linear.py). A frozen graph must then serve only the model it froze, and only while that model's
-weights are the ones it holds. Dynamo keeps graphs on the code object it traced, and its guards tell models apart
-but not weight values, so each model compiles its own copy of a step function (`own_code`), kept here beside a
-`weights_signature`; a model whose weights changed (an optimizer step, `load_state_dict`, a merged adapter, a cast)
-gets new copies, and the old graphs go with them. Engines on the same unchanged model share their graphs.
+On CPU hf_accel compiles its steps with `freezing`: each Linear's weight becomes a constant of the graph, packed once,
+into column panels for hf_accel's kernel in fp32 (`kernels/packed_linear.py`), else for oneDNN's matmul (both faster
+than MKL's sgemm over the weights as they lie at a few rows: benchmarks/bench_linear.py). A frozen graph must then serve
+only the model it froze, and only while that model's weights are the ones it holds. Dynamo keeps graphs on the code
+object it traced, and its guards tell models apart but not weight values, so each model compiles its own copy of a step
+function (`own_code`), kept here beside a `weights_signature`; a model whose weights changed (an optimizer step,
+`load_state_dict`, a merged adapter, a cast) gets new copies, and the old graphs go with them. Engines on the same
+unchanged model share their graphs.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 import torch._inductor.config as inductor_config
 from torch import nn
 
-from .packed_linears import settings as packed_linear_settings
+from ..kernels.packed_linear import settings as packed_linear_settings
 
 
 @dataclass
@@ -54,7 +54,7 @@ def compiled_for(model: nn.Module, function: Callable, key: Hashable, compile: C
 
 def freezing(enabled: bool, dtype: torch.dtype | None = None):
     """A config patch under which inductor compiles graphs with frozen weights (or not); for a model of `dtype`
-    float32, their Linears over weights packed in column panels (`packed_linears.py`: CPU graphs of a few rows
+    float32, their Linears over weights packed in column panels (`kernels/packed_linear.py`: CPU graphs of a few rows
     each; other dtypes keep oneDNN's packing). Inductor reads it when a graph is compiled, so it goes around the
     calls that compile; `torch.compile(options={"freezing": True})` does not reach it."""
     return inductor_config.patch(freezing=enabled,

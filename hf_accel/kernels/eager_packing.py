@@ -1,28 +1,27 @@
-"""Eager speculative loops run their models' Linears over weights packed in column panels, for the length of a call.
+"""Eager callers run their models' Linears over weights packed in column panels, for the length of a call.
 
 Why: a speculative round's verify forward has a few rows per sequence (1 + k candidates), and at a few rows MKL's fp32
-sgemm (what eager PyTorch runs) reads the weight once per handful of rows, far below the core's peak: on the reference
-target (one thread of an AVX2 EPYC) a 5-token verify took 1.65x a one-token decode, where speculative decoding's
-arithmetic assumes about 1x. `torch.ops.hf_accel.packed_linear` (`engine/csrc/packed_linear.cpp`, the kernel
-hf_accel's compiled CPU steps use) streams each 16-column panel once for up to six rows: the same verify then takes
-1.15x a decode.
+sgemm (what eager PyTorch runs) reads the weight once per handful of rows, far below the core's peak, where
+speculative decoding's arithmetic assumes a verify costs about one decode. `torch.ops.hf_accel.packed_linear`
+(`csrc/packed_linear.cpp`, the kernel hf_accel's compiled CPU steps use) streams each 16-column panel once for up to
+six rows (docs/speculative.md has the measured costs).
 
 `packed_linears(*modules)` packs every eligible `torch.nn.Linear` of the modules on entry (one more copy of those
-weights while the call runs; 2-4 ms per million parameters to make on one core) and gives each an instance `forward`
-over its panels; on exit, however the call ends, the forwards it set are removed and the panels freed. Nothing is kept
-between calls, so a model trained or edited between calls is packed afresh. Eligible: exactly `nn.Linear` (not a
-subclass or a quantized layer) whose weight is a plain fp32 CPU tensor (not a tensor subclass, as torchao's quantized
-weights are), no forward already replaced on the instance (accelerate's hooks, another loop's panels). Nothing is
-packed where the panels would take more than half the memory available (a warning says so), with gradients or CPU
-autocast on, in a module tree holding a compiled module (`module.compile()`, a compiled `forward`: dynamo would trace
-the replaced forwards and recompile on every call), without the kernel (not buildable, `HF_ACCEL_PAGED_KERNEL=0`) or
-with `HF_ACCEL_PACKED_LINEARS=0`. Results equal `F.linear` up to float rounding (another summation order), as the
-compiled steps' do.
+weights while the call runs) and gives each an instance `forward` over its panels (`registry.instance_forwards`, the
+one place hf_accel replaces a forward); on exit, however the call ends, the forwards it set are removed and the panels
+freed. Nothing is kept between calls, so a model trained or edited between calls is packed afresh. Eligible: exactly
+`nn.Linear` (not a subclass or a quantized layer) whose weight is a plain fp32 CPU tensor (not a tensor subclass, as
+torchao's quantized weights are), no forward already replaced on the instance (accelerate's hooks, another loop's
+panels). Nothing is packed where the panels would take more than half the memory available (a warning says so), with
+gradients or CPU autocast on, in a module tree holding a compiled module (`module.compile()`, a compiled `forward`:
+dynamo would trace the replaced forwards and recompile on every call), without the kernel (not buildable,
+`HF_ACCEL_PAGED_KERNEL=0`) or with `HF_ACCEL_PACKED_LINEARS=0`. Results equal `F.linear` up to float rounding
+(another summation order), as the compiled steps' do.
 
 Why instance forwards: no transformers or torch seam swaps a Linear's matmul for the length of a call without a
 per-op cost (a `TorchFunctionMode` intercepting `F.linear` sees every torch call of the forward and gave back most
-of the gain), and a copy of the model would double its memory for good. The forwards are the loops' own, set and
-removed around one call; a model serving from another thread meanwhile (the Engine compiling it) would trace them.
+of the gain), and a copy of the model would double its memory for good. A model serving from another thread
+meanwhile (the Engine compiling it) would trace them.
 """
 
 from __future__ import annotations
@@ -37,8 +36,9 @@ import psutil
 import torch
 from torch import nn
 
-from ..engine.packed_linears import pack_weight
-from ..engine.paged_kernel import packed_linear_kernel
+from ..registry import instance_forwards
+from .ops import packed_linear_kernel
+from .packed_linear import pack_weight
 
 ENV_SWITCH = "HF_ACCEL_PACKED_LINEARS"  # "0": eager loops keep MKL's matmuls
 MEMORY_SHARE = 0.5  # the most of the available memory the panels may take
@@ -51,18 +51,9 @@ def packed_linears(*modules: nn.Module | None) -> Iterator[int]:
     off = (kernel is None or os.environ.get(ENV_SWITCH) == "0" or torch.is_grad_enabled()
            or torch.is_autocast_enabled("cpu"))
     linears = [] if off else _fitting(_eligible(modules))
-    installed: list[tuple[nn.Linear, Callable[..., torch.Tensor]]] = []
-    try:  # packing inside: a failure part-way (out of memory) still restores the forwards already replaced
-        for linear in linears:
-            weight = linear.weight.detach().t()  # [in, out]: the matmul's right operand as it lies
-            forward = functools.partial(_packed_forward, kernel, pack_weight(weight), weight, linear.bias)
-            linear.forward = forward
-            installed.append((linear, forward))
-        yield len(installed)
-    finally:
-        for linear, forward in installed:
-            if linear.__dict__.get("forward") is forward:  # what this call set, not what came after it
-                del linear.forward
+    # packed inside `instance_forwards`: a failure part-way (out of memory) still restores the forwards already set
+    with instance_forwards((linear, _packed_forward(kernel, linear)) for linear in linears) as count:
+        yield count
 
 
 def _eligible(modules: tuple[nn.Module | None, ...]) -> list[nn.Linear]:
@@ -102,7 +93,13 @@ def _compiled(module: nn.Module) -> bool:
                or ("forward" in sub.__dict__ and type(sub) is not nn.Linear) for sub in module.modules())
 
 
-def _packed_forward(kernel: Callable[..., torch.Tensor], panels: torch.Tensor, weight: torch.Tensor,
+def _packed_forward(kernel: Callable[..., torch.Tensor], linear: nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
+    """`linear`'s forward over its weight's panels (packed now)."""
+    weight = linear.weight.detach().t()  # [in, out]: the matmul's right operand as it lies
+    return functools.partial(_panels_forward, kernel, pack_weight(weight), weight, linear.bias)
+
+
+def _panels_forward(kernel: Callable[..., torch.Tensor], panels: torch.Tensor, weight: torch.Tensor,
                     bias: torch.Tensor | None, input: torch.Tensor) -> torch.Tensor:
     """`F.linear(input, weight.T, bias)` for `input` `[..., in]` over `panels` `[ceil(out / 16), in, 16]` ->
     `[..., out]` (named as `nn.Linear.forward` names it)."""

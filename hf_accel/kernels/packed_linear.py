@@ -1,21 +1,19 @@
-"""The Linears of hf_accel's compiled CPU steps over weights packed in column panels (`torch.ops.hf_accel.packed_linear`,
-`csrc/packed_linear.cpp`).
+"""Linears over weights packed in column panels (`torch.ops.hf_accel.packed_linear`, `csrc/packed_linear.cpp`): the
+panel layout (`pack_weight`) and the graph pass that puts the op into compiled CPU steps.
 
-hf_accel compiles its steps with frozen weights (`frozen_graphs.freezing`): each Linear's weight is a constant of the
-graph. Where `settings()` is applied, a post-grad pass (`PackLinears`, inductor's custom-pass seam) rewrites every
-fp32 matmul whose right operand is such a constant, `mm(x, W)` or `addmm(b, x, W)`, into
+hf_accel compiles its steps with frozen weights (`runtime.frozen_graphs.freezing`): each Linear's weight is a
+constant of the graph. Where `settings()` is applied, a post-grad pass (`PackLinears`, inductor's custom-pass seam)
+rewrites every fp32 matmul whose right operand is such a constant, `mm(x, W)` or `addmm(b, x, W)`, into
 `packed_linear(x, pack_weight(W), W, b)`; the panels are computed once, when the graph is compiled, and kept as a new
 constant of the graph (as oneDNN's packed copy was, which those graphs no longer make: `cpp.weight_prepack` off). The
-model itself is not changed: its own forward still runs `torch.nn.functional.linear` (eager speculative loops run
-the same op for the length of a call: `speculative/packed_linears.py`).
+model itself is not changed: its own forward still runs `torch.nn.functional.linear` (eager callers run the same op
+for the length of a call: `eager_packing.py`).
 
 Why: at the few rows of a decode, a speculative verify or a small batch, oneDNN's and MKL's fp32 matmuls read the
 weight once per handful of rows and run far below the core's peak; the kernel streams each panel once for up to six
-rows (see the .cpp file). One thread of an AVX2 EPYC, reference target's Linears (µs, oneDNN over its packed weight /
-this kernel, benchmarks/bench_linear.py): gate_proj 256 -> 768 at 1 row 45 / 18, 5 rows 76 / 29, 9 rows 85 / 48;
-lm_head 256 -> 4096 at 9 rows 326 / 284. Past `kPackedRows` (128) rows the op runs ATen's matmul over `W`. Results
-equal `x @ W` up to float rounding (another summation order). Without AVX2 and FMA, or where the kernel cannot be built, the op is ATen's
-matmul (the settings are then not applied).
+rows (see the .cpp file; benchmarks/bench_linear.py measures both). Past `kPackedRows` (128) rows the op runs ATen's
+matmul over `W`. Results equal `x @ W` up to float rounding (another summation order). Without AVX2 and FMA, or where
+the kernel cannot be built, the op is ATen's matmul (the settings are then not applied).
 """
 
 from __future__ import annotations
@@ -24,7 +22,8 @@ import torch
 from torch._dynamo.utils import counters
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-from .paged_kernel import LINEAR_SOURCE, packed_linear_kernel
+from .build import PACKED_LINEAR_SOURCE
+from .ops import packed_linear_kernel
 
 PANEL = 16  # columns per panel (csrc/packed_linear.cpp's kPanel)
 
@@ -64,7 +63,7 @@ class PackLinears(CustomGraphPass):
             counters["hf_accel"]["packed_linears"] += 1
 
     def uuid(self) -> bytes:
-        return get_hash_for_files((__file__, str(LINEAR_SOURCE)))
+        return get_hash_for_files((__file__, str(PACKED_LINEAR_SOURCE)))
 
 
 def settings(enabled: bool) -> dict:

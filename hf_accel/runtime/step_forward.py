@@ -12,17 +12,17 @@ a third graph with static shapes instead (`max_blocks` given: its block table pa
 way vLLM captures fixed sizes: no symbolic sizes to compute or guard on. All graphs are traced and compiled in
 `warm_up`, at engine start, so `compile_seconds` is the whole cost and no request waits for a compile; inductor's
 on-disk cache of built C++ kernels makes a restart cheaper (its FX graph cache is skipped for fp32 graphs with packed
-Linears: `packed_linears.settings`).
+Linears: `kernels.packed_linear.settings`).
 In the engine-core process (`EngineProcess`), steps (and an EAGLE head's passes) after the warm-up skip dynamo's
 guards (`skip_guard_eval_unsafe`: only the guards that tell the graphs apart run; `warm_guards`), since every step's
-inputs differ from the warmed ones in sizes and values only; the full guards cost about 0.5 ms a step, a tenth of a
-one-sequence decode on the reference target.
+inputs differ from the warmed ones in sizes and values only, and the full guards are a visible share of a small
+model's step.
 Only there: dynamo's stance is process-wide, and beside an in-process engine other threads may run compiled code
 whose guards must run (`skip_warm_guards`).
 The weights are frozen into the graphs (inductor's `freezing`), so each Linear runs over a weight packed once (fp32:
-hf_accel's kernel over column panels, `packed_linears.py`; else oneDNN's matmul); the graphs are kept per model and
-its weights (`frozen_graphs.py`), so engines on the same unchanged model share them and a model whose weights changed
-gets new ones.
+hf_accel's kernel over column panels, `kernels/packed_linear.py`; else oneDNN's matmul); the graphs are kept per model
+and its weights (`frozen_graphs.py`), so engines on the same unchanged model share them and a model whose weights
+changed gets new ones.
 On a GPU, decode steps replay CUDA graphs instead (`cuda_graphs.py`), captured in the same warm-up.
 With `feature_layers` (an EAGLE head's inputs) the step also returns those hidden states at every packed token,
 compiled too: transformers installs its hidden-state capturing hooks on the first call, behind a lock dynamo cannot
@@ -31,137 +31,27 @@ trace, so one eager call installs them before the graphs are traced.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import time
 import warnings
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.fx.experimental._config as symbolic_config
 from transformers import PreTrainedModel
 
-from .attention import ATTENTION_NAME, StepAttention
+from ..registry import attention_implementation
+from .attention import ATTENTION_NAME
 from .cuda_graphs import DecodeGraphs
+from .dynamo import dynamo_settings, warm_guards
 from .frozen_graphs import compiled_for, freezing
-from .kv_pool import KVPool, token_slots
-
-
-RECOMPILE_LIMIT = 256  # graphs of one model class in one process (two per compiled engine)
-# graphs of every function in one process: dynamo's default (256) is reached by a long notebook or test session, after
-# which it compiles nothing more (an engine would run eagerly, compiled generate would raise)
-ACCUMULATED_RECOMPILE_LIMIT = 8192
-
-
-_SKIP_WARM_GUARDS = False
-
-
-def skip_warm_guards(enabled: bool) -> None:
-    """Let warm engine steps skip dynamo's guards in this process: for a process where only the engine's thread runs
-    compiled code (the engine-core process)."""
-    global _SKIP_WARM_GUARDS
-    _SKIP_WARM_GUARDS = enabled
-
-
-def warm_guards(warm: bool):
-    """Dynamo's stance for one call of graphs traced at start: the distinguishing guards only, when `warm` (every
-    graph compiled) in a process that allows it (`skip_warm_guards`); otherwise the stance is left as it is."""
-    if warm and _SKIP_WARM_GUARDS:
-        return torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
-    return contextlib.nullcontext()
+from .kv_pool import KVPool
+from .step_inputs import StepInputs
 
 
 def call_model(model: PreTrainedModel, **kwargs):
     """What a compiled engine step traces: the model's own forward (its `__call__`, hooks included)."""
     return model(**kwargs)
-
-
-def dynamo_settings(constant_floats: bool = True):
-    """hf_accel's dynamo config patch around its compiled graphs: both recompile limits raised to hf_accel's (never
-    lowered), and with `constant_floats` every Python float traced as the constant it is. Rule: a module's float
-    attribute (an attention's `scaling`, which reaches the paged-attention op) is otherwise traced as a symbol, the op
-    specializes it, and dynamo's tensorify pass then restarts the analysis: the whole graph traced and handed to AOT
-    twice, a third of each compile. A call that samples inside its graph passes False, so that its warpers'
-    temperature / top-p stay graph inputs and another value reuses the graph."""
-    config = torch._dynamo.config
-    return config.patch(recompile_limit=max(config.recompile_limit, RECOMPILE_LIMIT),
-                        accumulated_recompile_limit=max(config.accumulated_recompile_limit,
-                                                        ACCUMULATED_RECOMPILE_LIMIT),
-                        specialize_float=constant_floats or config.specialize_float)
-
-
-@contextlib.contextmanager
-def paged_attention_implementation(model: PreTrainedModel, name: str = ATTENTION_NAME) -> Iterator[None]:
-    """Run `model` with hf_accel's paged attention (or the registered attention `name`) inside the block, its own
-    implementation after (a no-op when already inside one: `Engine` switches once per run of steps, so single steps
-    pay nothing)."""
-    saved = model.config._attn_implementation
-    if saved == name:
-        yield
-        return
-    model.set_attn_implementation(name)
-    try:
-        yield
-    finally:
-        model.set_attn_implementation(saved)
-
-
-@dataclass(slots=True)
-class StepInputs:
-    """One step's packed inputs as host lists: `tokens`, `positions` and `slots` per packed token; `query_start`
-    (`seqs + 1` offsets), `kv_lengths` and block `tables` per sequence; `keep`, the packed rows whose logits (and
-    hidden states) the step returns."""
-
-    tokens: list[int] = field(default_factory=list)
-    positions: list[int] = field(default_factory=list)
-    slots: list[int] = field(default_factory=list)
-    query_start: list[int] = field(default_factory=lambda: [0])
-    kv_lengths: list[int] = field(default_factory=list)
-    tables: list[list[int]] = field(default_factory=list)
-    keep: list[int] = field(default_factory=list)
-
-    @classmethod
-    def packed(cls, tokens: list[int], entries: list[tuple[list[int], range]], block_size: int) -> StepInputs:
-        """`tokens` of several sequences packed in order (`entries`: per sequence, its block ids and the consecutive
-        positions of its tokens), each sequence's last token kept."""
-        inputs = cls(tokens=tokens, positions=[p for _, span in entries for p in span])
-        for blocks, span in entries:
-            inputs.slots += token_slots(blocks, span.start, span.stop, block_size)
-            inputs.query_start.append(inputs.query_start[-1] + len(span))
-            inputs.kv_lengths.append(span.stop)
-            inputs.tables.append(blocks[: -(-span.stop // block_size)])
-            inputs.keep.append(inputs.query_start[-1] - 1)
-        return inputs
-
-    @property
-    def is_single_decode(self) -> bool:
-        """One sequence, one token, its logits kept: a decode step of a single sequence."""
-        return len(self.tokens) == 1 and len(self.kv_lengths) == 1 and len(self.keep) == 1
-
-    def with_table_width(self, width: int) -> StepInputs:
-        """The same step with every block table padded to `width` blocks (block 0: never read past a length)."""
-        tables = [table + [0] * (width - len(table)) for table in self.tables]
-        return StepInputs(self.tokens, self.positions, self.slots, self.query_start, self.kv_lengths, tables, self.keep)
-
-    def padded(self) -> StepInputs:
-        """The same step with no size that could be 1 except the token count: an empty sequence (no queries, no
-        context) when there is one, block tables at least 2 wide, at least 2 kept rows."""
-        tables, query_start, kv_lengths = self.tables, self.query_start, self.kv_lengths
-        if len(tables) < 2:
-            tables, query_start, kv_lengths = tables + [[]], query_start + [query_start[-1]], kv_lengths + [0]
-        keep = self.keep + (self.keep[-1:] or [0]) * (2 - len(self.keep))
-        tables = [table + [0] * (2 - len(table)) for table in tables]
-        return StepInputs(self.tokens, self.positions, self.slots, query_start, kv_lengths, tables, keep)
-
-    def attention(self, kv: KVPool, attend, device: torch.device) -> StepAttention:
-        """The `hf_accel_step` of these inputs over `kv`: slots, block tables padded to one width, query starts and
-        context lengths as tensors on `device`."""
-        width = max(map(len, self.tables))
-        tensor = functools.partial(torch.tensor, dtype=torch.long, device=device)
-        tables = [table + [0] * (width - len(table)) for table in self.tables]
-        return StepAttention(kv, tensor(self.slots), tensor(tables), tensor(self.query_start), tensor(self.kv_lengths),
-                             attend)
 
 
 _ONE_TOKEN = StepInputs(tokens=[0], positions=[0], slots=[0], query_start=[0, 1], kv_lengths=[1], tables=[[0]],
@@ -210,7 +100,7 @@ class StepForward:
     def __call__(self, inputs: StepInputs) -> ForwardOutput:
         kept = len(inputs.keep)
         if self.graphs is not None and len(inputs.tokens) == len(inputs.kv_lengths) == kept:  # one token each
-            with paged_attention_implementation(self.model):
+            with attention_implementation(self.model, ATTENTION_NAME):
                 logits = self.graphs.run(inputs.tokens, inputs.positions, inputs.slots, inputs.tables,
                                          inputs.kv_lengths)
             if logits is not None:
@@ -224,7 +114,7 @@ class StepForward:
         `kept` kept rows are returned."""
         step = inputs.attention(self.kv, self.attend, self.device)
         keep = self._tensor(inputs.keep)
-        with torch.inference_mode(), paged_attention_implementation(self.model), \
+        with torch.inference_mode(), attention_implementation(self.model, ATTENTION_NAME), \
                 symbolic_config.patch(use_duck_shape=False), warm_guards(self._warm):
             out = forward(
                 input_ids=self._tensor([inputs.tokens]), position_ids=self._tensor([inputs.positions]),
@@ -244,7 +134,7 @@ class StepForward:
         graphs, if any, the same way."""
         started = time.perf_counter()
         if self.graphs is not None:
-            with paged_attention_implementation(self.model):
+            with attention_implementation(self.model, ATTENTION_NAME):
                 self.graphs.capture()
             self.compile_seconds = time.perf_counter() - started
         if not self.compiled:

@@ -1,0 +1,90 @@
+"""hf_accel's C++ ops, for eager and compiled callers alike (built by `build.py` on first use):
+- `torch.ops.hf_accel.paged_attention` (`csrc/paged_attention.cpp`): for one layer of one step, writes the step's new
+  K/V into their pool slots, then every sequence's queries (decodes, speculative candidates, prefill chunks) attend
+  over that sequence's blocks where they lie (block table, lengths), so a step copies no context; see the .cpp file
+  for the shapes and the masking rule. `paged_tree_attention` is the same rule with a speculative tree's mask;
+- `torch.ops.hf_accel.quantized_decode_attention` (`csrc/quantized_attention.cpp`): compiled generate's quantized
+  cache, attention over packed codes;
+- `torch.ops.hf_accel.packed_linear` (`csrc/packed_linear.cpp`): a Linear of a few rows over a weight packed in
+  column panels (`packed_linear.py`).
+Each mutates only what it writes and has a fake implementation, so a compiled step traces around it as one opaque
+node. Where the extension cannot be built, or with `HF_ACCEL_PAGED_KERNEL=0`, every accessor returns None and callers
+take their fallback (the engine's `runtime.attention.gathered_attention`: the same rule over blocks copied out of the
+pool, sdpa on them; the same results up to float rounding).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+import warnings
+from collections.abc import Callable
+
+import torch
+
+from .build import build_extension
+
+SWITCH = "HF_ACCEL_PAGED_KERNEL"
+
+_BUILD_LOCK = threading.Lock()  # one build and one fake registration, whichever thread asks first
+
+
+def paged_attention_kernel() -> Callable[..., torch.Tensor] | None:
+    """`torch.ops.hf_accel.paged_attention`, built on first call; None when switched off or not buildable."""
+    if os.environ.get(SWITCH, "1") == "0":
+        return None
+    with _BUILD_LOCK:
+        return _built_kernel()
+
+
+@functools.cache
+def _built_kernel() -> Callable[..., torch.Tensor] | None:
+    try:
+        build_extension()
+    except Exception as error:  # no compiler, headers or ninja: the gather path still works
+        warnings.warn(f"hf_accel: the paged attention kernel could not be built ({type(error).__name__}: {error}); "
+                      "the engine gathers K/V blocks instead", RuntimeWarning, stacklevel=2)
+        return None
+    torch.library.register_fake("hf_accel::paged_attention")(_fake)
+    torch.library.register_fake("hf_accel::paged_tree_attention")(_fake)
+    torch.library.register_fake("hf_accel::quantized_decode_attention")(_quantized_fake)
+    torch.library.register_fake("hf_accel::packed_linear")(_linear_fake)
+    return torch.ops.hf_accel.paged_attention
+
+
+def paged_tree_attention_kernel() -> Callable[..., torch.Tensor] | None:
+    """`torch.ops.hf_accel.paged_tree_attention` (a speculative tree's verify: the paged kernel's rule with a
+    `[seqs, n, m]` tree mask as a last argument; see the .cpp file), built with the paged kernel; None where that is
+    switched off or not buildable."""
+    return None if paged_attention_kernel() is None else torch.ops.hf_accel.paged_tree_attention
+
+
+def quantized_attention_kernel() -> Callable[..., torch.Tensor] | None:
+    """`torch.ops.hf_accel.quantized_decode_attention` (csrc/quantized_attention.cpp, built with the paged kernel);
+    None where that is switched off or not buildable."""
+    return None if paged_attention_kernel() is None else torch.ops.hf_accel.quantized_decode_attention
+
+
+def packed_linear_kernel() -> Callable[..., torch.Tensor] | None:
+    """`torch.ops.hf_accel.packed_linear` (csrc/packed_linear.cpp: a Linear of a few rows over a weight packed in
+    column panels, `packed_linear.py`), built with the paged kernel; None where that is switched off or not
+    buildable."""
+    return None if paged_attention_kernel() is None else torch.ops.hf_accel.packed_linear
+
+
+def _fake(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_pool: torch.Tensor,
+          value_pool: torch.Tensor, slots: torch.Tensor, block_table: torch.Tensor, query_start: torch.Tensor,
+          kv_lengths: torch.Tensor, scale: float, window: int, softcap: float,
+          tree_mask: torch.Tensor | None = None) -> torch.Tensor:
+    heads, tokens, dim = query.shape  # -> [tokens, heads, dim]
+    return query.new_empty(tokens, heads, dim)
+
+
+def _quantized_fake(query: torch.Tensor, *args) -> torch.Tensor:
+    return query.new_empty(query.shape)  # [rows, heads, dim]
+
+
+def _linear_fake(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor,
+                 bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[1])  # [M, N]

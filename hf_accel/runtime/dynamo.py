@@ -1,0 +1,50 @@
+"""hf_accel's dynamo settings around its compiled graphs, and the guard stance of warm steps.
+
+Every compiled caller (the engine's step, compiled generate's loops, an EAGLE head's passes) traces under
+`dynamo_settings()`: recompile limits raised so a long notebook or test session keeps compiling, and Python floats
+traced as constants where that is safe. Steps of an engine-core process may skip dynamo's full guards once every
+graph is warm (`skip_warm_guards`, `warm_guards`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+RECOMPILE_LIMIT = 256  # graphs of one model class in one process (two per compiled engine)
+# graphs of every function in one process: dynamo's default (256) is reached by a long notebook or test session, after
+# which it compiles nothing more (an engine would run eagerly, compiled generate would raise)
+ACCUMULATED_RECOMPILE_LIMIT = 8192
+
+
+_SKIP_WARM_GUARDS = False
+
+
+def skip_warm_guards(enabled: bool) -> None:
+    """Let warm engine steps skip dynamo's guards in this process: for a process where only the engine's thread runs
+    compiled code (the engine-core process)."""
+    global _SKIP_WARM_GUARDS
+    _SKIP_WARM_GUARDS = enabled
+
+
+def warm_guards(warm: bool):
+    """Dynamo's stance for one call of graphs traced at start: the distinguishing guards only, when `warm` (every
+    graph compiled) in a process that allows it (`skip_warm_guards`); otherwise the stance is left as it is."""
+    if warm and _SKIP_WARM_GUARDS:
+        return torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
+    return contextlib.nullcontext()
+
+
+def dynamo_settings(constant_floats: bool = True):
+    """hf_accel's dynamo config patch around its compiled graphs: both recompile limits raised to hf_accel's (never
+    lowered), and with `constant_floats` every Python float traced as the constant it is. Rule: a module's float
+    attribute (an attention's `scaling`, which reaches the paged-attention op) is otherwise traced as a symbol, the op
+    specializes it, and dynamo's tensorify pass then restarts the analysis: the whole graph traced and handed to AOT
+    twice, a third of each compile. A call that samples inside its graph passes False, so that its warpers'
+    temperature / top-p stay graph inputs and another value reuses the graph."""
+    config = torch._dynamo.config
+    return config.patch(recompile_limit=max(config.recompile_limit, RECOMPILE_LIMIT),
+                        accumulated_recompile_limit=max(config.accumulated_recompile_limit,
+                                                        ACCUMULATED_RECOMPILE_LIMIT),
+                        specialize_float=constant_floats or config.specialize_float)
