@@ -2,8 +2,8 @@
 
 ``MODEL_PRESETS`` holds the shapes (the target ~7.3M parameters in 8 layers, the draft ~0.7M in 1 layer, both with
 tied embeddings and grouped-query attention so caches see ``kv_heads < heads``); ``TRAIN_RECIPES`` holds the step
-counts, batch and learning rates sized for a 2-core CPU (see docs/reference-models.md for the measured throughput
-behind them).
+counts, batch and learning rates, sized for training on a CPU (docs/reference-models.md states the throughput
+measured behind them).
 """
 
 from __future__ import annotations

@@ -98,6 +98,7 @@ class LoopRules:
     step_folders: bool = False
 
     def checkpoint_folder(self, folder: Path, step: int) -> Path:
+        """Where the checkpoint after `step` steps goes when the output folder is `folder`."""
         return folder / f"step-{step}" if self.step_folders else folder
 
 
