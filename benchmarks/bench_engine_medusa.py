@@ -26,7 +26,7 @@ from hf_accel import Engine, SamplingParams, bench, reference
 from hf_accel.bench.output import run_benchmark
 from hf_accel.display import format_table
 from hf_accel.engine.speculative_config import DEFAULT_MAX_SPECULATIVE_BATCH_TOKENS
-from hf_accel.medusa_training.command import REFERENCE_HEADS_DIR
+from hf_accel.training.medusa_command import REFERENCE_HEADS_DIR
 from hf_accel.speculative.medusa_heads import MedusaHeads
 
 ROOT = Path(__file__).resolve().parents[1]

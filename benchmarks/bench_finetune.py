@@ -17,9 +17,10 @@ from typing import Any
 
 from hf_accel import reference
 from hf_accel.bench.output import run_benchmark
-from hf_accel.finetune import FinetuneConfig, LoraSettings, domain_splits, report_markdown, run_finetune
-from hf_accel.finetune.command import REFERENCE_HEADS
-from hf_accel.speculative.medusa_heads import MedusaHeads
+from hf_accel.training.finetune import FinetuneConfig, run_finetune
+from hf_accel.training.finetune_domain import domain_splits
+from hf_accel.training.finetune_report import report_markdown
+from hf_accel.training.lora import LoraSettings
 
 ROOT = Path(__file__).resolve().parents[1]
 NAME = "bench_finetune"
@@ -33,7 +34,7 @@ def measure(quick: bool) -> dict[str, Any]:
     config = QUICK if quick else FinetuneConfig()
     model, tokenizer = reference.load("target")
     original = reference.held_out_sequences(tokenizer, config.seq_len, config.eval_rows)
-    heads = MedusaHeads.from_pretrained(REFERENCE_HEADS)
+    heads = reference.load_head("medusa")
     with tempfile.TemporaryDirectory() as out:
         report = run_finetune(model, tokenizer, domain_splits(), out, config, init_heads=heads,
                               original_rows=original, description="hf_accel reference target", progress=False)

@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 from hf_accel import bench, reference
 from hf_accel.bench.output import benchmark_parser, run_benchmark
 from hf_accel.display import format_table
-from hf_accel.medusa_training.command import REFERENCE_HEADS_DIR
+from hf_accel.training.medusa_command import REFERENCE_HEADS_DIR
 from hf_accel.speculative.medusa import medusa_generate
 from hf_accel.speculative.stats import SpeculativeStats
 from hf_accel.speculative.medusa_heads import MedusaHeads

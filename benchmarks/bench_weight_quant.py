@@ -38,7 +38,7 @@ from hf_accel import bench, reference
 from hf_accel.bench.output import benchmark_parser, output_root, write_results
 from hf_accel.display import format_bytes, format_table
 from hf_accel.reference import evaluate
-from hf_accel.reference.presets import MODEL_PRESETS
+from hf_accel.training.reference_presets import MODEL_PRESETS
 
 ROOT = Path(__file__).resolve().parents[1]
 NAME = "bench_weight_quant"

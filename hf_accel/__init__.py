@@ -31,8 +31,8 @@ from .quant.quantizer import METHODS as _WEIGHT_METHODS, WeightOnlyConfig, Weigh
 from .runtime import attention as _attention
 from .speculative.medusa import MedusaStats, medusa_generate
 from .speculative.medusa_heads import MedusaConfig, MedusaHeads
-from .medusa_training.train import train_medusa
-from .eagle_training.train import train_eagle
+from .training.medusa_trainer import train_medusa
+from .training.eagle_trainer import train_eagle
 from .speculative.draft import draft_generate
 from .speculative.draft_length import DraftLength
 from .speculative.eagle import eagle_generate

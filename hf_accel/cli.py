@@ -3,13 +3,13 @@
 `hf-accel bench`: decode speed, KV memory and greedy agreement of every strategy in `hf_accel.bench.STRATEGIES`
 against transformers' DynamicCache, measured in one process, on hf_accel's reference target by default (see
 `hf_accel.bench.command`).
-`hf-accel train-reference`: train the reference models from scratch (see `hf_accel.reference.train`).
-`hf-accel train-medusa`: train Medusa heads for a model (see `hf_accel.medusa_training.command`).
-`hf-accel train-eagle`: train an EAGLE head for a model (see `hf_accel.eagle_training.command`).
+`hf-accel train-reference`: train the reference models from scratch (see `hf_accel.training.reference_command`).
+`hf-accel train-medusa`: train Medusa heads for a model (see `hf_accel.training.medusa_command`).
+`hf-accel train-eagle`: train an EAGLE head for a model (see `hf_accel.training.eagle_command`).
 `hf-accel serve`: the OpenAI-compatible HTTP server (extra `serve`; see `hf_accel.server.command`).
 `hf-accel export`: write a model for vLLM (see `hf_accel.export.command`).
 `hf-accel finetune`: LoRA fine-tune, Medusa heads, quantize, check; a folder to serve (see
-`hf_accel.finetune.command`)."""
+`hf_accel.training.finetune_command`)."""
 
 from __future__ import annotations
 
@@ -21,16 +21,16 @@ from collections.abc import Sequence
 # subcommand -> (module whose `main(argv) -> int` runs it, imported on demand; the help line `hf-accel --help` shows)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("hf_accel.bench.command", "compare cache strategies on one model (same process, interleaved)"),
-    "train-reference": ("hf_accel.reference.train",
+    "train-reference": ("hf_accel.training.reference_command",
                         "train the reference target and draft from scratch (--help for options)"),
-    "train-medusa": ("hf_accel.medusa_training.command",
+    "train-medusa": ("hf_accel.training.medusa_command",
                      "train Medusa heads for a model (default: the reference target; --help)"),
-    "train-eagle": ("hf_accel.eagle_training.command",
+    "train-eagle": ("hf_accel.training.eagle_command",
                     "train an EAGLE draft head for a model (default: the reference target; --help)"),
     "serve": ("hf_accel.server.command", "OpenAI-compatible HTTP server (default: the reference target; --help)"),
     "export": ("hf_accel.export.command",
                "write a model (default: the reference target) for vLLM (--help for options)"),
-    "finetune": ("hf_accel.finetune.command",
+    "finetune": ("hf_accel.training.finetune_command",
                  "LoRA fine-tune, Medusa heads, quantize, check: a folder to serve (--help)"),
 }
 

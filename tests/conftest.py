@@ -51,7 +51,7 @@ def reference_with_heads():
     """`(target, tokenizer, heads)`: the reference target in fp32 and its committed Medusa heads (skips the test when
     the assets are not built)."""
     from hf_accel import MedusaHeads, reference
-    from hf_accel.medusa_training.command import REFERENCE_HEADS_DIR
+    from hf_accel.training.medusa_command import REFERENCE_HEADS_DIR
 
     if not (reference.has_assets() and (REFERENCE_HEADS_DIR / "medusa_config.json").is_file()):
         pytest.skip("reference assets not built")

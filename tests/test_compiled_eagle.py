@@ -20,8 +20,8 @@ from transformers import CompileConfig
 
 from hf_accel import EagleHead, SpeculativeStats, eagle_generate
 from hf_accel.compiled import eagle_loop, speculation
-from hf_accel.eagle_training.features import target_features
-from hf_accel.eagle_training.unroll import unrolled_hidden
+from hf_accel.training.eagle_features import target_features
+from hf_accel.training.eagle_unroll import unrolled_hidden
 
 pytestmark = pytest.mark.compiled
 

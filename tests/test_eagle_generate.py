@@ -14,9 +14,9 @@ from transformers import DynamicCache
 
 import hf_accel
 from hf_accel import EagleConfig, EagleHead, SpeculativeStats, eagle_generate
-from hf_accel.eagle_training.features import target_features
-from hf_accel.eagle_training.train import train_eagle
-from hf_accel.eagle_training.unroll import unrolled_hidden
+from hf_accel.training.eagle_features import target_features
+from hf_accel.training.eagle_trainer import train_eagle
+from hf_accel.training.eagle_unroll import unrolled_hidden
 from hf_accel.speculative.eagle_draft import HeadState
 
 NEW = 24

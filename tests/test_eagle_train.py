@@ -10,8 +10,8 @@ from conformance import PAD, make_model, make_tokenizer
 from test_eagle_generate import own_text
 
 from hf_accel import EagleHead, eagle_generate
-from hf_accel.eagle_training.train import EagleTrainConfig, train_eagle
-from hf_accel.eagle_training.unroll import unroll_mask
+from hf_accel.training.eagle_trainer import EagleTrainConfig, train_eagle
+from hf_accel.training.eagle_unroll import unroll_mask
 
 SETTINGS = dict(batch_size=8, seq_len=48, lr=3e-3, warmup_steps=2, unroll_steps=3, progress=False)
 
@@ -57,7 +57,7 @@ def test_bad_settings(bad):
 
 def test_train_eagle_command(model, tmp_path):
     datasets = pytest.importorskip("datasets")
-    from hf_accel.eagle_training import command
+    from hf_accel.training import eagle_command
 
     model.save_pretrained(tmp_path / "model")
     make_tokenizer().save_pretrained(tmp_path / "model")
@@ -65,7 +65,7 @@ def test_train_eagle_command(model, tmp_path):
     args = ["--model", str(tmp_path / "model"), "--dataset", str(tmp_path / "data"), "--out", str(tmp_path / "head"),
             "--steps", "3", "--seq-len", "48", "--batch-size", "4", "--unroll-steps", "2", "--eval-prompts", "1",
             "--self-distill-rows", "8", "--corpus-rows", "8", "--no-progress"]
-    assert command.main(args) == 0
+    assert eagle_command.main(args) == 0
     record = json.loads((tmp_path / "head" / "training.json").read_text())
     assert record["steps"] == 3 and record["held_out"]["tokens_per_target_forward"] >= 1.0
     head = EagleHead.from_pretrained(tmp_path / "head", model)

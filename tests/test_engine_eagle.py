@@ -11,8 +11,8 @@ import torch
 from test_eagle_generate import model_for, own_text, trained_head
 
 from hf_accel import Engine, SamplingParams, SpeculativeConfig
-from hf_accel.eagle_training.features import target_features
-from hf_accel.eagle_training.unroll import unrolled_hidden
+from hf_accel.training.eagle_features import target_features
+from hf_accel.training.eagle_unroll import unrolled_hidden
 from hf_accel.engine.eagle_proposer import EagleProposer
 from hf_accel.runtime.dynamo import skip_warm_guards
 

@@ -13,14 +13,16 @@ from server_helpers import prompt_ids
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from hf_accel import Engine, Int8Linear, MedusaHeads
-from hf_accel.finetune import (
-    FinetuneConfig, LoraSettings, Side, compare_speed, domain_splits, merge_adapter, read_serving_config,
-    report_markdown, report_tables, run_finetune, text_rows, train_lora,
-)
 from hf_accel.reference import ASSETS_DIR
 from hf_accel.server import create_app, serve_in_thread
 from hf_accel.server.command import resolve_serving
 from hf_accel.server.served_engine import load_served_model
+from hf_accel.serving_config import read_serving_config
+from hf_accel.training.finetune import FinetuneConfig, run_finetune
+from hf_accel.training.finetune_domain import domain_splits, text_rows
+from hf_accel.training.finetune_quality import Side, compare_speed
+from hf_accel.training.finetune_report import report_markdown, report_tables
+from hf_accel.training.lora import LoraSettings, merge_adapter, train_lora
 
 SEQ_LEN = 48
 PROMPT = "Install the package with pip and"

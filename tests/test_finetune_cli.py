@@ -7,10 +7,12 @@ from pathlib import Path
 import pytest
 
 from hf_accel import cli
-from hf_accel.finetune import ServingConfig, read_serving_config, write_serving_config
-from hf_accel.finetune.command import build_parser, config_from_args, init_heads
-from hf_accel.finetune.data import is_held_out, package_descriptions, split_descriptions, text_rows, DomainTexts
 from hf_accel.server.command import resolve_serving
+from hf_accel.serving_config import ServingConfig, read_serving_config, write_serving_config
+from hf_accel.training.finetune_command import build_parser, config_from_args, init_heads
+from hf_accel.training.finetune_domain import (
+    DomainTexts, is_held_out, package_descriptions, split_descriptions, text_rows,
+)
 
 
 def run_cli(argv, capsys) -> tuple[int, str]:

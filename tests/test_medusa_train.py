@@ -12,8 +12,9 @@ from conformance import FIRST_WORD, PAD, VOCAB_SIZE, make_model, make_tokenizer
 from hf_accel.speculative.medusa import medusa_generate
 from hf_accel.speculative.stats import SpeculativeStats
 from hf_accel.speculative.medusa_heads import MedusaHeads
-from hf_accel.medusa_training.calibrate import head_accuracy
-from hf_accel.medusa_training.train import MedusaTrainConfig, self_distilled_rows, token_rows, train_medusa
+from hf_accel.training.medusa_calibration import head_accuracy
+from hf_accel.training.data import self_distilled_rows, token_rows
+from hf_accel.training.medusa_trainer import MedusaTrainConfig, train_medusa
 
 SETTINGS = dict(num_heads=2, batch_size=8, seq_len=48, lr=1e-2, warmup_steps=2, progress=False)
 
@@ -101,7 +102,7 @@ def test_bad_settings(bad):
 
 def test_train_medusa_command(model, tmp_path):
     datasets = pytest.importorskip("datasets")
-    from hf_accel.medusa_training import command as medusa_command
+    from hf_accel.training import medusa_command
 
     model.save_pretrained(tmp_path / "model")
     make_tokenizer().save_pretrained(tmp_path / "model")

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ast
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,10 +13,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from hf_accel import reference
 from hf_accel.reference import corpus, sources
 from hf_accel.reference.evaluate import greedy_agreement, perplexity
-from hf_accel.reference.presets import MODEL_PRESETS, TRAIN_RECIPES, ModelPreset, TrainRecipe
-from hf_accel.reference.tokenizer import END_OF_TEXT, save_tokenizer, train_tokenizer
-from hf_accel.reference.loop import SAVE_DTYPE, Checkpointing, build_model, lr_at, save_model, train_model
-from hf_accel.reference.train import main, recipe_for
+from hf_accel.training.reference_command import main, recipe_for
+from hf_accel.training.reference_presets import MODEL_PRESETS, TRAIN_RECIPES, ModelPreset, TrainRecipe
+from hf_accel.training.reference_tokenizer import END_OF_TEXT, save_tokenizer, train_tokenizer
+from hf_accel.training.reference_trainer import SAVE_DTYPE, Checkpointing, build_model, lr_at, save_model, train_model
 
 
 
@@ -179,6 +181,26 @@ def test_load_names_the_missing_assets_and_the_command(tmp_path):
         reference.load("medium", assets_dir=tmp_path)
 
 
+def training_imports(path: Path) -> list[str]:
+    """The modules of a package named `training` that a file imports (relative ones as written: `..training.data`)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            found.append("." * node.level + (node.module or ""))
+        elif isinstance(node, ast.Import):
+            found.extend(alias.name for alias in node.names)
+    return [module for module in found if "training" in module.lstrip(".").split(".")]
+
+
+def test_reference_package_imports_no_training_code(tmp_path):
+    """Loading the shipped models must not pull the trainers in: the training code lives in hf_accel.training."""
+    files = sorted(Path(reference.__file__).parent.glob("*.py"))
+    assert {path.name for path in files} >= {"__init__.py", "corpus.py", "held_out.py"}
+    assert {path.name: training_imports(path) for path in files} == {path.name: [] for path in files}
+    (tmp_path / "example.py").write_text("from ..training.data import token_rows\nimport hf_accel.training.lora\n")
+    assert training_imports(tmp_path / "example.py") == ["..training.data", "hf_accel.training.lora"]
+
+
 def test_main_rejects_unknown_options():
     with pytest.raises(SystemExit):
         main(["--which", "medium"])
@@ -193,7 +215,7 @@ def test_steps_override_scales_warmup():
 
 
 def test_report_update_keeps_other_models_and_replaces_what_was_measured():
-    from hf_accel.reference.build import _updated_report
+    from hf_accel.training.reference_build import _updated_report
 
     earlier = {"models": {"draft": {"steps_done": 5, "held_out_perplexity": 9.0}}, "greedy_agreement": 0.4,
                "baseline_target": {"parameters": 1}}

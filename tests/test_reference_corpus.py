@@ -126,7 +126,7 @@ def test_pack_sequences_separates_documents_and_drops_the_tail():
 
 
 def test_measure_only_run_reuses_the_train_token_count_of_the_same_corpus_only():
-    from hf_accel.reference.build import _known_token_counts
+    from hf_accel.training.reference_build import _known_token_counts
 
     train = corpus.Corpus(["lib/x.py"], ["x = 1\n"])
     built = corpus.SplitCorpus({"train": train, "held_out": corpus.Corpus(), "held_out_packages": corpus.Corpus()}, [])

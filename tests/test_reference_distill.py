@@ -10,9 +10,9 @@ import torch
 
 from hf_accel.reference import corpus
 from hf_accel.reference.evaluate import greedy_agreement
-from hf_accel.reference.loop import build_model, distillation_loss, train_model
-from hf_accel.reference.presets import MODEL_PRESETS, TRAIN_RECIPES
-from hf_accel.reference.tokenizer import train_tokenizer
+from hf_accel.training.reference_presets import MODEL_PRESETS, TRAIN_RECIPES
+from hf_accel.training.reference_tokenizer import train_tokenizer
+from hf_accel.training.reference_trainer import build_model, distillation_loss, train_model
 from tiny_corpus import packed_rows, tiny_tokenizer
 
 

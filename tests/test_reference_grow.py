@@ -9,10 +9,11 @@ import json
 import pytest
 import torch
 
-from hf_accel.reference.build import TrainStart, initial_model
-from hf_accel.reference.grow import grow_depth
-from hf_accel.reference.loop import _batches, build_model, save_model, train_model
-from hf_accel.reference.presets import MODEL_PRESETS, TRAIN_RECIPES
+from hf_accel.training.data import seeded_batches
+from hf_accel.training.depth_growth import grow_depth
+from hf_accel.training.reference_build import TrainStart, initial_model
+from hf_accel.training.reference_presets import MODEL_PRESETS, TRAIN_RECIPES
+from hf_accel.training.reference_trainer import build_model, save_model, train_model
 from tiny_corpus import packed_rows, tiny_tokenizer
 
 
@@ -57,7 +58,7 @@ def test_grow_refuses_depths_that_are_not_multiples(tokenizer, rows, num_layers)
 def test_skip_batches_starts_on_the_first_unseen_batch(tokenizer, rows):
     recipe = TRAIN_RECIPES["tiny"]
     model = build_model(MODEL_PRESETS["tiny"], tokenizer, seed=0)
-    order = _batches(rows, recipe.batch_size, recipe.seed)
+    order = seeded_batches(rows, recipe.batch_size, recipe.seed)
     third = [next(order) for _ in range(3)][-1]
     with torch.no_grad():
         expected = model(input_ids=third, labels=third).loss.item()

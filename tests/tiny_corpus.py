@@ -3,8 +3,8 @@
 import torch
 
 from hf_accel.reference import corpus
-from hf_accel.reference.presets import TRAIN_RECIPES
-from hf_accel.reference.tokenizer import train_tokenizer
+from hf_accel.training.reference_presets import TRAIN_RECIPES
+from hf_accel.training.reference_tokenizer import train_tokenizer
 
 
 def tiny_tokenizer():

@@ -1,5 +1,6 @@
 """Same-process interleaved timing: the loop every comparison runs through (`time_interleaved`, also behind
-`hf_accel.finetune.compare_speed`), its use for generation strategies (`compare_strategies`), and the thread count.
+`hf_accel.training.finetune_quality.compare_speed`), its use for generation strategies (`compare_strategies`), and
+the thread count.
 
 Rules every measurement here follows (shared by `hf-accel bench` and `benchmarks/`):
 - all strategies run in one process on one model, interleaved (the order alternates every repeat), after warm-up;

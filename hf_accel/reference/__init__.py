@@ -4,8 +4,11 @@
     model, tokenizer = reference.load("target")   # or "draft"; plain from_pretrained on a local folder
     head = reference.load_head("eagle", model)     # or "medusa": the target's trained speculative heads
 
-Both share one byte-level BPE tokenizer. ``hf-accel train-reference`` (``hf_accel.reference.train.main``) creates
-the assets; docs/reference-models.md is their model card.
+Both share one byte-level BPE tokenizer. This package holds the shipped assets and what reads them: loading
+(``load``, ``load_head``), the corpus the models were trained on and its held-out splits (``corpus.py``,
+``sources.py``), the held-out text shipped for benchmarks (``held_out.py``) and held-out metrics (``evaluate.py``).
+It imports no training code: ``hf-accel train-reference`` (``hf_accel.training.reference_command``) creates the
+assets; docs/reference-models.md is their model card.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ ASSETS_DIR = Path(__file__).resolve().parent / "assets"
 MODEL_NAMES = ("target", "draft")
 HEAD_NAMES = ("eagle", "medusa")
 HEAD_COMMANDS = {"eagle": "hf-accel train-eagle", "medusa": "hf-accel train-medusa"}
-TRAIN_COMMAND = "hf-accel train-reference (or: python -m hf_accel.reference.train)"
+TRAIN_COMMAND = "hf-accel train-reference (or: python -m hf_accel.training.reference_command)"
 
 
 def load(

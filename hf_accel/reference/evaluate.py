@@ -43,7 +43,8 @@ def greedy_agreement(draft: nn.Module, target: nn.Module, sequences: torch.Tenso
 
 
 @torch.no_grad()
-def token_forward_seconds(target: nn.Module, draft: nn.Module, context: torch.Tensor, steps: int = 48) -> tuple[float, float]:
+def token_forward_seconds(target: nn.Module, draft: nn.Module, context: torch.Tensor,
+                          steps: int = 48) -> tuple[float, float]:
     """Median seconds of one single-token forward (batch 1, a KV cache of ``context`` ``[1, len]`` tokens) of the
     target and of the draft, the two timed alternately so that load on a shared machine hits both alike."""
     caches = [model(input_ids=context, use_cache=True).past_key_values for model in (target, draft)]

@@ -1,6 +1,6 @@
 """`hf-accel train-eagle`: train an EAGLE head for a model, measure its acceptance on held-out text, save it.
 
-    hf-accel train-eagle --time-budget 900 --threads 1      # the committed reference head (~15 min on one core)
+    hf-accel train-eagle --time-budget 900 --threads 1      # the committed reference head
     hf-accel train-eagle --model ./my-model --dataset ./my-dataset --out ./my-model-eagle --steps 2000
 
 Default data: the reference corpus's train split (needs the `dev` extra), else `--dataset`, a folder written by
@@ -17,39 +17,35 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .. import reference
-from ..medusa_training.train import self_distilled_rows, token_rows
-from ..reference.corpus import load_split
 from ..speculative.eagle import eagle_generate
 from ..speculative.eagle_head import EagleHead
 from ..speculative.stats import SpeculativeStats
-from .train import EagleTrainResult, train_eagle
+from .data import self_distilled_data, training_data
+from .eagle_trainer import EagleTrainResult, train_eagle
+from .options import (
+    DTYPES, add_precision_options, add_run_options, add_schedule_options, add_source_options, command_record,
+    start_head_command, trainer_arguments,
+)
+from .train_loop import final_loss
 
 REFERENCE_HEAD_DIR = reference.ASSETS_DIR / "eagle"
+RECORDED_SETTINGS = ("batch_size", "seq_len", "lr", "unroll_steps", "step_decay", "self_distill_rows", "corpus_rows",
+                     "dtype", "save_dtype", "threads")
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """Options of `hf-accel train-eagle`."""
     parser = argparse.ArgumentParser(prog="hf-accel train-eagle", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=None, help="local folder of a causal LM (default: the reference target)")
-    parser.add_argument("--dataset", type=Path, default=None, help="datasets.save_to_disk folder (default: corpus)")
-    parser.add_argument("--out", type=Path, default=None, help="where to save the head (default: reference assets)")
-    parser.add_argument("--checkpoint-dir", type=Path, default=None, help="resumable checkpoints go here")
-    parser.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints")
-    parser.add_argument("--resume-from", type=Path, default=None, help="checkpoint folder to continue from")
-    parser.add_argument("--steps", type=int, default=450)
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--lr", type=float, default=2e-3)
+    add_source_options(parser, "the head")
+    add_schedule_options(parser, steps=450)
     parser.add_argument("--unroll-steps", type=int, default=5, help="draft steps trained per position")
     parser.add_argument("--step-decay", type=float, default=0.8, help="loss weight of draft step j: decay ** j")
     parser.add_argument("--self-distill-rows", type=int, default=384,
@@ -57,35 +53,22 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--corpus-rows", type=int, default=768,
                         help="with --self-distill-rows, also train on this many rows of the data itself (labels are "
                              "the model's greedy tokens either way)")
-    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="bf16", help="autocast dtype while training")
-    parser.add_argument("--save-dtype", choices=("fp32", "bf16"), default="bf16")
-    parser.add_argument("--time-budget", type=float, default=None, help="stop after this many seconds in all")
+    add_precision_options(parser, "stop after this many seconds in all")
     parser.add_argument("--eval-prompts", type=int, default=8, help="held-out prompts for the acceptance figures")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    parser.add_argument("--no-progress", action="store_true")
+    add_run_options(parser)
     return parser.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of `hf-accel train-eagle`; returns the exit status."""
     args = parse_args(argv)
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    out = args.out or (REFERENCE_HEAD_DIR if args.model is None else None)
-    if out is None:
-        raise SystemExit("hf-accel train-eagle: --out is required with --model")
-    model, tokenizer, description = _load(args)
+    out, model, tokenizer, description = start_head_command(args, REFERENCE_HEAD_DIR, "hf-accel train-eagle")
     started = time.perf_counter()
     data = _data(args, model, tokenizer)
     generation_s = time.perf_counter() - started
-    budget = None if args.time_budget is None else args.time_budget - generation_s
-    result = train_eagle(
-        model, data, tokenizer=tokenizer, output_dir=args.checkpoint_dir, resume_from=args.resume_from,
-        progress=not args.no_progress, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
-        lr=args.lr, unroll_steps=args.unroll_steps, step_decay=args.step_decay, dtype=args.dtype,
-        checkpoint_every=args.checkpoint_every, time_budget_s=budget,
-    )
-    head = result.head.to(torch.bfloat16 if args.save_dtype == "bf16" else torch.float32)
+    result = train_eagle(model, data, tokenizer=tokenizer, **trainer_arguments(args, generation_s),
+                         unroll_steps=args.unroll_steps, step_decay=args.step_decay)
+    head = result.head.to(DTYPES[args.save_dtype])
     head.config.base_model_name_or_path = description
     head.save_pretrained(out)
     stats = held_out_acceptance(model, head, tokenizer, args.eval_prompts)
@@ -96,32 +79,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _load(args: argparse.Namespace):
-    if args.model is None:
-        model, tokenizer = reference.load("target")
-        return model, tokenizer, "hf_accel reference target"
-    model = AutoModelForCausalLM.from_pretrained(args.model, local_files_only=True).eval()
-    return model, AutoTokenizer.from_pretrained(args.model, local_files_only=True), str(args.model)
-
-
-def _data(args: argparse.Namespace, model: PreTrainedModel, tokenizer) -> Any:
-    if args.dataset is None:
-        data = load_split("train").texts
-    else:
-        import datasets  # optional dependency, needed only for --dataset
-
-        data = datasets.load_from_disk(str(args.dataset))
+def _data(args: argparse.Namespace, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> Any:
+    data = training_data(args.dataset)
     if not args.self_distill_rows:
         return data
-    rows = token_rows(data, args.seq_len, tokenizer, model.generation_config.eos_token_id)
-    order = torch.randperm(rows.shape[0], generator=torch.Generator().manual_seed(0))
-    distilled = self_distilled_rows(model, rows[order[: args.self_distill_rows]], progress=not args.no_progress)
-    extra = order[args.self_distill_rows : args.self_distill_rows + args.corpus_rows]
-    return torch.cat([distilled, rows[extra]])
+    return self_distilled_data(model, data, tokenizer, args.seq_len, args.self_distill_rows, args.corpus_rows,
+                               progress=not args.no_progress)
 
 
-def held_out_acceptance(model: PreTrainedModel, head: EagleHead, tokenizer, num_prompts: int = 8,
-                        prompt_len: int = 64, new_tokens: int = 128) -> SpeculativeStats:
+def held_out_acceptance(model: PreTrainedModel, head: EagleHead, tokenizer: PreTrainedTokenizerBase,
+                        num_prompts: int = 8, prompt_len: int = 64, new_tokens: int = 128) -> SpeculativeStats:
     """`eagle_generate`'s counters continuing the first `num_prompts` held-out rows (greedy, batch 1)."""
     prompts = reference.held_out_sequences(tokenizer, seq_len=prompt_len, max_rows=num_prompts)
     stats = SpeculativeStats()
@@ -135,24 +102,18 @@ def _record(args: argparse.Namespace, description: str, result: EagleTrainResult
             stats: SpeculativeStats) -> dict[str, Any]:
     last = result.accuracies[-20:]
     return {
-        "base_model": description,
+        **command_record(args, description, RECORDED_SETTINGS),
         "self_distillation_data_seconds": round(generation_s, 1),
         "target_feature_seconds": round(result.feature_seconds, 1),
         "train_seconds": round(result.train_seconds, 1),
         "steps": result.last_step,
         "tokens_seen": (result.last_step - result.first_step) * args.batch_size * args.seq_len,
-        "final_loss": round(sum(result.losses[-20:]) / max(len(result.losses[-20:]), 1), 4) if result.losses else None,
+        "final_loss": final_loss(result.losses),
         "train_top1_by_draft_step": [round(sum(a[j] for a in last) / len(last), 4) for j in range(len(last[0]))]
         if last else None,
         "held_out": {"prompts": args.eval_prompts, "prompt_len": 64, "new_tokens": 128, "mode": "greedy, batch 1",
                      "tokens_per_target_forward": round(stats.tokens_per_forward, 3),
                      "acceptance_by_position": [round(a, 3) for a in stats.acceptance_by_position]},
-        "settings": {key: getattr(args, key) for key in (
-            "batch_size", "seq_len", "lr", "unroll_steps", "step_decay", "self_distill_rows", "corpus_rows", "dtype",
-            "save_dtype",
-            "threads")},
-        "hardware": {"cpu": platform.processor() or platform.machine(), "torch_threads": torch.get_num_threads(),
-                     "torch": torch.__version__},
     }
 
 

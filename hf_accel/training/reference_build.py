@@ -17,17 +17,17 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from . import ASSETS_DIR, MODEL_NAMES, load
-from .corpus import (
+from ..reference import ASSETS_DIR, MODEL_NAMES, load
+from ..reference.corpus import (
     HELD_OUT_PERCENT, NEAR_DUP_LINE_CHARS, NEAR_DUP_MIN_LINES, NEAR_DUP_SHARE, Corpus, SplitCorpus, default_corpus,
     pack_sequences, tokenize,
 )
-from .evaluate import greedy_agreement, perplexity, token_forward_seconds
-from .grow import grow_depth
-from .loop import Checkpointing, build_model, num_parameters, save_model, train_model
-from .presets import MODEL_PRESETS, TrainRecipe
-from .sources import MAX_FILE_BYTES
-from .tokenizer import CHAT_TEMPLATE, DEFAULT_VOCAB_SIZE, save_tokenizer, train_tokenizer
+from ..reference.evaluate import greedy_agreement, perplexity, token_forward_seconds
+from ..reference.sources import MAX_FILE_BYTES
+from .depth_growth import grow_depth
+from .reference_presets import MODEL_PRESETS, TrainRecipe
+from .reference_tokenizer import CHAT_TEMPLATE, DEFAULT_VOCAB_SIZE, save_tokenizer, train_tokenizer
+from .reference_trainer import Checkpointing, build_model, num_parameters, save_model, train_model
 
 EVAL_SEQ_LEN = 512
 EVAL_ROWS = 128  # per held-out split, evenly spaced over its packed rows
@@ -82,7 +82,7 @@ def held_out_perplexities(model: torch.nn.Module, eval_rows: dict[str, torch.Ten
 
 def initial_model(name: str, tokenizer: PreTrainedTokenizerBase, seed: int, grow_from: Path | None) -> torch.nn.Module:
     """A fresh seeded model of ``name``'s preset, or, with ``grow_from`` (an assets folder), that folder's trained
-    ``name`` grown to the preset's depth (see ``grow.grow_depth``)."""
+    ``name`` grown to the preset's depth (see ``depth_growth.grow_depth``)."""
     preset = MODEL_PRESETS[name]
     if grow_from is None:
         return build_model(preset, tokenizer, seed)
@@ -99,7 +99,7 @@ class TrainStart:
     """Where a model's training starts and what it learns from. Default: a fresh seeded model learning the text.
     ``grow_from``: an assets folder whose trained model of the same name is grown to the preset's depth
     (``initial_model``), and ``skip_batches`` batches of the seeded order passed over (the rows it saw);
-    ``distill_from``: an assets folder whose target is the teacher (``loop.train_model``)."""
+    ``distill_from``: an assets folder whose target is the teacher (``reference_trainer.train_model``)."""
 
     grow_from: Path | None = None
     skip_batches: int = 0

@@ -56,7 +56,8 @@ class SpeedResult:
                 "tokens_per_step": None if self.tokens_per_step is None else round(self.tokens_per_step, 2)}
 
 
-def greedy_tokens(side: Side, prompt: torch.Tensor, new_tokens: int, stats: SpeculativeStats | None = None) -> torch.Tensor:
+def greedy_tokens(side: Side, prompt: torch.Tensor, new_tokens: int,
+                  stats: SpeculativeStats | None = None) -> torch.Tensor:
     """`[1, new_tokens]` greedy tokens of `side` after `prompt` `[1, prompt_len]`."""
     options = {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "do_sample": False, "eos_token_id": None,
                "pad_token_id": 0}

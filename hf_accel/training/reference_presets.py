@@ -2,8 +2,8 @@
 
 ``MODEL_PRESETS`` holds the shapes (the target ~7.3M parameters in 8 layers, the draft ~0.7M in 1 layer, both with
 tied embeddings and grouped-query attention so caches see ``kv_heads < heads``); ``TRAIN_RECIPES`` holds the step
-counts, batch and learning rates sized for a 2-core CPU (see docs/reference-models.md for the measured throughput
-behind them).
+counts, batch and learning rates, sized for training on a CPU (docs/reference-models.md states the throughput
+measured behind them).
 """
 
 from __future__ import annotations
@@ -85,11 +85,9 @@ MODEL_PRESETS: dict[str, ModelPreset] = {
     "tiny": ModelPreset(32, 2, 2, 1, 64, 64),  # tests only
 }
 
-# measured on this project's 2-core CPU (AMD EPYC, AVX2 only: bf16 autocast is far slower than fp32 there), one
-# thread: ~1230 target / ~9500 draft training tokens/s on a quiet core; the shipped target averaged ~1090 tokens/s
-# over its 165 minutes (10.7M tokens, 0.38 epochs) on a machine shared with other jobs. Step counts are upper
-# bounds: under `--time-budget` the learning rate decays on time (the shipped models were trained with
-# `--steps 10000` / `--steps 9000` and a budget, see docs/reference-models.md).
+# fp32 (bf16 autocast is slower than fp32 on CPUs without native bf16 arithmetic). Step counts are upper bounds:
+# under `--time-budget` the learning rate decays on time. The shipped models' commands and throughput are in the
+# model card, docs/reference-models.md.
 TRAIN_RECIPES: dict[str, TrainRecipe] = {
     "target": TrainRecipe(steps=3000, batch_size=4, seq_len=512, lr=2e-3, warmup_steps=40),
     "draft": TrainRecipe(steps=1300, batch_size=4, seq_len=512, lr=3e-3, warmup_steps=40),

@@ -7,7 +7,8 @@ saw, and they are on every machine that has hf_accel installed, with no download
   hf_accel's own README is left out (it changes with every commit);
 - a distribution is held out when the CRC-32 of its lower-cased name is below `held_out_percent` percent of 2**32,
   so train and held-out never share a package and the split does not depend on what else is installed;
-- documents go in name order, each followed by the tokenizer's EOS, packed into rows (`reference.pack_sequences`).
+- documents go in name order, each followed by the tokenizer's EOS, packed into rows
+  (`reference.corpus.pack_sequences`).
 The texts depend on what is installed: `DomainTexts.sources` records which distributions were used.
 """
 

@@ -1,9 +1,13 @@
-"""The reference models' training loop: seeded init, AdamW with warmup + cosine, optional bf16 autocast, tqdm
-progress, and resumable checkpoints.
+"""The reference models' trainer: seeded init, AdamW with warmup + cosine, optional bf16 autocast, tqdm progress,
+and resumable checkpoints; batches in `data.seeded_batches` order.
 
 A checkpoint (``<checkpoint_dir>/checkpoint.pt``, replaced atomically every ``checkpoint_every`` steps) holds the
 model and optimizer states, the step, the losses so far and the seconds spent; resuming from it replays the seeded
 batch order up to that step, so a resumed run sees the same batches as an uninterrupted one.
+
+The loop is not the head trainers' `train_loop.run_steps`: the time budget here also counts the seconds spent before
+a resume and is checked after each step (a fresh run takes at least one), the learning rate decays on the clock too
+(`lr_at`), and the checkpoint is one file that carries the losses so far.
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ import torch
 from tqdm.auto import tqdm
 from transformers import LlamaForCausalLM, PreTrainedTokenizerBase
 
-from .presets import ModelPreset, TrainRecipe
+from .data import seeded_batches
+from .reference_presets import ModelPreset, TrainRecipe
 
 SAVE_DTYPE = torch.bfloat16
 
@@ -75,15 +80,6 @@ def _optimizer(model: torch.nn.Module, recipe: TrainRecipe) -> torch.optim.AdamW
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": recipe.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=recipe.lr, betas=(0.9, 0.95))
-
-
-def _batches(sequences: torch.Tensor, batch_size: int, seed: int) -> Iterator[torch.Tensor]:
-    # epochs of a seeded shuffle; a batch never spans two epochs
-    generator = torch.Generator().manual_seed(seed)
-    while True:
-        order = torch.randperm(len(sequences), generator=generator)
-        for start in range(0, len(order) - batch_size + 1, batch_size):
-            yield sequences[order[start : start + batch_size]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,7 +171,7 @@ def _starting_point(model: LlamaForCausalLM, optimizer: torch.optim.Optimizer, s
     losses, spent = [], 0.0
     if checkpointing is not None and checkpointing.resume and checkpointing.path.is_file():
         losses, spent = load_checkpoint(checkpointing.path, model, optimizer)
-    batches = _batches(sequences, recipe.batch_size, recipe.seed)
+    batches = seeded_batches(sequences, recipe.batch_size, recipe.seed)
     for _ in range(skip_batches + len(losses)):  # replay the seeded order up to the resumed step
         next(batches)
     steps = range(len(losses), recipe.steps)

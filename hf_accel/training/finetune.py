@@ -24,12 +24,14 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from ..bench.output import hardware
 from ..quant.presets import PRESETS, load_model
 from ..reference.evaluate import greedy_agreement
-from ..speculative.medusa_heads import MedusaHeads
-from ..medusa_training.train import self_distilled_rows, train_medusa
-from .data import DomainSplits, text_rows
-from .lora import LoraSettings, merge_adapter, train_lora
-from .quality import Side, compare_speed, held_out_perplexity
 from ..serving_config import ServingConfig, write_serving_config
+from ..speculative.medusa_heads import MedusaHeads
+from .data import self_distilled_rows
+from .finetune_domain import DomainSplits, text_rows
+from .finetune_quality import Side, compare_speed, held_out_perplexity
+from .lora import LoraSettings, merge_adapter, train_lora
+from .medusa_trainer import train_medusa
+from .train_loop import final_loss
 
 HEADS_DIR = "medusa"
 REPORT_NAME = "report.json"
@@ -154,10 +156,9 @@ def _train_heads(model: PreTrainedModel, train_rows: torch.Tensor, config: Finet
                           batch_size=config.medusa_batch_size, seq_len=config.seq_len, lr=config.medusa_lr,
                           distill="hard", warmup_steps=min(10, config.medusa_steps))
     result.heads.config.base_model_name_or_path = f"{description} fine-tuned".strip()
-    final = result.losses[-10:]
     return result.heads, {"steps": result.last_step, "self_distill_rows": int(rows.shape[0]),
                           "initialised_from": "given heads" if init_heads is not None else "the model's lm_head",
-                          "final_loss": round(sum(final) / len(final), 4) if final else None,
+                          "final_loss": final_loss(result.losses, window=10),
                           "self_distillation_seconds": round(generation_s, 1),
                           "train_seconds": round(result.train_seconds, 1)}
 

@@ -4,10 +4,12 @@
 sequences with a fixed seed, saves each as bf16 safetensors with the tokenizer into ``<out>/<name>/``, reloads what
 was saved and measures held-out perplexity, then writes ``<out>/report.json`` (the numbers for the model card)::
 
-    python -m hf_accel.reference.train --which both            # default recipe, into hf_accel/reference/assets
-    python -m hf_accel.reference.train --which draft --steps 50 --out /tmp/ref
-    python -m hf_accel.reference.train --which target --out /tmp/ref --checkpoint-dir /tmp/ref-ckpt --resume
-    python -m hf_accel.reference.train --which none --out /tmp/ref --baseline ./old-assets   # measure only
+    hf-accel train-reference --which both            # default recipe, into hf_accel/reference/assets
+    hf-accel train-reference --which draft --steps 50 --out ./ref
+    hf-accel train-reference --which target --out ./ref --checkpoint-dir ./ref-ckpt --resume
+    hf-accel train-reference --which none --out ./ref --baseline ./old-assets   # measure only
+
+(or `python -m hf_accel.training.reference_command ...`).
 """
 
 from __future__ import annotations
@@ -17,11 +19,10 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
-import torch
-
-from .build import TrainStart, build_reference
-from .loop import Checkpointing
-from .presets import TRAIN_RECIPES, TrainRecipe
+from .options import add_run_options, apply_threads
+from .reference_build import TrainStart, build_reference
+from .reference_presets import TRAIN_RECIPES, TrainRecipe
+from .reference_trainer import Checkpointing
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -32,7 +33,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=None, help="assets folder (default: the package's)")
     parser.add_argument("--steps", type=int, default=None, help="override the recipe's step count")
     parser.add_argument("--time-budget", type=float, default=None, help="stop each model after this many seconds")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--checkpoint-dir", type=Path, default=None,
                         help="save resumable state to <dir>/<model>/checkpoint.pt (default: no checkpoints)")
     parser.add_argument("--checkpoint-every", type=int, default=50, help="steps between checkpoints")
@@ -48,7 +48,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                              "distribution; for a draft that agrees with its target)")
     parser.add_argument("--lr", type=float, default=None, help="override the recipe's peak learning rate")
     parser.add_argument("--retrain-tokenizer", action="store_true", help="ignore <out>/tokenizer if present")
-    parser.add_argument("--no-progress", action="store_true")
+    add_run_options(parser)
     return parser.parse_args(argv)
 
 
@@ -65,8 +65,7 @@ def recipe_for(name: str, steps: int | None, lr: float | None = None) -> TrainRe
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``hf-accel train-reference``; returns the exit status."""
     args = parse_args(argv)
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    apply_threads(args.threads)
     names = {"both": ("target", "draft"), "none": ()}.get(args.which, (args.which,))
     if args.resume and args.checkpoint_dir is None:
         raise ValueError("--resume needs --checkpoint-dir")

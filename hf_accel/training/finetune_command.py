@@ -5,7 +5,7 @@ check, and write a folder that `hf-accel serve --model OUT` serves with its head
     hf-accel serve --model ./docs-model                    # int8 weights + Medusa heads, from OUT/hf_accel.json
 
 Data: the long descriptions (READMEs) of the installed distributions, split by distribution
-(`hf_accel.finetune.data`). With the reference target, the heads start from its shipped Medusa heads.
+(`hf_accel.training.finetune_domain`). With the reference target, the heads start from its shipped Medusa heads.
 Writes OUT/ (merged model in float32 + tokenizer), OUT/medusa/, OUT/hf_accel.json and OUT/report.json.
 """
 
@@ -16,23 +16,22 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from .. import reference
 from ..arguments import at_least
 from ..quant.presets import PRESETS
 from ..speculative.medusa_heads import MedusaHeads
-from .data import domain_splits
+from .finetune import FinetuneConfig, run_finetune
+from .finetune_domain import domain_splits
+from .finetune_report import report_tables
 from .lora import LoraSettings
-from .report import report_tables
-from .stages import FinetuneConfig, run_finetune
+from .options import add_run_options, apply_threads, load_base_model
 
-REFERENCE_HEADS = reference.ASSETS_DIR / "medusa"
 QUANT_CHOICES = ("none", *(preset.name for preset in PRESETS))
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """Options of `hf-accel finetune`; the defaults took 22 minutes on one core of the loaded shared CPU."""
+    """Options of `hf-accel finetune` (docs/bench_finetune.md: what the defaults cost and give)."""
     parser = argparse.ArgumentParser(prog="hf-accel finetune", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="folder to write (must not hold a model yet)")
@@ -54,8 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--new-tokens", type=at_least(1), default=64, help="(default: %(default)s)")
     parser.add_argument("--repeats", type=at_least(1), default=2, help="(default: %(default)s)")
     parser.add_argument("--held-out-percent", type=float, default=15.0, help="(default: %(default)s)")
-    parser.add_argument("--threads", type=at_least(1), default=None, help="torch CPU threads (default: torch's)")
-    parser.add_argument("--no-progress", action="store_true")
+    add_run_options(parser)
     return parser
 
 
@@ -73,7 +71,9 @@ def init_heads(args: argparse.Namespace) -> MedusaHeads | None:
     """The heads training starts from (see `--init-heads`)."""
     if args.init_heads == "none" or (args.init_heads is None and args.model is not None):
         return None
-    return MedusaHeads.from_pretrained(args.init_heads or REFERENCE_HEADS, dtype=torch.float32)
+    if args.init_heads is None:
+        return reference.load_head("medusa", dtype=torch.float32)
+    return MedusaHeads.from_pretrained(args.init_heads, dtype=torch.float32)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -85,14 +85,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not 0 < args.held_out_percent < 100:
         parser.error(f"--held-out-percent must be in (0, 100), got {args.held_out_percent}")
     config = config_from_args(args)
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    if args.model is None:
-        model, tokenizer = reference.load("target")
-        description = "hf_accel reference target"
-    else:
-        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, local_files_only=True).eval()
-        tokenizer, description = AutoTokenizer.from_pretrained(args.model, local_files_only=True), args.model
+    apply_threads(args.threads)
+    model, tokenizer, description = load_base_model(args.model, dtype=torch.float32)
     original = reference.held_out_sequences(tokenizer, config.seq_len, config.eval_rows) if args.model is None else None
     report = run_finetune(model, tokenizer, domain_splits(args.held_out_percent), args.out, config,
                           init_heads(args), original, description, progress=not args.no_progress)
