@@ -2,10 +2,10 @@
 
 Why: the model step and the serving work (HTTP, SSE, JSON, the event loop) are both Python, and in one process they
 share one interpreter lock. The compiled step gives the lock up at every kernel, and a thread that wants it back
-waits for whichever thread holds it (up to the switch interval, 5 ms): on the reference target a one-sequence step
-that takes 5 ms alone took 600 ms beside one busy Python thread. In its own process the engine core steps
-undisturbed while this process does the rest on the other core, so step N + 1 is scheduled and computed while this
-process streams step N's tokens.
+waits for whichever thread holds it (up to the switch interval, 5 ms), so a busy server thread stretches every step
+(measured in docs/serving.md, "The engine-core process"). In its own process the engine core steps undisturbed
+while this process does the rest on the other core, so step N + 1 is scheduled and computed while this process
+streams step N's tokens.
 
 How:
 - the child (`core_process.py`) builds its `Engine` with `factory` (a picklable callable, e.g. a
