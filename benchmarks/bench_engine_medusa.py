@@ -22,10 +22,10 @@ from typing import Any
 
 import torch
 
-from hf_accel import Engine, SamplingParams, bench, reference
+from hf_accel import Engine, EngineConfig, SamplingParams, SpeculativeConfig, bench, reference
 from hf_accel.bench.output import run_benchmark
 from hf_accel.display import format_table
-from hf_accel.engine.speculative_config import DEFAULT_MAX_SPECULATIVE_BATCH_TOKENS
+from hf_accel.engine.spec_decode.speculative_config import DEFAULT_MAX_SPECULATIVE_BATCH_TOKENS
 from hf_accel.training.medusa_command import REFERENCE_HEADS_DIR
 from hf_accel.speculative.medusa_heads import MedusaHeads
 
@@ -40,12 +40,13 @@ PLAIN, DEFAULT = "plain", "heads, default rule"
 
 def engines(model, tokenizer, heads, concurrency: int, fixed_k: list[int]) -> dict[str, Engine]:
     """Plain, the default rule, and each fixed k with room for every sequence to speculate."""
-    common = dict(max_num_seqs=max(concurrency, 1), enable_prefix_caching=False)
-    built = {PLAIN: Engine(model, tokenizer, **common),
-             DEFAULT: Engine(model, tokenizer, medusa_heads=heads, **common)}
+    config = EngineConfig(max_num_seqs=max(concurrency, 1), enable_prefix_caching=False)
+    built = {PLAIN: Engine(model, tokenizer, config=config),
+             DEFAULT: Engine(model, tokenizer, config=config, speculative=SpeculativeConfig("medusa", model=heads))}
     for k in fixed_k:
-        built[f"heads, k={k} always"] = Engine(model, tokenizer, medusa_heads=heads, num_speculative_tokens=k,
-                                               max_speculative_batch_tokens=concurrency * (1 + k), **common)
+        always = SpeculativeConfig("medusa", model=heads, num_speculative_tokens=k,
+                                   max_speculative_batch_tokens=concurrency * (1 + k))
+        built[f"heads, k={k} always"] = Engine(model, tokenizer, config=config, speculative=always)
     return built
 
 

@@ -25,10 +25,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hf_accel import Engine, SamplingParams, SpeculativeConfig, bench, reference
+from hf_accel import Engine, EngineConfig, SamplingParams, SpeculativeConfig, bench, reference
 from hf_accel.bench.output import run_benchmark
 from hf_accel.display import format_table
-from hf_accel.engine.speculative_config import (
+from hf_accel.engine.spec_decode.speculative_config import (
     DEFAULT_EAGLE_BATCH_TOKENS, DEFAULT_EAGLE_TOKENS, DEFAULT_MAX_SPECULATIVE_BATCH_TOKENS, DEFAULT_MODEL_FREE_TOKENS,
 )
 
@@ -107,13 +107,13 @@ def measure(quick: bool) -> dict[str, Any]:
     per_round = max(max(plan["concurrency"]), plan["single_stream_prompts"])
     needed = len(WORKLOADS) * len(plan["concurrency"]) * (plan["rounds"] + 1) * per_round
     prompts = Prompts(tokenizer, plan["prompt_len"], needed)
-    common = dict(max_num_seqs=max(plan["concurrency"]), enable_prefix_caching=False)
-    built = {PLAIN: Engine(model, tokenizer, **common),
-             SUFFIX: Engine(model, tokenizer, speculative=SpeculativeConfig("suffix"), **common),
-             EAGLE3: Engine(model, tokenizer, speculative=SpeculativeConfig(
-                 "eagle3", model=reference.load_head("eagle", model)), **common),
-             DRAFT: Engine(model, tokenizer, speculative=SpeculativeConfig(
-                 "draft", model=reference.load("draft")[0]), **common)}
+    config = EngineConfig(max_num_seqs=max(plan["concurrency"]), enable_prefix_caching=False)
+    built = {PLAIN: Engine(model, tokenizer, config=config),
+             SUFFIX: Engine(model, tokenizer, config=config, speculative=SpeculativeConfig("suffix")),
+             EAGLE3: Engine(model, tokenizer, config=config, speculative=SpeculativeConfig(
+                 "eagle3", model=reference.load_head("eagle", model))),
+             DRAFT: Engine(model, tokenizer, config=config, speculative=SpeculativeConfig(
+                 "draft", model=reference.load("draft")[0]))}
     results = {workload: {str(c): run_case(built, prompts, workload, c, plan) for c in plan["concurrency"]}
                for workload in WORKLOADS}
     return {

@@ -30,9 +30,9 @@ from typing import Any
 import torch
 from transformers import AttentionInterface
 
-from hf_accel import Engine, RequestOutputKind, SamplingParams, bench, reference
+from hf_accel import Engine, EngineConfig, RequestOutputKind, SamplingParams, bench, reference
 from hf_accel.bench.output import hardware, run_benchmark
-from hf_accel.engine import engine_core
+from hf_accel.engine import commit
 from hf_accel.runtime import attention
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -88,9 +88,9 @@ def instrumented(engine: Engine, clock: StageClock) -> Iterator[None]:
     core, runner = engine.core, engine.core.runner
     patches = [
         (core.scheduler, "schedule"), (core.scheduler, "postprocess"), (runner, "execute"),
-        (runner.forward, "_forward"), (core, "_append_all"), (engine, "_deliver"),
+        (runner.forward, "_forward"), (core.committer, "_append_all"), (engine, "_deliver"),
         (attention, "paged_attention"), (attention, "gather_blocks"), (runner.forward, "attend"),
-        (engine_core, "sample"), (engine_core, "token_logprobs"),
+        (commit, "sample"), (commit, "token_logprobs"),
     ]
     names = {"schedule": "schedule", "postprocess": "postprocess", "execute": "metadata", "_forward": "forward",
              "_append_all": "append", "_deliver": "outputs", "paged_attention": "attention call",
@@ -111,8 +111,9 @@ def instrumented(engine: Engine, clock: StageClock) -> Iterator[None]:
 
 def decoding_engine(model, prompts: torch.Tensor, steps: int, enforce_eager: bool) -> Engine:
     """An engine with one request per prompt, all prefilled and one decode step past it (untimed)."""
-    engine = Engine(model, max_num_seqs=len(prompts), max_num_batched_tokens=max(512, prompts.numel()),
-                    enforce_eager=enforce_eager)
+    config = EngineConfig(max_num_seqs=len(prompts), max_num_batched_tokens=max(512, prompts.numel()),
+                          enforce_eager=enforce_eager)
+    engine = Engine(model, config=config)
     params = SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True)
     for row in prompts:
         engine.add_request(row.tolist(), params, output_kind=RequestOutputKind.DELTA)

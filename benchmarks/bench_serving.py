@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from transformers import ContinuousBatchingConfig, GenerationConfig
 
-from hf_accel import Engine, SamplingParams, bench, reference
+from hf_accel import Engine, EngineConfig, SamplingParams, bench, reference
 from hf_accel.bench import describe_model
 from hf_accel.bench.output import benchmark_parser, output_root, run_benchmark
 from hf_accel.bench.peer import free_port, load_server
@@ -103,7 +103,7 @@ def offline(model, tokenizer, plan: Plan) -> dict[str, Any]:
     engine_len = Engine(model, tokenizer).max_model_len
     work = workload(tokenizer, plan, engine_len)
     asked = sum(r.max_tokens for r in work)
-    engine = Engine(model, tokenizer, max_num_seqs=64, max_num_batched_tokens=512)
+    engine = Engine(model, tokenizer, config=EngineConfig(max_num_seqs=64, max_num_batched_tokens=512))
     warm = work[:2]
     run_static(model, warm), run_transformers_cb(model, warm, engine_len), engine_outputs(engine, warm)
     reference_out, sequential_s = timed(sequential_outputs, model, work)
@@ -126,7 +126,7 @@ def sweep(model, tokenizer, plan: Plan) -> dict[str, float]:
     work = workload(tokenizer, plan, Engine(model, tokenizer).max_model_len, seed=1)[: plan.sweep_requests]
     rates = {}
     for seqs in plan.sweep_seqs:
-        engine = Engine(model, tokenizer, max_num_seqs=seqs)
+        engine = Engine(model, tokenizer, config=EngineConfig(max_num_seqs=seqs))
         engine_outputs(engine, work[:1])
         rates[str(seqs)] = sum(r.max_tokens for r in work) / timed(engine_outputs, engine, work)[1]
     return rates
@@ -140,7 +140,7 @@ def prefix_ttft(model, tokenizer, plan: Plan) -> dict[str, Any]:
                for i in range(plan.prefix_requests)]
     result = {}
     for enabled in (False, True):
-        engine = Engine(model, tokenizer, enable_prefix_caching=enabled)
+        engine = Engine(model, tokenizer, config=EngineConfig(enable_prefix_caching=enabled))
         engine.generate([header + [header[-1]]], SamplingParams(max_tokens=1, temperature=0))  # warms the cache
         result["with" if enabled else "without"] = _ttfts(engine, prompts, plan.prefix_interval_s)
         engine.shutdown()

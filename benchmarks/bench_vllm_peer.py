@@ -230,8 +230,8 @@ def render(report: dict[str, Any]) -> str:
              f"thread ({hw['cpu']}, shared with other work); fp32, greedy, EOS ignored; held-out prompts of "
              f"{plan['prompt_range'][0]}-{plan['prompt_range'][1]} tokens, {plan['max_tokens_range'][0]}-"
              f"{plan['max_tokens_range'][1]} output tokens, max_model_len {plan['max_model_len']}; {plan['rounds']} "
-             "alternating rounds, tok/s the median. hf_accel: `Engine(max_num_seqs=64, max_num_batched_tokens=512)`;"
-             " vLLM: `LLM(dtype=\"float32\", max_num_seqs=64)` (default `max_num_batched_tokens` 4096), "
+             "alternating rounds, tok/s the median. hf_accel: `Engine(config=EngineConfig(max_num_seqs=64, "
+             "max_num_batched_tokens=512))`; vLLM: `LLM(dtype=\"float32\", max_num_seqs=64)` (default `max_num_batched_tokens` 4096), "
              "`VLLM_CPU_KVCACHE_SPACE=2`, `VLLM_CPU_OMP_THREADS_BIND=0`.", "",
              "| model | requests | generated tokens | sequential generate tok/s | hf_accel tok/s | vLLM tok/s | "
              "hf_accel / vLLM | identical hf_accel = vLLM | vLLM = generate | hf_accel = generate |",

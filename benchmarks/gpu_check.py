@@ -30,7 +30,8 @@ import torch
 
 from transformers import CompileConfig, StaticCache
 
-from hf_accel import EagleTree, Engine, SamplingParams, draft_generate, eagle_generate, ngram_generate, reference
+from hf_accel import (EagleTree, Engine, EngineConfig, SamplingParams, draft_generate, eagle_generate, ngram_generate,
+                      reference)
 from hf_accel.bench import torch_threads
 from hf_accel.bench.output import benchmark_parser, hardware, output_root, write_results
 
@@ -42,7 +43,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 def decoding_engine(model, prompts: list[list[int]], enforce_eager: bool, steps: int) -> Engine:
     """An engine with the prompts prefilled and decoding (one request each, `steps` + 8 tokens to go)."""
-    engine = Engine(model, max_num_seqs=max(len(prompts), 2), enforce_eager=enforce_eager)
+    engine = Engine(model, config=EngineConfig(max_num_seqs=max(len(prompts), 2), enforce_eager=enforce_eager))
     for prompt in prompts:
         engine.add_request(prompt, SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True))
     engine.step()
@@ -77,7 +78,7 @@ def check_dtype(model, tokenizer, device: torch.device, quick: bool) -> dict[str
     prompts = [row[: 8 + 7 * i].tolist() for i, row in enumerate(rows[: 4 if quick else 8])]
     params = SamplingParams(max_tokens=8 if quick else 32, temperature=0, ignore_eos=True)
     started = time.perf_counter()
-    default = Engine(model, max_num_seqs=8)
+    default = Engine(model, config=EngineConfig(max_num_seqs=8))
     start_seconds = time.perf_counter() - started
     outputs = [out.outputs[0].token_ids for out in default.generate(prompts, params)]
     expected = [greedy(model, prompt, params.max_tokens) for prompt in prompts]

@@ -40,8 +40,8 @@ def run_hf_accel(job: dict[str, Any]) -> dict[str, Any]:
     torch.set_num_threads(1)
     started = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(job["model"], dtype=torch.float32).eval()
-    engine = hf_accel.Engine(model, AutoTokenizer.from_pretrained(job["model"]), max_model_len=job["max_model_len"],
-                             **engine_limits(job))
+    config = hf_accel.EngineConfig(max_model_len=job["max_model_len"], **engine_limits(job))
+    engine = hf_accel.Engine(model, AutoTokenizer.from_pretrained(job["model"]), config=config)
     work = [Request(prompt, max_tokens) for prompt, max_tokens in job["requests"]]
     load_seconds = time.perf_counter() - started
     engine_outputs(engine, work[: job["warmup"]])

@@ -18,13 +18,14 @@ from .cache.sink import SinkCache
 from .cache.sink_config import SinkCacheConfig
 from .compiled import quantized_rows as _quantized_rows
 from .compiled.route import route_generate
+from .engine.config import EngineConfig
 from .engine.engine import Engine
 from .engine.engine_process import EngineProcess
-from .engine.engine_core import EngineStats
+from .engine.engine_stats import EngineStats
 from .engine.errors import ContextLengthExceededError, EngineDeadError
 from .engine.outputs import CompletionOutput, RequestOutput, RequestOutputKind
 from .engine.sampling_params import SamplingParams
-from .engine.speculative_config import SpeculativeConfig
+from .engine.spec_decode.speculative_config import SpeculativeConfig
 from .quant.linear import Int4Linear, Int8Linear
 from .quant.presets import list_quantization_presets, load_model, quantization_config
 from .quant.quantizer import METHODS as _WEIGHT_METHODS, WeightOnlyConfig, WeightOnlyQuantizer, quantize_model
@@ -79,6 +80,7 @@ __all__ = [
     "EagleHead",
     "EagleTree",
     "Engine",
+    "EngineConfig",
     "EngineProcess",
     "EngineDeadError",
     "EngineStats",

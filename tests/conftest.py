@@ -27,9 +27,9 @@ def eager_engines(request, monkeypatch):
     """Engines built in tests run their model step eagerly (compiling every tiny model would cost seconds per test),
     unless the test is marked `compiled`, which gets the default, compiled step (tests/test_engine_compiled.py)."""
     if request.node.get_closest_marker("compiled") is None:
-        from hf_accel import Engine
+        from hf_accel import EngineConfig
 
-        monkeypatch.setitem(Engine.__init__.__kwdefaults__, "enforce_eager", True)
+        monkeypatch.setitem(EngineConfig.__init__.__kwdefaults__, "enforce_eager", True)
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from hf_accel import Engine, reference
+from hf_accel import Engine, EngineConfig, SpeculativeConfig, reference
 from hf_accel.server import create_app, serve_in_thread
 
 MODEL_NAME = "reference-target"
@@ -34,9 +34,11 @@ def load_target() -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
 
 @contextlib.contextmanager
 def live_server(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, api_key: str | None = None,
-                max_queue_len: int = 1024, **engine_kwargs) -> Iterator[LiveServer]:
-    """An engine over `model` served on 127.0.0.1 at a free port until the block ends (then shut down)."""
-    engine = Engine(model, tokenizer, **engine_kwargs)
+                max_queue_len: int = 1024, speculative: SpeculativeConfig | None = None,
+                **limits) -> Iterator[LiveServer]:
+    """An engine over `model` (`limits`: `EngineConfig` fields) served on 127.0.0.1 at a free port until the block
+    ends (then shut down)."""
+    engine = Engine(model, tokenizer, config=EngineConfig(**limits), speculative=speculative)
     app = create_app(engine, tokenizer, MODEL_NAME, api_key=api_key, max_queue_len=max_queue_len)
     with serve_in_thread(app) as url:
         yield LiveServer(url, engine, tokenizer)

@@ -7,7 +7,7 @@ import torch
 
 from conformance import make_model
 from engine_helpers import assert_greedy_equal, greedy_reference, random_prompts
-from hf_accel import Engine, SamplingParams
+from hf_accel import Engine, EngineConfig, SamplingParams
 from hf_accel.cache.kv_shape import KVShape
 from hf_accel.runtime.attention import gathered_attention
 from hf_accel.runtime.cuda_graphs import decode_attention, graph_sizes
@@ -62,7 +62,7 @@ def test_the_spare_block_lies_past_the_allocators_blocks():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_engine_replays_decode_graphs_on_cuda():
     model = make_model("llama", torch.float32, "sdpa").cuda()
-    engine = Engine(model, block_size=4, max_num_seqs=4)
+    engine = Engine(model, config=EngineConfig(max_num_seqs=4, block_size=4))
     graphs = engine.core.runner.forward.graphs
     assert graphs is not None and set(graphs.graphs) == set(graph_sizes(4))
     replays = []

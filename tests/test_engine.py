@@ -8,7 +8,7 @@ import torch
 
 from conformance import ARCHITECTURES, make_model, make_tokenizer
 from engine_helpers import assert_greedy_equal, greedy_reference, random_prompts
-from hf_accel import ContextLengthExceededError, Engine, SamplingParams
+from hf_accel import ContextLengthExceededError, Engine, EngineConfig, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 LENGTHS = [5, 23, 9, 40, 17, 3]
@@ -20,7 +20,7 @@ def test_greedy_equals_generate(arch, chunk):
     attn = "eager" if arch == "gemma2" else "sdpa"
     model = make_model(arch, torch.float32, attn)
     prompts = random_prompts(LENGTHS, seed=1)
-    engine = Engine(model, max_num_seqs=4, max_num_batched_tokens=chunk, block_size=4)
+    engine = Engine(model, config=EngineConfig(max_num_seqs=4, max_num_batched_tokens=chunk, block_size=4))
     outputs = engine.generate(prompts, GREEDY)
     for prompt, out in zip(prompts, outputs):
         assert out.finish_reason == "length" and len(out.token_ids) == 12
@@ -37,7 +37,7 @@ def test_mixed_parameters_in_one_batch():
     params = [SamplingParams(max_tokens=5, temperature=0, ignore_eos=True),
               SamplingParams(max_tokens=9, temperature=0.8, top_k=20, top_p=0.9, seed=3, ignore_eos=True),
               SamplingParams(max_tokens=7, temperature=0, repetition_penalty=1.3, ignore_eos=True)]
-    outputs = Engine(model, block_size=4).generate(prompts, params)
+    outputs = Engine(model, config=EngineConfig(block_size=4)).generate(prompts, params)
     assert [len(o.token_ids) for o in outputs] == [5, 9, 7]
     assert outputs[0].token_ids == greedy_reference(model, prompts[0], 5)
     ids = torch.tensor([prompts[2]])
@@ -50,9 +50,9 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch():
     model = make_model("qwen3", torch.float32, "sdpa")
     prompt = random_prompts([10], seed=4)[0]
     params = SamplingParams(max_tokens=10, temperature=1.0, seed=7, n=2, ignore_eos=True)
-    alone = Engine(model, block_size=4).generate([prompt], params)[0]
+    alone = Engine(model, config=EngineConfig(block_size=4)).generate([prompt], params)[0]
     others = random_prompts([4, 30, 12], seed=5)
-    batched = Engine(model, block_size=4).generate(others + [prompt], [GREEDY] * 3 + [params])[-1]
+    batched = Engine(model, config=EngineConfig(block_size=4)).generate(others + [prompt], [GREEDY] * 3 + [params])[-1]
     assert [o.token_ids for o in alone.outputs] == [o.token_ids for o in batched.outputs]
     assert alone.outputs[0].token_ids != alone.outputs[1].token_ids  # seed + i per sample
 
@@ -61,7 +61,7 @@ def test_stop_strings_stop_tokens_and_eos():
     model = copy.deepcopy(make_model("llama", torch.float32, "sdpa"))  # its generation config changes below
     tokenizer = make_tokenizer()
     prompt = random_prompts([8], seed=6)[0]
-    free = Engine(model, tokenizer, block_size=4).generate([prompt], GREEDY)[0]
+    free = Engine(model, tokenizer, config=EngineConfig(block_size=4)).generate([prompt], GREEDY)[0]
     stop_text = free.text[len(free.text) // 2:][:3]
     assert stop_text.strip(), "the tiny model's text should hold something to stop at"
     by_string = Engine(model, tokenizer).generate([prompt], SamplingParams(max_tokens=12, temperature=0,
@@ -121,7 +121,7 @@ def test_bad_sampling_params_name_the_field(kwargs, error, match):
 
 def test_bad_requests_and_settings():
     model = make_model("llama", torch.float32, "sdpa")
-    engine = Engine(model, max_model_len=32)
+    engine = Engine(model, config=EngineConfig(max_model_len=32))
     with pytest.raises(ContextLengthExceededError, match="maximum context length is 32"):
         engine.add_request(list(range(4, 24)), SamplingParams(max_tokens=20))
     with pytest.raises(ValueError, match="prompt"):
@@ -133,7 +133,7 @@ def test_bad_requests_and_settings():
     with pytest.raises(ValueError, match="params"):
         engine.generate([[4, 5], [6, 7]], [GREEDY])
     with pytest.raises(ValueError, match="kv_cache_memory"):
-        Engine(model, kv_cache_memory="1KiB")
+        Engine(model, config=EngineConfig(kv_cache_memory="1KiB"))
     with pytest.raises(ValueError, match="max_num_seqs"):
-        Engine(model, max_num_seqs=0)
+        Engine(model, config=EngineConfig(max_num_seqs=0))
     assert not engine.has_unfinished_requests()

@@ -7,7 +7,7 @@ import torch
 
 from conformance import make_model
 from engine_helpers import random_prompts
-from hf_accel import Engine, EngineDeadError, SamplingParams
+from hf_accel import Engine, EngineConfig, EngineDeadError, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 
@@ -19,10 +19,10 @@ def model():
 
 def test_preemption_under_a_tiny_pool_changes_no_output(model):
     prompts = random_prompts([20, 9, 14, 30, 5, 11], seed=10)
-    roomy = Engine(model, block_size=4, enable_prefix_caching=False).generate(prompts, GREEDY)
+    roomy = Engine(model, config=EngineConfig(block_size=4, enable_prefix_caching=False)).generate(prompts, GREEDY)
     # 12 blocks of 4 tokens: one sequence of 64 tokens fits, six growing ones do not
-    tight = Engine(model, block_size=4, max_model_len=48, kv_cache_memory=12 * 4 * 2 * 2 * 2 * 16 * 4,
-                   enable_prefix_caching=False)
+    tight = Engine(model, config=EngineConfig(kv_cache_memory=12 * 4 * 2 * 2 * 2 * 16 * 4, block_size=4,
+                                              enable_prefix_caching=False, max_model_len=48))
     outputs = tight.generate(prompts, GREEDY)
     assert tight.stats().num_preemptions > 0
     assert [o.token_ids for o in outputs] == [o.token_ids for o in roomy]
@@ -32,15 +32,16 @@ def test_preemption_under_a_tiny_pool_changes_no_output(model):
 def test_seeded_sampling_survives_preemption(model):
     prompts = random_prompts([20, 9, 14, 30], seed=11)
     params = [SamplingParams(max_tokens=16, temperature=0.9, seed=s, ignore_eos=True) for s in range(4)]
-    roomy = Engine(model, block_size=4).generate(prompts, params)
-    tight = Engine(model, block_size=4, max_model_len=48, kv_cache_memory=12 * 4 * 2 * 2 * 2 * 16 * 4)
+    roomy = Engine(model, config=EngineConfig(block_size=4)).generate(prompts, params)
+    tight = Engine(model, config=EngineConfig(kv_cache_memory=12 * 4 * 2 * 2 * 2 * 16 * 4, block_size=4,
+                                              max_model_len=48))
     outputs = tight.generate(prompts, params)
     assert tight.stats().num_preemptions > 0
     assert [o.token_ids for o in outputs] == [o.token_ids for o in roomy]
 
 
 def test_priorities_are_honoured(model):
-    engine = Engine(model, max_num_seqs=1, block_size=4)
+    engine = Engine(model, config=EngineConfig(max_num_seqs=1, block_size=4))
     prompts = random_prompts([6, 6, 6], seed=12)
     ids = [engine.add_request(p, SamplingParams(max_tokens=3, temperature=0, priority=pr, ignore_eos=True))
            for p, pr in zip(prompts, [2, 0, 1])]
@@ -53,8 +54,8 @@ def test_priorities_are_honoured(model):
 def test_prefix_cache_hits_give_identical_outputs(model):
     header = random_prompts([40], seed=13)[0]
     prompts = [header + tail for tail in random_prompts([3, 7, 5, 9], seed=14)]
-    cold = Engine(model, block_size=4, enable_prefix_caching=False).generate(prompts, GREEDY)
-    engine = Engine(model, block_size=4)
+    cold = Engine(model, config=EngineConfig(block_size=4, enable_prefix_caching=False)).generate(prompts, GREEDY)
+    engine = Engine(model, config=EngineConfig(block_size=4))
     warm = [engine.generate([p], GREEDY)[0] for p in prompts]  # one at a time: later ones hit the header
     assert [o.token_ids for o in warm] == [o.token_ids for o in cold]
     assert [o.num_cached_tokens for o in warm] == [0, 40, 40, 40]
@@ -79,7 +80,7 @@ def test_stream_yields_growing_outputs_and_the_same_tokens(model):
 
 
 def test_leaving_a_stream_early_aborts_and_frees_blocks(model):
-    engine = Engine(model, block_size=4, enable_prefix_caching=False)
+    engine = Engine(model, config=EngineConfig(block_size=4, enable_prefix_caching=False))
     prompt = random_prompts([12], seed=16)[0]
 
     async def read_two():
@@ -124,13 +125,13 @@ def test_weight_quantized_models_run_in_the_engine(bits, group):
 
     quantized = quantize_model(tiny_llama(), WeightOnlyConfig(bits=bits, group_size=group))
     prompts = random_prompts([7, 19, 4], seed=17, vocab_size=128)
-    outputs = Engine(quantized, block_size=4).generate(prompts, GREEDY)
+    outputs = Engine(quantized, config=EngineConfig(block_size=4)).generate(prompts, GREEDY)
     for prompt, out in zip(prompts, outputs):
         assert out.token_ids == greedy_reference(quantized, prompt, 16)
 
 
 def test_engine_shows_a_one_line_repr_and_an_html_table(model):
-    engine = Engine(model, max_num_seqs=4, block_size=4)
+    engine = Engine(model, config=EngineConfig(max_num_seqs=4, block_size=4))
     engine.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
     text = repr(engine)
     assert text.startswith("Engine(model=LlamaForCausalLM, max_num_seqs=4") and "\n" not in text

@@ -11,7 +11,8 @@ import torch._dynamo.utils as dynamo_utils
 
 from conformance import make_model, weights_packed_while
 from engine_helpers import assert_greedy_equal, greedy_reference, random_prompts
-from hf_accel import Engine, MedusaHeads, SamplingParams, WeightOnlyConfig, bench, quantize_model
+from hf_accel import (Engine, EngineConfig, MedusaHeads, SamplingParams, SpeculativeConfig, WeightOnlyConfig, bench,
+                      quantize_model)
 from hf_accel.kernels.ops import paged_attention_kernel
 from hf_accel.runtime.step_inputs import StepInputs
 
@@ -37,12 +38,13 @@ def test_compiled_engine_equals_eager_and_generate_without_recompiling(arch):
     model = make_model(arch, torch.float32, "eager" if arch == "gemma2" else "sdpa")
     prompts = random_prompts(LENGTHS, seed=2)
     before = unique_graphs()
-    engine = Engine(model, block_size=4, max_num_seqs=4, max_num_batched_tokens=32)
+    engine = Engine(model, config=EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, block_size=4))
     assert engine.core.runner.forward.compiled and engine.stats().compile_seconds > 0
     assert unique_graphs() - before == 3  # one token; several; one sequence decoding: all at start
     compiled = run(engine, prompts) + run(engine, prompts[:1])  # also a step of one sequence prefilling alone
     assert unique_graphs() - before == 3  # sizes changed every step; nothing recompiled
-    eager = run(Engine(model, block_size=4, max_num_seqs=4, max_num_batched_tokens=32, enforce_eager=True), prompts)
+    eager = run(Engine(model, config=EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, block_size=4,
+                                                  enforce_eager=True)), prompts)
     for prompt, n, got, expected in zip(prompts, MAX_TOKENS, compiled, eager):
         assert_greedy_equal(model, prompt, got, expected)  # inductor's fused kernels round differently: ties only
         assert_greedy_equal(model, prompt, got, greedy_reference(model, prompt, n))
@@ -54,7 +56,8 @@ def test_medusa_engine_runs_eagerly_and_equals_generate():
     with torch.random.fork_rng():
         torch.manual_seed(3)
         heads = MedusaHeads.for_model(model, num_heads=3, init_from_lm_head=True).eval()
-    engine = Engine(model, medusa_heads=heads, block_size=4, max_num_seqs=4)
+    engine = Engine(model, config=EngineConfig(max_num_seqs=4, block_size=4),
+                    speculative=SpeculativeConfig("medusa", model=heads))
     assert not engine.core.runner.forward.compiled
     prompts = random_prompts(LENGTHS, seed=5)
     outputs = run(engine, prompts)
@@ -65,12 +68,12 @@ def test_medusa_engine_runs_eagerly_and_equals_generate():
 
 def test_enforce_eager_compiles_nothing():
     before = unique_graphs()
-    engine = Engine(make_model("llama", torch.float32, "sdpa"), enforce_eager=True)
+    engine = Engine(make_model("llama", torch.float32, "sdpa"), config=EngineConfig(enforce_eager=True))
     assert not engine.core.runner.forward.compiled and engine.stats().compile_seconds == 0.0
     run(engine, random_prompts(LENGTHS[:2]))
     assert unique_graphs() == before
     with pytest.raises(TypeError, match="enforce_eager"):
-        Engine(make_model("llama", torch.float32, "sdpa"), enforce_eager="yes")
+        Engine(make_model("llama", torch.float32, "sdpa"), config=EngineConfig(enforce_eager="yes"))
 
 
 def test_a_model_that_cannot_compile_runs_eagerly_with_a_warning():
@@ -78,7 +81,7 @@ def test_a_model_that_cannot_compile_runs_eagerly_with_a_warning():
     model = quantize_model(make_model("llama", torch.float32, "sdpa"), WeightOnlyConfig(bits=4, group_size=32),
                            progress=False)
     with pytest.warns(RuntimeWarning, match="compiling the engine's model step failed"):
-        engine = Engine(model, block_size=4)
+        engine = Engine(model, config=EngineConfig(block_size=4))
     assert not engine.core.runner.forward.compiled
     prompts = random_prompts(LENGTHS[:3], seed=1)
     got = run(engine, prompts)
@@ -99,8 +102,8 @@ def test_padding_keeps_sizes_off_one_and_changes_nothing_real():
 def test_many_engines_in_one_process_all_compile():
     # dynamo's cache is per model class, shared by every engine: past its default limit of 8 graphs (models of 6
     # vocabulary sizes, 2 graphs each) they would stop compiling
-    engines = [Engine(bench.random_llama(hidden_size=32, num_layers=1, vocab_size=256 + 32 * i), block_size=4)
-               for i in range(6)]
+    engines = [Engine(bench.random_llama(hidden_size=32, num_layers=1, vocab_size=256 + 32 * i),
+                      config=EngineConfig(block_size=4)) for i in range(6)]
     assert all(engine.core.runner.forward.compiled for engine in engines)
 
 
@@ -110,13 +113,14 @@ def test_the_compiled_engine_packs_its_weights_and_a_new_engine_sees_changed_one
     model = copy.deepcopy(make_model("llama", torch.float32, "sdpa"))  # its weights change: not the shared one
     prompts = random_prompts(LENGTHS[:3], seed=7)
     before, packed = weights_packed_while(
-        lambda: run(Engine(model, block_size=4, max_num_seqs=4, max_num_batched_tokens=32), prompts))
+        lambda: run(Engine(model, config=EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, block_size=4)),
+                    prompts))
     assert packed > 0
     with torch.no_grad():
         for parameter in model.parameters():
             parameter.mul_(-1.5)
     after = [greedy_reference(model, prompt, n) for prompt, n in zip(prompts, MAX_TOKENS)]
     assert after != before  # the change matters to the tokens
-    rebuilt = run(Engine(model, block_size=4, max_num_seqs=4, max_num_batched_tokens=32), prompts)
+    rebuilt = run(Engine(model, config=EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, block_size=4)), prompts)
     for prompt, got, expected in zip(prompts, rebuilt, after):
         assert_greedy_equal(model, prompt, got, expected)

@@ -12,8 +12,8 @@ import torch
 from conformance import VOCAB_SIZE, make_model
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from hf_accel import Engine, SamplingParams, SpeculativeConfig
-from hf_accel.engine.draft_proposer import DraftProposer
+from hf_accel import Engine, EngineConfig, SamplingParams, SpeculativeConfig
+from hf_accel.engine.spec_decode.draft_proposer import DraftProposer
 
 
 @functools.lru_cache(maxsize=None)
@@ -38,9 +38,9 @@ def prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
     return [torch.randint(4, VOCAB_SIZE, (n,), generator=generator).tolist() for n in lengths]
 
 
-def draft_engine(model, draft, **kwargs) -> Engine:
+def draft_engine(model, draft, **limits) -> Engine:
     config = SpeculativeConfig("draft", model=draft, num_speculative_tokens=4, max_speculative_batch_tokens=64)
-    return Engine(model, block_size=4, speculative=config, **kwargs)
+    return Engine(model, config=EngineConfig(block_size=4, **limits), speculative=config)
 
 
 def assert_nothing_kept(engine: Engine) -> None:
@@ -53,7 +53,7 @@ def test_a_copy_of_the_target_has_every_draft_accepted():
     model = peaked_model()
     batch = prompts([5, 9, 3, 12])
     params = [greedy(20 + 4 * i) for i in range(len(batch))]
-    plain = Engine(model, block_size=4).generate(batch, params)
+    plain = Engine(model, config=EngineConfig(block_size=4)).generate(batch, params)
     engine = draft_engine(model, copy.deepcopy(model))
     assert [o.token_ids for o in engine.generate(batch, params)] == [o.token_ids for o in plain]
     stats = engine.stats()
@@ -68,7 +68,7 @@ def test_chunked_prefill_prefix_hits_and_preemption_keep_drafts_exact():
     batch = prompts([14, 14, 11], seed=1)
     batch[1] = batch[0][:12] + batch[1][12:]  # shares three full blocks with the first: prefix-cache hits
     params = greedy(24)
-    plain = Engine(model, block_size=4).generate(batch, params)
+    plain = Engine(model, config=EngineConfig(block_size=4)).generate(batch, params)
     per_token = 2 * 2 * 2 * 16 * 4 * 2  # K and V, 2 layers, 2 KV heads, head_dim 16, fp32: target and draft
     engine = draft_engine(model, copy.deepcopy(model), max_num_batched_tokens=8, max_model_len=40,
                           kv_cache_memory=10 * 4 * per_token)  # 10 blocks: preemptions
@@ -84,8 +84,9 @@ def test_a_draft_of_another_architecture(arch):
     model, draft = make_model(arch, torch.float32, "sdpa"), make_model("qwen3", torch.float32, "sdpa")
     batch = prompts([6, 11, 4], seed=2)
     params = greedy(16)
-    plain = Engine(model, block_size=4).generate(batch, params)
-    engine = Engine(model, block_size=4, speculative=SpeculativeConfig("draft", model=draft, max_speculative_batch_tokens=64))
+    plain = Engine(model, config=EngineConfig(block_size=4)).generate(batch, params)
+    engine = Engine(model, config=EngineConfig(block_size=4),
+                    speculative=SpeculativeConfig("draft", model=draft, max_speculative_batch_tokens=64))
     assert [o.token_ids for o in engine.generate(batch, params)] == [o.token_ids for o in plain]
     assert engine.stats().spec_decode_num_drafts > 0
     assert_nothing_kept(engine)
@@ -135,7 +136,7 @@ def test_sampling_runs_within_its_rules():
 def test_compiled_step_and_draft():
     model = peaked_model()
     batch = prompts([5, 9])
-    plain = Engine(model, block_size=4).generate(batch, greedy(16))
+    plain = Engine(model, config=EngineConfig(block_size=4)).generate(batch, greedy(16))
     engine = draft_engine(model, copy.deepcopy(model))
     assert [o.token_ids for o in engine.generate(batch, greedy(16))] == [o.token_ids for o in plain]
     proposer = engine.core.proposer

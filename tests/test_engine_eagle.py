@@ -10,10 +10,10 @@ import pytest
 import torch
 from test_eagle_generate import model_for, own_text, trained_head
 
-from hf_accel import Engine, SamplingParams, SpeculativeConfig
+from hf_accel import Engine, EngineConfig, SamplingParams, SpeculativeConfig
 from hf_accel.training.eagle_features import target_features
 from hf_accel.training.eagle_unroll import unrolled_hidden
-from hf_accel.engine.eagle_proposer import EagleProposer
+from hf_accel.engine.spec_decode.eagle_proposer import EagleProposer
 from hf_accel.runtime.dynamo import skip_warm_guards
 
 
@@ -27,10 +27,10 @@ def prompts_of(model, lengths: list[int]) -> list[list[int]]:
     return [rows[i, :n].tolist() for i, n in enumerate(lengths)]
 
 
-def eagle_engine(model, **kwargs) -> Engine:
+def eagle_engine(model, **limits) -> Engine:
     config = SpeculativeConfig("eagle3", model=trained_head(model), num_speculative_tokens=4,
                                max_speculative_batch_tokens=64)
-    return Engine(model, block_size=4, speculative=config, **kwargs)
+    return Engine(model, config=EngineConfig(block_size=4, **limits), speculative=config)
 
 
 def assert_nothing_kept(engine: Engine) -> None:
@@ -45,7 +45,7 @@ def test_greedy_equals_plain_and_drafts_are_accepted(arch):
     model = model_for(arch)
     prompts = prompts_of(model, [5, 9, 3, 12])
     params = [greedy(20 + 4 * i) for i in range(len(prompts))]
-    plain = Engine(model, block_size=4).generate(prompts, params)
+    plain = Engine(model, config=EngineConfig(block_size=4)).generate(prompts, params)
     engine = eagle_engine(model)
     assert [o.token_ids for o in engine.generate(prompts, params)] == [o.token_ids for o in plain]
     stats = engine.stats()
@@ -62,7 +62,7 @@ def test_warm_head_passes_skip_guards_where_the_process_allows(monkeypatch):
     run under dynamo's distinguishing guards only, as the steps do, with the same tokens."""
     model = model_for("llama")
     prompts, params = prompts_of(model, [5, 9]), [greedy(16), greedy(20)]
-    plain = Engine(model, block_size=4).generate(prompts, params)
+    plain = Engine(model, config=EngineConfig(block_size=4)).generate(prompts, params)
     engine = eagle_engine(model)
     proposer, stances = engine.core.proposer, []
     assert proposer.compiled
@@ -89,7 +89,7 @@ def test_chunked_prefill_prefix_hits_and_preemption_keep_outputs_plain():
     prompts = prompts_of(model, [14, 14, 11])
     prompts[1] = prompts[0][:12] + prompts[1][12:]  # shares three full blocks with the first: prefix-cache hits
     params = greedy(24)
-    plain = Engine(model, block_size=4).generate(prompts, params)
+    plain = Engine(model, config=EngineConfig(block_size=4)).generate(prompts, params)
     engine = eagle_engine(model, max_num_batched_tokens=8, max_model_len=40,
                           kv_cache_memory=10 * 4 * 2 * 3 * 2 * 16 * 4)  # 10 blocks (target + head): preemptions
     assert [o.token_ids for o in engine.generate(prompts, params)] == [o.token_ids for o in plain]

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from conformance import make_model
 from engine_helpers import greedy_reference, random_prompts
-from hf_accel import Engine, EngineDeadError, MedusaHeads, SamplingParams
+from hf_accel import Engine, EngineConfig, EngineDeadError, MedusaHeads, SamplingParams, SpeculativeConfig
 from hf_accel.engine import sampler
 from hf_accel.engine.detokenizer import Detokenizer, _held_back
 from hf_accel.reference import load
@@ -55,7 +55,7 @@ def test_a_request_whose_sampler_raises_fails_alone(model, poisoned_sampler, bac
     prompts = random_prompts([5, 17, 9, 30, 3, 12, 21, 8, 14], seed=23)
     poison = SamplingParams(max_tokens=12, temperature=0.8, top_k=POISON_TOP_K, seed=1)
     params = [GREEDY] * 4 + [poison] + [GREEDY] * 4
-    engine = Engine(model, block_size=4, max_num_seqs=16)
+    engine = Engine(model, config=EngineConfig(max_num_seqs=16, block_size=4))
     if background:
         engine.start()
     try:
@@ -74,7 +74,7 @@ def test_a_request_whose_sampler_raises_fails_alone(model, poisoned_sampler, bac
 
 
 def test_failing_while_creating_samples_fails_alone(model, monkeypatch):
-    engine = Engine(model, block_size=4)
+    engine = Engine(model, config=EngineConfig(block_size=4))
     make = engine.core._detokenizer_for
 
     def detokenizer_for(params):
@@ -102,7 +102,7 @@ class BreakingDetokenizer(Detokenizer):
 
 def test_detokenization_raising_mid_request_fails_it_alone(monkeypatch):
     model, tokenizer = load("target")
-    engine = Engine(model, tokenizer, block_size=4)
+    engine = Engine(model, tokenizer, config=EngineConfig(block_size=4))
     make = engine.core._detokenizer_for
 
     def detokenizer_for(params):
@@ -124,17 +124,18 @@ def test_a_proposer_failing_for_one_sequence_fails_only_its_request(model, monke
     with torch.random.fork_rng():
         torch.manual_seed(3)
         heads = MedusaHeads.for_model(model, num_heads=3, init_from_lm_head=False).eval()
-    engine = Engine(model, block_size=4, medusa_heads=heads, max_speculative_batch_tokens=64)
+    engine = Engine(model, config=EngineConfig(block_size=4),
+                    speculative=SpeculativeConfig("medusa", model=heads, max_speculative_batch_tokens=64))
     prompts = random_prompts([5, 23, 9, 17], seed=31)
     victim_prompt = prompts[2]
-    real = engine.core.speculation.propose
+    real = engine.core.proposer.propose
 
-    def propose(speculating):
-        if any(s.seq.token_ids[: len(victim_prompt)] == victim_prompt for s in speculating):
+    def propose(seqs, num_drafts):
+        if any(seq.token_ids[: len(victim_prompt)] == victim_prompt for seq in seqs):
             raise RuntimeError("the heads broke on this sequence")
-        return real(speculating)
+        return real(seqs, num_drafts)
 
-    monkeypatch.setattr(engine.core.speculation, "propose", propose)
+    monkeypatch.setattr(engine.core.proposer, "propose", propose)
     outputs = engine.generate(prompts, GREEDY)
     assert outputs[2].finish_reason == "error" and not outputs[2].error.is_client_error
     for i in (0, 1, 3):
@@ -144,7 +145,7 @@ def test_a_proposer_failing_for_one_sequence_fails_only_its_request(model, monke
 
 
 def test_a_listener_that_raises_aborts_only_its_request(model):
-    engine = Engine(model, block_size=4)
+    engine = Engine(model, config=EngineConfig(block_size=4))
 
     def broken_listener(out):
         raise RuntimeError("the consumer is gone")
@@ -162,7 +163,7 @@ def test_a_listener_that_raises_aborts_only_its_request(model):
 
 
 def test_a_forward_failure_stops_the_loop_and_is_logged_once(model, caplog):
-    engine = Engine(model, block_size=4)
+    engine = Engine(model, config=EngineConfig(block_size=4))
 
     def broken(*args, **kwargs):
         raise RuntimeError("device lost")
@@ -198,8 +199,8 @@ def test_tiny_temperatures_are_raised_to_vllms_floor():
 
 
 def test_the_engine_caps_n_and_the_kv_it_may_claim(model):
-    engine = Engine(model, block_size=4, max_num_seqs=4, max_model_len=48,
-                    kv_cache_memory=12 * 4 * 2 * 2 * 2 * 16 * 4)  # 12 blocks of 4 tokens
+    engine = Engine(model, config=EngineConfig(max_num_seqs=4, kv_cache_memory=12 * 4 * 2 * 2 * 2 * 16 * 4, block_size=4,
+                                               max_model_len=48))  # 12 blocks of 4 tokens
     with pytest.raises(ValueError, match="`n` must be at most max_num_seqs=4"):
         engine.add_request([5, 6], SamplingParams(n=10000))
     with pytest.raises(ValueError, match="exceeds the KV cache's 48 tokens"):
@@ -241,7 +242,7 @@ hostile_params = st.one_of(edge_params, st.builds(lambda edge, hostile: edge | h
 @pytest.fixture(scope="module")
 def text_engine():
     model, tokenizer = load("target")
-    engine = Engine(model, tokenizer, block_size=4, max_num_seqs=4, max_model_len=48)
+    engine = Engine(model, tokenizer, config=EngineConfig(max_num_seqs=4, block_size=4, max_model_len=48))
     engine.start()
     yield model, tokenizer, engine
     engine.shutdown()

@@ -18,8 +18,8 @@ import torch
 
 from conformance import make_model
 from engine_helpers import assert_greedy_equal, greedy_reference, random_prompts
-from hf_accel import Engine, MedusaHeads, SamplingParams, reference
-from hf_accel.engine.medusa_proposer import MedusaProposer
+from hf_accel import Engine, EngineConfig, MedusaHeads, SamplingParams, SpeculativeConfig, reference
+from hf_accel.engine.spec_decode.medusa_proposer import MedusaProposer
 from hf_accel.engine.outputs import RequestTiming
 from hf_accel.engine.sequence import Request, Sequence, make_sequences
 from hf_accel.engine.scheduler import draft_width
@@ -93,7 +93,8 @@ def test_random_heads_match_generate(arch):
     """Random heads: nearly every candidate is rejected, so the rollback path runs on every step."""
     model, heads = tiny_with_heads(arch)
     prompts = random_prompts(LENGTHS, seed=1)
-    engine = Engine(model, max_num_seqs=8, block_size=4, medusa_heads=heads, max_speculative_batch_tokens=64)
+    engine = Engine(model, config=EngineConfig(max_num_seqs=8, block_size=4),
+                    speculative=SpeculativeConfig("medusa", model=heads, max_speculative_batch_tokens=64))
     outputs = engine.generate(prompts, [greedy(6 + i) for i in range(len(prompts))])
     for i, (prompt, out) in enumerate(zip(prompts, outputs)):
         assert out.finish_reason == "length" and len(out.token_ids) == 6 + i
@@ -108,8 +109,9 @@ def test_reference_heads_match_plain_engine_and_accept():
     model, tokenizer, heads = reference_with_heads()
     prompts = reference_prompts(LENGTHS)
     params = [greedy(24 + 3 * i) for i in range(len(prompts))]
-    plain = Engine(model, tokenizer, max_num_seqs=8).generate(prompts, params)
-    engine = Engine(model, tokenizer, max_num_seqs=8, medusa_heads=heads, max_speculative_batch_tokens=64)
+    plain = Engine(model, tokenizer, config=EngineConfig(max_num_seqs=8)).generate(prompts, params)
+    engine = Engine(model, tokenizer, config=EngineConfig(max_num_seqs=8),
+                    speculative=SpeculativeConfig("medusa", model=heads, max_speculative_batch_tokens=64))
     spec = engine.generate(prompts, params)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     assert spec[0].token_ids == greedy_reference(model, prompts[0], 24)
@@ -144,8 +146,6 @@ def test_proposer_matches_the_heads():
     assert not proposer.can_propose(sampled) and not proposer.can_propose(seqs[0]) and proposer.num_tracked == 4
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         MedusaProposer(heads, num_speculative_tokens=4)
-    with pytest.raises(TypeError, match="medusa_heads"):
-        Engine(model, medusa_heads=model)
 
 
 def test_stops_and_max_tokens_are_exact():
@@ -153,7 +153,7 @@ def test_stops_and_max_tokens_are_exact():
     model, tokenizer, heads = reference_with_heads()
     prompt = reference_prompts([40])[0]
     free = Engine(model, tokenizer).generate([prompt], greedy(40))[0]
-    engine = Engine(model, tokenizer, medusa_heads=heads)
+    engine = Engine(model, tokenizer, speculative=SpeculativeConfig("medusa", model=heads))
     for max_tokens in (1, 2, 3, 7, 19):
         out = engine.generate([prompt], greedy(max_tokens))[0]
         assert out.token_ids == free.token_ids[:max_tokens] and out.finish_reason == "length"
@@ -175,7 +175,7 @@ def test_logprobs_come_from_the_target_at_each_position():
     prompts = reference_prompts([20, 33])
     params = greedy(16, logprobs=2)
     plain = Engine(model, tokenizer).generate(prompts, params)
-    spec = Engine(model, tokenizer, medusa_heads=heads).generate(prompts, params)
+    spec = Engine(model, tokenizer, speculative=SpeculativeConfig("medusa", model=heads)).generate(prompts, params)
     for a, b in zip(plain, spec):
         assert a.token_ids == b.token_ids
         for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
@@ -188,7 +188,8 @@ def test_prefix_cache_holds_only_committed_blocks():
     still decodes exactly as plain generate (garbage K/V from rejected candidates never reaches a cached block)."""
     model, heads = tiny_with_heads()
     prompts = random_prompts([9, 14], seed=8)
-    engine = Engine(model, block_size=4, medusa_heads=heads, max_speculative_batch_tokens=64)
+    engine = Engine(model, config=EngineConfig(block_size=4),
+                    speculative=SpeculativeConfig("medusa", model=heads, max_speculative_batch_tokens=64))
     first = engine.generate(prompts, greedy(20))
     assert engine.stats().spec_decode_num_drafts > 0
     extended = [p + out.token_ids[:15] for p, out in zip(prompts, first)]
@@ -204,8 +205,9 @@ def test_preemption_under_a_tiny_pool():
     model, heads = tiny_with_heads()
     prompts = random_prompts([20, 18, 22, 16, 19, 21], seed=9)
     per_token = 2 * 2 * 2 * 16 * 4  # K and V, 2 layers, 2 kv heads, head_dim 16, fp32
-    engine = Engine(model, block_size=4, max_num_seqs=6, kv_cache_memory=per_token * 4 * 24, max_model_len=60,
-                    medusa_heads=heads, max_speculative_batch_tokens=64)
+    engine = Engine(model, config=EngineConfig(max_num_seqs=6, kv_cache_memory=per_token * 4 * 24, block_size=4,
+                                               max_model_len=60),
+                    speculative=SpeculativeConfig("medusa", model=heads, max_speculative_batch_tokens=64))
     outputs = engine.generate(prompts, greedy(24))
     stats = engine.stats()
     assert stats.num_preemptions > 0 and stats.spec_decode_num_drafts > 0
@@ -219,8 +221,9 @@ def test_sampled_and_penalised_requests_decode_plainly():
     prompts = random_prompts([6, 11, 8, 13], seed=2)
     params = [greedy(9), SamplingParams(max_tokens=9, temperature=0.8, top_k=20, seed=3, n=2, ignore_eos=True),
               greedy(9, repetition_penalty=1.3), greedy(9)]
-    plain = Engine(model, block_size=4).generate(prompts, params)
-    engine = Engine(model, block_size=4, medusa_heads=heads, max_speculative_batch_tokens=64)
+    plain = Engine(model, config=EngineConfig(block_size=4)).generate(prompts, params)
+    engine = Engine(model, config=EngineConfig(block_size=4),
+                    speculative=SpeculativeConfig("medusa", model=heads, max_speculative_batch_tokens=64))
     spec = engine.generate(prompts, params)
     for a, b in zip(plain, spec):
         assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
@@ -232,7 +235,8 @@ def test_sampled_and_penalised_requests_decode_plainly():
 def test_no_speculation_once_the_batch_is_past_the_threshold():
     model, heads = tiny_with_heads()
     prompts = random_prompts([5, 6, 7, 8, 9], seed=3)
-    engine = Engine(model, block_size=4, medusa_heads=heads, max_speculative_batch_tokens=9)  # 5 x (1 + 1) > 9
+    engine = Engine(model, config=EngineConfig(block_size=4),  # 5 x (1 + 1) > 9
+                    speculative=SpeculativeConfig("medusa", model=heads, max_speculative_batch_tokens=9))
     engine.generate(prompts, greedy(6))
     assert engine.stats().spec_decode_num_drafts == 0
     engine.generate(prompts[:2], greedy(6))  # 2 x (1 + 3) <= 9: every head, fewer only near max_tokens

@@ -15,7 +15,7 @@ import openai
 import pytest
 import torch
 
-from hf_accel import Engine, SamplingParams, reference
+from hf_accel import Engine, EngineConfig, SamplingParams, reference
 from hf_accel.engine.engine_process import EngineProcess, EngineProcessError
 from hf_accel.engine.errors import ContextLengthExceededError, EngineDeadError
 from hf_accel.engine.outputs import RequestOutputKind
@@ -24,8 +24,8 @@ from hf_accel.server import command
 from hf_accel.server.command import build_parser
 from hf_accel.server.served_engine import EngineSpec, build_engine
 
-LIMITS = dict(max_num_seqs=8, max_model_len=256, enforce_eager=True)
-SPEC = EngineSpec(None, None, torch.float32, threads=1, engine_kwargs=LIMITS)  # the reference target
+LIMITS = EngineConfig(max_num_seqs=8, max_model_len=256, enforce_eager=True)
+SPEC = EngineSpec(None, None, torch.float32, threads=1, config=LIMITS)  # the reference target
 PROMPTS = ["def add(a, b):", "import os\n", "class Stack:\n    def", "for i in range(10):"]
 
 
@@ -44,7 +44,7 @@ def engine():
 @pytest.fixture(scope="module")
 def in_process():
     model, tokenizer = reference.load("target")
-    return Engine(model, tokenizer, **LIMITS)
+    return Engine(model, tokenizer, config=LIMITS)
 
 
 def test_greedy_outputs_equal_the_in_process_engine(engine, in_process):
@@ -183,7 +183,7 @@ def test_shutdown_ends_open_requests_and_refuses_new_ones():
 
 
 def test_an_engine_that_cannot_be_built_raises_with_the_childs_reason(tmp_path):
-    spec = EngineSpec(str(tmp_path / "missing"), None, torch.float32, engine_kwargs=LIMITS)
+    spec = EngineSpec(str(tmp_path / "missing"), None, torch.float32, config=LIMITS)
     with pytest.raises(EngineProcessError, match="building the engine in its process failed: .*Error"):
         EngineProcess(partial(build_engine, spec), None, startup_timeout=300)
 

@@ -10,13 +10,12 @@ import torch
 
 from conformance import make_model
 from engine_helpers import greedy_reference, random_prompts
-from hf_accel import Engine, MedusaHeads, SamplingParams, SpeculativeConfig
+from hf_accel import Engine, EngineConfig, MedusaHeads, SamplingParams, SpeculativeConfig
+from hf_accel.engine.commit import Committer
 from hf_accel.engine.model_runner import StepOutput
 from hf_accel.engine.outputs import RequestTiming
 from hf_accel.engine.scheduler import ScheduledSeq
 from hf_accel.engine.sequence import Request, make_sequences
-from hf_accel.engine.speculation import Speculation
-from hf_accel.engine.suffix_proposer import SuffixProposer
 
 
 def greedy(max_tokens: int, **kwargs) -> SamplingParams:
@@ -57,8 +56,9 @@ def record_steps(engine: Engine, monkeypatch) -> list[list[int]]:
 def test_greedy_equals_plain_and_candidates_are_accepted(method, monkeypatch):
     model, prompts = tiny(), repetitive_prompts()
     params = [greedy(20 + 3 * i) for i in range(len(prompts))]
-    plain = Engine(model, block_size=4).generate(prompts, params)
-    engine = Engine(model, block_size=4, speculative=SpeculativeConfig(method, num_speculative_tokens=6))
+    plain = Engine(model, config=EngineConfig(block_size=4)).generate(prompts, params)
+    engine = Engine(model, config=EngineConfig(block_size=4),
+                    speculative=SpeculativeConfig(method, num_speculative_tokens=6))
     steps = record_steps(engine, monkeypatch)
     spec = engine.generate(prompts, params)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
@@ -75,13 +75,13 @@ def test_greedy_equals_plain_and_candidates_are_accepted(method, monkeypatch):
 
 def test_the_step_budget_learns_costs_and_acceptance_from_the_steps_that_ran():
     model, prompts = tiny(), repetitive_prompts()
-    engine = Engine(model, block_size=4, speculative=SpeculativeConfig("suffix"))
+    engine = Engine(model, config=EngineConfig(block_size=4), speculative=SpeculativeConfig("suffix"))
     steps = []
     observe_step = engine.core.proposer.observe_step
 
-    def recording(batch, num_accepted, seconds):
+    def recording(batch, out, num_accepted, seconds):
         steps.append((len(batch.scheduled), batch.num_tokens, seconds))
-        observe_step(batch, num_accepted, seconds)
+        observe_step(batch, out, num_accepted, seconds)
 
     engine.core.proposer.observe_step = recording
     engine.generate(prompts, greedy(24))
@@ -96,13 +96,13 @@ def test_the_step_budget_learns_costs_and_acceptance_from_the_steps_that_ran():
 
 def test_suffix_cache_is_shared_across_requests():
     model, prompts = tiny(), repetitive_prompts()
-    engine = Engine(model, block_size=4, speculative=SpeculativeConfig("suffix"))
+    engine = Engine(model, config=EngineConfig(block_size=4), speculative=SpeculativeConfig("suffix"))
     first = engine.generate(prompts, greedy(16))
     shared = engine.core.proposer.shared
     assert shared.num_sequences == len(prompts) and shared.num_tokens == 16 * len(prompts)
     again = engine.generate(prompts, greedy(16))
     assert [o.token_ids for o in again] == [o.token_ids for o in first]
-    ngram = Engine(model, block_size=4, speculative=SpeculativeConfig("ngram"))
+    ngram = Engine(model, config=EngineConfig(block_size=4), speculative=SpeculativeConfig("ngram"))
     ngram.generate(prompts, greedy(16))
     assert ngram.core.proposer.shared is None
 
@@ -113,9 +113,9 @@ def test_medusa_through_the_config_equals_plain():
         torch.manual_seed(3)
         heads = MedusaHeads.for_model(model, num_heads=3, init_from_lm_head=False).eval()
     prompts = random_prompts([5, 23, 9], seed=1)
-    plain = Engine(model, block_size=4).generate(prompts, greedy(12))
+    plain = Engine(model, config=EngineConfig(block_size=4)).generate(prompts, greedy(12))
     config = SpeculativeConfig("medusa", model=heads, num_speculative_tokens=2, max_speculative_batch_tokens=64)
-    engine = Engine(model, block_size=4, speculative=config)
+    engine = Engine(model, config=EngineConfig(block_size=4), speculative=config)
     assert [o.token_ids for o in engine.generate(prompts, greedy(12))] == [o.token_ids for o in plain]
     stats = engine.stats()
     assert stats.spec_decode_num_drafts > 0 and stats.spec_decode_num_draft_tokens <= 2 * stats.spec_decode_num_drafts
@@ -137,15 +137,15 @@ def test_penalised_greedy_speculates_and_equals_plain():
     and still equals the plain engine."""
     model, prompts = tiny(), repetitive_prompts()
     params = greedy(20, repetition_penalty=1.2)
-    plain = Engine(model, block_size=4).generate(prompts, params)
-    engine = Engine(model, block_size=4, speculative=SpeculativeConfig("ngram"))
+    plain = Engine(model, config=EngineConfig(block_size=4)).generate(prompts, params)
+    engine = Engine(model, config=EngineConfig(block_size=4), speculative=SpeculativeConfig("ngram"))
     assert [o.token_ids for o in engine.generate(prompts, params)] == [o.token_ids for o in plain]
     assert engine.stats().spec_decode_num_drafts > 0
 
 
 def test_sampling_speculates_within_max_tokens_and_stops():
     model, prompts = tiny(), repetitive_prompts()
-    engine = Engine(model, block_size=4, speculative=SpeculativeConfig("suffix"))
+    engine = Engine(model, config=EngineConfig(block_size=4), speculative=SpeculativeConfig("suffix"))
     stop = 88  # near-greedy sampling below: the tiny random model is nearly uniform at temperature 1
     params = [SamplingParams(max_tokens=10 + i, temperature=0.03, top_k=30, seed=i, n=2, ignore_eos=True,
                              stop_token_ids=[stop]) for i in range(len(prompts))]
@@ -160,7 +160,8 @@ def test_sampling_speculates_within_max_tokens_and_stops():
                 assert sample.finish_reason == "length" and len(sample.token_ids) == p.max_tokens
     stats = engine.stats()
     assert stats.spec_decode_num_drafts > 0 and stats.spec_decode_num_accepted_tokens > 0
-    again = Engine(model, block_size=4, speculative=SpeculativeConfig("suffix")).generate(prompts, params)
+    again = Engine(model, config=EngineConfig(block_size=4),
+                   speculative=SpeculativeConfig("suffix")).generate(prompts, params)
     assert [o.outputs[1].token_ids for o in again] == [o.outputs[1].token_ids for o in outputs]  # seeded
     assert_nothing_kept(engine)
 
@@ -174,13 +175,14 @@ def test_verifying_a_sampled_candidate_is_lossless():
     seq = request.sequences[0]
     seq.num_computed_tokens = 2
     logits = torch.tensor([[1.0, 0.5, -0.5, 0.2], [0.3, 0.1, 0.9, -1.0]])  # [last token, candidate] x vocab
-    speculation = Speculation(SuffixProposer(SpeculativeConfig("ngram")))
+    errors = []
+    committer = Committer(set(), 64, lambda request, error: errors.append(error))
     target = torch.softmax(logits[0] / 0.9, dim=-1)
     for candidate in (0, 2):
         out = StepOutput(logits, None, [ScheduledSeq(seq, 2, 1, [candidate])], [0])
         counts = torch.zeros(4)
         for _ in range(3000):
-            emitted, errors = speculation.verify(out, [0])
+            emitted = committer._verify(out)
             assert not errors
             counts[emitted[0][0]] += 1
         assert torch.allclose(counts / counts.sum(), target, atol=0.03), (candidate, counts / counts.sum(), target)
@@ -188,8 +190,8 @@ def test_verifying_a_sampled_candidate_is_lossless():
 
 def test_stop_token_inside_an_accepted_chain_is_exact():
     model, prompts = tiny(), repetitive_prompts()
-    free = Engine(model, block_size=4).generate(prompts[:1], greedy(30))[0].token_ids
-    engine = Engine(model, block_size=4, speculative=SpeculativeConfig("ngram"))
+    free = Engine(model, config=EngineConfig(block_size=4)).generate(prompts[:1], greedy(30))[0].token_ids
+    engine = Engine(model, config=EngineConfig(block_size=4), speculative=SpeculativeConfig("ngram"))
     for index in (4, 13, 22):
         token = free[index]
         out = engine.generate(prompts[:1], greedy(30, stop_token_ids=[token]))[0]
@@ -202,7 +204,7 @@ def test_stop_token_inside_an_accepted_chain_is_exact():
 
 def test_abort_mid_speculation_frees_everything():
     model, prompts = tiny(), repetitive_prompts()
-    engine = Engine(model, block_size=4, speculative=SpeculativeConfig("suffix"))
+    engine = Engine(model, config=EngineConfig(block_size=4), speculative=SpeculativeConfig("suffix"))
     finished = []
     ids = [engine.add_request(p, greedy(200), listener=lambda out: out.finished and finished.append(out))
            for p in prompts]
@@ -219,7 +221,8 @@ def test_abort_mid_speculation_frees_everything():
 
 def test_no_speculation_once_the_batch_is_past_the_threshold():
     model, prompts = tiny(), repetitive_prompts()
-    engine = Engine(model, block_size=4, speculative=SpeculativeConfig("ngram", max_speculative_batch_tokens=7))
+    engine = Engine(model, config=EngineConfig(block_size=4),
+                    speculative=SpeculativeConfig("ngram", max_speculative_batch_tokens=7))
     engine.generate(prompts, greedy(12))  # 4 x (1 + 1) > 7
     assert engine.stats().spec_decode_num_drafts == 0
     engine.generate(prompts[:1], greedy(12))
@@ -252,18 +255,3 @@ def test_config_validation():
         SpeculativeConfig("suffix", suffix_decoding_max_cached_requests=0)
     assert SpeculativeConfig("medusa", model=heads).num_candidates == 2
     assert SpeculativeConfig("ngram", prompt_lookup_max=4).ngram_settings().max_depth == 5
-
-
-def test_engine_refuses_mixed_speculation_keywords():
-    model = tiny()
-    heads = MedusaHeads.for_model(model, num_heads=2)
-    with pytest.raises(ValueError, match="either `speculative` or `medusa_heads`"):
-        Engine(model, speculative=SpeculativeConfig("ngram"), medusa_heads=heads)
-    with pytest.raises(ValueError, match="num_speculative_tokens"):
-        Engine(model, speculative=SpeculativeConfig("ngram"), num_speculative_tokens=2)
-    with pytest.raises(ValueError, match="max_speculative_batch_tokens"):
-        Engine(model, max_speculative_batch_tokens=8)
-    with pytest.raises(TypeError, match="SpeculativeConfig"):
-        Engine(model, speculative={"method": "ngram"})
-    engine = Engine(model, medusa_heads=heads, num_speculative_tokens=1, max_speculative_batch_tokens=8)
-    assert engine.speculative == SpeculativeConfig("medusa", 1, heads, max_speculative_batch_tokens=8)

@@ -12,7 +12,7 @@ from engine_helpers import assert_greedy_equal, greedy_reference
 from server_helpers import prompt_ids
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from hf_accel import Engine, Int8Linear, MedusaHeads
+from hf_accel import Engine, EngineConfig, Int8Linear, MedusaHeads, SpeculativeConfig
 from hf_accel.reference import ASSETS_DIR
 from hf_accel.server import create_app, serve_in_thread
 from hf_accel.server.command import resolve_serving
@@ -127,7 +127,8 @@ def test_the_folder_serves_through_openai_with_its_quantization_and_heads(finetu
     model, tokenizer = load_served_model(str(out), quant, torch.float32)
     assert any(isinstance(module, Int8Linear) for module in model.modules())
     heads = MedusaHeads.from_pretrained(heads_path, dtype=torch.float32)
-    engine = Engine(model, tokenizer, max_num_seqs=2, max_model_len=128, medusa_heads=heads)
+    engine = Engine(model, tokenizer, config=EngineConfig(max_num_seqs=2, max_model_len=128),
+                    speculative=SpeculativeConfig("medusa", model=heads))
     with serve_in_thread(create_app(engine, tokenizer, "finetuned")) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
         completion = client.completions.create(model="finetuned", prompt=PROMPT, max_tokens=8, temperature=0,

@@ -89,15 +89,15 @@ def test_bad_shapes_are_refused():
 def test_engine_tokens_equal_with_and_without_the_kernel(arch, monkeypatch):
     from conformance import make_model
     from engine_helpers import random_prompts
-    from hf_accel import Engine, SamplingParams
+    from hf_accel import Engine, EngineConfig, SamplingParams
     from hf_accel.engine import model_runner
 
     model = make_model(arch, torch.float32, "eager" if arch == "gemma2" else "sdpa")
     prompts = random_prompts([5, 17, 30, 9], seed=4)
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-    with_kernel = [out.token_ids for out in Engine(model, block_size=4).generate(prompts, params)]
+    with_kernel = [out.token_ids for out in Engine(model, config=EngineConfig(block_size=4)).generate(prompts, params)]
     monkeypatch.setattr(model_runner, "paged_attention_kernel", lambda: None)  # engines built now gather
-    gathered = [out.token_ids for out in Engine(model, block_size=4).generate(prompts, params)]
+    gathered = [out.token_ids for out in Engine(model, config=EngineConfig(block_size=4)).generate(prompts, params)]
     assert with_kernel == gathered
 
 

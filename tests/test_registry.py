@@ -168,7 +168,8 @@ import hf_accel
 from transformers import LlamaConfig, LlamaForCausalLM
 model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                      num_attention_heads=2, num_key_value_heads=1)).eval()
-hf_accel.Engine(model, enforce_eager=True).generate([[1, 2, 3]], hf_accel.SamplingParams(max_tokens=2))
+engine = hf_accel.Engine(model, config=hf_accel.EngineConfig(enforce_eager=True))
+engine.generate([[1, 2, 3]], hf_accel.SamplingParams(max_tokens=2))
 hf_accel.quantize_model(model, hf_accel.WeightOnlyConfig(bits=8))
 hf_accel.unregister()
 """
@@ -194,7 +195,8 @@ def test_after_unregister_transformers_registries_equal_a_fresh_imports():
 
 def test_without_registration_the_engine_says_how_to_register_again(unregistered, model):
     with pytest.raises(RuntimeError, match=r"hf_accel.register\(\)"):
-        hf_accel.Engine(model, enforce_eager=True).generate([[1, 2, 3]], hf_accel.SamplingParams(max_tokens=2))
+        engine = hf_accel.Engine(model, config=hf_accel.EngineConfig(enforce_eager=True))
+        engine.generate([[1, 2, 3]], hf_accel.SamplingParams(max_tokens=2))
 
 
 def test_after_unregister_paged_is_stock_continuous_batching_again(unregistered, model, prompt):

@@ -10,12 +10,12 @@ from ..cache.settings import check_int
 from .scheduler import SchedulerConfig
 
 if TYPE_CHECKING:
-    from .speculative_config import SpeculativeConfig
+    from .spec_decode.speculative_config import SpeculativeConfig
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class EngineConfig:
-    """Limits of the engine.
+    """Limits of the engine: `Engine(model, tokenizer, config=EngineConfig(max_num_seqs=8, kv_cache_memory="1GiB"))`.
 
     Args:
         max_num_seqs: most sequences running at once (a request with `n` samples counts `n`).

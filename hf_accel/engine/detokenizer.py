@@ -1,8 +1,8 @@
 """Incremental detokenization with stop strings, for streaming.
 
-Each step decodes only the newest tokens plus the previous step's (the prefix/read offsets used by TGI and vLLM): text is
-released once the window decodes without a dangling partial character, and text that could still be the start of a
-stop string is held back until it cannot.
+Each step decodes only the newest tokens plus the previous step's (the prefix/read offsets used by TGI and vLLM): text
+is released once the window decodes without a dangling partial character, and text that could still be the start of
+a stop string is held back until it cannot.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """`Engine`: continuous batching for any decoder-only transformers model, with vLLM-like names.
 
-    engine = hf_accel.Engine(model, tokenizer, max_num_seqs=32)
+    engine = hf_accel.Engine(model, tokenizer, config=hf_accel.EngineConfig(max_num_seqs=32))
     outputs = engine.generate(["def add(a, b):", "import os"], hf_accel.SamplingParams(max_tokens=64, temperature=0))
     async for out in engine.stream("class Stack:", params): print(out.text)
 
@@ -22,61 +22,53 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable
+from typing import Any
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ..display import RichDisplay, format_bytes
-from ..speculative.medusa_heads import MedusaHeads
-from .admission import Admission
-from .config import EngineConfig
-from .engine_core import EngineCore, EngineStats
-from .listeners import Listener, Listeners
-from .errors import EngineDeadError, describe
-from .generate_all import generate_all
-from .output_stream import stream_request
-from .outputs import RequestOutput, RequestOutputKind
-from .sampling_params import SamplingParams
-from .sequence import Request
-from .speculative_config import SpeculativeConfig, speculative_config
 from ..registry import attention_implementation
 from ..runtime.attention import ATTENTION_NAME
+from .admission import Admission
+from .config import EngineConfig
+from .deprecated_keywords import engine_configs
+from .engine_client import EngineClient
+from .engine_core import EngineCore, EngineStats
+from .errors import EngineDeadError, describe
+from .listeners import Listener, Listeners
+from .outputs import RequestOutput, RequestOutputKind
+from .sequence import Request
+from .spec_decode.speculative_config import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 
 
-class Engine(RichDisplay):
+class Engine(RichDisplay, EngineClient):
     """Continuous-batching generation over a paged KV block pool.
 
     Args:
         model: a decoder-only causal LM whose attention goes through transformers' `AttentionInterface` (Llama,
             Mistral, Qwen2/3, Gemma2/3, Phi3, ...), in any dtype; hf_accel int8/int4 weights work as they are.
         tokenizer: turns string prompts into ids and outputs into text (optional with token-id prompts).
-        speculative: a `SpeculativeConfig`: decoding sequences verify candidates ("ngram", "suffix", "medusa") while
-            the decoding batch is small; greedy outputs are plain greedy's, sampling stays lossless (docs/serving.md,
-            "Speculative decoding").
-        medusa_heads: shorthand for `speculative=SpeculativeConfig(method="medusa", model=medusa_heads,
-            num_speculative_tokens=..., max_speculative_batch_tokens=...)` with the two keywords below.
+        config: the engine's limits, an `EngineConfig` (default: `EngineConfig()`).
+        speculative: a `SpeculativeConfig`: decoding sequences verify candidates ("ngram", "suffix", "medusa",
+            "eagle3", "draft") while the decoding batch is small; greedy outputs are plain greedy's, sampling stays
+            lossless (docs/serving.md, "Speculative decoding").
 
-    The keyword-only limits (`max_num_seqs`, `max_num_batched_tokens`, `kv_cache_memory`, `block_size`,
-    `enable_prefix_caching`, `max_model_len`, `enforce_eager`) are the fields of `EngineConfig`, documented there;
-    `num_speculative_tokens` and `max_speculative_batch_tokens` go with `medusa_heads` and are the fields of
-    `SpeculativeConfig` of the same names.
+    The keywords of the release before (`max_num_seqs=...` and the other `EngineConfig` fields, `medusa_heads=` with
+    `num_speculative_tokens` and `max_speculative_batch_tokens`) still work, with a DeprecationWarning that says what
+    to write instead; they are removed in the next release.
     """
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None = None, *,
-                 max_num_seqs: int = 32, max_num_batched_tokens: int = 512, kv_cache_memory: int | str | None = None,
-                 block_size: int = 16, enable_prefix_caching: bool = True, max_model_len: int | None = None,
-                 medusa_heads: MedusaHeads | None = None, num_speculative_tokens: int | None = None,
-                 max_speculative_batch_tokens: int | None = None, enforce_eager: bool = False,
-                 speculative: SpeculativeConfig | None = None):
-        self.config = EngineConfig(max_num_seqs, max_num_batched_tokens, kv_cache_memory, block_size,
-                                   enable_prefix_caching, max_model_len, enforce_eager)
+                 config: EngineConfig | None = None, speculative: SpeculativeConfig | None = None,
+                 **deprecated_keywords: Any):
+        self.config, self.speculative = engine_configs(config, speculative, deprecated_keywords)
         self.tokenizer = tokenizer
-        self.speculative = speculative_config(speculative, medusa_heads, num_speculative_tokens,
-                                              max_speculative_batch_tokens)
         self.core = EngineCore(model, tokenizer, self.config, self.speculative)
-        self._admission = Admission(tokenizer, self.core.limits)
+        self.limits = self.core.limits
+        self._admission = Admission(tokenizer, self.limits)
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._listeners = Listeners()
         self._wakeup = threading.Event()
@@ -86,40 +78,20 @@ class Engine(RichDisplay):
         self._drive_lock = threading.Lock()  # held by whichever thread steps the core
 
     @property
-    def max_model_len(self) -> int:
-        return self.core.max_model_len
-
-    @property
     def is_running(self) -> bool:
         """Whether the background loop is running."""
         return self._thread is not None and self._thread.is_alive()
-
-    @property
-    def is_healthy(self) -> bool:
-        return self._dead is None
 
     @property
     def dead_reason(self) -> str | None:
         """What stopped the loop (`"<error type>: <message>"`), or None while it is healthy."""
         return None if self._dead is None else describe(self._dead)
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, listener: Listener | None = None,
-                    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> str:
-        """Queue a request (thread-safe); returns its id. `listener` gets a `RequestOutput` after every step that
-        changes it, of `output_kind` (in the stepping thread), or the error that killed the engine. Raises
-        ValueError / TypeError for bad prompts or parameters (`ContextLengthExceededError` when it cannot fit)."""
-        request = self._admission.request(prompt, params, request_id, output_kind)
-        self.submit(request, listener)
-        return request.request_id
-
     def submit(self, request: Request, listener: Listener | None = None) -> None:
         """Queue a request already checked by an `Admission` against this engine's limits (thread-safe); the
         engine-core process receives its requests this way. ValueError when its id is in use."""
         self._check_alive()
-        if request.request_id in self._listeners:
-            raise ValueError(f"`request_id` {request.request_id!r} is already in use")
-        self._listeners.add(request.request_id, listener)
+        self._register(request, listener)
         self._inbox.put(lambda: self.core.add(request))
         self._wakeup.set()
 
@@ -138,13 +110,6 @@ class Engine(RichDisplay):
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished or not self._inbox.empty()
 
-    def generate(self, prompts: str | list[int] | Sequence[str | list[int]],
-                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Generate for every prompt (strings or token-id lists); `params` is one for all or one per prompt.
-        Returns the finished outputs in prompt order; a request that failed alone has finish_reason "error" and its
-        `error` set, the others are unaffected."""
-        return generate_all(self, prompts, params, self._run_until)
-
     def _run_until(self, done: threading.Event) -> None:
         """Wait for the background loop to set `done`, or step in this thread until it is set."""
         if self.is_running:
@@ -155,20 +120,6 @@ class Engine(RichDisplay):
                 self._step()
                 if not done.is_set() and not self.has_unfinished_requests():
                     raise RuntimeError("the engine has no work left but requests did not finish")
-
-    async def stream(self, prompt: str | list[int], params: SamplingParams | None = None,
-                     request_id: str | None = None,
-                     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> AsyncIterator[RequestOutput]:
-        """Yield the request's output after every step that changes it (`output_kind`: the whole output so far by
-        default, or only what is new with `RequestOutputKind.DELTA`), the last one finished. Leaving the loop early
-        (or cancelling the task) aborts the request and frees its blocks."""
-        self.start()
-        async for out in stream_request(self, prompt, params, request_id, output_kind):
-            yield out
-
-    def add_finish_observer(self, observer: Callable[[RequestOutput], None]) -> None:
-        """Call `observer` with every finished request's output, in the stepping thread (metrics)."""
-        self._listeners.add_finish_observer(observer)
 
     def stats(self) -> EngineStats:
         return self.core.stats()

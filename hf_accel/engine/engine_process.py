@@ -2,14 +2,15 @@
 
 Why: the model step and the serving work (HTTP, SSE, JSON, the event loop) are both Python, and in one process they
 share one interpreter lock. The compiled step gives the lock up at every kernel, and a thread that wants it back
-waits for whichever thread holds it (up to the switch interval, 5 ms): on the reference target a one-sequence step
-that takes 5 ms alone took 600 ms beside one busy Python thread. In its own process the engine core steps
-undisturbed while this process does the rest on the other core, so step N + 1 is scheduled and computed while this
-process streams step N's tokens.
+waits for whichever thread holds it (up to the switch interval, 5 ms), so a busy server thread stretches every step
+(measured in docs/serving.md, "The engine-core process"). In its own process the engine core steps undisturbed
+while this process does the rest on the other core, so step N + 1 is scheduled and computed while this process
+streams step N's tokens.
 
 How:
-- the child (`core_process.py`) builds its `Engine` with `factory` (a picklable callable, e.g. a `functools.partial` of a module-level
-  function: the child is spawned, so it loads the model itself), sends its limits, then loops: take the commands
+- the child (`core_process.py`) builds its `Engine` with `factory` (a picklable callable, e.g. a
+  `functools.partial` of a module-level function: the child is spawned, so it loads the model itself, configured as
+  the factory says), sends its limits, then loops: take the commands
   waiting on the pipe (block only when idle), run one step, send that step's reports, the whole output of every
   request that finished, and the engine's stats, in one message;
 - this process checks each request against the child's limits (`Admission`) before sending it, so bad input raises
@@ -25,20 +26,18 @@ import multiprocessing
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable
 
 from transformers import PreTrainedTokenizerBase
 
 from .admission import Admission
 from .core_process import Ready, StepReport, run_engine_core
 from .engine import Engine
+from .engine_client import EngineClient
 from .engine_stats import EngineStats
 from .errors import EngineDeadError, describe
-from .generate_all import generate_all
 from .listeners import Listener, Listeners
-from .output_stream import stream_request
-from .outputs import RequestOutput, RequestOutputKind
-from .sampling_params import SamplingParams
+from .sequence import Request
 
 logger = logging.getLogger(__name__)
 DEFAULT_STARTUP_TIMEOUT = 900.0  # seconds: loading, a kernel build and a cold compile of a large model
@@ -48,7 +47,7 @@ class EngineProcessError(RuntimeError):
     """The engine-core process failed: its message is what the child reported (`"<type>: <message>"`)."""
 
 
-class EngineProcess:
+class EngineProcess(EngineClient):
     """An `Engine` built by `factory()` in a spawned process, with `Engine`'s request API (`add_request`, `abort`,
     `stream`, `generate`, `stats`, `add_finish_observer`, `is_healthy`, `shutdown`), which the server uses.
 
@@ -90,10 +89,6 @@ class EngineProcess:
         self._reader.start()
 
     @property
-    def max_model_len(self) -> int:
-        return self.limits.max_model_len
-
-    @property
     def pid(self) -> int | None:
         """The engine-core process's id."""
         return self._process.pid
@@ -101,10 +96,6 @@ class EngineProcess:
     @property
     def is_running(self) -> bool:
         return self._process.is_alive() and self._dead is None and not self._closing
-
-    @property
-    def is_healthy(self) -> bool:
-        return self._dead is None
 
     @property
     def dead_reason(self) -> str | None:
@@ -115,40 +106,20 @@ class EngineProcess:
         """No-op (the engine-core process steps from the start); raises EngineDeadError once it has died."""
         self._check_alive()
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, listener: Listener | None = None,
-                    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> str:
-        """As `Engine.add_request` (thread-safe); the listener is called in this process's reader thread."""
-        self._check_alive()
-        request = self._admission.request(prompt, params, request_id, output_kind)
+    def submit(self, request: Request, listener: Listener | None = None) -> None:
+        """As `Engine.submit` (thread-safe); the listener is called in this process's reader thread."""
         with self._lock:  # after shutdown or death nothing is registered: whoever is registered hears the end
             self._check_alive()
-            if request.request_id in self._listeners:
-                raise ValueError(f"`request_id` {request.request_id!r} is already in use")
-            self._listeners.add(request.request_id, listener)
+            self._register(request, listener)
             self._outbox.put(("add", request))
-        return request.request_id
 
     def abort(self, request_id: str) -> None:
         """Stop a request at the child's next step, freeing its blocks (unknown ids ignored)."""
         if self._dead is None and not self._closing:
             self._outbox.put(("abort", request_id))
 
-    def generate(self, prompts: str | list[int] | Sequence[str | list[int]],
-                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
-        """As `Engine.generate`: the finished outputs in prompt order."""
-        return generate_all(self, prompts, params, lambda done: done.wait())
-
-    async def stream(self, prompt: str | list[int], params: SamplingParams | None = None,
-                     request_id: str | None = None,
-                     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> AsyncIterator[RequestOutput]:
-        """As `Engine.stream`."""
-        async for out in stream_request(self, prompt, params, request_id, output_kind):
-            yield out
-
-    def add_finish_observer(self, observer: Callable[[RequestOutput], None]) -> None:
-        """Call `observer` with every finished request's whole output, in the reader thread (metrics)."""
-        self._listeners.add_finish_observer(observer)
+    def _run_until(self, done: threading.Event) -> None:
+        done.wait()
 
     def stats(self) -> EngineStats:
         """The engine's stats as of its last step."""

@@ -4,9 +4,9 @@ The model runs its own, unmodified forward (through `step_forward.StepForward`: 
 with `attn_implementation` switched to hf_accel's paged attention for the call (restored after), `use_cache=False`
 (K/V live in the engine's pool, written by the attention function), per-token `position_ids`, and `logits_to_keep`
 set to the last token of each sequence that samples this step, plus its candidates when it speculates. When the
-proposer needs them (Medusa), the same forward also returns the final (normed) hidden states at those positions (`output_hidden_states`:
-transformers ties the last entry to the normed output); for an EAGLE head, the hidden states of its feature layers at
-every packed token.
+proposer needs them (Medusa), the same forward also returns the final (normed) hidden states at those positions
+(`output_hidden_states`: transformers ties the last entry to the normed output); for an EAGLE head, the hidden states
+of its feature layers at every packed token.
 """
 
 from __future__ import annotations

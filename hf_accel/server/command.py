@@ -26,7 +26,8 @@ from pathlib import Path
 import torch
 import uvicorn
 
-from ..engine.speculative_config import SpeculativeConfig
+from ..engine.config import EngineConfig
+from ..engine.spec_decode.speculative_config import SpeculativeConfig
 from ..quant.presets import list_quantization_presets
 from ..speculative.medusa_heads import MedusaHeads
 from ..serving_config import ServingConfig, read_serving_config
@@ -112,19 +113,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif heads_path is None and (args.num_speculative_tokens or args.max_speculative_batch_tokens) is not None:
         parser.error("--num-speculative-tokens and --max-speculative-batch-tokens need --medusa-heads (or a model "
                      "folder whose hf_accel.json names heads); with --speculative-config, set them in its JSON")
-    heads = None if heads_path is None else MedusaHeads.from_pretrained(heads_path, dtype=DTYPES[args.dtype])
-    spec = EngineSpec(args.model, quant, DTYPES[args.dtype], args.threads, dict(
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len, medusa_heads=heads,
-        num_speculative_tokens=args.num_speculative_tokens,
-        max_speculative_batch_tokens=args.max_speculative_batch_tokens, enforce_eager=args.enforce_eager,
-        speculative=speculative))
+    if heads_path is not None:
+        heads = MedusaHeads.from_pretrained(heads_path, dtype=DTYPES[args.dtype])
+        speculative = _checked(parser, SpeculativeConfig, "medusa", args.num_speculative_tokens, heads,
+                               max_speculative_batch_tokens=args.max_speculative_batch_tokens)
+    config = _checked(parser, EngineConfig, max_num_seqs=args.max_num_seqs,
+                      max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
+                      max_model_len=args.max_model_len, enforce_eager=args.enforce_eager)
+    spec = EngineSpec(args.model, quant, DTYPES[args.dtype], args.threads, config, speculative)
     engine, tokenizer = serve_engine(spec, in_process=not args.engine_process)
     name = args.served_model_name or args.model or REFERENCE_NAME
     app = create_app(engine, tokenizer, name, api_key=args.api_key or None, max_queue_len=args.max_queue_len)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                 timeout_graceful_shutdown=args.graceful_timeout)
     return 0
+
+
+def _checked(parser: argparse.ArgumentParser, config_class: type, *args, **kwargs):
+    """`config_class(*args, **kwargs)`, or exit with the reason it refuses them."""
+    try:
+        return config_class(*args, **kwargs)
+    except (TypeError, ValueError) as error:
+        parser.error(str(error))
 
 
 def _speculative(parser: argparse.ArgumentParser, args: argparse.Namespace) -> SpeculativeConfig | None:

@@ -1,18 +1,19 @@
 """What `hf-accel serve` serves: an `EngineSpec` (the model folder, its weight preset and dtype, the engine's
-keywords), built into an `Engine` in this process or, by default, in an engine-core process of its own
-(`EngineProcess`: the model step then never waits on the server's Python work)."""
+`EngineConfig` and `SpeculativeConfig`), built into an `Engine` in this process or, by default, in an engine-core
+process of its own (`EngineProcess`: the model step then never waits on the server's Python work)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
 
 import torch
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from ..engine.config import EngineConfig
 from ..engine.engine import Engine
 from ..engine.engine_process import EngineProcess
+from ..engine.spec_decode.speculative_config import SpeculativeConfig
 from ..quant.presets import load_model
 from ..reference import ASSETS_DIR
 from .speculative_option import ModelFolder
@@ -24,13 +25,15 @@ ServedEngine = Engine | EngineProcess
 class EngineSpec:
     """How to build the served engine, picklable (sent to the engine-core process): `model` a local folder or hub id
     (None: the reference target), `quant` a weight preset or None, `dtype`, torch's CPU `threads` (None: torch's
-    default), and `Engine`'s keywords (Medusa heads and speculative configs travel as objects)."""
+    default), the engine's `config` and its `speculative` config (Medusa heads travel as objects; an EAGLE head or a
+    draft model as a `ModelFolder`, loaded beside the served model)."""
 
     model: str | None
     quant: str | None
     dtype: torch.dtype
     threads: int | None = None
-    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    config: EngineConfig = field(default_factory=EngineConfig)
+    speculative: SpeculativeConfig | ModelFolder | None = None
 
     def tokenizer(self) -> PreTrainedTokenizerBase:
         return AutoTokenizer.from_pretrained(model_source(self.model))
@@ -54,10 +57,10 @@ def build_engine(spec: EngineSpec) -> Engine:
     if spec.threads is not None:
         torch.set_num_threads(spec.threads)
     model, tokenizer = load_served_model(spec.model, spec.quant, spec.dtype)
-    kwargs = dict(spec.engine_kwargs)
-    if isinstance(kwargs.get("speculative"), ModelFolder):  # a head loads for the model it serves, a draft beside it
-        kwargs["speculative"] = kwargs["speculative"].config_for(model)
-    return Engine(model, tokenizer, **kwargs)
+    speculative = spec.speculative
+    if isinstance(speculative, ModelFolder):  # a head loads for the model it serves, a draft beside it
+        speculative = speculative.config_for(model)
+    return Engine(model, tokenizer, config=spec.config, speculative=speculative)
 
 
 def serve_engine(spec: EngineSpec, in_process: bool = False) -> tuple[ServedEngine, PreTrainedTokenizerBase]:

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from ..engine.speculative_config import CHAIN_MODELS, SpeculativeConfig, check_model_options
+from ..engine.spec_decode.speculative_config import CHAIN_MODELS, SpeculativeConfig, check_model_options
 from ..speculative.eagle_head import CONFIG_NAME as EAGLE_CONFIG_NAME
 from ..speculative.eagle_head import EagleHead
 from ..speculative.medusa_heads import MedusaHeads

@@ -5,7 +5,7 @@
     Engine(model, tokenizer, speculative=SpeculativeConfig(method="eagle3", model=reference.load_head("eagle", model)))
     Engine(model, tokenizer, speculative=SpeculativeConfig(method="draft", model=draft_model))
 
-Methods (one proposer class each, `hf_accel/engine/*_proposer.py`):
+Methods (one proposer class each, `hf_accel/engine/spec_decode/*_proposer.py`):
 - "ngram": prompt lookup, vLLM's name: candidates continue an earlier occurrence of the sequence's last tokens in its
   own prompt and output (`prompt_lookup_min` to `prompt_lookup_max` tokens matched);
 - "suffix": prompt lookup plus one `SuffixCache` of the outputs of earlier requests, shared by every request of the
@@ -23,10 +23,10 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedModel
 
-from ..cache.settings import check_int
-from ..speculative.eagle_head import EagleHead
-from ..speculative.medusa_heads import MedusaHeads
-from ..speculative.ngram_proposer import NgramSettings
+from ...cache.settings import check_int
+from ...speculative.eagle_head import EagleHead
+from ...speculative.medusa_heads import MedusaHeads
+from ...speculative.ngram_proposer import NgramSettings
 
 METHODS = ("ngram", "suffix", "medusa", "eagle3", "draft")
 MODEL_FREE = ("ngram", "suffix")
@@ -34,9 +34,9 @@ CHAIN_MODELS = ("eagle3", "draft")  # a model drafts chains, one pass per draft:
 DEFAULT_MODEL_FREE_TOKENS = 8  # candidates per step for "ngram" / "suffix" when `num_speculative_tokens` is None
 DEFAULT_EAGLE_TOKENS = 3  # the longest chain "eagle3" / "draft" draft when `num_speculative_tokens` is None
 DEFAULT_MAX_SPECULATIVE_BATCH_TOKENS = 24
-# "eagle3", "draft": every draft is a pass of the head or draft model (a quarter to a fifth of a target step here), so
-# it pays only for the smallest batches: chains of 3 at one decoding sequence, 2 at two, 1 at three, none from four
-# on (bench_engine_spec.py)
+# "eagle3", "draft": every draft is a pass of the head or draft model, so it pays only for the smallest batches
+# (docs/serving.md, "Speculative decoding"): chains of 3 at one decoding sequence, 2 at two, 1 at three, none from
+# four on
 DEFAULT_EAGLE_BATCH_TOKENS = 6
 
 
@@ -144,30 +144,6 @@ class SpeculativeConfig:
     def ngram_settings(self) -> NgramSettings:
         """Matching rules of the model-free methods: tails of up to `prompt_lookup_max` tokens."""
         return NgramSettings(max_depth=self.lookup_max + 1)
-
-
-def speculative_config(speculative: SpeculativeConfig | None, medusa_heads: MedusaHeads | None,
-                       num_speculative_tokens: int | None,
-                       max_speculative_batch_tokens: int | None) -> SpeculativeConfig | None:
-    """The engine's speculation from its keywords: `speculative` as it is, or `medusa_heads` (with the two
-    speculative keywords) as a "medusa" config; ValueError when both are given or the keywords come without heads."""
-    if speculative is not None and not isinstance(speculative, SpeculativeConfig):
-        raise TypeError(f"`speculative` must be a hf_accel.SpeculativeConfig or None, got {type(speculative).__name__}")
-    if speculative is not None and medusa_heads is not None:
-        raise ValueError("pass either `speculative` or `medusa_heads`, not both (`medusa_heads=h` is "
-                         "`speculative=SpeculativeConfig(method='medusa', model=h)`)")
-    keywords = {"num_speculative_tokens": num_speculative_tokens,
-                "max_speculative_batch_tokens": max_speculative_batch_tokens}
-    if medusa_heads is None:
-        for name, value in keywords.items():
-            if value is not None:
-                raise ValueError(f"`{name}` goes with `medusa_heads`; with `speculative`, set it in the "
-                                 "SpeculativeConfig")
-        return speculative
-    if not isinstance(medusa_heads, MedusaHeads):
-        raise TypeError(f"`medusa_heads` must be a hf_accel.MedusaHeads, got {type(medusa_heads).__name__}")
-    return SpeculativeConfig("medusa", num_speculative_tokens, medusa_heads,
-                             max_speculative_batch_tokens=max_speculative_batch_tokens)
 
 
 def check_model_options(options: dict, method: str) -> None:

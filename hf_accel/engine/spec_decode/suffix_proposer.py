@@ -10,30 +10,25 @@ Rules:
 - how many of its candidates each sequence verifies is chosen over the whole step (`DraftBudget.choose_counts`,
   as `ngram_generate` chooses its rounds' k): candidates ranked by probability times the measured trust of their
   source, and the step verifies the best ones while expected tokens per second of the step rise, from what steps
-  of that many decoding sequences were measured to cost by the tokens they forward (a step of one decode plus 8
-  candidates costs about 1.4 plain steps on the reference target on one CPU thread, one of 4 decodes plus 20 about
-  2); where nothing pays, the step decodes plainly, with a probe now and then (the off-switch);
+  of that many decoding sequences were measured to cost by the tokens they forward (docs/serving.md, "The step's
+  budget"); where nothing pays, the step decodes plainly, with a probe now and then (the off-switch);
 - "suffix": a sequence that finishes with "stop" or "length" adds its output to the shared cache.
 """
 
 from __future__ import annotations
 
-import torch
-
-from ..speculative.draft_budget import DraftBudget
-from ..speculative.ngram_proposer import NgramProposer
-from ..speculative.suffix_cache import NO_DRAFT, Draft, SuffixCache
-from .scheduler import ScheduledBatch
-from .sequence import Sequence
+from ...speculative.draft_budget import DraftBudget
+from ...speculative.ngram_proposer import NgramProposer
+from ...speculative.suffix_cache import NO_DRAFT, Draft, SuffixCache
+from ..model_runner import StepOutput
+from ..scheduler import ScheduledBatch
+from ..sequence import Sequence
+from .proposer import Proposer
 from .speculative_config import SpeculativeConfig
 
 
-class SuffixProposer:
+class SuffixProposer(Proposer):
     """Prompt lookup ("ngram"), plus a shared `SuffixCache` of finished outputs ("suffix"), for every sequence."""
-
-    needs_hidden = False
-    has_pool = False
-    feature_layers: tuple[int, ...] = ()
 
     def __init__(self, config: SpeculativeConfig):
         self.settings = config.ngram_settings()
@@ -66,10 +61,8 @@ class SuffixProposer:
         draft = proposer.propose(seq.token_ids, num_drafts)
         return draft if draft.match_length >= self.min_match else NO_DRAFT
 
-    def observe(self, seq: Sequence, hidden: torch.Tensor | None) -> None:
-        """Nothing to keep: the next proposal reads the sequence's tokens."""
-
-    def observe_step(self, batch: ScheduledBatch, num_accepted: dict[int, int], seconds: float) -> None:
+    def observe_step(self, batch: ScheduledBatch, out: StepOutput, num_accepted: dict[int, int],
+                     seconds: float) -> None:
         """Learn from the step that ran: the candidates its sequences kept against what their drafts expected
         (finished and failed sequences left out: a stop rule may have cut their tokens), and, for a step of decodes
         only, its forward's seconds against the tokens it forwarded."""

@@ -13,9 +13,7 @@ Rules:
 - the drafts run at P + 1, ... stay valid as far as the sequence then committed them (its accepted candidates): the
   next proposal starts after the last that matches. Where a sequence's blocks changed under a written position
   (preemption and recomputation), it starts again from the first changed block;
-- a chain ends early after a draft the draft model gave less than `MIN_DRAFT_PROBABILITY` (as "eagle3");
-- drafts are the draft model's argmax: deterministic proposals, which the engine verifies losslessly for sampling
-  requests too (`speculation.py`).
+- chains grow and end as `draft_chain.py` says (as "eagle3"'s).
 """
 
 from __future__ import annotations
@@ -25,14 +23,13 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel
 
-from ..cache.kv_shape import KVShape, check_decoder_only
-from ..runtime.kv_pool import KVPool
-from .scheduler import ScheduledBatch
-from .sequence import Sequence
-from ..runtime.step_forward import StepForward
-from ..runtime.step_inputs import StepInputs
-
-MIN_DRAFT_PROBABILITY = 0.2  # a chain ends after a draft the draft model is less sure of
+from ...cache.kv_shape import KVShape, check_decoder_only
+from ...runtime.kv_pool import KVPool
+from ..sequence import Sequence
+from ...runtime.step_forward import StepForward
+from ...runtime.step_inputs import StepInputs
+from .draft_chain import MIN_DRAFT_PROBABILITY, grow_chains
+from .proposer import Proposer
 
 
 @dataclass(slots=True)
@@ -59,13 +56,9 @@ class _DraftRow:
         return written if changed is None else min(written, changed * block_size)
 
 
-class DraftProposer:
+class DraftProposer(Proposer):
     """Proposes chains of up to `num_speculative_tokens` drafts with a draft model of the served `model`'s
     vocabulary (see the module docstring). `allocate` gives it its K/V pool once the engine has sized the target's."""
-
-    needs_hidden = False
-    has_pool = True
-    feature_layers: tuple[int, ...] = ()
 
     def __init__(self, draft: PreTrainedModel, model: PreTrainedModel, num_speculative_tokens: int):
         check_draft_model(draft, model)
@@ -103,15 +96,6 @@ class DraftProposer:
         """Whether the draft can follow `seq`'s last token: whenever the sequence may speculate."""
         return seq.can_speculate
 
-    def observe(self, seq: Sequence, hidden: torch.Tensor | None) -> None:
-        """Nothing: the draft reads tokens only."""
-
-    def take_features(self, committed: list[tuple[Sequence, int, torch.Tensor]]) -> None:
-        """Nothing: the draft reads tokens only."""
-
-    def observe_step(self, batch: ScheduledBatch, num_accepted: dict[int, int], seconds: float) -> None:
-        """Nothing to learn: chains are as long as the scheduler allows and the drafts' confidence keeps."""
-
     def forget(self, seq: Sequence) -> None:
         self._rows.pop(seq.seq_id, None)
 
@@ -121,19 +105,15 @@ class DraftProposer:
         size = self.kv.block_size
         rows = [self._rows.setdefault(seq.seq_id, _DraftRow()) for seq in seqs]
         spans = [range(row.start(seq, size), seq.num_computed_tokens + 1) for row, seq in zip(rows, seqs)]
-        tokens, sure = self._pass([seq.token_ids[span.start : span.stop] for seq, span in zip(seqs, spans)],
-                                  [(seq.block_ids, span) for seq, span in zip(seqs, spans)])
-        drafts = [[token] for token in tokens]
-        going = list(range(len(seqs)))  # sequences still drafting; entry n of `sure` is going[n]'s
-        for j in range(1, max(num_drafts)):
-            going = [i for n, i in enumerate(going) if num_drafts[i] > j and sure[n]]
-            if not going:
-                break
-            last = [seqs[i].num_computed_tokens + j for i in going]  # draft j runs at P + j
-            tokens, sure = self._pass([[drafts[i][-1]] for i in going],
-                                      [(seqs[i].block_ids, range(p, p + 1)) for i, p in zip(going, last)])
-            for i, token in zip(going, tokens):
-                drafts[i].append(token)
+        first, sure = self._pass([seq.token_ids[span.start : span.stop] for seq, span in zip(seqs, spans)],
+                                 [(seq.block_ids, span) for seq, span in zip(seqs, spans)])
+
+        def extend(j: int, going: list[int], keep: list[int], last: list[int]) -> tuple[list[int], list[bool]]:
+            positions = [seqs[i].num_computed_tokens + j for i in going]  # draft j runs at P + j
+            return self._pass([[token] for token in last],
+                              [(seqs[i].block_ids, range(p, p + 1)) for i, p in zip(going, positions)])
+
+        drafts = grow_chains(first, sure, num_drafts, extend)
         for seq, row, chain in zip(seqs, rows, drafts):
             row.written, row.pending = seq.num_computed_tokens + 1, chain[:-1]  # the last draft never ran
             row.blocks = list(seq.block_ids[: -(-(row.written + len(row.pending)) // size)])

@@ -6,25 +6,25 @@ Rules:
 - only plain-greedy sequences speculate (the heads are trained on greedy continuations): the proposer keeps its own
   state per sequence, the hidden state that produced the sequence's last token, kept after each step for
   plain-greedy sequences and dropped when the sequence ends (`forget`).
-Verification, rollback and counters are the engine's (`speculation.py`).
+Verification, rollback and counters are the engine's (`engine/commit.py`, `Scheduler.postprocess`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..speculative.medusa_heads import MedusaHeads
-from .scheduler import ScheduledBatch
-from .sequence import Sequence
+from ...speculative.medusa_heads import MedusaHeads
+from ..model_runner import StepOutput
+from ..scheduler import ScheduledBatch
+from ..sequence import Sequence
+from .proposer import Proposer
 
 
-class MedusaProposer:
+class MedusaProposer(Proposer):
     """Proposes top-1 candidate chains with the first `num_speculative_tokens` of `heads`, run as one batched
     forward (`MedusaHeads.stacked`: a snapshot, later changes to `heads` are not seen)."""
 
     needs_hidden = True
-    has_pool = False
-    feature_layers: tuple[int, ...] = ()
 
     def __init__(self, heads: MedusaHeads, num_speculative_tokens: int | None = None):
         if not isinstance(heads, MedusaHeads):
@@ -45,14 +45,20 @@ class MedusaProposer:
         known."""
         return seq.can_speculate and not seq.params.needs_processing and seq.seq_id in self._hidden
 
-    def observe(self, seq: Sequence, hidden: torch.Tensor | None) -> None:
+    def observe(self, seq: Sequence, hidden: torch.Tensor) -> None:
         """Keep `hidden` `[hidden_size]`, the state that produced `seq`'s last token (plain-greedy sequences only:
         candidates are verified greedily)."""
-        if hidden is not None and not seq.params.needs_processing:
+        if not seq.params.needs_processing:
             self._hidden[seq.seq_id] = hidden
 
-    def observe_step(self, batch: ScheduledBatch, num_accepted: dict[int, int], seconds: float) -> None:
-        """Nothing to learn: chains are as long as the scheduler allows and the drafts' confidence keeps."""
+    def observe_step(self, batch: ScheduledBatch, out: StepOutput, num_accepted: dict[int, int],
+                     seconds: float) -> None:
+        """`observe` each sampling sequence still running with the state that produced its new last token: the row
+        of its last token's, moved on by the candidates it kept."""
+        for i, scheduled in enumerate(out.sampling):
+            seq = scheduled.seq
+            if not seq.is_finished:
+                self.observe(seq, out.hidden[out.starts[i] + num_accepted[seq.seq_id]])
 
     def forget(self, seq: Sequence) -> None:
         self._hidden.pop(seq.seq_id, None)

@@ -7,15 +7,12 @@ Rules:
 - to propose, one packed head pass catches every speculating sequence up on its waiting entries (entry t: the fused
   feature of position t with token t + 1), and its output at the last one reads out draft 1; each further draft is
   one packed head pass of one entry per sequence still drafting (entry P + j - 1: the head's previous output with
-  draft j, P the position of the sequence's last token), in the slots the scheduler allocated for the candidates.
-  A chain ends early after a draft the head gave less than `MIN_DRAFT_PROBABILITY` (eagle_generate's default rule:
-  the head's confidence predicts acceptance). Sequences that do not speculate (a large batch) pay only the fusion;
+  draft j, P the position of the sequence's last token), in the slots the scheduler allocated for the candidates;
+  chains grow and end as `draft_chain.py` says. Sequences that do not speculate (a large batch) pay only the fusion;
 - the head's K/V lives in a one-layer pool of its own addressed by the target's block tables (vLLM's layout): entry
   t sits in the slot of token t. Rejected candidates' slots are overwritten later, as the target's are. A
   prefix-cache hit's positions keep whatever head entries their blocks hold (written if the sequence that computed
-  them speculated after computing them, stale otherwise): drafts may be weaker there, output is unchanged;
-- drafts are the head's argmax: deterministic proposals, which the engine verifies losslessly for sampling
-  requests too (`speculation.py`).
+  them speculated after computing them, stale otherwise): drafts may be weaker there, output is unchanged.
 The head attends through the engine's paged attention (`hf_accel_step`, the kernel where it is built); its pass and
 readout are compiled when the engine's step is (two graphs, traced at start; in the engine-core process, warm passes
 skip dynamo's guards as the step's do: `step_forward.warm_guards`).
@@ -32,18 +29,16 @@ import torch
 import torch.fx.experimental._config as symbolic_config
 from transformers import PreTrainedModel
 
-from ..cache.kv_shape import KVShape
-from ..speculative.eagle_head import EagleHead, token_embeddings
-from ..runtime.attention import ATTENTION_NAME, StepAttention
-from ..runtime.frozen_graphs import compiled_for, freezing
-from ..runtime.kv_pool import KVPool
-from .scheduler import ScheduledBatch
-from .sequence import Sequence
-from ..runtime.dynamo import dynamo_settings, warm_guards
-from ..runtime.step_inputs import StepInputs
-
-
-MIN_DRAFT_PROBABILITY = 0.2  # a chain ends after a draft the head is less sure of (eagle_generate's default)
+from ...cache.kv_shape import KVShape
+from ...speculative.eagle_head import EagleHead, token_embeddings
+from ...runtime.attention import ATTENTION_NAME, StepAttention
+from ...runtime.frozen_graphs import compiled_for, freezing
+from ...runtime.kv_pool import KVPool
+from ..sequence import Sequence
+from ...runtime.dynamo import dynamo_settings, warm_guards
+from ...runtime.step_inputs import StepInputs
+from .draft_chain import MIN_DRAFT_PROBABILITY, grow_chains
+from .proposer import Proposer
 
 
 @dataclass(slots=True)
@@ -76,12 +71,9 @@ class _HeadRow:
         return waiting
 
 
-class EagleProposer:
+class EagleProposer(Proposer):
     """Proposes chains of up to `num_speculative_tokens` drafts with an `EagleHead` of the served `model` (see the
     module docstring). `allocate` gives it its K/V pool once the engine has sized the target's."""
-
-    needs_hidden = False
-    has_pool = True
 
     def __init__(self, head: EagleHead, model: PreTrainedModel, num_speculative_tokens: int):
         if not isinstance(head, EagleHead):
@@ -149,9 +141,6 @@ class EagleProposer:
         return (seq.can_speculate and row is not None and row.end == seq.num_computed_tokens
                 and row.num_waiting > 0)
 
-    def observe(self, seq: Sequence, hidden: torch.Tensor | None) -> None:
-        """Nothing: the head reads features (`take_features`), not the final hidden state."""
-
     def take_features(self, committed: list[tuple[Sequence, int, torch.Tensor]]) -> None:
         """`committed`: per sequence, the first position a step committed and the target's features there `[n, F]`;
         fused in one matmul and kept until the sequence proposes."""
@@ -166,9 +155,6 @@ class EagleProposer:
             row.add(fused[end : end + features.shape[0]])
             end += features.shape[0]
 
-    def observe_step(self, batch: ScheduledBatch, num_accepted: dict[int, int], seconds: float) -> None:
-        """Nothing to learn: chains are as long as the scheduler allows and the drafts' confidence keeps."""
-
     def forget(self, seq: Sequence) -> None:
         self._rows.pop(seq.seq_id, None)
 
@@ -176,21 +162,17 @@ class EagleProposer:
         """Per sequence, a chain of at most `num_drafts[i]` head drafts after its last token: one packed catch-up
         pass, then one head pass per further draft, packed over the sequences still drafting."""
         with torch.inference_mode():
-            hidden, tokens, sure = self._catch_up(seqs)  # each sequence's output at its last entry, its draft 1
-            drafts = [[token] for token in tokens]
-            going = list(range(len(seqs)))  # sequences still drafting; row n of `hidden` is going[n]'s
-            for j in range(1, max(num_drafts)):
-                keep = [n for n, i in enumerate(going) if num_drafts[i] > j and sure[n]]
-                if not keep:
-                    break
-                going = [going[n] for n in keep]
+            hidden, first, sure = self._catch_up(seqs)  # each sequence's output at its last entry, its draft 1
+
+            def extend(j: int, going: list[int], keep: list[int], last: list[int]) -> tuple[list[int], list[bool]]:
+                nonlocal hidden  # row n: going[n]'s output in the previous pass
                 # entry P + j - 1 of each (P: its last token's position) reads its last output with draft j
                 entries = [(seqs[i].block_ids, range(seqs[i].num_computed_tokens + j - 1,
                                                      seqs[i].num_computed_tokens + j)) for i in going]
-                hidden, tokens, sure = self._pass(hidden[keep], [drafts[i][-1] for i in going], entries)
-                for i, token in zip(going, tokens):
-                    drafts[i].append(token)
-            return drafts
+                hidden, tokens, confident = self._pass(hidden[keep], last, entries)
+                return tokens, confident
+
+            return grow_chains(first, sure, num_drafts, extend)
 
     def _row_from(self, seq_id: int, position: int) -> _HeadRow:
         """`seq_id`'s row, ready to take features from `position` on: a new row when there is none or `position`
