@@ -15,7 +15,7 @@ from conformance import PAD, make_draft_model, make_model, make_prompts
 from hf_accel import SpeculativeStats, SuffixCache, draft_generate, ngram_generate
 from hf_accel.compiled.spec_rows import RowTokens
 from hf_accel.compiled import captured_step, draft_loop, speculation
-from hf_accel.compiled.speculation import TargetRounds
+from hf_accel.compiled.target_rounds import TargetRounds
 
 pytestmark = pytest.mark.compiled
 

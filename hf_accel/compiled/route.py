@@ -15,7 +15,7 @@ from typing import Any
 from transformers import GenerationConfig
 
 from .. import registry
-from .loop import compiled_generate
+from .decode_loop import compiled_generate
 from .quantized_loop import compiled_quantized_generate
 from .speculative_entry import COMPILED_ENTRIES
 

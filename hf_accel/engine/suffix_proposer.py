@@ -2,7 +2,7 @@
 "suffix" also in a `SuffixCache` of earlier requests' outputs that every request of the engine shares.
 
 Rules:
-- each decoding sequence has its own `NgramProposer` (its prompt and output in a suffix tree, grown as tokens are
+- each decoding sequence has its own `NgramDrafter` (its prompt and output in a suffix tree, grown as tokens are
   appended), created at its first proposal and dropped when it finishes (`forget`);
 - a draft is kept only when it matched at least `prompt_lookup_min` tokens; drafts are cut where their estimated
   probability falls below `NgramSettings.min_probability` and after `tokens_per_match` tokens per matched token, so
@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from ..speculative.draft_budget import DraftBudget
-from ..speculative.ngram_proposer import NgramProposer
+from ..speculative.ngram_drafter import NgramDrafter
 from ..speculative.suffix_cache import NO_DRAFT, Draft, SuffixCache
 from .scheduler import ScheduledBatch
 from .sequence import Sequence
@@ -42,7 +42,7 @@ class SuffixProposer:
         if config.method == "suffix":
             self.shared = SuffixCache(self.settings.max_depth, config.suffix_decoding_max_cached_requests)
         self.budget = DraftBudget(max_tokens=config.num_candidates)
-        self._proposers: dict[int, NgramProposer] = {}  # seq_id -> its own tokens' proposer
+        self._proposers: dict[int, NgramDrafter] = {}  # seq_id -> its own tokens' proposer
         self._verifying: dict[int, Draft] = {}  # seq_id -> its draft in the step running now
 
     @property
@@ -62,8 +62,8 @@ class SuffixProposer:
     def _draft(self, seq: Sequence, num_drafts: int) -> Draft:
         proposer = self._proposers.get(seq.seq_id)
         if proposer is None:
-            proposer = self._proposers[seq.seq_id] = NgramProposer(self.settings, self.shared)
-        draft = proposer.propose(seq.token_ids, num_drafts)
+            proposer = self._proposers[seq.seq_id] = NgramDrafter(self.settings, self.shared)
+        draft = proposer.draft(seq.token_ids, num_drafts)
         return draft if draft.match_length >= self.min_match else NO_DRAFT
 
     def observe(self, seq: Sequence, hidden: torch.Tensor | None) -> None:

@@ -14,7 +14,7 @@ import torch
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
 
-from .loop import Decoding
+from .decoding import Decoding
 from .ragged_batch import RaggedBatch
 from .verify import Verdict, greedy_accept, speculative_sample
 

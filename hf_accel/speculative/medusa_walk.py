@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .loop import TokenRules
+from .decoding import TokenRules
 from .ragged_batch import RaggedBatch
 from .tree import VerifiedTree
 

@@ -59,6 +59,10 @@ class RaggedBatch:
         return int(torch.minimum(self.num_generated, self.limit).max())
 
     @property
+    def num_rows(self) -> int:
+        return self.columns.shape[0]
+
+    @property
     def width(self) -> int:
         return self.columns.shape[1]
 

@@ -1,5 +1,5 @@
-"""`SpeculativeStats`: what a speculative `generate` call measured, one record for every generator (draft model,
-Medusa heads).
+"""`SpeculativeStats`: what a speculative `generate` call measured, one record for every drafter (draft model, EAGLE
+head, Medusa heads, n-gram matcher).
 
 Tokens per forward, the one definition: tokens a row gains per verification forward of the target, over rows still
 generating; the prefill (which makes each row's first token, as plain decoding does) is not counted. Plain decoding
@@ -82,5 +82,3 @@ class SpeculativeStats(RichDisplay):
                 self.proposed[j] += 1
                 self.accepted[j] += int(j < n)
 
-
-MedusaStats = SpeculativeStats  # the name `medusa_generate` documented first; one class, one definition
