@@ -128,18 +128,18 @@ class TargetRounds:
             sampling (against the distributions they were drawn from, or one-hot for deterministic ones;
             `verify_round`).
         lookahead: the most candidates a round verifies.
-        stats: counters to add the rounds to.
+        stats: counters to add the rounds to (None: a new record).
         feature_layers: indices into the target's `output_hidden_states` whose states the prefill and every verify
             forward also return (an EAGLE head's input), kept in `features` with the round's `verdict`.
     """
 
-    def __init__(self, call: GenerateCall, lookahead: int, stats: SpeculativeStats,
+    def __init__(self, call: GenerateCall, lookahead: int, stats: SpeculativeStats | None,
                  feature_layers: tuple[int, ...] = ()):
         model, input_ids, config = call.model, call.input_ids, call.generation_config
         if call.streamer is not None and input_ids.shape[0] > 1:
             raise ValueError("`streamer` supports batch size 1 only")
-        self.model, self.input_ids, self.config, self.stats, self.streamer = model, input_ids, config, stats, \
-            call.streamer
+        self.model, self.input_ids, self.config, self.streamer = model, input_ids, config, call.streamer
+        self.stats = stats if stats is not None else SpeculativeStats()
         self.do_sample, self.feature_layers = bool(config.do_sample), feature_layers
         self.warpers = tuple(call.logits_processor) if self.do_sample else ()
         self.prompts = unpadded_prompts(input_ids, call.model_kwargs.get("attention_mask"))

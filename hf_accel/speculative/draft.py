@@ -34,7 +34,7 @@ from .stats import SpeculativeStats
 @dataclass(slots=True)
 class DraftOptions:
     """`draft_generate`'s own arguments (see its docstring), checked (`ValueError` naming the wrong one), with the
-    call's `DraftLength`; after the checks `draft_stats` None is a new record."""
+    call's `DraftLength`."""
 
     draft_model: PreTrainedModel | None
     num_draft_tokens: int
@@ -46,7 +46,6 @@ class DraftOptions:
         self.length = DraftLength(self.num_draft_tokens, self.max_draft_tokens)
         if self.draft_model is None:
             raise ValueError("draft_generate needs `draft_model=` (a small causal LM with the same tokenizer)")
-        self.draft_stats = self.draft_stats if self.draft_stats is not None else SpeculativeStats()
 
 
 @dataclass(slots=True)

@@ -46,7 +46,7 @@ __all__ = ["eagle_generate"]
 @dataclass(slots=True)
 class EagleOptions:
     """`eagle_generate`'s own arguments (see its docstring), checked (`TypeError` / `ValueError` naming the wrong
-    one), with the call's `DraftLength`; after the checks `eagle_stats` None is a new record."""
+    one), with the call's `DraftLength`."""
 
     eagle_head: EagleHead
     num_draft_tokens: int
@@ -67,7 +67,6 @@ class EagleOptions:
                             f"{type(self.eagle_head).__name__}")
         if self.eagle_tree is not None and not isinstance(self.eagle_tree, EagleTree):
             raise TypeError(f"`eagle_tree` must be a hf_accel.EagleTree or None, got {type(self.eagle_tree).__name__}")
-        self.eagle_stats = self.eagle_stats if self.eagle_stats is not None else SpeculativeStats()
 
 
 @dataclass(slots=True)

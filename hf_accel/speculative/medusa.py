@@ -57,7 +57,7 @@ class TreeChoice:
 @dataclass(slots=True)
 class MedusaOptions:
     """`medusa_generate`'s own arguments (see its docstring), checked (`ValueError` naming the wrong one), with the
-    trees the call may verify; after the checks `medusa_stats` None is a new record."""
+    trees the call may verify."""
 
     medusa_heads: MedusaHeads | None
     medusa_tree: Sequence[Sequence[int]] | None
@@ -67,7 +67,6 @@ class MedusaOptions:
 
     def __post_init__(self) -> None:
         self.trees = trees_for(self.medusa_heads, self.medusa_tree, self.medusa_adaptive)
-        self.medusa_stats = self.medusa_stats if self.medusa_stats is not None else SpeculativeStats()
 
 
 @dataclass(slots=True)

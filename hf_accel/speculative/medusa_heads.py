@@ -10,17 +10,16 @@ Saved as `medusa_heads.safetensors` + `medusa_config.json` (see `MedusaConfig`).
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 
 from ..display import RichDisplay
+from .head_files import read_head, save_head, stored_dtype
 
 CONFIG_NAME = "medusa_config.json"
 WEIGHTS_NAME = "medusa_heads.safetensors"
@@ -161,23 +160,15 @@ class MedusaHeads(RichDisplay, nn.Module):
 
     def save_pretrained(self, save_directory: str | Path) -> None:
         """Write `medusa_heads.safetensors` and `medusa_config.json` into `save_directory` (created if needed)."""
-        folder = Path(save_directory)
-        folder.mkdir(parents=True, exist_ok=True)
-        tensors = {name: tensor.detach().contiguous().cpu() for name, tensor in self.state_dict().items()}
-        save_file(tensors, folder / WEIGHTS_NAME, metadata={"format": "pt"})
-        (folder / CONFIG_NAME).write_text(json.dumps(asdict(self.config), indent=2) + "\n")
+        save_head(self, self.config, save_directory, WEIGHTS_NAME, CONFIG_NAME)
 
     @classmethod
     def from_pretrained(
         cls, save_directory: str | Path, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"
     ) -> MedusaHeads:
         """Load heads written by `save_pretrained` from a local folder (stored dtype unless `dtype` is given)."""
-        folder = Path(save_directory)
-        if not (folder / CONFIG_NAME).is_file():
-            raise FileNotFoundError(f"no {CONFIG_NAME} in {folder}")
-        config = MedusaConfig(**json.loads((folder / CONFIG_NAME).read_text()))
-        state = load_file(folder / WEIGHTS_NAME, device=str(device))
-        heads = cls(config).to(device=device, dtype=dtype or next(iter(state.values())).dtype)
+        fields, state = read_head(save_directory, WEIGHTS_NAME, CONFIG_NAME, device)
+        heads = cls(MedusaConfig(**fields)).to(device=device, dtype=dtype or stored_dtype(state))
         heads.load_state_dict(state)
         return heads.eval()
 

@@ -39,7 +39,7 @@ from .suffix_cache import Draft, SuffixCache
 @dataclass(slots=True)
 class NgramOptions:
     """`ngram_generate`'s own arguments (see its docstring), checked: `TypeError` / `ValueError` naming the wrong one.
-    After the checks `ngram_settings` None is the default `NgramSettings()` and `ngram_stats` None a new record."""
+    After the checks `ngram_settings` None is the default `NgramSettings()`."""
 
     suffix_cache: SuffixCache | None
     ngram_settings: NgramSettings | None
@@ -58,7 +58,6 @@ class NgramOptions:
         if cost is not None and (not isinstance(cost, (int, float)) or isinstance(cost, bool) or cost < 0):
             raise ValueError(f"`draft_token_cost` must be None or a number >= 0, got {cost!r}")
         self.ngram_settings = self.ngram_settings or NgramSettings()
-        self.ngram_stats = self.ngram_stats if self.ngram_stats is not None else SpeculativeStats()
 
     def budget(self) -> DraftBudget:
         """A new `DraftBudget` for one call."""
