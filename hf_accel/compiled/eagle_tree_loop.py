@@ -1,10 +1,10 @@
 """`eagle_generate` with `eagle_tree` and `compile_config`: EAGLE-2 trees grown by compiled head passes over the
 head's paged pool, verified in one compiled target forward, the accepted path moved into place (no cache copies).
 
-The target's side is compiled Medusa's (`target_rounds.TargetRounds` for the prefill and the rows, `step.tree_verify_step`
-for the verify, `tree_paths.py` for the greedy walk and the K/V move); the head keeps compiled EAGLE's pool and entry
-rule (`eagle_loop.py`: the entry at position t pairs the target's feature at t with the token at t + 1). A round, row
-`r` with its last token (the root) at position `p`:
+The target's side is compiled Medusa's (`target_rounds.TargetRounds` for the prefill and the rows,
+`step.tree_verify_step` for the verify, `tree_paths.py` for the greedy walk and the K/V move); the head keeps compiled
+EAGLE's pool and entry rule (`eagle_loop.py`: the entry at position t pairs the target's feature at t with the token at
+t + 1). A round, row `r` with its last token (the root) at position `p`:
 - the head's output at entry `p - 1` (kept from the last catch-up) gives the root's `top_k` children (depth 1);
 - growth (`eagle_tree.grow_tree`, the eager loop's rule: expand the `top_k` best nodes of the newest level, rerank
   the pool to the `total_tokens` best): level i's `top_k` entries (each expanded node's parent's output, its token)
@@ -120,11 +120,11 @@ class TreeRounds:
         predictions, features = self.verify(target.model, tree.tokens, start, tree.depths, tree.ancestors,
                                             target.rows.kv, target.rows.block_table, target.attends.tree,
                                             target.feature_layers)
-        proposed = tree.tokens.tolist()
-        paths = greedy_paths(children_lists(tree.child_table), proposed, predictions.tolist())
+        drafted = tree.tokens.tolist()
+        paths = greedy_paths(children_lists(tree.child_table), drafted, predictions.tolist())
         active = target._active()
-        keep_paths(target, paths, proposed, predictions, active)
-        self._read_paths(paths, proposed, target.last.tolist(), features, start, tree.depth)
+        keep_paths(target, paths, drafted, predictions, active)
+        self._read_paths(paths, drafted, target.last.tolist(), features, start, tree.depth)
         target.stats.num_draft_forwards += 1 + passes  # the catch-up, then one pass per grown level
         emitted = torch.tensor([len(path) for path in paths])
         target.stats.record_round(tree.depth, emitted - 1, emitted, torch.tensor(active), tree.num_nodes - 1)
@@ -137,7 +137,7 @@ class TreeRounds:
                           visible.contiguous(), heads.pool.kv, heads.pool.block_table, target.attends.tree,
                           self.settings.top_k)
 
-    def _read_paths(self, paths: list[list[int]], proposed: list[list[int]], last: list[int],
+    def _read_paths(self, paths: list[list[int]], drafted: list[list[int]], last: list[int],
                     features: torch.Tensor, start: torch.Tensor, depth: int) -> None:
         """The head's catch-up over each row's accepted path: entries `start .. start + depth` (a path shorter than
         the deepest tree repeats its last node; those entries are overwritten before they are read), read at the
@@ -145,7 +145,7 @@ class TreeRounds:
         width = depth + 1
         nodes, tokens = [], []
         for r, path in enumerate(paths):
-            after = [proposed[r][node] for node in path[1:]] + [last[r]]  # the token after each path node
+            after = [drafted[r][node] for node in path[1:]] + [last[r]]  # the token after each path node
             nodes.append(path + [path[-1]] * (width - len(path)))
             tokens.append(after + [after[-1]] * (width - len(path)))
         device = features.device

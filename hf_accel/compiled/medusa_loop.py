@@ -77,10 +77,10 @@ class MedusaRounds:
         mask = tree.ancestors.to(device).expand(rows, -1, -1)
         predictions, hidden = self.verify(target.model, tokens, target.positions, tree.depths.to(device), mask,
                                           target.rows.kv, target.rows.block_table, target.attends.tree)
-        proposed = tokens.tolist()
-        paths = greedy_paths([tree.children] * rows, proposed, predictions.tolist())
+        drafted = tokens.tolist()
+        paths = greedy_paths([tree.children] * rows, drafted, predictions.tolist())
         active, remaining = target._active(), target.outputs.remaining
-        keep_paths(target, paths, proposed, predictions, active)
+        keep_paths(target, paths, drafted, predictions, active)
         last_nodes = torch.tensor([path[-1] for path in paths], device=device)
         self.hidden = hidden[torch.arange(rows, device=device), last_nodes]
         self._record(index, paths, active, remaining, time.perf_counter() - started)

@@ -51,7 +51,8 @@ def _round(target: TargetRounds, drafters: list[NgramDrafter], contexts: list[li
         accepted = [0] * len(drafts)
     else:
         device = target.positions.device
-        accepted = target.verify_round(padded_candidates(drafts, counts, 0, device), torch.tensor(counts, device=device))
+        candidates = padded_candidates(drafts, counts, 0, device)
+        accepted = target.verify_round(candidates, torch.tensor(counts, device=device))
     budget.update(generating, [n for d, n in zip(drafts, accepted) if d is not None], k, len(drafts),
                   time.perf_counter() - started)
 

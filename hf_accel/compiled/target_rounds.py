@@ -52,8 +52,8 @@ _MODEL_INPUTS = ("attention_mask", "past_key_values", "use_cache", "cache_positi
 
 
 def speculation_uncovered(models: list[PreTrainedModel], call: GenerateCall, sampling: bool = False) -> str | None:
-    """Why compiled speculation cannot run `call` with `models` (target, drafter model) (the first reason), or None
-    when it can; `sampling`: the drafter's loop verifies sampled calls losslessly (deterministic candidates, or
+    """The first reason why compiled speculation cannot run `call` with `models` (the target, and a draft model), or
+    None when it can; `sampling`: the drafter's loop verifies sampled calls losslessly (deterministic candidates, or
     candidates with their distributions), so sampling with the warpers the graph applies is covered too."""
     config = call.generation_config
     mode = config.get_generation_mode()
@@ -61,8 +61,10 @@ def speculation_uncovered(models: list[PreTrainedModel], call: GenerateCall, sam
     if mode not in covered:
         return f"compiled speculation here covers {[m.value for m in covered]}, not {mode.value}"
     if needs_host_processors(call.logits_processor, mode == GenerationMode.SAMPLE):
-        return f"logits processors {[type(p).__name__ for p in call.logits_processor]} are applied by the eager loop only"
-    other = [type(c).__name__ for c in call.stopping_criteria if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))]
+        names = [type(p).__name__ for p in call.logits_processor]
+        return f"logits processors {names} are applied by the eager loop only"
+    other = [type(c).__name__ for c in call.stopping_criteria
+             if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))]
     if other:
         return f"stopping criteria {other} are checked by the eager loop only"
     if config.output_scores or config.output_logits or config.output_attentions or config.output_hidden_states:

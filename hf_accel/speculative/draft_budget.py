@@ -1,11 +1,10 @@
 """How many candidates a model-free round verifies: the k that maximises expected tokens per second. Plain Python.
 
-Each round every generating row brings a draft whose tokens carry estimated probabilities (that the token and all
-before it are accepted, `suffix_cache.Draft`). With k candidates per row, row r expects to gain
-`1 + trust(source_r) * sum(p_r[:k])` tokens and the round costs `cost(batch * (k + 1) tokens forwarded)` plain
-rounds. k = 0 is a plain decode step, and it is the off-switch: where measured acceptance makes extra candidates cost more than they
-gain (by a `MARGIN`: a round that merely breaks even on noisy estimates is not worth its risk), no candidate is
-verified.
+Each round every generating row brings a draft whose tokens carry estimated probabilities (that the token and all before
+it are accepted, `suffix_cache.Draft`). With k candidates per row, row r expects to gain `1 + trust(source_r) *
+sum(p_r[:k])` tokens and the round costs `cost(batch * (k + 1) tokens forwarded)` plain rounds. k = 0 is a plain decode
+step, and it is the off-switch: where measured acceptance makes extra candidates cost more than they gain (by a
+`MARGIN`: a round that merely breaks even on noisy estimates is not worth its risk), no candidate is verified.
 
 - `trust(source)`: measured accepted / expected accepted of the drafts from one source (a row's own tokens, the shared
   cache, ...: their counts are not equally reliable), over recent rounds (sums decayed by `DECAY` per round the source

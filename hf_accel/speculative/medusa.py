@@ -9,7 +9,7 @@ greedy output equals plain greedy output, sampling draws from exactly the plain 
 a stop. The cache then keeps each row's accepted path. Rows accept different numbers of tokens: as in
 `draft_generate`, a row that accepted fewer than the most gets holes (`RaggedBatch`). By default the tree verified
 is the prefix of the best-first candidate list with the best expected tokens per second for the whole batch
-(`tree_size.TreeSizer`, priced by the measured `round_cost.RoundCost`; size 0 is a plain step).
+(`tree_size.TreeSizer`, priced by the measured `round_cost.RoundCost`; size 0 is a plain round).
 """
 
 from __future__ import annotations

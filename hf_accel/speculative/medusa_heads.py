@@ -102,7 +102,8 @@ class MedusaHeads(RichDisplay, nn.Module):
         config = self.config
         return {"num_heads": config.num_heads, "num_layers": config.num_layers, "hidden_size": config.hidden_size,
                 "vocab_size": config.vocab_size, "parameters": sum(p.numel() for p in self.parameters()),
-                "tree_paths": len(config.tree) if config.tree else "default", "base_model": config.base_model_name_or_path}
+                "tree_paths": len(config.tree) if config.tree else "default",
+                "base_model": config.base_model_name_or_path}
 
     @classmethod
     def for_model(
@@ -143,7 +144,8 @@ class MedusaHeads(RichDisplay, nn.Module):
             layers = [block.layers for block in self.blocks[:count]]
             weights = tuple(torch.stack([head[i].weight.T for head in layers]).contiguous()
                             for i in range(self.config.num_layers))
-            biases = tuple(torch.stack([head[i].bias for head in layers])[:, None] for i in range(self.config.num_layers))
+            biases = tuple(torch.stack([head[i].bias for head in layers])[:, None]
+                           for i in range(self.config.num_layers))
             vocab = torch.stack([head.weight.T for head in self.lm_heads[:count]]).contiguous()
         return StackedHeads(weights, biases, vocab)
 
@@ -176,8 +178,8 @@ class MedusaHeads(RichDisplay, nn.Module):
 @dataclass(frozen=True, slots=True)
 class StackedHeads:
     """Heads whose weights are stacked so they all run as batched matmuls: two per residual layer and one for the
-    vocabulary, instead of a Linear per head (measured 1.2 ms against 23 ms for one row and four heads of the
-    reference heads on CPU). A snapshot made by `MedusaHeads.stacked`: later changes to the heads are not seen."""
+    vocabulary, instead of a Linear per head (docs/serving.md has the measured difference). A snapshot made by
+    `MedusaHeads.stacked`: later changes to the heads are not seen."""
 
     block_weights: tuple[torch.Tensor, ...]  # per residual layer: [num_heads, hidden, hidden], input-major (x @ W)
     block_biases: tuple[torch.Tensor, ...]  # per residual layer: [num_heads, 1, hidden]

@@ -21,7 +21,7 @@ from .tree import VerifiedTree
 
 @dataclass(slots=True)
 class Walk:
-    """One step's outcome per row: `tokens` `[batch, depth + 1]` decided (the first `num_emitted[r]` count),
+    """One round's outcome per row: `tokens` `[batch, depth + 1]` decided (the first `num_emitted[r]` count),
     `nodes` `[batch, depth + 1]` the kept nodes (root first, then the accepted path; 0 past it), `fired`: a
     stopping criterion fired on the row's token `num_to_stop[r]` (1-based); None when no criterion was checked."""
 

@@ -6,7 +6,7 @@ engine one per sequence.
     draft = drafter.draft(context_token_ids, max_tokens=8)   # draft.tokens, draft.probabilities
 
 Both sources are suffix trees with counts (`SuffixCache`): the sequence's own (its prompt and output so far, grown
-as the context grows) and the shared one (earlier outputs). Each proposes its best draft for the context's tail; the
+as the context grows) and the shared one (earlier outputs). Each offers its best draft for the context's tail; the
 one with more expected accepted tokens wins (SuffixDecoding's rule), the sequence's own on ties; its `source` says
 which ("own" or "shared").
 """

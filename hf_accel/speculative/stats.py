@@ -61,7 +61,7 @@ class SpeculativeStats(RichDisplay):
                      num_candidates: int | None = None, row_depths: torch.Tensor | None = None) -> None:
         """One verification forward of candidates `depth` positions deep (`num_candidates` per row, default `depth`:
         a Medusa tree holds more): `num_accepted`, `num_emitted` and `active` (rows generating) are `[batch]`.
-        `row_depths`: `[batch]` chain each row really proposed, when rows differ (`draft_lengths` then gets one entry
+        `row_depths`: `[batch]` chain each row really drafted, when rows differ (`draft_lengths` then gets one entry
         per generating row)."""
         self.num_target_forwards += 1
         rows = active.nonzero().squeeze(1)
