@@ -14,7 +14,7 @@ RoPE and attention match) is EAGLE-3's:
 and the head's own final `norm` plus the target's frozen LM head read `out` out (`logits`). The target's embedding
 and LM head are never copied: a head is used with the model it was trained for. With a Llama target the weights
 are vLLM's `Eagle3LlamaForCausalLM` checkpoint under their own names (`fc`, `midlayer.*`, `norm`; see
-`hf_accel.export.eagle`), so vLLM drafts with it what `eagle_generate` drafts.
+`hf_accel.export.vllm_eagle`), so vLLM drafts with it what `eagle_generate` drafts.
 
 Saved as `eagle_head.safetensors` + `eagle_config.json` (see `EagleConfig`).
 """
