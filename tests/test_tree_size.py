@@ -34,13 +34,13 @@ def test_counterfactual_acceptance_per_size():
     assert [sizer.mean_accepted(i) for i in range(5)] == [0, 0.5, 0.5, 1.5, 2.5]
 
 
-def test_explores_whole_tree_then_plain_until_measured_then_the_smallest_size_as_good_at_no_more_cost():
+def test_explores_whole_tree_then_plain_until_measured_then_the_smallest_size_as_good_at_less_cost():
     sizer = TreeSizer((0, 2, 4, 8), probe_share=0)
     # size 2 gains 1 token, 4 gains 2, 8 the same 2: costs 1 s + 0.1 s per candidate
-    chosen = timed(sizer, lambda size: 1.0 + 0.1 * size, [0, 3, 9], rounds=5)
-    # the whole tree (acceptance for every size; untimed: cold caches), plain rounds until the cost model has its
-    # plain rounds, the whole tree again (timed); smaller trees are then priced below it with the prior slope
-    assert chosen == [8, 0, 0, 0, 8]
+    chosen = timed(sizer, lambda size: 1.0 + 0.1 * size, [0, 3, 9], rounds=4)
+    # the whole tree (acceptance for every size, and the cost model's first tree round), then plain rounds until the
+    # cost model has its plain rounds; smaller trees are then priced below the whole one with the prior slope
+    assert chosen == [8, 0, 0, 0]
     assert sizer.relative_costs(1) == pytest.approx([1.0, 1.8 - 0.03 * 6, 1.8 - 0.03 * 4, 1.8])
     # size 4 gains what 8 does at less cost: it runs, and stays the best; three tree rounds fit the line exactly
     assert timed(sizer, lambda size: 1.0 + 0.1 * size, [0, 3, 9], rounds=4) == [4, 4, 4, 4]
@@ -50,27 +50,31 @@ def test_explores_whole_tree_then_plain_until_measured_then_the_smallest_size_as
 def test_sizes_are_priced_by_the_shared_round_cost():
     sizer, cost = TreeSizer((0, 2, 4, 8)), RoundCost()
     rounds = [(3, 0.9), (0, 0.3), (0, 0.31), (0, 0.29), (3, 0.8), (1, 0.5), (2, 0.6)]  # (size index, seconds)
-    for number, (index, seconds) in enumerate(rounds):
+    for index, seconds in rounds:
         sizer.record(index, [[0]], seconds, 4)
-        if number:  # the first round is not timed
-            cost.observe(4 * (1 + sizer.sizes[index]), 4, seconds)
+        cost.observe(4 * (1 + sizer.sizes[index]), 4, seconds)
     assert sizer.relative_costs(4) == [cost.relative(4 * (1 + size), 4) for size in sizer.sizes]
     assert sizer.cost(4).is_measured and set(sizer.costs) == {4}
 
 
-def test_the_first_round_is_not_timed():
+def test_the_first_rounds_cold_time_fades_as_tree_rounds_run():
     sizer = TreeSizer((0, 4))
-    sizer.record(1, [[0]], 5.0, 1)  # cold caches
-    assert sizer.cost(1).num_speculating == 0 and sizer.cost(1).num_plain == 0
-    sizer.record(1, [[0]], 1.0, 1)
-    assert sizer.cost(1).num_speculating == 1
+    sizer.record(1, [[0]], 5.0, 1)  # the whole tree with cold caches
+    for _ in range(3):
+        sizer.record(0, [], 1.0, 1)
+    assert sizer.relative_costs(1) == [1.0, 5.0]  # it overprices trees until they run again
+    costs = []
+    for _ in range(20):
+        sizer.record(1, [[0]], 1.8, 1)
+        costs.append(sizer.relative_costs(1)[1])
+    assert costs[0] < 3.5 and costs == sorted(costs, reverse=True) and costs[-1] == pytest.approx(1.89, abs=0.01)
 
 
 def test_flat_cost_picks_whole_tree_and_steep_cost_with_no_acceptance_picks_plain_rounds():
     gpu = TreeSizer((0, 1, 4, 16))
     assert timed(gpu, lambda size: 1.0, [0, 1, 9], rounds=40)[-10:].count(16) == 10
     cpu = TreeSizer((0, 1, 4, 16), probe_share=0)
-    assert timed(cpu, lambda size: 1.0 + 0.1 * size, [], rounds=40) == [16, 0, 0, 0, 16] + [0] * 35
+    assert timed(cpu, lambda size: 1.0 + 0.1 * size, [], rounds=40) == [16] + [0] * 39
 
 
 def test_probes_the_size_above_the_best_within_its_share_of_cost():
@@ -78,7 +82,7 @@ def test_probes_the_size_above_the_best_within_its_share_of_cost():
     # size 1 gains 1 token for 2 s, plain 1 token for 1 s: plain rounds win
     chosen = timed(sizer, lambda size: 1.0 + size, [0, 2], rounds=600)
     probes = [i for i in range(5, 600) if chosen[i] != 0]
-    assert chosen[:6] == [16, 0, 0, 0, 16, 0] and {chosen[i] for i in probes} == {1}
+    assert chosen[:6] == [16, 0, 0, 0, 0, 0] and {chosen[i] for i in probes} == {1}
     # priced from the whole tree's 17 s with the prior slope, size 1 costs 15.55 plain rounds more: the first probe
     # waits for that over 0.05 of plain rounds; once three tree rounds fit the line, size 1 costs 1 plain round more:
     # one probe per ~20 plain rounds from then on
@@ -93,7 +97,7 @@ def test_a_probe_that_wins_resumes_exploring_upward():
         return lambda size: 1.0 if size == 0 else jump + per_candidate * size
 
     chosen = timed(sizer, costs(2.5, 0.4), [0, 2], rounds=10)
-    assert chosen == [16, 0, 0, 0, 16] + [0] * 5  # size 1 gains 1 token for 2.9 plain rounds: not worth it
+    assert chosen == [16] + [0] * 9  # size 1 gains 1 token for 2.9 plain rounds: not worth it
     # tree rounds are cheap after all: a probe finds size 1, then size 4 is found above it and stays the choice
     chosen = timed(sizer, costs(1.05, 0.05), [0, 2], rounds=60)
     assert 1 in chosen[:20]

@@ -16,11 +16,13 @@ many tokens costs about one over a single token, that is the whole tree; on a CP
 sampling at high temperature accepts little, a small one or none.
 
 Size 0 is a plain round (no candidates, the heads do not run): where nothing pays off, decoding costs what plain
-decoding costs. Exploring: the first round verifies the whole tree (acceptance for every size; its time, paid with
-cold caches, is not measured); then, until the cost model is measured, plain rounds until it has its plain rounds,
-then the whole tree again. Afterwards the size above the best is probed whenever the extra cost it adds fits in
-`probe_share` of the cost spent at the best size since the last probe, so sizes that do not pay cost at most that
-share, and each probe's time refines the cost model where the choice is made.
+decoding costs. Exploring is kept cheap, since a large tree at a large batch costs several plain rounds on a CPU: the
+first round verifies the whole tree (acceptance for every size, and the cost model's first tree round: timed, unlike
+`DraftBudget`'s first round, since timing it again would cost another whole tree; its cold caches only overprice
+trees, and its weight decays as tree rounds run), then plain rounds until the cost model is measured. Afterwards the
+size above the best is probed whenever the extra cost it adds fits in `probe_share` of the cost spent at the best
+size since the last probe, so sizes that do not pay cost at most that share, and each probe's time refines the cost
+model where the choice is made.
 """
 
 from __future__ import annotations
@@ -75,7 +77,7 @@ class TreeSizer:
         if self.num_rounds == 0:
             return whole  # acceptance for every size
         cost = self.cost(batch_size)
-        if not cost.is_measured:  # time what the cost model lacks: plain rounds, then a tree round
+        if not cost.is_measured:  # time what the cost model lacks: plain rounds, else a tree round
             return 0 if cost.num_plain < MIN_FIT_ROUNDS else whole
         costs = self.relative_costs(batch_size)  # priced once for the choice and the probe
         best = self._best(costs)
@@ -122,8 +124,7 @@ class TreeSizer:
             self.gains[smaller] += progress - previous
             self.observed[smaller] += 1
             previous = progress
-        if self.num_rounds > 0:  # a call's first round pays for cold caches: not measured
-            cost.observe(batch_size * (1 + self.sizes[index]), batch_size, seconds)
+        cost.observe(batch_size * (1 + self.sizes[index]), batch_size, seconds)
         self.num_rounds += 1
 
     def _best(self, costs: list[float]) -> int:
