@@ -44,11 +44,14 @@ class StepAttention:
 
 
 def pool_attention(name: str, where: str, step_kwarg: str) -> Callable[[Callable[..., torch.Tensor]], Callable]:
-    """Decorator: `body(layer, query, key, value, scale, sliding_window, softcap, step, **kwargs) -> out` made a
-    function transformers' `AttentionInterface` calls, `(module, query, key, value, attention_mask, scaling=,
-    dropout=, sliding_window=, softcap=, **kwargs) -> (out, None)`: `step` is the forward kwarg `step_kwarg` (what
-    one step of hf_accel's attention over a pool reads; `ValueError` when missing: the implementation `name` runs only
-    inside `where`), `scale` transformers' `scaling` or 1 / sqrt(head_dim), `layer` the module's `layer_idx`."""
+    """Decorator making `body` a function transformers' `AttentionInterface` calls.
+
+    transformers calls `(module, query, key, value, attention_mask, scaling=, dropout=, sliding_window=, softcap=,
+    **kwargs) -> (out, None)`; `body(layer, query, key, value, scale, sliding_window, softcap, step, **kwargs) -> out`
+    gets the module's `layer_idx`, `scaling` or else 1 / sqrt(head_dim), and `step`, the forward kwarg `step_kwarg`
+    (what one step of hf_accel's attention over a pool reads; `ValueError` when it is missing: the implementation
+    `name` runs only inside `where`); `kwargs` are the forward's other kwargs (`position_ids` and the like).
+    """
 
     def wrap(body: Callable[..., torch.Tensor]) -> Callable:
         @functools.wraps(body)
@@ -69,7 +72,7 @@ def pool_attention(name: str, where: str, step_kwarg: str) -> Callable[[Callable
 
 @pool_attention(ATTENTION_NAME, "hf_accel.Engine steps", "hf_accel_step")
 def paged_attention(layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
-                    sliding_window: int | None, softcap: float | None, step: StepAttention) -> torch.Tensor:
+                    sliding_window: int | None, softcap: float | None, step: StepAttention, **kwargs) -> torch.Tensor:
     """`query` `[1, heads, num_tokens, head_dim]`, `key` / `value` `[1, kv_heads, num_tokens, head_dim]` (the step's
     new tokens) -> `[1, num_tokens, heads, head_dim]`."""
     keys, values = step.kv.keys[layer], step.kv.values[layer]  # [kv_heads, num_blocks, block_size, head_dim]
