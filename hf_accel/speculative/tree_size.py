@@ -18,11 +18,13 @@ sampling at high temperature accepts little, a small one or none.
 Size 0 is a plain round (no candidates, the heads do not run): where nothing pays off, decoding costs what plain
 decoding costs. Exploring is kept cheap, since a large tree at a large batch costs several plain rounds on a CPU: the
 first round verifies the whole tree (acceptance for every size, and the cost model's first tree round: timed, unlike
-`DraftBudget`'s first round, since timing it again would cost another whole tree; its cold caches only overprice
-trees, and its weight decays as tree rounds run), then plain rounds until the cost model is measured. Afterwards the
-size above the best is probed whenever the extra cost it adds fits in `probe_share` of the cost spent at the best
-size since the last probe, so sizes that do not pay cost at most that share, and each probe's time refines the cost
-model where the choice is made.
+`DraftBudget`'s first round, since timing it again would cost another whole tree; its cold caches only overprice trees,
+and its weight decays as tree rounds run), then plain rounds until the cost model is measured. A tree smaller than every
+tree that has run is priced no lower than the smallest that has (what a tree round costs over a plain round, for the
+heads, the tree mask and the walk, is not measured below it), so small trees are not tried on the strength of the line's
+prior slope. Afterwards the size above the best is probed whenever the extra cost it adds fits in `probe_share` of the
+cost spent at the best size since the last probe, so sizes that do not pay cost at most that share, and each probe's
+time refines the cost model where the choice is made.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ class TreeSizer:
     gains: list[float] = field(default_factory=list)  # per size: accepted tokens over the next smaller size, summed
     observed: list[int] = field(default_factory=list)  # per size: rounds that measured its acceptance
     costs: dict[int, RoundCost] = field(default_factory=dict)  # batch size -> what its rounds cost
+    smallest_run: int | None = None  # index of the smallest tree (size > 0) that has run
     since_probe: float = 0.0  # relative cost spent at the best size since another size last ran
     num_rounds: int = 0
 
@@ -81,8 +84,8 @@ class TreeSizer:
             return 0 if cost.num_plain < MIN_FIT_ROUNDS else whole
         costs = self.relative_costs(batch_size)  # priced once for the choice and the probe
         best = self._best(costs)
-        if best == whole:
-            return best
+        if best == whole or 0 < best < (self.smallest_run or 0):
+            return best  # priced as the smallest tree that ran: running it measures it
         return best + 1 if self.since_probe * self.probe_share >= costs[best + 1] - costs[best] else best
 
     def best(self, batch_size: int) -> int:
@@ -96,10 +99,16 @@ class TreeSizer:
         return self._mean_accepted_all()[index]
 
     def relative_costs(self, batch_size: int) -> list[float]:
-        """Each size's round cost at `batch_size` rows relative to a plain round (`RoundCost.relative` of the
-        `batch_size * (1 + size)` tokens it forwards)."""
+        """Each size's round cost at `batch_size` rows relative to a plain round: `RoundCost.relative` of the
+        `batch_size * (1 + size)` tokens it forwards, and no less, for a tree smaller than every tree that has run,
+        than the smallest that has (a tree round's fixed cost over a plain round, for the heads, the tree mask and
+        the walk, is not measured below it)."""
         cost = self.cost(batch_size)
-        return [cost.relative(batch_size * (1 + size), batch_size) for size in self.sizes]
+        costs = [cost.relative(batch_size * (1 + size), batch_size) for size in self.sizes]
+        if self.smallest_run is not None:
+            for index in range(1, self.smallest_run):
+                costs[index] = max(costs[index], costs[self.smallest_run])
+        return costs
 
     def tokens_per_cost(self, index: int, batch_size: int) -> float:
         """Expected progress per plain round's cost of size `index`: the root's token plus the mean gain, over its
@@ -125,6 +134,8 @@ class TreeSizer:
             self.observed[smaller] += 1
             previous = progress
         cost.observe(batch_size * (1 + self.sizes[index]), batch_size, seconds)
+        if self.sizes[index] > 0 and (self.smallest_run is None or index < self.smallest_run):
+            self.smallest_run = index
         self.num_rounds += 1
 
     def _best(self, costs: list[float]) -> int:
