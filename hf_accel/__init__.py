@@ -6,6 +6,8 @@ Importing this package registers hf_accel's cache names with transformers (`hf_a
     model.generate(**inputs, cache_implementation="paged", cache_config={"block_size": 16})
 """
 
+import warnings
+
 from . import registry
 from .cache.block_pool import BlockPool, OutOfBlocksError
 from .cache.builders import build_paged_cache, build_quantized_cache, build_sink_cache
@@ -30,7 +32,7 @@ from .quant.linear import Int4Linear, Int8Linear
 from .quant.presets import list_quantization_presets, load_model, quantization_config
 from .quant.quantizer import METHODS as _WEIGHT_METHODS, WeightOnlyConfig, WeightOnlyQuantizer, quantize_model
 from .runtime import attention as _attention
-from .speculative.medusa import MedusaStats, medusa_generate
+from .speculative.medusa import medusa_generate
 from .speculative.medusa_heads import MedusaConfig, MedusaHeads
 from .training.medusa_trainer import train_medusa
 from .training.eagle_trainer import train_eagle
@@ -40,7 +42,7 @@ from .speculative.eagle import eagle_generate
 from .speculative.eagle_head import EagleConfig, EagleHead
 from .speculative.eagle_tree import EagleTree
 from .speculative.ngram import ngram_generate
-from .speculative.ngram_proposer import NgramSettings
+from .speculative.ngram_drafter import NgramSettings
 from .speculative.stats import SpeculativeStats
 from .speculative.suffix_cache import SuffixCache
 
@@ -71,6 +73,19 @@ def unregister() -> None:
 
 register()
 
+# names kept importable for one release after they left the public API: old name -> (current name, its object)
+_DEPRECATED = {"MedusaStats": ("SpeculativeStats", SpeculativeStats)}
+
+
+def __getattr__(name: str) -> object:
+    if name in _DEPRECATED:
+        current, value = _DEPRECATED[name]
+        warnings.warn(f"hf_accel.{name} is deprecated and will be removed in the next release: use "
+                      f"hf_accel.{current}", DeprecationWarning, stacklevel=2)
+        return value
+    raise AttributeError(f"module 'hf_accel' has no attribute {name!r}")
+
+
 __all__ = [
     "BlockPool",
     "CompletionOutput",
@@ -88,7 +103,6 @@ __all__ = [
     "Int8Linear",
     "MedusaConfig",
     "MedusaHeads",
-    "MedusaStats",
     "NgramSettings",
     "OutOfBlocksError",
     "PagedCache",

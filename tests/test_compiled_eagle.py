@@ -19,7 +19,7 @@ from test_medusa_sampling import NUM_PLAIN, PROMPT
 from transformers import CompileConfig
 
 from hf_accel import EagleHead, SpeculativeStats, eagle_generate
-from hf_accel.compiled import eagle_loop, speculation
+from hf_accel.compiled import eagle_loop, target_rounds
 from hf_accel.training.eagle_features import target_features
 from hf_accel.training.eagle_unroll import unrolled_hidden
 
@@ -205,7 +205,7 @@ def test_processors_decode_eagerly_with_a_warning():
 def test_where_graphs_are_captured_the_verify_and_both_head_passes_replay_one_per_shape(monkeypatch):
     """With CUDA graphs asked for (a GPU, mode "reduce-overhead"), the target's verify and the head's two kinds of
     pass (a draft step, the catch-up over the verify's features) each go through one captured graph per shape."""
-    RecordedGraph.install(monkeypatch, speculation, eagle_loop)
+    RecordedGraph.install(monkeypatch, target_rounds, eagle_loop)
     model = model_for("llama")
     inputs = _own_prompts(model, [5, 12, 3])
     out = _eagle(model, trained_head(model), inputs, min_draft_probability=0.0,  # every round drafts k tokens

@@ -19,7 +19,7 @@ from transformers.generation.streamers import BaseStreamer
 from conformance import PAD, make_model, make_prompts, weights_packed_while
 from hf_accel import OutOfBlocksError
 from hf_accel.cache.kv_shape import KVShape
-from hf_accel.compiled.loop import compiled_generate
+from hf_accel.compiled.decode_loop import compiled_generate
 from hf_accel.compiled.paged_rows import PagedRows
 from hf_accel.compiled.step import compile_context, compiled_verify_step
 from hf_accel.runtime.attention import ATTENTION_NAME, gathered_attention

@@ -9,7 +9,7 @@ import torch
 from transformers import CompileConfig
 
 from conformance import EOS, PAD, make_model, make_prompts
-from hf_accel.compiled import speculation
+from hf_accel.compiled import target_rounds
 from hf_accel.speculative.medusa import medusa_generate
 from hf_accel.speculative.stats import SpeculativeStats
 from test_medusa_generate import WIDE, heads_for
@@ -57,7 +57,7 @@ def test_compiled_medusa_on_a_sliding_window_model_and_with_the_gpu_rule(monkeyp
     model = _model("qwen2")  # a full and a sliding layer; prompts and outputs run past the window
     inputs = make_prompts([14, 25], seed=3)
     assert torch.equal(_medusa(model, inputs, tree=[(0,), (1,), (0, 0)]), _plain(model, inputs))
-    monkeypatch.setattr(speculation, "paged_tree_attention_kernel", lambda: None)  # decode_attention's tree rule
+    monkeypatch.setattr(target_rounds, "paged_tree_attention_kernel", lambda: None)  # decode_attention's tree rule
     assert torch.equal(_medusa(model, inputs, tree=[(0,), (1,), (0, 0)]), _plain(model, inputs))
 
 

@@ -14,8 +14,8 @@ from transformers.generation.streamers import BaseStreamer
 from conformance import PAD, make_draft_model, make_model, make_prompts
 from hf_accel import SpeculativeStats, SuffixCache, draft_generate, ngram_generate
 from hf_accel.compiled.spec_rows import RowTokens
-from hf_accel.compiled import captured_step, draft_loop, speculation
-from hf_accel.compiled.speculation import TargetRounds
+from hf_accel.compiled import captured_step, draft_loop, target_rounds
+from hf_accel.compiled.target_rounds import TargetRounds
 
 pytestmark = pytest.mark.compiled
 
@@ -165,7 +165,7 @@ def test_compiled_draft_model_with_the_gpu_attention_rule(monkeypatch):
     """Without the CPU kernel (a GPU), every compiled step attends through `decode_attention`, n queries per row,
     traced whole: still plain greedy's tokens (its windows and softcap are checked against the kernel in
     test_cuda_graphs.py)."""
-    monkeypatch.setattr(speculation, "paged_attention_kernel", lambda: None)
+    monkeypatch.setattr(target_rounds, "paged_attention_kernel", lambda: None)
     model = _model("llama")
     inputs = make_prompts([6, 17, 11], seed=3)
     stats = SpeculativeStats()
@@ -212,7 +212,7 @@ def test_where_graphs_are_captured_each_forward_shape_gets_one_and_replays_it(mo
     """With CUDA graphs asked for (a GPU, mode "reduce-overhead"), the target's verify (one graph per number of
     candidates) and plain steps, and the draft's pair and single steps, each go through one captured graph per
     shape, built once and called every round after."""
-    RecordedGraph.install(monkeypatch, speculation, draft_loop)
+    RecordedGraph.install(monkeypatch, target_rounds, draft_loop)
     model = _model("llama")
     inputs = make_prompts([6, 17, 11], seed=3, period=4)
     run = _ngram if method == "ngram" else _draft

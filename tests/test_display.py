@@ -55,14 +55,22 @@ def test_speculative_stats_display():
 
 
 def test_medusa_stats_display():
-    """Medusa fills the one `SpeculativeStats` record (`MedusaStats` names the same class): one row, 9 new tokens,
-    the prefill's first then 8 from 4 tree forwards, so 2.0 tokens per forward (the prefill is not counted)."""
-    assert hf_accel.MedusaStats is hf_accel.SpeculativeStats
-    stats = hf_accel.MedusaStats(num_target_forwards=4, num_draft_forwards=4, num_emitted=8, num_row_rounds=4,
-                                 num_new_tokens=9, proposed=[4, 2], accepted=[2, 1], draft_lengths=[5, 5, 3, 3])
+    """Medusa fills the one `SpeculativeStats` record: one row, 9 new tokens, the prefill's first then 8 from 4 tree
+    forwards, so 2.0 tokens per forward (the prefill is not counted)."""
+    stats = hf_accel.SpeculativeStats(num_target_forwards=4, num_draft_forwards=4, num_emitted=8, num_row_rounds=4,
+                                      num_new_tokens=9, proposed=[4, 2], accepted=[2, 1], draft_lengths=[5, 5, 3, 3])
     assert stats.acceptance_by_position == [0.5, 0.5]
     assert repr(stats) == ("SpeculativeStats(target_forwards=4, draft_forwards=4, tokens_emitted=8, "
                            "tokens_per_forward=2, acceptance_rate=0.5, acceptance_by_position=[0.5 0.5])")
+
+
+def test_medusa_stats_is_a_deprecated_name_for_speculative_stats():
+    """`hf_accel.MedusaStats` left the public API; for one release it still imports, warning with the new name."""
+    assert "MedusaStats" not in hf_accel.__all__
+    with pytest.warns(DeprecationWarning, match="hf_accel.MedusaStats.*hf_accel.SpeculativeStats"):
+        assert hf_accel.MedusaStats is hf_accel.SpeculativeStats
+    with pytest.raises(AttributeError, match="NoSuchName"):
+        hf_accel.NoSuchName  # noqa: B018
 
 
 def test_medusa_heads_display():

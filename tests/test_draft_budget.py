@@ -1,9 +1,10 @@
 """`DraftBudget`: the k that maximises expected tokens per unit of cost, its cap, trust per draft source, the
-off-switch when acceptance does not pay and the probe after it, and the measured cost of a round."""
+off-switch when acceptance does not pay and the probe after it, and its round costs per batch size (the model itself:
+test_round_cost.py)."""
 
 import pytest
 
-from hf_accel.speculative.draft_budget import DraftBudget, RoundCost
+from hf_accel.speculative.draft_budget import DraftBudget
 from hf_accel.speculative.suffix_cache import Draft
 
 
@@ -55,22 +56,6 @@ def test_trust_is_measured_per_draft_source():
     assert budget.choose(own, 1) == 8 and budget.choose(shared, 1) == 0
 
 
-def test_round_cost_is_learned_from_wall_time():
-    cost = RoundCost()
-    assert cost.relative(11, 1) == pytest.approx(1.6) and cost.relative(1, 1) == 1.0  # the prior: 0.3 + 0.03 / token
-    for seconds in (0.010, 0.030, 0.010):  # plain rounds: 10 ms (the median shrugs off a slow one)
-        cost.observe(1, 1, seconds)
-    for tokens in (3, 5, 9, 3):
-        cost.observe(tokens, 1, 0.012 + 0.001 * tokens)  # 12 ms more than plain, then 1 ms per token
-    assert cost.relative(11, 1) == pytest.approx(2.3)
-    assert cost.relative(4, 4) == 1.0
-    one_k = RoundCost()
-    for _ in range(3):
-        one_k.observe(1, 1, 0.010)
-    one_k.observe(5, 1, 0.015)  # rounds of one size only: the prior slope from there
-    assert one_k.relative(9, 1) == pytest.approx(1.5 + 0.03 * 4)
-
-
 def test_the_cap_on_k_doubles_after_paying_rounds_and_halves_after_a_miss():
     budget = DraftBudget(max_tokens=32, token_cost=0.0)
     draft = _drafts([1.0] * 32)
@@ -79,15 +64,6 @@ def test_the_cap_on_k_doubles_after_paying_rounds_and_halves_after_a_miss():
         ks.append(k := budget.choose(draft, 1))
         budget.update(draft, [int(k * accepted_share)], k=k, batch_size=1, seconds=None)
     assert ks == [8, 16, 32, 16] and budget.choose(draft, 1) == 32
-
-
-def test_timing_noise_cannot_make_a_speculating_round_free():
-    cost = RoundCost()
-    for _ in range(3):
-        cost.observe(4, 4, 0.010)
-    for tokens in (8, 20, 36):
-        cost.observe(tokens, 4, 0.009)  # speculating rounds timed faster than plain ones: noise
-    assert cost.relative(36, 4) == pytest.approx(1.2)  # never below 1 + MIN_EXTRA_COST: a tiny trust cannot pay
 
 
 def test_per_row_counts_verify_the_likeliest_candidates_of_the_whole_step():

@@ -1,4 +1,4 @@
-"""An EAGLE head exported as vLLM's EAGLE-3 draft (`hf_accel.export.eagle`): the tensors vLLM's
+"""An EAGLE head exported as vLLM's EAGLE-3 draft (`hf_accel.export.vllm_eagle`): the tensors vLLM's
 `Eagle3LlamaForCausalLM` loads, under the names its weight mapper expects, computing what vLLM's layer computes
 (re-derived here from vllm/model_executor/models/llama_eagle3.py with plain tensor ops); the config fields vLLM reads;
 `export_vllm`'s choice of what `serve.sh` speculates with; and the errors for heads vLLM cannot load."""
@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from hf_accel import EagleHead, MedusaHeads
-from hf_accel.export.eagle import export_vllm as export_eagle
+from hf_accel.export.vllm_eagle import export_vllm as export_eagle
 from hf_accel.export.vllm import export_vllm
 
 from test_export import float_model, run_serve_sh, tiny_folder

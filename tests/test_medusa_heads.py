@@ -11,7 +11,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from hf_accel.cache.paged import PagedCache
-from hf_accel.export.medusa import export_vllm
+from hf_accel.export.vllm_medusa import export_vllm
 from hf_accel.speculative.medusa_heads import MedusaConfig, MedusaHeads
 from hf_accel.speculative.tree import DEFAULT_TREE, build_tree, sparse_tree, tree_attention_mask, tree_position_ids
 from hf_accel.speculative.tree_cache import keep_tree_path

@@ -1,7 +1,7 @@
 """`hf_accel.ngram_generate`: greedy output equals plain greedy `generate` token for token (batch 1 and left-padded
 batches whose rows draft and accept different numbers of tokens, on DynamicCache and hf_accel's caches, several
 architectures), stopping is exact, a `SuffixCache` shared across calls drafts from earlier outputs, bad input is
-refused by name. Sampling is tested in test_ngram_sampling.py, the proposer in test_suffix_cache.py."""
+refused by name. Sampling is tested in test_ngram_sampling.py, the drafter in test_suffix_cache.py."""
 
 import threading
 

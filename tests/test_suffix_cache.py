@@ -1,4 +1,4 @@
-"""`SuffixCache` and `NgramProposer`, model-free: exact n-gram counts against brute force (sequences added whole and
+"""`SuffixCache` and `NgramDrafter`, model-free: exact n-gram counts against brute force (sequences added whole and
 grown token by token), the draft rule (most frequent continuation, probabilities as count ratios, the minimum
 probability, the length per matched token, the longer match on ties), prompt lookup on a sequence's own tokens (its
 last occurrence not counted, periodic text copied on), the shared cache beating a sequence's own matches, eviction."""
@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hf_accel import NgramSettings, SuffixCache
-from hf_accel.speculative.ngram_proposer import NgramProposer
+from hf_accel.speculative.ngram_drafter import NgramDrafter
 
 
 def _brute_counts(sequences, depth):
@@ -75,38 +75,38 @@ def test_no_match_gives_no_draft():
 
 
 def test_prompt_lookup_matches_earlier_occurrences_in_the_sequence_itself():
-    proposer = NgramProposer(NgramSettings(tokens_per_match=4, extra_tokens=0))
+    drafter = NgramDrafter(NgramSettings(tokens_per_match=4, extra_tokens=0))
     context = [10, 11, 12, 13, 14, 20, 21, 11, 12]
-    draft = proposer.propose(context, max_tokens=3)
+    draft = drafter.draft(context, max_tokens=3)
     assert draft.tokens == [13, 14, 20] and draft.match_length == 2
     assert draft.probabilities == pytest.approx([1.0, 1.0, 1.0])  # the occurrence at the end is not counted
-    assert proposer.propose(context + [30], max_tokens=3).tokens == []  # 30 never occurred before
-    assert proposer.num_seen == len(context) + 1
+    assert drafter.draft(context + [30], max_tokens=3).tokens == []  # 30 never occurred before
+    assert drafter.num_seen == len(context) + 1
 
 
 def test_prompt_lookup_copies_periodic_text_past_the_end():
-    proposer = NgramProposer(NgramSettings(tokens_per_match=8, extra_tokens=8))
-    draft = proposer.propose([7, 1, 2, 3, 1, 2, 3, 1], max_tokens=7)
+    drafter = NgramDrafter(NgramSettings(tokens_per_match=8, extra_tokens=8))
+    draft = drafter.draft([7, 1, 2, 3, 1, 2, 3, 1], max_tokens=7)
     assert draft.tokens == [2, 3, 1, 2, 3, 1, 2]  # the match at distance 3 runs into the end: copied on
 
 
 def test_frequency_counts_decide_between_earlier_continuations():
     context = [3, 1, 5, 4, 1, 5, 6, 1, 7, 8, 1]  # "1" before the end: followed by 5 twice, by 7 once
-    proposer = NgramProposer(NgramSettings(min_probability=0.0, tokens_per_match=1))
-    draft = proposer.propose(context, max_tokens=1)
+    drafter = NgramDrafter(NgramSettings(min_probability=0.0, tokens_per_match=1))
+    draft = drafter.draft(context, max_tokens=1)
     assert draft.tokens == [5] and draft.probabilities == pytest.approx([2 / 3])
-    cut = NgramProposer(NgramSettings(min_probability=0.7, tokens_per_match=1))
-    assert cut.propose(context, max_tokens=1).tokens == []
+    cut = NgramDrafter(NgramSettings(min_probability=0.7, tokens_per_match=1))
+    assert cut.draft(context, max_tokens=1).tokens == []
 
 
 def test_shared_cache_wins_when_it_expects_more_and_own_matches_on_ties():
     shared = SuffixCache()
     shared.add([3, 4, 5, 6, 7, 8])
-    proposer = NgramProposer(NgramSettings(tokens_per_match=8), shared)
-    draft = proposer.propose([1, 2, 3, 4], max_tokens=4)
+    drafter = NgramDrafter(NgramSettings(tokens_per_match=8), shared)
+    draft = drafter.draft([1, 2, 3, 4], max_tokens=4)
     assert draft.tokens == [5, 6, 7, 8] and draft.source == "shared"  # only the shared cache knows
-    own = NgramProposer(NgramSettings(tokens_per_match=8), shared)
-    draft = own.propose([3, 4, 9, 3, 4], max_tokens=4)
+    own = NgramDrafter(NgramSettings(tokens_per_match=8), shared)
+    draft = own.draft([3, 4, 9, 3, 4], max_tokens=4)
     assert draft.tokens == [9, 3, 4, 9] and draft.source == "own"  # 1.0 per token both: own wins
 
 

@@ -3,7 +3,7 @@
 
 inductor's own CUDA graphs (its cudagraph trees) do not fit this step: the K/V pool is an input written in place, so
 they skip the graph, and with torch 2.11's graph partitions the partitioned code failed to run (a size symbol missing
-from a partition's arguments; seen on an H100). So the step is compiled in inductor's default mode (fused kernels, no
+from a partition's arguments; docs/caches.md). So the step is compiled in inductor's default mode (fused kernels, no
 graphs: `step.inductor_mode`), and the decode loop captures that compiled step once per `generate` call into one CUDA
 graph over static token and position buffers, then replays it for every later token, as the engine's decode graphs do
 (`runtime/cuda_graphs.py`). Everything else the step reads (the pool, the block table, the sink window) keeps its
@@ -11,9 +11,9 @@ address for the whole call.
 
 Compiled speculation's forwards (the target's verify of 1 + k tokens per row, its plain step, a draft model's and
 an EAGLE head's passes) are captured the same way, one graph per input shape (`CapturedSteps`), once a shape has
-recurred: a capture costs two runs and the capture itself, and on an H200 capturing every shape at its first use made
-compiled `ngram_generate` of 64 tokens 1.56x slower than not capturing (its k varies widely), while draft and EAGLE
-rounds (k moves by one or two) gained about 10%. Sampled steps draw inside their graphs from the default generator,
+recurred: a capture costs two runs and the capture itself, so capturing every shape at its first use made compiled
+`ngram_generate` (whose k varies widely) slower than not capturing, while draft and EAGLE rounds (k moves by one or
+two) gained (docs/gpu_check.md has the measurements). Sampled steps draw inside their graphs from the default generator,
 whose offsets CUDA graphs advance per replay; the warm-up runs draw too, so a seeded sampled call on a GPU gives other
 (equally distributed) tokens than the same call without graphs.
 """

@@ -1,12 +1,12 @@
 """`draft_generate` with `compile_config`: the draft's forwards and the target's verify forward, all compiled.
 
-The draft gets its own static paged pool, prefilled with the prompts. A round of k drafts per row (k from
-`DraftLength`, as in the eager loop):
+The drafter (the draft model) gets its own static paged pool, prefilled with the prompts. A round of k candidates
+per row (k from `DraftLength`, as in the eager loop):
 - one compiled draft forward of 2 tokens per row, the token before the last and the last (positions `p - 1`, `p`):
   a row that accepted every candidate last round never fed the draft its final candidate, and feeding the pair always
   gives every row the same shape (rewriting a K/V that was already right costs nothing extra);
 - k - 1 compiled single-token draft steps, each on the previous draft token;
-- the target's compiled verify forward of the last token and the k drafts (`speculation.TargetRounds`).
+- the target's compiled verify forward of the last token and the k candidates (`target_rounds.TargetRounds`).
 Draft K/V past a row's accepted tokens are overwritten next round (rollback by position in both pools). Candidates
 stay on the device until the verify's outcome is read: one host synchronisation per round. Greedy output equals
 plain greedy `generate`. Sampling (temperature / top-k / top-p / min-p) is lossless as in the eager loop: the draft's
@@ -18,24 +18,24 @@ once that shape recurs (`captured_step.CapturedSteps`).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from transformers import GenerationConfig, PreTrainedModel
-from transformers.generation.streamers import BaseStreamer
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from ..registry import attention_implementation
 from ..runtime.attention import ATTENTION_NAME
+from ..speculative.chain_checks import check_draft_vocabulary
+from ..speculative.decoding import GenerateCall
+from ..speculative.draft import DraftOptions
 from ..speculative.draft_length import DraftLength
-from ..speculative.stats import SpeculativeStats
 from .captured_step import CapturedSteps, captures
 from .paged_rows import PagedRows
-from .speculation import TargetRounds, decode_forward, pool_for, prefill, verify_forward
-from .step import compiled_decode_step, compiled_verify_step, generate_context
+from .step import compiled_decode_step, compiled_verify_step
+from .target_rounds import TargetRounds, decode_forward, pool_for, prefill, verify_forward
 from .token_choice import draw
 
 
@@ -63,44 +63,36 @@ class DraftSteps:
                                                    sampled), captured))
 
 
-def compiled_draft_generate(model: PreTrainedModel, draft: PreTrainedModel, input_ids: torch.Tensor,
-                            attention_mask: torch.Tensor | None, config: GenerationConfig, length: DraftLength,
-                            stats: SpeculativeStats, streamer: BaseStreamer | None,
-                            warpers: tuple = ()) -> GenerateDecoderOnlyOutput | torch.LongTensor:
-    """Draft-model speculation with compiled forwards (see the module docstring), greedy or (with
-    `config.do_sample`) sampled after `warpers`; returns what `generate` returns (`past_key_values` None: the pools
-    live for the call only)."""
-    target = TargetRounds(model, input_ids, attention_mask, config, length.max_tokens, stats, streamer, warpers)
-    pool = pool_for(draft, target.prompts, target.outputs.max_new_tokens, length.max_tokens, config)
-    with contextlib.ExitStack() as stack:
-        for entered in (attention_implementation(model, ATTENTION_NAME),
-                        attention_implementation(draft, ATTENTION_NAME),
-                        generate_context(target.rows.device, config, model.dtype)):
-            stack.enter_context(entered)
-        prefill(draft, pool, target.prompts, target.attends.prefill)
-        steps = DraftSteps.compile(draft, pool, target, config)
-        sequences = target.run(lambda: _round(target, steps, length))
-    if not config.return_dict_in_generate:
-        return sequences
-    return GenerateDecoderOnlyOutput(sequences=sequences, past_key_values=None)
+def compiled_draft_generate(call: GenerateCall,
+                            options: DraftOptions) -> GenerateDecoderOnlyOutput | torch.LongTensor:
+    """Draft-model speculation with compiled forwards (see the module docstring), greedy or (with `do_sample`)
+    sampled after the call's warpers; returns what `generate` returns."""
+    draft, length = options.draft_model, options.length
+    check_draft_vocabulary(call.model, draft)
+    target = TargetRounds(call, length.max_tokens, options.draft_stats)
+    pool = pool_for(draft, target.prompts, target.outputs.max_new_tokens, length.max_tokens, call.generation_config)
+    steps = DraftSteps.compile(draft, pool, target, call.generation_config)
+    return target.run(lambda: _round(target, steps, length),
+                      lambda: prefill(draft, pool, target.prompts, target.attends.prefill),
+                      (attention_implementation(draft, ATTENTION_NAME),))
 
 
 def _round(target: TargetRounds, draft: DraftSteps, length: DraftLength) -> None:
-    """Draft k tokens per row, verify them, adapt k. Where no row may gain two tokens (the last round) the round still
-    verifies one draft, counted as no candidate, so that no target decode-step graph is compiled for that one
+    """Draft k candidates per row, verify them, adapt k. Where no row may gain two tokens (the last round) the round
+    still verifies one candidate, counted as none, so that no target decode-step graph is compiled for that one
     token."""
     k = length.next(max(target.outputs.remaining))
     generating = [not done for done in target.outputs.finished]
     counts = None if k else torch.zeros_like(target.positions)  # the last round: its one draft counts as none
-    candidates, draft_probs = _propose(target, draft, max(k, 1))
+    candidates, draft_probs = _draft(target, draft, max(k, 1))
     accepted = target.verify_round(candidates, counts, draft_probs)
     if k:
         target.stats.num_draft_forwards += k
         length.update(k, min(n for n, on in zip(accepted, generating) if on))
 
 
-def _propose(target: TargetRounds, draft: DraftSteps, k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`[rows, k]` draft tokens: a 2-token forward (the token before the last, the last), then k - 1 steps; when
+def _draft(target: TargetRounds, draft: DraftSteps, k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`[rows, k]` candidates: a 2-token forward (the token before the last, the last), then k - 1 steps; when
     sampling, also the `[rows, k, vocab]` distributions they were drawn from (else None)."""
     positions, sampled = target.positions, target.do_sample
     pair = torch.stack([target.previous, target.last], dim=1)  # [rows, 2] at positions - 1, positions

@@ -1,6 +1,6 @@
 """`eagle_generate` with `compile_config`: the target's verify forward and the head's passes, all compiled.
 
-The target runs as in the other compiled speculative loops (`speculation.TargetRounds`: a static paged pool, rows at
+The target runs as in the other compiled speculative loops (`target_rounds.TargetRounds`: a static paged pool, rows at
 their own positions, rollback by position), and its prefill and verify forwards also return the hidden states the
 head fuses. The head gets a static paged pool of its own (one layer, the same block layout), attended by the same
 paged attention op, and keeps the eager loop's entry rule (`speculative/eagle_draft.py`): the entry at position t
@@ -22,25 +22,23 @@ one per input shape once it recurs (`captured_step.CapturedSteps`).
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from transformers import CompileConfig, GenerationConfig, PreTrainedModel
-from transformers.generation.streamers import BaseStreamer
+from transformers import CompileConfig, PreTrainedModel
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from ..runtime.attention import ATTENTION_NAME, StepAttention
-from ..registry import attention_implementation
+from ..speculative.decoding import GenerateCall
 from ..speculative.draft_length import DraftLength
+from ..speculative.eagle import EagleOptions
 from ..speculative.eagle_head import EagleHead, token_embeddings
-from ..speculative.stats import SpeculativeStats
 from .captured_step import CapturedSteps, captures
 from .paged_rows import PagedRows, table_slots
-from .speculation import TargetRounds, pool_for
-from .step import compiled_with, generate_context
+from .step import compiled_with
+from .target_rounds import TargetRounds, pool_for
 
 
 def head_pass(model: PreTrainedModel, head: EagleHead, features: torch.Tensor, tokens: torch.Tensor,
@@ -176,42 +174,28 @@ class HeadRounds:
         self.last = HeadOutput(*self.catch_up_pass(features, next_tokens, start, accepted))
 
 
-def compiled_eagle_generate(model: PreTrainedModel, head: EagleHead, input_ids: torch.Tensor,
-                            attention_mask: torch.Tensor | None, config: GenerationConfig, length: DraftLength,
-                            min_probability: float, stats: SpeculativeStats, streamer: BaseStreamer | None,
-                            warpers: tuple = ()) -> GenerateDecoderOnlyOutput | torch.LongTensor:
-    """EAGLE speculation with compiled forwards (see the module docstring), greedy or (with `config.do_sample`)
-    sampled after `warpers`; returns what `generate` returns (`past_key_values` None: the pools live for the call
-    only)."""
-    target = TargetRounds(model, input_ids, attention_mask, config, length.max_tokens, stats, streamer, warpers,
-                          head.config.feature_layers)
-    layer_config = head.midlayer.self_attn.config
-    pool = pool_for(head, target.prompts, target.outputs.max_new_tokens, length.max_tokens, config, layer_config)
-    step = compiled_head_pass(config.compile_config, head, model)
-    rounds = HeadRounds(model, head, pool, target.attends.verify, step, min_probability, warpers, target.do_sample,
-                        captured=captures(pool.device, config.compile_config.mode))
-    with head_contexts(model, head, target.rows.device, config):
-        sequences = target.run(lambda: _round(target, rounds, length), lambda: rounds.start(
-            target.prompts, target.last, target.features))
-    if not config.return_dict_in_generate:
-        return sequences
-    return GenerateDecoderOnlyOutput(sequences=sequences, past_key_values=None)
-
-
-@contextlib.contextmanager
-def head_contexts(model: PreTrainedModel, head: EagleHead, device: torch.device,
-                  config: GenerationConfig) -> Iterator[None]:
-    """Around a compiled EAGLE loop of a `generate` call with `config`: the target's and the head's attention
-    through the paged pools, and the compile settings (`step.generate_context`)."""
-    with attention_implementation(model, ATTENTION_NAME), head.attention_implementation(ATTENTION_NAME), \
-            generate_context(device, config, model.dtype):
-        yield
+def compiled_eagle_generate(call: GenerateCall,
+                            options: EagleOptions) -> GenerateDecoderOnlyOutput | torch.LongTensor:
+    """EAGLE speculation with compiled forwards (see the module docstring), greedy or (with `do_sample`) sampled
+    after the call's warpers; returns what `generate` returns."""
+    model, head, length = call.model, options.eagle_head, options.length
+    head.check_compatible(model)
+    target = TargetRounds(call, length.max_tokens, options.eagle_stats, head.config.feature_layers)
+    pool = pool_for(head, target.prompts, target.outputs.max_new_tokens, length.max_tokens, call.generation_config,
+                    head.midlayer.self_attn.config)
+    compile_config = call.generation_config.compile_config
+    rounds = HeadRounds(model, head, pool, target.attends.verify, compiled_head_pass(compile_config, head, model),
+                        options.min_draft_probability, target.warpers, target.do_sample,
+                        captured=captures(pool.device, compile_config.mode))
+    return target.run(lambda: _round(target, rounds, length),
+                      lambda: rounds.start(target.prompts, target.last, target.features),
+                      (head.attention_implementation(ATTENTION_NAME),))
 
 
 def _round(target: TargetRounds, head: HeadRounds, length: DraftLength) -> None:
     """Draft with the head, verify, let the head read the verified features, adapt k. Where no row may gain two
-    tokens (the last round) the round still verifies the head's first draft, counted as no candidate (none can be
-    kept), so that no decode-step graph is compiled for that one token."""
+    tokens (the last round) the round still verifies the head's first candidate, counted as none (none can be kept),
+    so that no decode-step graph is compiled for that one token."""
     k = length.next(max(target.outputs.remaining))
     generating = [not done for done in target.outputs.finished]
     start = target.positions

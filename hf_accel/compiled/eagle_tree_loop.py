@@ -1,10 +1,10 @@
 """`eagle_generate` with `eagle_tree` and `compile_config`: EAGLE-2 trees grown by compiled head passes over the
 head's paged pool, verified in one compiled target forward, the accepted path moved into place (no cache copies).
 
-The target's side is compiled Medusa's (`speculation.TargetRounds` for the prefill and the rows, `step.tree_verify_step`
-for the verify, `tree_paths.py` for the greedy walk and the K/V move); the head keeps compiled EAGLE's pool and entry
-rule (`eagle_loop.py`: the entry at position t pairs the target's feature at t with the token at t + 1). A round, row
-`r` with its last token (the root) at position `p`:
+The target's side is compiled Medusa's (`target_rounds.TargetRounds` for the prefill and the rows,
+`step.tree_verify_step` for the verify, `tree_paths.py` for the greedy walk and the K/V move); the head keeps compiled
+EAGLE's pool and entry rule (`eagle_loop.py`: the entry at position t pairs the target's feature at t with the token at
+t + 1). A round, row `r` with its last token (the root) at position `p`:
 - the head's output at entry `p - 1` (kept from the last catch-up) gives the root's `top_k` children (depth 1);
 - growth (`eagle_tree.grow_tree`, the eager loop's rule: expand the `top_k` best nodes of the newest level, rerank
   the pool to the `total_tokens` best): level i's `top_k` entries (each expanded node's parent's output, its token)
@@ -25,17 +25,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from transformers import GenerationConfig, PreTrainedModel
-from transformers.generation.streamers import BaseStreamer
+from transformers import PreTrainedModel
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from ..runtime.attention import StepAttention
+from ..runtime.attention import ATTENTION_NAME, StepAttention
+from ..speculative.decoding import GenerateCall
+from ..speculative.eagle import EagleOptions
 from ..speculative.eagle_head import EagleHead
 from ..speculative.eagle_tree import EagleTree, grow_tree, top_children
-from ..speculative.stats import SpeculativeStats
-from .eagle_loop import HeadRounds, compiled_head_pass, head_contexts, head_entries, picked_output
+from .eagle_loop import HeadRounds, compiled_head_pass, head_entries, picked_output
 from .paged_rows import table_slots
-from .speculation import TargetRounds, pool_for
+from .target_rounds import TargetRounds, pool_for
 from .step import compiled_tree_verify_step, compiled_with
 from .tree_paths import children_lists, greedy_paths, keep_paths
 
@@ -68,26 +68,21 @@ def tree_catch_up(model: PreTrainedModel, head: EagleHead, features: torch.Tenso
     return hidden, *top_children(model, head, hidden, top_k)
 
 
-def compiled_eagle_tree_generate(model: PreTrainedModel, head: EagleHead, settings: EagleTree,
-                                 input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                                 config: GenerationConfig, stats: SpeculativeStats,
-                                 streamer: BaseStreamer | None) -> GenerateDecoderOnlyOutput | torch.LongTensor:
+def compiled_eagle_tree_generate(call: GenerateCall,
+                                 options: EagleOptions) -> GenerateDecoderOnlyOutput | torch.LongTensor:
     """Greedy EAGLE-2 decoding with compiled growth and verify (see the module docstring); returns what `generate`
-    returns (`past_key_values` None: the pools live for the call only)."""
-    target = TargetRounds(model, input_ids, attention_mask, config, settings.total_tokens, stats, streamer,
-                          feature_layers=head.config.feature_layers)
+    returns."""
+    model, head, settings = call.model, options.eagle_head, options.eagle_tree
+    head.check_compatible(model)
+    target = TargetRounds(call, settings.total_tokens, options.eagle_stats, head.config.feature_layers)
     # a round's growth writes (depth - 1) * top_k entries from a row's position, its catch-up depth + 1
     lookahead = max((settings.depth - 1) * settings.top_k, settings.depth)
-    pool = pool_for(head, target.prompts, target.outputs.max_new_tokens, lookahead, config,
+    pool = pool_for(head, target.prompts, target.outputs.max_new_tokens, lookahead, call.generation_config,
                     head.midlayer.self_attn.config)
     heads = HeadRounds(model, head, pool, target.attends.verify,
-                       compiled_head_pass(config.compile_config, head, model), 0.0)
+                       compiled_head_pass(call.generation_config.compile_config, head, model), 0.0)
     rounds = TreeRounds(target, heads, settings)
-    with head_contexts(model, head, target.rows.device, config):
-        sequences = target.run(rounds.step, rounds.start)
-    if not config.return_dict_in_generate:
-        return sequences
-    return GenerateDecoderOnlyOutput(sequences=sequences, past_key_values=None)
+    return target.run(rounds.step, rounds.start, (head.attention_implementation(ATTENTION_NAME),))
 
 
 @dataclass(slots=True)
@@ -125,11 +120,11 @@ class TreeRounds:
         predictions, features = self.verify(target.model, tree.tokens, start, tree.depths, tree.ancestors,
                                             target.rows.kv, target.rows.block_table, target.attends.tree,
                                             target.feature_layers)
-        proposed = tree.tokens.tolist()
-        paths = greedy_paths(children_lists(tree.child_table), proposed, predictions.tolist())
+        drafted = tree.tokens.tolist()
+        paths = greedy_paths(children_lists(tree.child_table), drafted, predictions.tolist())
         active = target._active()
-        keep_paths(target, paths, proposed, predictions, active)
-        self._read_paths(paths, proposed, target.last.tolist(), features, start, tree.depth)
+        keep_paths(target, paths, drafted, predictions, active)
+        self._read_paths(paths, drafted, target.last.tolist(), features, start, tree.depth)
         target.stats.num_draft_forwards += 1 + passes  # the catch-up, then one pass per grown level
         emitted = torch.tensor([len(path) for path in paths])
         target.stats.record_round(tree.depth, emitted - 1, emitted, torch.tensor(active), tree.num_nodes - 1)
@@ -142,7 +137,7 @@ class TreeRounds:
                           visible.contiguous(), heads.pool.kv, heads.pool.block_table, target.attends.tree,
                           self.settings.top_k)
 
-    def _read_paths(self, paths: list[list[int]], proposed: list[list[int]], last: list[int],
+    def _read_paths(self, paths: list[list[int]], drafted: list[list[int]], last: list[int],
                     features: torch.Tensor, start: torch.Tensor, depth: int) -> None:
         """The head's catch-up over each row's accepted path: entries `start .. start + depth` (a path shorter than
         the deepest tree repeats its last node; those entries are overwritten before they are read), read at the
@@ -150,7 +145,7 @@ class TreeRounds:
         width = depth + 1
         nodes, tokens = [], []
         for r, path in enumerate(paths):
-            after = [proposed[r][node] for node in path[1:]] + [last[r]]  # the token after each path node
+            after = [drafted[r][node] for node in path[1:]] + [last[r]]  # the token after each path node
             nodes.append(path + [path[-1]] * (width - len(path)))
             tokens.append(after + [after[-1]] * (width - len(path)))
         device = features.device

@@ -29,7 +29,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from ..cache.quantized import QuantizedKVCache, QuantizedKVLayer
 from ..registry import attention_implementation
-from .loop import Decode, stock_decoding, uncovered
+from .decode_loop import Decode, stock_decoding, uncovered
 from .quantized_rows import (
     ATTENTION_NAME,
     QuantizedRows,

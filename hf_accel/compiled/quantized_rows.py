@@ -13,18 +13,18 @@ flush happens at the same step for every row, a step the host knows in advance. 
     valid           [rows, S + Q] bool: which slots hold a real token (in the order attention reads them)
 
 One tensor per kind for all layers, so a step's graph reads nine tensors, not nine per layer (each input costs the
-compiled call's wrappers time). A decode step attends, per layer, the valid fp slots, the live history (whole
-groups up to `Tq`, at least 2: not the whole room) and the new token itself (attention is a sum over keys: their
-order does not matter); on CPU in fp32 through the C++ kernel `hf_accel::quantized_decode_attention`, which reads the
-packed codes where they lie, elsewhere by dequantizing the live history in the graph and calling sdpa. The step
-returns every layer's new K/V; the host then writes them at fp slot `w` (the next sink while the sinks fill, then
-the next residual slot: `w` just counts up) with one `index_copy_` per kind and marks the slot valid (`advance`: a write inside the graph would be a custom op call per layer, or a copy of the buffer).
-When the residual is full, the host quantizes it into the next `R` history tokens with the cache's own
-`ops.quantize` and moves its valid bits along (`flush`): the same groups of the same tokens the eager cache makes,
-so tokens equal eager `QuantizedKVCache`'s (logits up to float reassociation: attention sums the slots in another
-order; fp32 tests compare tokens). The prefill runs eagerly through the eager cache itself (`take` copies
-its state over).
-Layers of other kinds (sliding windows) have no place here: such models decode eagerly (`loop.uncovered`).
+compiled call's wrappers time). A decode step attends, per layer, the valid fp slots, the live history (whole groups up
+to `Tq`, at least 2: not the whole room) and the new token itself (attention is a sum over keys: their order does not
+matter); on CPU in fp32 through the C++ kernel `hf_accel::quantized_decode_attention`, which reads the packed codes
+where they lie, elsewhere by dequantizing the live history in the graph and calling sdpa. The step returns every layer's
+new K/V; the host then writes them at fp slot `w` (the next sink while the sinks fill, then the next residual slot: `w`
+just counts up) with one `index_copy_` per kind and marks the slot valid (`advance`: a write inside the graph would be a
+custom op call per layer, or a copy of the buffer). When the residual is full, the host quantizes it into the next `R`
+history tokens with the cache's own `ops.quantize` and moves its valid bits along (`flush`): the same groups of the same
+tokens the eager cache makes, so tokens equal eager `QuantizedKVCache`'s (logits up to float reassociation: attention
+sums the slots in another order; fp32 tests compare tokens). The prefill runs eagerly through the eager cache itself
+(`take` copies its state over). Layers of other kinds (sliding windows) have no place here: such models decode eagerly
+(`decode_loop.uncovered`).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from transformers import PreTrainedModel
 
 from ..cache.kv_shape import config_head_dim
 from ..cache.quantized import KEY_AXIS, VALUE_AXIS, QuantizedKVCache, QuantizedKVLayer
-from ..runtime.attention import attend_dense
+from ..runtime.attention import attend_dense, pool_attention
 from ..kernels.ops import quantized_attention_kernel
 from ..quant import ops
 from ..quant.ops import QuantizedTensor
@@ -205,42 +205,28 @@ def history_values(step: QuantizedStep, layer: int, dim: int) -> torch.Tensor:
     return (codes * scale + step.value_minimum[layer]).flatten(-2)
 
 
-def quantized_attention(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float | None = None,
-    dropout: float = 0.0,
-    softcap: float | None = None,
-    hf_accel_quantized: QuantizedStep | None = None,
-    hf_accel_mask: torch.Tensor | None = None,
-    hf_accel_written: list | None = None,
-    **kwargs,
-) -> tuple[torch.Tensor, None]:
+@pool_attention(ATTENTION_NAME, "hf_accel's compiled generate with the quantized cache", "hf_accel_quantized")
+def quantized_attention(layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
+                        sliding_window: int | None, softcap: float | None, step: QuantizedStep,
+                        hf_accel_mask: torch.Tensor, hf_accel_written: list, **kwargs) -> torch.Tensor:
     """`query` `[rows, heads, 1, head_dim]`, `key` / `value` `[rows, kv_heads, 1, head_dim]` (each row's new token)
     -> `[rows, 1, heads, head_dim]`: attention over every valid fp slot, the dequantized history and the new token
-    (`hf_accel_mask` `[rows, S + tokens + 1]`); the new K/V are appended to `hf_accel_written` for the host."""
-    if hf_accel_quantized is None:
-        raise ValueError(f"attention implementation {ATTENTION_NAME!r} runs only inside hf_accel's compiled "
-                         "generate with the quantized cache")
-    step, layer, rows = hf_accel_quantized, module.layer_idx, query.shape[0]
-    dtype, dim = step.fp_keys.dtype, step.fp_keys.shape[-1]
+    (`hf_accel_mask` `[rows, S + tokens + 1]`); the new K/V are appended to `hf_accel_written` for the host. Models
+    with sliding windows never get here (`decode_loop.uncovered`)."""
+    rows, dtype, dim = query.shape[0], step.fp_keys.dtype, step.fp_keys.shape[-1]
     key, value = key.to(dtype), value.to(dtype)
     hf_accel_written.append((key[:, :, 0], value[:, :, 0]))
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     own = slice(layer * rows, (layer + 1) * rows)
     if step.attend is not None and not softcap:  # the kernel reads the codes where they lie: [rows, heads, D]
         out = step.attend(query[:, :, 0].to(dtype), step.fp_keys[:, own], step.fp_values[:, own],
                           step.key_codes[layer], step.key_scale[layer], step.key_minimum[layer],
                           step.value_codes[layer], step.value_scale[layer], step.value_minimum[layer], step.valid,
                           key[:, :, 0], value[:, :, 0], scale)
-        return out[:, None].to(query.dtype), None
+        return out[:, None].to(query.dtype)
     keys = torch.cat((step.fp_keys[:, own].transpose(0, 1), history_keys(step, layer, dim), key), dim=2)
     values = torch.cat((step.fp_values[:, own].transpose(0, 1), history_values(step, layer, dim), value), dim=2)
     out = attend_dense(query.to(dtype), keys, values, hf_accel_mask[:, None, None, :], scale, softcap)
-    return out.transpose(1, 2).to(query.dtype), None
+    return out.transpose(1, 2).to(query.dtype)
 
 
 def quantized_decode_step(model: PreTrainedModel, tokens: torch.Tensor, positions: torch.Tensor,

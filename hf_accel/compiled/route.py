@@ -15,7 +15,7 @@ from typing import Any
 from transformers import GenerationConfig
 
 from .. import registry
-from .loop import compiled_generate
+from .decode_loop import compiled_generate
 from .quantized_loop import compiled_quantized_generate
 from .speculative_entry import COMPILED_ENTRIES
 
@@ -32,7 +32,7 @@ def route_generate(model: Any, kwargs: dict[str, Any]) -> None:
     if compile_config is None or _setting("disable_compile", kwargs, config, model):
         return
     custom = kwargs.get("custom_generate")
-    if callable(custom) and custom in COMPILED_ENTRIES:  # the speculative generators: their compiled loops
+    if callable(custom) and custom in COMPILED_ENTRIES:  # the speculative loops: their compiled entries
         kwargs["custom_generate"] = COMPILED_ENTRIES[custom]
         return
     name = registry.internal_cache_name(_setting("cache_implementation", kwargs, config, model),

@@ -2,141 +2,79 @@
 `route.py` puts in their place.
 
 Each entry has its eager function's signature (`functools.wraps`, so generate hands it the same keyword arguments)
-and runs the compiled loop (`ngram_loop.py`, `draft_loop.py`, `eagle_loop.py`, `medusa_loop.py`) when
-`speculation.speculation_uncovered` finds nothing against it; otherwise it warns, naming the reason, and calls the
+and checks the eager function's own arguments with the same record (`NgramOptions`, `DraftOptions`, `EagleOptions`,
+`MedusaOptions`: the same errors). It runs the compiled loop (`ngram_loop.py`, `draft_loop.py`, `eagle_loop.py` or
+`eagle_tree_loop.py`, `medusa_loop.py`) when its drafter's `uncovered` rule (`target_rounds.speculation_uncovered`,
+plus a tree rule for trees) finds nothing against the call; otherwise it warns, naming the reason, and calls the
 eager function with what it was given.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import warnings
 from collections.abc import Callable
 from typing import Any
 
-from ..speculative.chain_checks import check_draft_vocabulary
-from ..speculative.draft import draft_generate
-from ..speculative.draft_budget import DraftBudget
-from ..speculative.draft_length import DraftLength
-from ..speculative.ngram import check_ngram_options, ngram_generate
-from ..speculative.ngram_proposer import NgramSettings
-from ..speculative.stats import SpeculativeStats
-from ..speculative.eagle import check_probability, eagle_generate
-from ..speculative.eagle_head import EagleHead
-from ..speculative.eagle_tree import EagleTree
-from ..speculative.medusa import medusa_generate, trees_for
-from ..speculative.medusa_heads import MedusaHeads
+from transformers import PreTrainedModel
+
+from ..speculative.decoding import GenerateCall
+from ..speculative.draft import DraftOptions, draft_generate
+from ..speculative.eagle import EagleOptions, eagle_generate
+from ..speculative.medusa import MedusaOptions, medusa_generate
+from ..speculative.ngram import NgramOptions, ngram_generate
 from ..speculative.tree_cache import layer_groups
 from .draft_loop import compiled_draft_generate
 from .eagle_loop import compiled_eagle_generate
 from .eagle_tree_loop import compiled_eagle_tree_generate
 from .medusa_loop import compiled_medusa_generate
 from .ngram_loop import compiled_ngram_generate
-from .speculation import speculation_uncovered
+from .target_rounds import speculation_uncovered
 
 _POSITIONAL = ("model", "input_ids", "logits_processor", "stopping_criteria", "generation_config")
 
 
-def _options(eager: Callable, kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """`eager`'s own keyword options (given, else their defaults) and the rest of `kwargs` (the model inputs)."""
-    names = {name: param.default for name, param in inspect.signature(eager).parameters.items()
-             if name not in _POSITIONAL and param.kind is param.POSITIONAL_OR_KEYWORD}
-    options = {name: kwargs.get(name, default) for name, default in names.items()}
-    return options, {key: value for key, value in kwargs.items() if key not in names}
+@dataclasses.dataclass(frozen=True, slots=True)
+class CompiledLoop:
+    """How one eager speculative function runs compiled: its options record, why a call is not covered (None: it
+    is), and the compiled loop, both given the call and its checked options."""
+
+    eager: Callable
+    options: type
+    uncovered: Callable[[GenerateCall, Any], str | None]
+    run: Callable[[GenerateCall, Any], Any]
 
 
-def _eagerly(eager: Callable, reason: str, args: tuple, kwargs: dict[str, Any]) -> Any:
-    warnings.warn(f"hf_accel: compile_config is not applied to {eager.__name__} ({reason}); it decodes eagerly",
-                  UserWarning, stacklevel=4)
-    return eager(*args, **kwargs)
+def compiled_entry(loop: CompiledLoop) -> Callable:
+    """The callable that stands in for `loop.eager` under `compile_config` (see the module docstring)."""
+
+    @functools.wraps(loop.eager)
+    def entry(model, input_ids, logits_processor, stopping_criteria, generation_config, **kwargs):
+        call, options = _call(loop, (model, input_ids, logits_processor, stopping_criteria, generation_config), kwargs)
+        reason = loop.uncovered(call, options)
+        if reason is None:
+            return loop.run(call, options)
+        warnings.warn(f"hf_accel: compile_config is not applied to {loop.eager.__name__} ({reason}); it decodes "
+                      "eagerly", UserWarning, stacklevel=3)
+        return loop.eager(model, input_ids, logits_processor, stopping_criteria, generation_config, **kwargs)
+
+    return entry
 
 
-@functools.wraps(ngram_generate)
-def compiled_ngram_entry(model, input_ids, logits_processor, stopping_criteria, generation_config, **kwargs):
-    args = (model, input_ids, logits_processor, stopping_criteria, generation_config)
-    options, model_kwargs = _options(ngram_generate, kwargs)
-    reason = speculation_uncovered([model], generation_config, logits_processor, stopping_criteria, model_kwargs,
-                                   sampling=True)
-    if reason is not None:
-        return _eagerly(ngram_generate, reason, args, kwargs)
-    check_ngram_options(options["suffix_cache"], options["ngram_settings"], options["max_draft_tokens"],
-                        options["draft_token_cost"], options["ngram_stats"])
-    stats = options["ngram_stats"] if options["ngram_stats"] is not None else SpeculativeStats()
-    return compiled_ngram_generate(
-        model, input_ids, model_kwargs.get("attention_mask"), generation_config,
-        options["ngram_settings"] or NgramSettings(), options["suffix_cache"],
-        DraftBudget(options["max_draft_tokens"], options["draft_token_cost"]), stats, options["hf_accel_streamer"],
-        tuple(logits_processor) if generation_config.do_sample else ())
+def _call(loop: CompiledLoop, args: tuple, kwargs: dict[str, Any]) -> tuple[GenerateCall, Any]:
+    """The call as the eager function sees it (its own keyword options, given or default, apart from the model
+    inputs), and its options record."""
+    defaults = {name: param.default for name, param in inspect.signature(loop.eager).parameters.items()
+                if name not in _POSITIONAL and param.kind is param.POSITIONAL_OR_KEYWORD}
+    named = {name: kwargs.get(name, default) for name, default in defaults.items()}
+    options = loop.options(**{f.name: named[f.name] for f in dataclasses.fields(loop.options) if f.init})
+    model_kwargs = {key: value for key, value in kwargs.items() if key not in defaults}
+    return GenerateCall(*args, named["hf_accel_streamer"], model_kwargs), options
 
 
-@functools.wraps(draft_generate)
-def compiled_draft_entry(model, input_ids, logits_processor, stopping_criteria, generation_config, **kwargs):
-    args = (model, input_ids, logits_processor, stopping_criteria, generation_config)
-    options, model_kwargs = _options(draft_generate, kwargs)
-    draft = options["draft_model"]
-    if draft is None:  # the eager function raises the error that names the argument
-        return draft_generate(*args, **kwargs)
-    reason = speculation_uncovered([model, draft], generation_config, logits_processor, stopping_criteria,
-                                   model_kwargs, sampling=True)
-    if reason is not None:
-        return _eagerly(draft_generate, reason, args, kwargs)
-    check_draft_vocabulary(model, draft)
-    stats = options["draft_stats"] if options["draft_stats"] is not None else SpeculativeStats()
-    return compiled_draft_generate(
-        model, draft, input_ids, model_kwargs.get("attention_mask"), generation_config,
-        DraftLength(options["num_draft_tokens"], options["max_draft_tokens"]), stats, options["hf_accel_streamer"],
-        tuple(logits_processor) if generation_config.do_sample else ())
-
-
-@functools.wraps(eagle_generate)
-def compiled_eagle_entry(model, input_ids, logits_processor, stopping_criteria, generation_config, **kwargs):
-    args = (model, input_ids, logits_processor, stopping_criteria, generation_config)
-    options, model_kwargs = _options(eagle_generate, kwargs)
-    head = options["eagle_head"]
-    if not isinstance(head, EagleHead):  # the eager function raises the error that names the argument
-        return eagle_generate(*args, **kwargs)
-    tree = options["eagle_tree"]
-    if tree is not None and not isinstance(tree, EagleTree):  # the eager function raises the error naming it
-        return eagle_generate(*args, **kwargs)
-    reason = speculation_uncovered([model], generation_config, logits_processor, stopping_criteria, model_kwargs,
-                                   sampling=tree is None)  # sampled trees: the eager loop's lossless walk
-    if reason is None and tree is not None:
-        reason = _tree_uncovered(model, tree.total_tokens + 1)
-    if reason is not None:
-        return _eagerly(eagle_generate, reason, args, kwargs)
-    head.check_compatible(model)
-    min_probability = check_probability(options["min_draft_probability"])
-    stats = options["eagle_stats"] if options["eagle_stats"] is not None else SpeculativeStats()
-    if tree is not None:
-        return compiled_eagle_tree_generate(model, head, tree, input_ids, model_kwargs.get("attention_mask"),
-                                            generation_config, stats, options["hf_accel_streamer"])
-    return compiled_eagle_generate(
-        model, head, input_ids, model_kwargs.get("attention_mask"), generation_config,
-        DraftLength(options["num_draft_tokens"], options["max_draft_tokens"]), min_probability, stats,
-        options["hf_accel_streamer"], tuple(logits_processor) if generation_config.do_sample else ())
-
-
-@functools.wraps(medusa_generate)
-def compiled_medusa_entry(model, input_ids, logits_processor, stopping_criteria, generation_config, **kwargs):
-    args = (model, input_ids, logits_processor, stopping_criteria, generation_config)
-    options, model_kwargs = _options(medusa_generate, kwargs)
-    heads = options["medusa_heads"]
-    if not isinstance(heads, MedusaHeads):  # the eager function raises the error that names the argument
-        return medusa_generate(*args, **kwargs)
-    trees = trees_for(heads, options["medusa_tree"], options["medusa_adaptive"])
-    reason = speculation_uncovered([model], generation_config, logits_processor, stopping_criteria, model_kwargs)
-    if reason is None:
-        reason = _tree_uncovered(model, trees.whole.num_nodes)
-    if reason is not None:
-        return _eagerly(medusa_generate, reason, args, kwargs)
-    heads.check_compatible(model)
-    stats = options["medusa_stats"] if options["medusa_stats"] is not None else SpeculativeStats()
-    return compiled_medusa_generate(model, heads, trees, input_ids, model_kwargs.get("attention_mask"),
-                                    generation_config, stats, options["hf_accel_streamer"])
-
-
-def _tree_uncovered(model, num_nodes: int) -> str | None:
+def _tree_uncovered(model: PreTrainedModel, num_nodes: int) -> str | None:
     """Why a compiled tree verify of up to `num_nodes` nodes cannot run on `model` (the paged tree attention measures
     windows from a node's depth, inside windows longer than the tree), or None."""
     windows = [g.sliding_window for g in layer_groups(model.config) if g.sliding_window is not None]
@@ -145,5 +83,32 @@ def _tree_uncovered(model, num_nodes: int) -> str | None:
     return None
 
 
-COMPILED_ENTRIES = {ngram_generate: compiled_ngram_entry, draft_generate: compiled_draft_entry,
-                    eagle_generate: compiled_eagle_entry, medusa_generate: compiled_medusa_entry}
+def _ngram_uncovered(call: GenerateCall, options: NgramOptions) -> str | None:
+    return speculation_uncovered([call.model], call, sampling=True)
+
+
+def _draft_uncovered(call: GenerateCall, options: DraftOptions) -> str | None:
+    return speculation_uncovered([call.model, options.draft_model], call, sampling=True)
+
+
+def _eagle_uncovered(call: GenerateCall, options: EagleOptions) -> str | None:
+    tree = options.eagle_tree  # sampled trees: the eager loop's lossless walk
+    reason = speculation_uncovered([call.model], call, sampling=tree is None)
+    return reason if reason is not None or tree is None else _tree_uncovered(call.model, tree.total_tokens + 1)
+
+
+def _medusa_uncovered(call: GenerateCall, options: MedusaOptions) -> str | None:
+    reason = speculation_uncovered([call.model], call)  # sampled trees: the eager loop's lossless walk
+    return reason if reason is not None else _tree_uncovered(call.model, options.trees.whole.num_nodes)
+
+
+def _compiled_eagle(call: GenerateCall, options: EagleOptions) -> Any:
+    run = compiled_eagle_generate if options.eagle_tree is None else compiled_eagle_tree_generate
+    return run(call, options)
+
+
+LOOPS = (CompiledLoop(ngram_generate, NgramOptions, _ngram_uncovered, compiled_ngram_generate),
+         CompiledLoop(draft_generate, DraftOptions, _draft_uncovered, compiled_draft_generate),
+         CompiledLoop(eagle_generate, EagleOptions, _eagle_uncovered, _compiled_eagle),
+         CompiledLoop(medusa_generate, MedusaOptions, _medusa_uncovered, compiled_medusa_generate))
+COMPILED_ENTRIES = {loop.eager: compiled_entry(loop) for loop in LOOPS}

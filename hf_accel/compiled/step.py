@@ -19,6 +19,7 @@ import torch.fx.experimental._config as symbolic_config
 from transformers import GenerationConfig, PreTrainedModel
 from transformers.generation.configuration_utils import CompileConfig
 
+from ..cache.kv_shape import FULL_AND_SLIDING, KVShape
 from ..runtime.kv_pool import KVPool
 from ..runtime.frozen_graphs import compiled_for, freezing
 from ..runtime.dynamo import dynamo_settings
@@ -26,6 +27,18 @@ from ..runtime.attention import StepAttention
 from .paged_rows import decode_attention_inputs, table_slots
 from .sink_rows import SinkRows
 from .token_choice import choose_tokens
+
+
+def model_uncovered(model: PreTrainedModel) -> str | None:
+    """Why `model` cannot run the compiled steps (its attention not through transformers' `AttentionInterface`, or
+    K/V the paged pool cannot hold), or None when it can."""
+    if not getattr(model, "_supports_attention_backend", False):
+        return f"{type(model).__name__} does not use transformers' AttentionInterface"
+    try:
+        KVShape.from_config(model.config, FULL_AND_SLIDING)
+    except ValueError as error:
+        return str(error)
+    return None
 
 
 def decode_step(model: PreTrainedModel, tokens: torch.Tensor, positions: torch.Tensor, kv: KVPool,

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .speculation import TargetRounds
+from .target_rounds import TargetRounds
 
 
 def greedy_paths(children: Sequence[Sequence[Sequence[int]]], tokens: list[list[int]],

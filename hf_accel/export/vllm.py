@@ -24,9 +24,9 @@ from .. import reference
 from ..engine.limits import context_length
 from ..speculative.eagle_head import EagleHead
 from ..speculative.medusa_heads import MedusaHeads
-from .eagle import check_exportable
-from .eagle import export_vllm as export_eagle
-from .medusa import export_vllm as export_medusa
+from .vllm_eagle import check_exportable
+from .vllm_eagle import export_vllm as export_eagle
+from .vllm_medusa import export_vllm as export_medusa
 
 VLLM_VERSION = "0.32.0"
 REFERENCE_MODEL_DIR = reference.ASSETS_DIR / "target"

@@ -14,6 +14,7 @@ Grouped-query heads are folded into the query axis (no K/V repeat).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -42,31 +43,44 @@ class StepAttention:
     tree_mask: torch.Tensor | None = None
 
 
-def paged_attention(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float | None = None,
-    dropout: float = 0.0,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-    hf_accel_step: StepAttention | None = None,
-    **kwargs,
-) -> tuple[torch.Tensor, None]:
+def pool_attention(name: str, where: str, step_kwarg: str) -> Callable[[Callable[..., torch.Tensor]], Callable]:
+    """Decorator making `body` a function transformers' `AttentionInterface` calls.
+
+    transformers calls `(module, query, key, value, attention_mask, scaling=, dropout=, sliding_window=, softcap=,
+    **kwargs) -> (out, None)`; `body(layer, query, key, value, scale, sliding_window, softcap, step, **kwargs) -> out`
+    gets the module's `layer_idx`, `scaling` or else 1 / sqrt(head_dim), and `step`, the forward kwarg `step_kwarg`
+    (what one step of hf_accel's attention over a pool reads; `ValueError` when it is missing: the implementation
+    `name` runs only inside `where`); `kwargs` are the forward's other kwargs (`position_ids` and the like).
+    """
+
+    def wrap(body: Callable[..., torch.Tensor]) -> Callable:
+        @functools.wraps(body)
+        def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                      sliding_window: int | None = None, softcap: float | None = None,
+                      **kwargs) -> tuple[torch.Tensor, None]:
+            step = kwargs.pop(step_kwarg, None)
+            if step is None:
+                raise ValueError(f"attention implementation {name!r} runs only inside {where}")
+            scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+            return body(module.layer_idx, query, key, value, scale, sliding_window, softcap, step, **kwargs), None
+
+        return attention
+
+    return wrap
+
+
+@pool_attention(ATTENTION_NAME, "hf_accel.Engine steps", "hf_accel_step")
+def paged_attention(layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
+                    sliding_window: int | None, softcap: float | None, step: StepAttention, **kwargs) -> torch.Tensor:
     """`query` `[1, heads, num_tokens, head_dim]`, `key` / `value` `[1, kv_heads, num_tokens, head_dim]` (the step's
     new tokens) -> `[1, num_tokens, heads, head_dim]`."""
-    if hf_accel_step is None:
-        raise ValueError(f"attention implementation {ATTENTION_NAME!r} runs only inside hf_accel.Engine steps")
-    step, layer = hf_accel_step, module.layer_idx
     keys, values = step.kv.keys[layer], step.kv.values[layer]  # [kv_heads, num_blocks, block_size, head_dim]
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     args = (query[0].to(keys.dtype), key[0].to(keys.dtype), value[0].to(keys.dtype), keys, values, step.slots,
             step.block_table, step.query_start, step.kv_lengths, scale, sliding_window or step.full_window,
             softcap or 0.0)
     out = step.attend(*args) if step.tree_mask is None else step.attend(*args, step.tree_mask)
-    return out[None].to(query.dtype), None
+    return out[None].to(query.dtype)
 
 
 def gathered_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_pool: torch.Tensor,

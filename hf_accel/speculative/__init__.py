@@ -1,1 +1,2 @@
-"""Speculative decoding: candidate generators and their custom_generate entry points (draft model, Medusa heads)."""
+"""Speculative decoding in `generate`: the drafters (draft model, EAGLE head, Medusa heads, n-gram matcher), their
+`custom_generate` loops, and what those loops share (verification rules, the round cost model, the ragged batch)."""

@@ -1,10 +1,10 @@
-"""One chain of candidates per row, verified by one target forward: the rounds `draft_generate` and
-`ngram_generate` share (a generator only proposes the chain).
+"""One chain of candidates per row, verified by one target forward: the rounds `draft_generate`, `eagle_generate`
+and `ngram_generate` share (their drafters only make the chain).
 
 A round appends the row's newest token and its `k` candidates to the target's cache in one forward, scores the
 `k + 1` positions with the call's logits processors, keeps each row's accepted prefix (`verify.greedy_accept` /
 `verify.speculative_sample`), cuts it at the row's budget and at the first token a stopping criterion fires on,
-commits it (`RaggedBatch.commit`) and crops the target's cache to the new layout. Rows may propose fewer than `k`
+commits it (`RaggedBatch.commit`) and crops the target's cache to the new layout. Rows may draft fewer than `k`
 candidates (`num_candidates`): positions past a row's own are never accepted.
 """
 
@@ -14,7 +14,7 @@ import torch
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
 
-from .loop import Decoding
+from .decoding import Decoding
 from .ragged_batch import RaggedBatch
 from .verify import Verdict, greedy_accept, speculative_sample
 
@@ -50,7 +50,7 @@ def verify(decoding: Decoding, model: PreTrainedModel, cache: Cache, candidates:
     `history`: the compact tokens with the candidates after each row's history (`RaggedBatch.with_candidates`).
     `draft_probs`: `[batch, k, vocab]` the distributions the candidates were drawn from, when sampling; None:
     the candidates are deterministic (a one-hot distribution each). `num_candidates`: `[batch]` candidates each
-    row proposed (None: all `k`). Returns the verdict and the processed scores and raw logits of
+    row drafted (None: all `k`). Returns the verdict and the processed scores and raw logits of
     the `k + 1` positions, `[batch, k + 1, vocab]`.
     """
     ids, mask, positions = verify_inputs(decoding.batch, candidates)
@@ -75,7 +75,7 @@ def decide(decoding: Decoding, logits: torch.Tensor, candidates: torch.Tensor, h
     k = candidates.shape[1]
     scores = torch.stack([rules.process(batch.view(history, batch.history_lengths + j), logits[:, j].clone())
                           for j in range(k + 1)], dim=1)  # [batch, k + 1, vocab]
-    if k == 0:  # a plain step
+    if k == 0:  # a plain round
         chosen = rules.choose(scores[:, 0])
         return Verdict(torch.zeros_like(chosen), chosen[:, None]), scores, logits
     if rules.do_sample:

@@ -1,4 +1,4 @@
-"""What the chain generators (`draft_generate`, `ngram_generate`) refuse, by name, before they start."""
+"""What the chain loops (`draft_generate`, `ngram_generate`, `eagle_generate`) refuse, by name, before they start."""
 
 from __future__ import annotations
 
@@ -6,13 +6,13 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import get_layer_types_and_kwargs
 
 from ..cache.kv_shape import check_decoder_only
-from .loop import GenerateCall
+from .decoding import GenerateCall
 
 _IGNORED_MODEL_KWARGS = ("attention_mask", "position_ids", "past_key_values", "use_cache", "logits_to_keep")
 
 
 def check_call(call: GenerateCall, caller: str) -> None:
-    """Raise `ValueError` naming the option for anything a chain generator called `caller` does not support."""
+    """Raise `ValueError` naming the option for anything the chain loop `caller` does not support."""
     model, config, input_ids, model_kwargs = call.model, call.generation_config, call.input_ids, call.model_kwargs
     check_decoder_only(model.config, caller, "model")
     for name in ("num_beams", "num_beam_groups"):
@@ -34,10 +34,8 @@ def check_call(call: GenerateCall, caller: str) -> None:
         raise ValueError(f"{caller} does not support the model inputs {unknown}")
 
 
-def check_draft_model(call: GenerateCall, draft_model: PreTrainedModel | None) -> None:
+def check_draft_model(call: GenerateCall, draft_model: PreTrainedModel) -> None:
     """`draft_generate`'s checks: the call's, then the draft model's."""
-    if draft_model is None:
-        raise ValueError("draft_generate needs `draft_model=` (a small causal LM with the same tokenizer)")
     check_call(call, "draft_generate")
     check_draft_vocabulary(call.model, draft_model)
     if not draft_model._supports_logits_to_keep():

@@ -2,10 +2,11 @@
 
     out = model.generate(**inputs, custom_generate=hf_accel.draft_generate, draft_model=draft)
 
-Each round the draft proposes k tokens (k adapts, `DraftLength`), the target scores them in one forward, and
-`verify.greedy_accept` / `verify.speculative_sample` keep a prefix per row. Rows keep their own lengths through
-holes in the cache layout (`RaggedBatch`), so both caches are only ever cropped, every row alike. Logits processors
-and stopping criteria see each row's compact tokens, one accepted token at a time: nothing past a stop is kept.
+Each round the drafter (a small draft model) drafts k candidates per row (k adapts, `DraftLength`), the target scores
+them in one forward, and `verify.greedy_accept` / `verify.speculative_sample` keep a prefix per row. Rows keep their
+own lengths through holes in the cache layout (`RaggedBatch`), so both caches are only ever cropped, every row alike.
+Logits processors and stopping criteria see each row's compact tokens, one accepted token at a time: nothing past a
+stop is kept.
 
 With `compile_config=CompileConfig(...)` the draft's and the target's forwards run compiled over static paged pools,
 rejected tokens rolled back in place (`compiled/draft_loop.py`; `compiled/route.py` puts its entry in this
@@ -15,7 +16,7 @@ not cover (other logits processors, other stopping criteria, scores) come back h
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -23,11 +24,28 @@ from transformers import DynamicCache, GenerationConfig, LogitsProcessorList, Pr
 from transformers.cache_utils import Cache
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from . import chain, loop
+from . import chain
 from .chain_checks import check_draft_model
+from .decoding import Decoding, GenerateCall
 from .draft_length import DraftLength
-from .loop import Decoding, GenerateCall
 from .stats import SpeculativeStats
+
+
+@dataclass(slots=True)
+class DraftOptions:
+    """`draft_generate`'s own arguments (see its docstring), checked (`ValueError` naming the wrong one), with the
+    call's `DraftLength`."""
+
+    draft_model: PreTrainedModel | None
+    num_draft_tokens: int
+    max_draft_tokens: int
+    draft_stats: SpeculativeStats | None
+    length: DraftLength = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.length = DraftLength(self.num_draft_tokens, self.max_draft_tokens)
+        if self.draft_model is None:
+            raise ValueError("draft_generate needs `draft_model=` (a small causal LM with the same tokenizer)")
 
 
 @dataclass(slots=True)
@@ -44,30 +62,21 @@ class DraftRun:
 
 
 @dataclass(slots=True)
-class Proposal:
-    """One round's drafts: `tokens` `[batch, k]`, the distributions they were sampled from (`probs`,
-    `[batch, k, vocab]`, None for greedy or k == 0), and the compact tokens with the drafts after each row's history
-    (`history`, `[batch, prompt_width + max_new_tokens + 1 + k]`)."""
+class RoundCandidates:
+    """One round's candidates: `tokens` `[batch, k]`, the distributions they were sampled from (`probs`,
+    `[batch, k, vocab]`, None for greedy or k == 0), and the compact tokens with the candidates after each row's
+    history (`history`, `[batch, prompt_width + max_new_tokens + 1 + k]`)."""
 
     tokens: torch.Tensor
     probs: torch.Tensor | None
     history: torch.Tensor
 
 
-def draft_generate(
-    model: PreTrainedModel,
-    input_ids: torch.LongTensor,
-    logits_processor: LogitsProcessorList,
-    stopping_criteria: StoppingCriteriaList,
-    generation_config: GenerationConfig,
-    draft_model: PreTrainedModel | None = None,
-    num_draft_tokens: int = 4,
-    max_draft_tokens: int = 16,
-    draft_stats: SpeculativeStats | None = None,
-    tokenizer: Any = None,
-    hf_accel_streamer: Any = None,
-    **model_kwargs: Any,
-) -> GenerateDecoderOnlyOutput | torch.LongTensor:
+def draft_generate(model: PreTrainedModel, input_ids: torch.LongTensor, logits_processor: LogitsProcessorList,
+                   stopping_criteria: StoppingCriteriaList, generation_config: GenerationConfig,
+                   draft_model: PreTrainedModel | None = None, num_draft_tokens: int = 4, max_draft_tokens: int = 16,
+                   draft_stats: SpeculativeStats | None = None, tokenizer: Any = None, hf_accel_streamer: Any = None,
+                   **model_kwargs: Any) -> GenerateDecoderOnlyOutput | torch.LongTensor:
     """Speculative decoding with a small draft model; pass as `model.generate(..., custom_generate=draft_generate)`.
 
     Greedy output equals plain greedy `generate`; sampling is lossless (speculative sampling). Works at any batch
@@ -77,8 +86,8 @@ def draft_generate(
 
     Args:
         draft_model: the draft; same tokenizer and vocabulary as `model`.
-        num_draft_tokens: draft length of the first round; later rounds adapt (`DraftLength`).
-        max_draft_tokens: the longest draft a round may propose.
+        num_draft_tokens: candidates per row of the first round; later rounds adapt (`DraftLength`).
+        max_draft_tokens: the most candidates a round may draft per row.
         draft_stats: a `SpeculativeStats` to add this call's counters to (target forwards, acceptance per position).
         tokenizer: needed by `stop_strings` (generate hands it only to callables that name it).
         hf_accel_streamer: the `streamer=` of `generate` (hf_accel's registry forwards it under this name).
@@ -88,30 +97,30 @@ def draft_generate(
     `pad_token_id`), or a `GenerateDecoderOnlyOutput` with `scores` / `logits` / `past_key_values` when asked. At
     batch size > 1 the returned cache holds holes (see `RaggedBatch`) and cannot be continued from.
     """
+    options = DraftOptions(draft_model, num_draft_tokens, max_draft_tokens, draft_stats)
     call = GenerateCall(model, input_ids, logits_processor, stopping_criteria, generation_config, hf_accel_streamer,
                         model_kwargs)
-    run = _start(call, draft_model, DraftLength(num_draft_tokens, max_draft_tokens), draft_stats)
-    loop.run(run.decoding, lambda: chain.prefill(run.decoding, run.target, run.target_cache), lambda _: _round(run),
-             (run.target, run.draft))
-    return loop.output(run.decoding, generation_config, run.target_cache)
+    run = _start(call, options)
+    run.decoding.run(lambda: chain.prefill(run.decoding, run.target, run.target_cache), lambda _: _round(run),
+                     (run.target, run.draft))
+    return run.decoding.output(generation_config, run.target_cache)
 
 
-def _start(call: GenerateCall, draft_model: PreTrainedModel | None, length: DraftLength,
-           stats: SpeculativeStats | None) -> DraftRun:
-    check_draft_model(call, draft_model)
-    decoding = loop.start(call, stats)
+def _start(call: GenerateCall, options: DraftOptions) -> DraftRun:
+    check_draft_model(call, options.draft_model)
+    decoding = Decoding.start(call, options.draft_stats)
     cache = call.model_kwargs["past_key_values"]
     cache.activate_past_recording()  # sliding-window layers must keep what a crop may take back
-    return DraftRun(decoding, call.model, draft_model, cache, DynamicCache(), length)
+    return DraftRun(decoding, call.model, options.draft_model, cache, DynamicCache(), options.length)
 
 
 def _round(run: DraftRun) -> None:
-    """Draft k tokens, verify them in one target forward, keep each row's accepted prefix."""
+    """Draft k candidates per row, verify them in one target forward, keep each row's accepted prefix."""
     batch = run.decoding.batch
     k = run.length.next(int(batch.remaining.max()))
-    proposal = _propose(run, k)
-    verdict, scores, logits = chain.verify(run.decoding, run.target, run.target_cache, proposal.tokens,
-                                           proposal.history, proposal.probs)
+    drafted = _draft(run, k)
+    verdict, scores, logits = chain.verify(run.decoding, run.target, run.target_cache, drafted.tokens,
+                                           drafted.history, drafted.probs)
     fewest_accepted = int(verdict.num_accepted[batch.unfinished].min())
     width_before = batch.width
     most = chain.keep(run.decoding, run.target_cache, verdict, scores, logits, k=k, record=True)
@@ -122,13 +131,13 @@ def _round(run: DraftRun) -> None:
     run.length.update(k, fewest_accepted)
 
 
-def _propose(run: DraftRun, k: int) -> Proposal:
-    """`k` draft tokens per row, one draft forward each (the first also catches up on columns it has not seen)."""
+def _draft(run: DraftRun, k: int) -> RoundCandidates:
+    """`k` candidates per row, one draft forward each (the first also catches up on columns it has not seen)."""
     batch, rules = run.decoding.batch, run.decoding.rules
     candidates = batch.columns.new_full((batch.columns.shape[0], k), batch.pad_token_id)
     tokens, probs = batch.with_candidates(candidates), []
     if k == 0:
-        return Proposal(candidates, None, tokens)
+        return RoundCandidates(candidates, None, tokens)
     start = run.draft_length_seen
     ids, mask, positions = batch.columns[:, start:], batch.mask, batch.positions[:, start:]
     for j in range(k):
@@ -144,5 +153,5 @@ def _propose(run: DraftRun, k: int) -> Proposal:
         ids, positions = token[:, None], positions[:, -1:] + 1
         mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=1)
     run.decoding.stats.num_draft_forwards += k
-    run.draft_length_seen = batch.width + k - 1  # the last draft token was never forwarded
-    return Proposal(candidates, torch.stack(probs, dim=1) if probs else None, tokens)
+    run.draft_length_seen = batch.width + k - 1  # the last candidate was never forwarded
+    return RoundCandidates(candidates, torch.stack(probs, dim=1) if probs else None, tokens)

@@ -1,11 +1,10 @@
 """How many candidates a model-free round verifies: the k that maximises expected tokens per second. Plain Python.
 
-Each round every generating row brings a draft whose tokens carry estimated probabilities (that the token and all
-before it are accepted, `suffix_cache.Draft`). With k candidates per row, row r expects to gain
-`1 + trust(source_r) * sum(p_r[:k])` tokens and the round costs `cost(batch * (k + 1) tokens forwarded)` plain rounds. k = 0 is
-a plain decode step, and it is the off-switch: where measured acceptance makes extra candidates cost more than they
-gain (by a `MARGIN`: a round that merely breaks even on noisy estimates is not worth its risk), no candidate is
-verified.
+Each round every generating row brings a draft whose tokens carry estimated probabilities (that the token and all before
+it are accepted, `suffix_cache.Draft`). With k candidates per row, row r expects to gain `1 + trust(source_r) *
+sum(p_r[:k])` tokens and the round costs `cost(batch * (k + 1) tokens forwarded)` plain rounds. k = 0 is a plain decode
+step, and it is the off-switch: where measured acceptance makes extra candidates cost more than they gain (by a
+`MARGIN`: a round that merely breaks even on noisy estimates is not worth its risk), no candidate is verified.
 
 - `trust(source)`: measured accepted / expected accepted of the drafts from one source (a row's own tokens, the shared
   cache, ...: their counts are not equally reliable), over recent rounds (sums decayed by `DECAY` per round the source
@@ -19,63 +18,22 @@ verified.
 - per row (`choose_counts`, the engine's packed steps, where rows need not verify equally many): every row's
   candidates ranked by trusted probability (a row's run in order: its probabilities never rise), and the round
   verifies the best-ranked prefix of that ranking that maximises expected tokens per cost; the cap bounds each row.
-- cost: a speculating round's seconds relative to a plain round's (`RoundCost`, one per batch size: a packed step of
-  4 rows is a different round from one of 1): the median of recent plain rounds,
-  and a least squares line of speculating rounds' seconds on the tokens they forward (on CPU a forward of more than
-  one token per row costs a step up: a matrix product instead of a matrix-vector one, more logits, a materialised
-  causal mask). The line needs 3 rounds (before: the prior slope through their mean); its slope is never negative and
-  a speculating round never counts cheaper than `1 + MIN_EXTRA_COST` (timing noise on a shared machine). Until
-  measured, the prior `1 + PRIOR_JUMP + PRIOR_TOKEN_COST * extra tokens` (CPU-like). Or fixed: `token_cost`, the
-  extra cost of one candidate per row relative to a plain step (0: speculate whenever a draft exists).
+- cost: what a round of that many rows costs relative to a plain round (`round_cost.RoundCost`, one per batch size,
+  measured from the rounds' wall time; a prior until measured). Or fixed: `token_cost`, the extra cost of one
+  candidate per row relative to a plain round (0: speculate whenever a draft exists).
 """
 
 from __future__ import annotations
 
-import statistics
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from .round_cost import RoundCost
 from .suffix_cache import Draft
 
 DECAY, PRIOR_WEIGHT = 0.9, 1.0
 FIRST_PROBE_INTERVAL, MAX_PROBE_INTERVAL, PROBE_TOKENS, FIRST_CAP = 4, 128, 4, 8
-PRIOR_JUMP, PRIOR_TOKEN_COST, COST_DECAY, MIN_FIT_ROUNDS, PLAIN_WINDOW = 0.3, 0.03, 0.95, 3, 16
-MIN_EXTRA_COST = 0.2  # a speculating round is never counted cheaper than this over a plain one (timing noise)
-MARGIN = 0.1  # speculate only where expected tokens per second beat a plain step's by this much (estimates are noisy)
-
-
-@dataclass(slots=True)
-class RoundCost:
-    """A round's seconds relative to a plain round's (see the module docstring): plain rounds' median over the last
-    `PLAIN_WINDOW` (robust to a slow round on a shared machine), and a line through speculating rounds, whose weights
-    decay by `COST_DECAY` per observation."""
-
-    plain: deque[float] = field(default_factory=lambda: deque(maxlen=PLAIN_WINDOW))  # seconds of plain rounds
-    sums: list[float] = field(default_factory=lambda: [0.0] * 5)  # speculating rounds: weight, x, y, xx, xy
-    num_speculating: int = 0
-
-    def observe(self, tokens: int, base: int, seconds: float) -> None:
-        """A round that forwarded `tokens` tokens (`base`: one per row, a plain round) in `seconds`."""
-        if tokens == base:
-            self.plain.append(seconds)
-            return
-        for i, value in enumerate((1.0, tokens, seconds, tokens * tokens, tokens * seconds)):
-            self.sums[i] = self.sums[i] * COST_DECAY + value
-        self.num_speculating += 1
-
-    def relative(self, tokens: int, base: int) -> float:
-        """Cost of a round forwarding `tokens` tokens over a plain round's (`base` tokens)."""
-        if tokens == base:
-            return 1.0
-        w, x, y, xx, xy = self.sums
-        if len(self.plain) < MIN_FIT_ROUNDS or w < 1.0:  # not measured yet
-            return 1.0 + PRIOR_JUMP + PRIOR_TOKEN_COST * (tokens - base)
-        plain = statistics.median(self.plain)
-        spread = w * xx - x * x
-        fitted = self.num_speculating >= MIN_FIT_ROUNDS and spread > 1e-9 * w * xx  # rounds of several sizes
-        slope = max((w * xy - x * y) / spread, 0.0) if fitted else PRIOR_TOKEN_COST * plain
-        return max((y + slope * (tokens * w - x)) / (w * plain), 1.0 + MIN_EXTRA_COST)
+MARGIN = 0.1  # speculate only where expected tokens per second beat a plain round's by this much (estimates are noisy)
 
 
 @dataclass(slots=True)
@@ -84,7 +42,7 @@ class DraftBudget:
 
     Args:
         max_tokens: the longest chain a round verifies.
-        token_cost: fixed extra cost of one candidate per row, relative to a plain step; None: measured.
+        token_cost: fixed extra cost of one candidate per row, relative to a plain round; None: measured.
     """
 
     max_tokens: int = 32

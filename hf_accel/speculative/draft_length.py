@@ -1,4 +1,4 @@
-"""Adaptive draft length: how many tokens the draft proposes next round."""
+"""Adaptive draft length: how many candidates a chain drafter (draft model, EAGLE head) drafts per row next round."""
 
 from __future__ import annotations
 
@@ -7,13 +7,13 @@ from dataclasses import dataclass
 
 @dataclass(slots=True)
 class DraftLength:
-    """Draft length k for the next round, adapted after every round.
+    """Candidates per row k for the next round, adapted after every round.
 
     Rule (transformers' "heuristic" schedule, extended to batches): when every generating row accepted all k
-    drafts, k grows by 2 (up to `max_tokens`); otherwise it shrinks by 1 (down to 1). At batch size > 1 the worst
-    row decides: the verification forward scores rows x (k + 1) tokens, and once that is compute-bound (CPU, or
-    large batches) drafts that only one row keeps cost more than they save (measured: letting the best row decide
-    made batch 4 on the reference pair 0.6x plain decoding). `num_tokens` is the starting k.
+    candidates, k grows by 2 (up to `max_tokens`); otherwise it shrinks by 1 (down to 1). At batch size > 1 the
+    worst row decides: the verification forward scores rows x (k + 1) tokens, and once that is compute-bound (CPU,
+    or large batches) candidates that only one row keeps cost more than they save (docs/speculative.md, "Adaptive
+    draft length"). `num_tokens` is the starting k.
     """
 
     num_tokens: int = 4
@@ -23,14 +23,16 @@ class DraftLength:
         if self.max_tokens < 1:
             raise ValueError(f"`max_draft_tokens` must be >= 1, got {self.max_tokens}")
         if not 1 <= self.num_tokens <= self.max_tokens:
-            raise ValueError(f"`num_draft_tokens` must be in 1..max_draft_tokens={self.max_tokens}, got {self.num_tokens}")
+            raise ValueError(f"`num_draft_tokens` must be in 1..max_draft_tokens={self.max_tokens}, got "
+                             f"{self.num_tokens}")
 
     def next(self, budget: int) -> int:
         """k for a round in which no row may gain more than `budget` tokens (k + 1 tokens at most)."""
         return max(min(self.num_tokens, budget - 1), 0)
 
     def update(self, k: int, fewest_accepted: int) -> None:
-        """After a round that proposed `k` drafts, every generating row accepting at least `fewest_accepted`."""
+        """After a round that drafted `k` candidates per row, every generating row accepting at least
+        `fewest_accepted`."""
         if k == 0:
             return
         if fewest_accepted >= k:

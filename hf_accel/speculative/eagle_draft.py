@@ -50,7 +50,8 @@ class HeadState:
         positions = batch.positions[:, -1:] + index
         mask = None
         if not batch.is_dense:  # every draft entry is real; the cached slots are real where the batch's are
-            valid = torch.cat([batch.mask[:, :-1].bool(), batch.mask.new_ones(batch.mask.shape[0], index + 1).bool()], 1)
+            drafts = batch.mask.new_ones(batch.mask.shape[0], index + 1)
+            valid = torch.cat([batch.mask[:, :-1].bool(), drafts.bool()], 1)
             mask = slot_mask(valid, 1, self.head.dtype)
         out = self.head(hidden[:, None], token_embeddings(model, token[:, None]), positions, mask, self.cache)
         return out[:, 0]

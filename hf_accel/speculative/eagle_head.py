@@ -14,7 +14,7 @@ RoPE and attention match) is EAGLE-3's:
 and the head's own final `norm` plus the target's frozen LM head read `out` out (`logits`). The target's embedding
 and LM head are never copied: a head is used with the model it was trained for. With a Llama target the weights
 are vLLM's `Eagle3LlamaForCausalLM` checkpoint under their own names (`fc`, `midlayer.*`, `norm`; see
-`hf_accel.export.eagle`), so vLLM drafts with it what `eagle_generate` drafts.
+`hf_accel.export.vllm_eagle`), so vLLM drafts with it what `eagle_generate` drafts.
 
 Saved as `eagle_head.safetensors` + `eagle_config.json` (see `EagleConfig`).
 """
@@ -23,19 +23,18 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import json
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
 
 from ..display import RichDisplay
+from .head_files import read_head, save_head, stored_dtype
 
 CONFIG_NAME = "eagle_config.json"
 WEIGHTS_NAME = "eagle_head.safetensors"
@@ -198,27 +197,19 @@ class EagleHead(RichDisplay, nn.Module):
 
     def save_pretrained(self, save_directory: str | Path) -> None:
         """Write `eagle_head.safetensors` and `eagle_config.json` into `save_directory` (created if needed)."""
-        folder = Path(save_directory)
-        folder.mkdir(parents=True, exist_ok=True)
-        tensors = {name: tensor.detach().contiguous().cpu() for name, tensor in self.state_dict().items()}
-        save_file(tensors, folder / WEIGHTS_NAME, metadata={"format": "pt"})
-        (folder / CONFIG_NAME).write_text(json.dumps(asdict(self.config), indent=2) + "\n")
+        save_head(self, self.config, save_directory, WEIGHTS_NAME, CONFIG_NAME)
 
     @classmethod
     def from_pretrained(cls, save_directory: str | Path, model: PreTrainedModel,
                         dtype: torch.dtype | None = None) -> EagleHead:
         """Load a head written by `save_pretrained` for `model` (the target it was trained for), on the model's
         device, in `dtype` (default: the dtype it was stored in)."""
-        folder = Path(save_directory)
-        if not (folder / CONFIG_NAME).is_file():
-            raise FileNotFoundError(f"no {CONFIG_NAME} in {folder}")
-        config = EagleConfig(**json.loads((folder / CONFIG_NAME).read_text()))
         device = model.get_output_embeddings().weight.device
-        state = load_file(folder / WEIGHTS_NAME, device=str(device))
+        fields, state = read_head(save_directory, WEIGHTS_NAME, CONFIG_NAME, device)
         if "input_fc.weight" in state:
-            raise ValueError(f"{folder} holds an EAGLE head of hf_accel's earlier layout (`input_fc`); heads now use "
-                             "EAGLE-3's layer (vLLM's layout): retrain it with `hf_accel.train_eagle`")
-        head = cls(config, model).to(device=device, dtype=dtype or next(iter(state.values())).dtype)
+            raise ValueError(f"{save_directory} holds an EAGLE head of hf_accel's earlier layout (`input_fc`); heads "
+                             "now use EAGLE-3's layer (vLLM's layout): retrain it with `hf_accel.train_eagle`")
+        head = cls(EagleConfig(**fields), model).to(device=device, dtype=dtype or stored_dtype(state))
         head.load_state_dict(state)
         head.check_compatible(model)
         return head.eval()

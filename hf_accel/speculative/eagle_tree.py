@@ -61,9 +61,9 @@ class EagleTree:
 class DraftTree:
     """One verified tree per row, node 0 the root, parents before children (what `walk_tree` / `tree_masks` read).
 
-    `tokens`, `depths`, `scores` (cumulative draft log probability, 0 at the root): `[batch, num_nodes]`; `ancestors`: `[batch, num_nodes, num_nodes]` bool, row j true at j's
-    ancestors and j itself; `child_table`: `[batch, num_nodes, max_children]`, -1 past a node's children; `depth`:
-    the deepest node of any row.
+    `tokens`, `depths`, `scores` (cumulative draft log probability, 0 at the root): `[batch, num_nodes]`; `ancestors`:
+    `[batch, num_nodes, num_nodes]` bool, row j true at j's ancestors and j itself; `child_table`: `[batch, num_nodes,
+    max_children]`, -1 past a node's children; `depth`: the deepest node of any row.
     """
 
     tokens: torch.Tensor
@@ -110,7 +110,8 @@ def top_children(model: PreTrainedModel, head: EagleHead, hidden: torch.Tensor,
     return torch.log_softmax(head.logits(model, hidden), dim=-1).topk(top_k, dim=-1)
 
 
-def grow_tree(expand: Expand, hidden: torch.Tensor, roots: torch.Tensor, root_children: tuple[torch.Tensor, torch.Tensor],
+def grow_tree(expand: Expand, hidden: torch.Tensor, roots: torch.Tensor,
+              root_children: tuple[torch.Tensor, torch.Tensor],
               settings: EagleTree) -> tuple[DraftTree, int]:
     """Grow each row's tree from the head's output at its root, `hidden` `[batch, H]`, whose `top_k` children
     `root_children` (log probabilities, tokens: `[batch, k]`) are depth 1, one `expand` per deeper level; returns the
@@ -134,7 +135,8 @@ def grow_tree(expand: Expand, hidden: torch.Tensor, roots: torch.Tensor, root_ch
         tokens, scores = pool.tokens[:, start:].gather(1, pick), child_scores.gather(1, pick)
         indices = start + pick
         ancestors = visible.gather(1, parent[..., None].expand(-1, -1, visible.shape[-1]))
-        visible = torch.cat([ancestors, torch.eye(k, dtype=torch.bool, device=tokens.device).expand(len(pick), k, k)], 2)
+        own = torch.eye(k, dtype=torch.bool, device=tokens.device).expand(len(pick), k, k)
+        visible = torch.cat([ancestors, own], 2)
     return _tree_from_pool(pool, roots, settings.total_tokens), 0  # depth 1: no pass
 
 
@@ -164,7 +166,8 @@ def _tree_from_pool(pool: _Pool, roots: torch.Tensor, total_tokens: int) -> Draf
     n = min(total_tokens, size)
     order = torch.sort(pool.scores, dim=1, descending=True, stable=True).indices  # ties: the shallower first
     chosen = order[:, :n].sort(dim=1).values  # growth order: parents before children
-    node_of = torch.full_like(pool.tokens, -1).scatter_(1, chosen, torch.arange(1, n + 1, device=roots.device).expand(rows, n).clone())
+    numbers = torch.arange(1, n + 1, device=roots.device).expand(rows, n).clone()
+    node_of = torch.full_like(pool.tokens, -1).scatter_(1, chosen, numbers)
     pool_parent = pool.parents.gather(1, chosen)
     parents = torch.where(pool_parent >= 0, node_of.gather(1, pool_parent.clamp_min(0)), 0)  # [rows, n], 0: root
     parents = torch.cat([parents.new_full((rows, 1), -1), parents], dim=1)  # [rows, n + 1]

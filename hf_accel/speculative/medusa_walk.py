@@ -14,14 +14,14 @@ from dataclasses import dataclass
 
 import torch
 
-from .loop import TokenRules
+from .decoding import TokenRules
 from .ragged_batch import RaggedBatch
 from .tree import VerifiedTree
 
 
 @dataclass(slots=True)
 class Walk:
-    """One step's outcome per row: `tokens` `[batch, depth + 1]` decided (the first `num_emitted[r]` count),
+    """One round's outcome per row: `tokens` `[batch, depth + 1]` decided (the first `num_emitted[r]` count),
     `nodes` `[batch, depth + 1]` the kept nodes (root first, then the accepted path; 0 past it), `fired`: a
     stopping criterion fired on the row's token `num_to_stop[r]` (1-based); None when no criterion was checked."""
 

@@ -4,15 +4,15 @@ any batch size and any croppable cache.
     cache = hf_accel.SuffixCache()          # shared across calls: earlier outputs become drafts
     out = model.generate(**inputs, custom_generate=hf_accel.ngram_generate, suffix_cache=cache)
 
-Each round every row's `NgramProposer` drafts from n-gram matches in the row's own tokens and in the shared cache;
-`DraftBudget` picks how many candidates per row to verify (0: a plain decode step, the off-switch); one target
+Each round every row's drafter (`NgramDrafter`) drafts from n-gram matches in the row's own tokens and in the shared
+cache; `DraftBudget` picks how many candidates per row to verify (0: a plain decode step, the off-switch); one target
 forward scores them and `chain` keeps each row's accepted prefix, exactly as `draft_generate` does with a draft
 model's tokens. At the end each row's generated tokens are added to the shared cache.
 
 With `compile_config=CompileConfig(...)` the target's forwards run compiled over a static paged pool, rejected
 candidates rolled back in place (`compiled/ngram_loop.py`; `compiled/route.py` puts its entry in this function's
-place); calls it does not cover (sampling, logits processors,
-other stopping criteria, scores) decode eagerly with a warning.
+place); calls it does not cover (logits processors other than the sampling warpers, other stopping criteria,
+scores) decode eagerly with a warning.
 """
 
 from __future__ import annotations
@@ -27,29 +27,65 @@ from transformers.cache_utils import Cache
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from ..cache.settings import check_int
-from . import chain, loop
+from . import chain
 from .chain_checks import check_call
+from .decoding import Decoding, GenerateCall
 from .draft_budget import DraftBudget
-from .loop import Decoding, GenerateCall
-from .ngram_proposer import NgramProposer, NgramSettings
+from .ngram_drafter import NgramDrafter, NgramSettings
 from .stats import SpeculativeStats
-from .ragged_batch import RaggedBatch
 from .suffix_cache import Draft, SuffixCache
 
 
 @dataclass(slots=True)
+class NgramOptions:
+    """`ngram_generate`'s own arguments (see its docstring), checked: `TypeError` / `ValueError` naming the wrong one.
+    After the checks `ngram_settings` None is the default `NgramSettings()`."""
+
+    suffix_cache: SuffixCache | None
+    ngram_settings: NgramSettings | None
+    max_draft_tokens: int
+    draft_token_cost: float | None
+    ngram_stats: SpeculativeStats | None
+
+    def __post_init__(self) -> None:
+        for name, kind in (("suffix_cache", SuffixCache), ("ngram_settings", NgramSettings),
+                           ("ngram_stats", SpeculativeStats)):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, kind):
+                raise TypeError(f"`{name}` must be a hf_accel.{kind.__name__} or None, got {type(value).__name__}")
+        check_int("max_draft_tokens", self.max_draft_tokens, 1, "a positive int")
+        cost = self.draft_token_cost
+        if cost is not None and (not isinstance(cost, (int, float)) or isinstance(cost, bool) or cost < 0):
+            raise ValueError(f"`draft_token_cost` must be None or a number >= 0, got {cost!r}")
+        self.ngram_settings = self.ngram_settings or NgramSettings()
+
+    def budget(self) -> DraftBudget:
+        """A new `DraftBudget` for one call."""
+        return DraftBudget(self.max_draft_tokens, self.draft_token_cost)
+
+    def drafters(self, rows: int) -> list[NgramDrafter]:
+        """One new drafter per row, each reading the shared `suffix_cache`."""
+        return [NgramDrafter(self.ngram_settings, self.suffix_cache) for _ in range(rows)]
+
+    def add_outputs(self, outputs: list[list[int]]) -> None:
+        """Add each row's generated tokens to the shared `suffix_cache` (when there is one)."""
+        if self.suffix_cache is not None:
+            for output in outputs:
+                self.suffix_cache.add(output)
+
+
+@dataclass(slots=True)
 class NgramRun:
-    """One `ngram_generate` call: the loop's state, the target and its cache, a proposer, the tokens so far (prompt
-    without padding, then generated) and the prompt's length per row, the draft budget and the shared cache."""
+    """One `ngram_generate` call: the loop's state, the target and its cache, a drafter per row, the tokens so far
+    (prompt without padding, then generated) and the prompt's length per row, and the draft budget."""
 
     decoding: Decoding
     target: PreTrainedModel
     cache: Cache
-    proposers: list[NgramProposer]
+    drafters: list[NgramDrafter]
     contexts: list[list[int]]
     prompt_lengths: list[int]
     budget: DraftBudget
-    shared: SuffixCache | None
 
     def outputs(self) -> list[list[int]]:
         """Each row's generated tokens, as `generate` returns them (without padding)."""
@@ -58,21 +94,12 @@ class NgramRun:
         return [context[start : start + n] for context, start, n in zip(self.contexts, self.prompt_lengths, counts)]
 
 
-def ngram_generate(
-    model: PreTrainedModel,
-    input_ids: torch.LongTensor,
-    logits_processor: LogitsProcessorList,
-    stopping_criteria: StoppingCriteriaList,
-    generation_config: GenerationConfig,
-    suffix_cache: SuffixCache | None = None,
-    ngram_settings: NgramSettings | None = None,
-    max_draft_tokens: int = 32,
-    draft_token_cost: float | None = None,
-    ngram_stats: SpeculativeStats | None = None,
-    tokenizer: Any = None,
-    hf_accel_streamer: Any = None,
-    **model_kwargs: Any,
-) -> GenerateDecoderOnlyOutput | torch.LongTensor:
+def ngram_generate(model: PreTrainedModel, input_ids: torch.LongTensor, logits_processor: LogitsProcessorList,
+                   stopping_criteria: StoppingCriteriaList, generation_config: GenerationConfig,
+                   suffix_cache: SuffixCache | None = None, ngram_settings: NgramSettings | None = None,
+                   max_draft_tokens: int = 32, draft_token_cost: float | None = None,
+                   ngram_stats: SpeculativeStats | None = None, tokenizer: Any = None, hf_accel_streamer: Any = None,
+                   **model_kwargs: Any) -> GenerateDecoderOnlyOutput | torch.LongTensor:
     """Model-free speculative decoding; pass as `model.generate(..., custom_generate=ngram_generate)`. Greedy output
     equals plain greedy `generate`, sampling is lossless; any batch size, any croppable cache (as `draft_generate`).
 
@@ -87,48 +114,31 @@ def ngram_generate(
         ngram_stats: a `SpeculativeStats` to add this call's counters to.
         tokenizer: needed by `stop_strings` (generate hands it only to callables that name it).
         hf_accel_streamer: the `streamer=` of `generate` (hf_accel's registry forwards it under this name).
-    With `compile_config` in the generation config, greedy calls without processors run compiled (see the module
-    docstring); their output's `past_key_values` is None.
+    With `compile_config` in the generation config, greedy calls and calls sampling with the in-graph warpers run
+    compiled (see the module docstring); their output's `past_key_values` is None.
     Returns what `generate` returns: `sequences` (`[batch, prompt + new]`, finished rows padded with
     `pad_token_id`), or a `GenerateDecoderOnlyOutput` with `scores` / `logits` / `past_key_values` when asked. At
     batch size > 1 the returned cache holds holes (see `RaggedBatch`) and cannot be continued from.
     """
+    options = NgramOptions(suffix_cache, ngram_settings, max_draft_tokens, draft_token_cost, ngram_stats)
     call = GenerateCall(model, input_ids, logits_processor, stopping_criteria, generation_config, hf_accel_streamer,
                         model_kwargs)
-    run = _start(call, suffix_cache, ngram_settings, max_draft_tokens, draft_token_cost, ngram_stats)
-    loop.run(run.decoding, lambda: _prefill(run), lambda _: _round(run), (model,))
-    if run.shared is not None:
-        for output in run.outputs():
-            run.shared.add(output)
-    return loop.output(run.decoding, generation_config, run.cache)
+    run = _start(call, options)
+    run.decoding.run(lambda: _prefill(run), lambda _: _round(run), (model,))
+    options.add_outputs(run.outputs())
+    return run.decoding.output(generation_config, run.cache)
 
 
-def _start(call: GenerateCall, shared: SuffixCache | None, settings: NgramSettings | None, max_draft_tokens: int,
-           token_cost: float | None, stats: SpeculativeStats | None) -> NgramRun:
+def _start(call: GenerateCall, options: NgramOptions) -> NgramRun:
     check_call(call, "ngram_generate")
-    check_ngram_options(shared, settings, max_draft_tokens, token_cost, stats)
-    settings = settings or NgramSettings()
-    decoding = loop.start(call, stats)
+    decoding = Decoding.start(call, options.ngram_stats)
     cache = call.model_kwargs["past_key_values"]
     cache.activate_past_recording()  # sliding-window layers must keep what a crop may take back
     mask = call.model_kwargs.get("attention_mask")
     rows = call.input_ids.tolist() if mask is None else [
         [t for t, m in zip(ids, keep) if m] for ids, keep in zip(call.input_ids.tolist(), mask.tolist())]
-    proposers = [NgramProposer(settings, shared) for _ in rows]
-    return NgramRun(decoding, call.model, cache, proposers, rows, [len(row) for row in rows],
-                    DraftBudget(max_draft_tokens, token_cost), shared)
-
-
-def check_ngram_options(shared: object, settings: object, max_draft_tokens: object, token_cost: object,
-                   stats: object) -> None:
-    for name, value, kind in (("suffix_cache", shared, SuffixCache), ("ngram_settings", settings, NgramSettings),
-                              ("ngram_stats", stats, SpeculativeStats)):
-        if value is not None and not isinstance(value, kind):
-            raise TypeError(f"`{name}` must be a hf_accel.{kind.__name__} or None, got {type(value).__name__}")
-    check_int("max_draft_tokens", max_draft_tokens, 1, "a positive int")
-    if token_cost is not None and (not isinstance(token_cost, (int, float)) or isinstance(token_cost, bool)
-                                   or token_cost < 0):
-        raise ValueError(f"`draft_token_cost` must be None or a number >= 0, got {token_cost!r}")
+    return NgramRun(decoding, call.model, cache, options.drafters(len(rows)), rows, [len(row) for row in rows],
+                    options.budget())
 
 
 def _prefill(run: NgramRun) -> None:
@@ -141,10 +151,12 @@ def _round(run: NgramRun) -> None:
     """Draft per row, choose k, verify in one target forward, keep each row's accepted prefix."""
     started = time.perf_counter()
     batch = run.decoding.batch
-    drafts = _drafts(run)
+    drafts = row_drafts(run.drafters, run.contexts, batch.remaining.tolist(), run.budget.max_tokens)
     generating = [d for d in drafts if d is not None]
-    candidates, num_candidates = _candidates(drafts, run.budget.choose(generating, len(drafts)), batch)
+    counts = candidate_counts(drafts, run.budget.choose(generating, len(drafts)))
+    candidates = padded_candidates(drafts, counts, batch.pad_token_id, batch.columns.device)
     k = candidates.shape[1]
+    num_candidates = torch.tensor(counts, device=candidates.device)
     history = batch.with_candidates(candidates) if k else batch.tokens
     verdict, scores, logits = chain.verify(run.decoding, run.target, run.cache, candidates, history, None,
                                            num_candidates)
@@ -156,20 +168,26 @@ def _round(run: NgramRun) -> None:
                       time.perf_counter() - started)
 
 
-def _candidates(drafts: list[Draft | None], k: int, batch: RaggedBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    # [batch, k'] each row's first (at most) k draft tokens, padded; [batch] how many are its own; k' the longest
-    lengths = [0 if d is None else min(len(d.tokens), k) for d in drafts]
-    k = max(lengths)
-    padded = [(d.tokens[:n] if n else []) + [batch.pad_token_id] * (k - n) for d, n in zip(drafts, lengths)]
-    candidates = torch.tensor(padded, dtype=torch.long, device=batch.columns.device).reshape(len(drafts), k)
-    return candidates, torch.tensor(lengths, device=candidates.device)
+def row_drafts(drafters: list[NgramDrafter], contexts: list[list[int]], remaining: list[int],
+               max_tokens: int) -> list[Draft | None]:
+    """A draft of at most `max_tokens` per row from its drafter and its tokens so far (`contexts`); None for finished
+    rows (`remaining[r]` 0; a row's last token has no room for a candidate: an empty draft)."""
+    return [None if left <= 0 else drafter.draft(context, min(max_tokens, left - 1))
+            for drafter, context, left in zip(drafters, contexts, remaining)]
 
 
-def _drafts(run: NgramRun) -> list[Draft | None]:
-    # a draft per row; None for finished rows (a row's last token has no room for one: an empty draft)
-    limit, remaining = run.budget.max_tokens, run.decoding.batch.remaining.tolist()
-    return [None if left <= 0 else proposer.propose(context, min(limit, left - 1))
-            for proposer, context, left in zip(run.proposers, run.contexts, remaining)]
+def candidate_counts(drafts: list[Draft | None], k: int) -> list[int]:
+    """Candidates each row verifies when a round verifies k per row: its draft's first (at most) k tokens."""
+    return [0 if d is None else min(len(d.tokens), k) for d in drafts]
+
+
+def padded_candidates(drafts: list[Draft | None], counts: list[int], pad_token_id: int,
+                      device: torch.device) -> torch.Tensor:
+    """`[rows, max(counts)]`: row r's first `counts[r]` draft tokens, then `pad_token_id` (never accepted: past the
+    row's count)."""
+    width = max(counts, default=0)
+    rows = [(list(d.tokens[:n]) if n else []) + [pad_token_id] * (width - n) for d, n in zip(drafts, counts)]
+    return torch.tensor(rows, dtype=torch.long, device=device).reshape(len(drafts), width)
 
 
 def _grow_contexts(run: NgramRun, before: list[int]) -> None:

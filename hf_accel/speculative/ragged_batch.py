@@ -59,6 +59,10 @@ class RaggedBatch:
         return int(torch.minimum(self.num_generated, self.limit).max())
 
     @property
+    def num_rows(self) -> int:
+        return self.columns.shape[0]
+
+    @property
     def width(self) -> int:
         return self.columns.shape[1]
 
@@ -126,9 +130,10 @@ class RaggedBatch:
             self.limit = torch.where(self.stopped, self.stop_lengths, self.limit).max().expand_as(self.limit).clone()
         return most
 
-    def _append_columns(self, emitted: torch.Tensor, num_emitted: torch.Tensor, active: torch.Tensor, most: int) -> None:
+    def _append_columns(self, emitted: torch.Tensor, num_emitted: torch.Tensor, active: torch.Tensor,
+                        most: int) -> None:
         # new columns j = 0..most: kept drafts at j < n - 1, holes at n - 1 <= j < most, the newest token at `most`
-        if most == 0:  # one token per row (a plain step): the common case, in a few ops
+        if most == 0:  # one token per row (a plain round): the common case, in a few ops
             self.columns = torch.cat([self.columns, emitted[:, :1].masked_fill(~active[:, None], self.pad_token_id)], 1)
             self.mask = torch.cat([self.mask, active[:, None].to(self.mask.dtype)], dim=1)
             self.positions = torch.cat([self.positions, self.positions[:, -1:] + 1], dim=1)

@@ -1,5 +1,5 @@
-"""`SpeculativeStats`: what a speculative `generate` call measured, one record for every generator (draft model,
-Medusa heads).
+"""`SpeculativeStats`: what a speculative `generate` call measured, one record for every drafter (draft model, EAGLE
+head, Medusa heads, n-gram matcher).
 
 Tokens per forward, the one definition: tokens a row gains per verification forward of the target, over rows still
 generating; the prefill (which makes each row's first token, as plain decoding does) is not counted. Plain decoding
@@ -61,7 +61,7 @@ class SpeculativeStats(RichDisplay):
                      num_candidates: int | None = None, row_depths: torch.Tensor | None = None) -> None:
         """One verification forward of candidates `depth` positions deep (`num_candidates` per row, default `depth`:
         a Medusa tree holds more): `num_accepted`, `num_emitted` and `active` (rows generating) are `[batch]`.
-        `row_depths`: `[batch]` chain each row really proposed, when rows differ (`draft_lengths` then gets one entry
+        `row_depths`: `[batch]` chain each row really drafted, when rows differ (`draft_lengths` then gets one entry
         per generating row)."""
         self.num_target_forwards += 1
         rows = active.nonzero().squeeze(1)
@@ -82,5 +82,3 @@ class SpeculativeStats(RichDisplay):
                 self.proposed[j] += 1
                 self.accepted[j] += int(j < n)
 
-
-MedusaStats = SpeculativeStats  # the name `medusa_generate` documented first; one class, one definition

@@ -1,4 +1,4 @@
-"""`SuffixCache`: a suffix tree over token sequences with frequency counts, the model-free proposer's memory
+"""`SuffixCache`: a suffix tree over token sequences with frequency counts, the n-gram drafter's memory
 (SuffixDecoding, Oliaro et al. 2024): which tokens followed the longest tail of a context that occurred before, and
 how often. Plain Python, no torch.
 
@@ -46,7 +46,7 @@ class _Node:
 class Draft:
     """Proposed continuation of a context: `tokens`, and for each the estimated probability that it and every token
     before it are right (`probabilities`, non-increasing); `match_length`: context tokens matched (0: no match);
-    `source`: where it was found (a proposer's label, e.g. "own" or "shared")."""
+    `source`: where it was found (a drafter's label, e.g. "own" or "shared")."""
 
     tokens: list[int]
     probabilities: list[float]

@@ -55,7 +55,7 @@ class MedusaTree:
     children: tuple[tuple[int, ...], ...]
     child_table: torch.Tensor  # [num_nodes, max(1, most children)] long, -1 past a node's children
     ancestors: torch.Tensor  # [num_nodes, num_nodes] bool
-    candidate_heads: torch.Tensor  # [num_nodes - 1] head that proposes node j + 1
+    candidate_heads: torch.Tensor  # [num_nodes - 1] head that drafts node j + 1
     candidate_ranks: torch.Tensor  # [num_nodes - 1] its rank in that head's top-k
     depth: int  # deepest level (heads used); 0 for the root alone
     max_rank: int  # top-k needed from any head (0 for the root alone)

@@ -58,9 +58,9 @@ def greedy_accept(draft_tokens: torch.Tensor, target_tokens: torch.Tensor,
     """Greedy prefix match: accept drafts while they equal the target's argmax, then emit the target's token.
 
     Args:
-        draft_tokens: `[batch, k]` proposed tokens (k may be 0).
+        draft_tokens: `[batch, k]` candidates (k may be 0).
         target_tokens: `[batch, k + 1]` the target's greedy token at each verified position.
-        num_drafts: `[batch]` drafts row r really proposed (its first `num_drafts[r]`; the rest is padding, never
+        num_drafts: `[batch]` candidates row r really drafted (its first `num_drafts[r]`; the rest is padding, never
             accepted); None: all k.
     """
     _check_shapes(draft_tokens, target_tokens)
@@ -85,12 +85,13 @@ def speculative_sample(
         draft_probs: `[batch, k, vocab]` the draft distributions q they were sampled from.
         target_probs: `[batch, k + 1, vocab]` the target distributions p at the same positions, plus one.
         generator: optional torch generator for the uniform draws and the resampling.
-        num_drafts: `[batch]` drafts row r really proposed (the rest is padding, never accepted: its `draft_probs`
+        num_drafts: `[batch]` candidates row r really drafted (the rest is padding, never accepted: its `draft_probs`
             rows must be zero, so that the token after row r's last draft is drawn from p); None: all k.
     """
     _check_shapes(draft_tokens, target_probs)
     if draft_probs.shape != (*draft_tokens.shape, target_probs.shape[-1]):
-        raise ValueError(f"`draft_probs` must be [batch, k, vocab] matching target_probs, got {tuple(draft_probs.shape)}")
+        raise ValueError(f"`draft_probs` must be [batch, k, vocab] matching target_probs, got "
+                         f"{tuple(draft_probs.shape)}")
     index = draft_tokens[..., None]
     p = target_probs[:, :-1].gather(2, index).squeeze(2)  # [batch, k] p_j(x_j)
     q = draft_probs.gather(2, index).squeeze(2)  # [batch, k] q_j(x_j) > 0: x_j was sampled from q_j

@@ -26,7 +26,7 @@ from transformers import PreTrainedModel
 from ...cache.settings import check_int
 from ...speculative.eagle_head import EagleHead
 from ...speculative.medusa_heads import MedusaHeads
-from ...speculative.ngram_proposer import NgramSettings
+from ...speculative.ngram_drafter import NgramSettings
 
 METHODS = ("ngram", "suffix", "medusa", "eagle3", "draft")
 MODEL_FREE = ("ngram", "suffix")

@@ -2,7 +2,7 @@
 "suffix" also in a `SuffixCache` of earlier requests' outputs that every request of the engine shares.
 
 Rules:
-- each decoding sequence has its own `NgramProposer` (its prompt and output in a suffix tree, grown as tokens are
+- each decoding sequence has its own `NgramDrafter` (its prompt and output in a suffix tree, grown as tokens are
   appended), created at its first proposal and dropped when it finishes (`forget`);
 - a draft is kept only when it matched at least `prompt_lookup_min` tokens; drafts are cut where their estimated
   probability falls below `NgramSettings.min_probability` and after `tokens_per_match` tokens per matched token, so
@@ -18,7 +18,7 @@ Rules:
 from __future__ import annotations
 
 from ...speculative.draft_budget import DraftBudget
-from ...speculative.ngram_proposer import NgramProposer
+from ...speculative.ngram_drafter import NgramDrafter
 from ...speculative.suffix_cache import NO_DRAFT, Draft, SuffixCache
 from ..model_runner import StepOutput
 from ..scheduler import ScheduledBatch
@@ -37,12 +37,12 @@ class SuffixProposer(Proposer):
         if config.method == "suffix":
             self.shared = SuffixCache(self.settings.max_depth, config.suffix_decoding_max_cached_requests)
         self.budget = DraftBudget(max_tokens=config.num_candidates)
-        self._proposers: dict[int, NgramProposer] = {}  # seq_id -> its own tokens' proposer
+        self._drafters: dict[int, NgramDrafter] = {}  # seq_id -> its own tokens' proposer
         self._verifying: dict[int, Draft] = {}  # seq_id -> its draft in the step running now
 
     @property
     def num_tracked(self) -> int:
-        return len(self._proposers)
+        return len(self._drafters)
 
     def can_propose(self, seq: Sequence) -> bool:
         return seq.can_speculate
@@ -55,10 +55,10 @@ class SuffixProposer(Proposer):
         return [draft.tokens[:count] for draft, count in zip(drafts, counts)]
 
     def _draft(self, seq: Sequence, num_drafts: int) -> Draft:
-        proposer = self._proposers.get(seq.seq_id)
-        if proposer is None:
-            proposer = self._proposers[seq.seq_id] = NgramProposer(self.settings, self.shared)
-        draft = proposer.propose(seq.token_ids, num_drafts)
+        drafter = self._drafters.get(seq.seq_id)
+        if drafter is None:
+            drafter = self._drafters[seq.seq_id] = NgramDrafter(self.settings, self.shared)
+        draft = drafter.draft(seq.token_ids, num_drafts)
         return draft if draft.match_length >= self.min_match else NO_DRAFT
 
     def observe_step(self, batch: ScheduledBatch, out: StepOutput, num_accepted: dict[int, int],
@@ -75,7 +75,7 @@ class SuffixProposer(Proposer):
             self.budget.cost(rows).observe(batch.num_tokens, rows, seconds)
 
     def forget(self, seq: Sequence) -> None:
-        self._proposers.pop(seq.seq_id, None)
+        self._drafters.pop(seq.seq_id, None)
         self._verifying.pop(seq.seq_id, None)
         if self.shared is not None and seq.output.finish_reason in ("stop", "length") and seq.num_output_tokens:
             self.shared.add(seq.token_ids[seq.num_prompt_tokens :])

@@ -1,12 +1,12 @@
-"""Model-free drafts for one sequence: n-gram matches in its own tokens (prompt lookup) and in a `SuffixCache` shared
-across calls and requests. Plain Python, no torch; `ngram_generate` keeps one `NgramProposer` per row, an engine one
-per sequence.
+"""The model-free drafter of one sequence: n-gram matches in its own tokens (prompt lookup) and in a `SuffixCache`
+shared across calls and requests. Plain Python, no torch; `ngram_generate` keeps one `NgramDrafter` per row, the
+engine one per sequence.
 
-    proposer = NgramProposer(NgramSettings(), shared=cache)
-    draft = proposer.propose(context_token_ids, max_tokens=8)   # draft.tokens, draft.probabilities
+    drafter = NgramDrafter(NgramSettings(), shared=cache)
+    draft = drafter.draft(context_token_ids, max_tokens=8)   # draft.tokens, draft.probabilities
 
 Both sources are suffix trees with counts (`SuffixCache`): the sequence's own (its prompt and output so far, grown
-as the context grows) and the shared one (earlier outputs). Each proposes its best draft for the context's tail; the
+as the context grows) and the shared one (earlier outputs). Each offers its best draft for the context's tail; the
 one with more expected accepted tokens wins (SuffixDecoding's rule), the sequence's own on ties; its `source` says
 which ("own" or "shared").
 """
@@ -50,7 +50,7 @@ class NgramSettings:
                              f"{self.extra_tokens}")
 
 
-class NgramProposer:
+class NgramDrafter:
     """Drafts for one growing sequence (see the module docstring).
 
     Args:
@@ -69,7 +69,7 @@ class NgramProposer:
         """Context tokens indexed so far."""
         return self._num_seen
 
-    def propose(self, context_token_ids: Sequence[int], max_tokens: int) -> Draft:
+    def draft(self, context_token_ids: Sequence[int], max_tokens: int) -> Draft:
         """The best draft of at most `max_tokens` tokens to follow `context_token_ids` (the sequence's tokens so far:
         each call's context extends the previous one's)."""
         assert len(context_token_ids) >= self._num_seen, "a sequence's context only grows"

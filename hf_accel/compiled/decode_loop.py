@@ -37,7 +37,7 @@ from ..registry import attention_implementation
 from .captured_step import CapturedStep, captures
 from .paged_rows import PagedRows, unpadded_prompts
 from .sink_rows import SinkRows
-from .step import compiled_decode_step, generate_context
+from .step import compiled_decode_step, generate_context, model_uncovered
 from .token_choice import choose_tokens, needs_host_processors
 
 SINK_BLOCK_SIZE = 16  # the sink cache's ring of blocks (its settings have no block size)
@@ -78,13 +78,7 @@ def uncovered(model: PreTrainedModel, config: GenerationConfig, model_kwargs: di
             getattr(cache, "prefix_store", None) is not None:
         names = " or ".join(kind.__name__ for kind in caches)
         return f"the compiled loop needs a fresh {names}, without a prefix store"
-    if not getattr(model, "_supports_attention_backend", False):
-        return f"{type(model).__name__} does not use transformers' AttentionInterface"
-    try:
-        KVShape.from_config(model.config, FULL_AND_SLIDING)
-    except ValueError as error:
-        return str(error)
-    return None
+    return model_uncovered(model)
 
 
 def stock_decoding(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer,

@@ -1,4 +1,5 @@
-"""The target's side of compiled speculative decoding (`ngram_generate` / `draft_generate` with `compile_config`).
+"""The target's side of compiled speculative decoding (`ngram_generate`, `draft_generate`, `eagle_generate`,
+`medusa_generate` with `compile_config`).
 
 Each model gets a static paged pool for the call (`paged_rows.py`, with room for `lookahead` tokens past a row's
 budget: a verify forward writes K/V for every candidate it scores). Row r's state is two numbers on the device:
@@ -11,7 +12,7 @@ stay in the batch (fixed shapes: no recompilation) with frozen positions; their 
 On a GPU with a `compile_config` mode that asks for CUDA graphs (the default "reduce-overhead"), both forwards are
 captured per input shape once it recurs, and replayed (`captured_step.CapturedSteps`).
 
-Covered: greedy decoding without logits processors, and (for callers that pass `sampling=True` to
+Covered: greedy decoding without logits processors, and (for drafters whose loops pass `sampling=True` to
 `speculation_uncovered`) sampling after transformers' temperature / top-k / top-p / min-p warpers, stopped by
 `max_length` / `max_new_tokens` and EOS, any batch size and left padding, sliding-window and hybrid models, a
 streamer at batch 1; `speculation_uncovered` names what is not (the caller then decodes eagerly, with a warning).
@@ -19,61 +20,59 @@ streamer at batch 1; `speculation_uncovered` names what is not (the caller then 
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers import (GenerationConfig, LogitsProcessorList, PretrainedConfig, PreTrainedModel,
-                          StoppingCriteriaList)
+from transformers import GenerationConfig, PretrainedConfig, PreTrainedModel
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
-from transformers.generation.streamers import BaseStreamer
+from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from ..cache.kv_shape import FULL_AND_SLIDING, KVShape
-from ..cache.paged_config import PagedCacheConfig
-from ..runtime.attention import gathered_attention
-from ..runtime.cuda_graphs import decode_attention
 from ..kernels.ops import paged_attention_kernel, paged_tree_attention_kernel
+from ..cache.paged_config import PagedCacheConfig
+from ..registry import attention_implementation
+from ..runtime.attention import ATTENTION_NAME, gathered_attention
+from ..runtime.cuda_graphs import decode_attention
+from ..speculative.decoding import GenerateCall
 from ..speculative.stats import SpeculativeStats
 from ..speculative.verify import Verdict, greedy_accept, speculative_sample
 from .captured_step import CapturedSteps, captures
 from .paged_rows import PagedRows, unpadded_prompts
 from .spec_rows import RowTokens
-from .step import compiled_decode_step, compiled_verify_features_step, compiled_verify_step
+from .step import (compiled_decode_step, compiled_verify_features_step, compiled_verify_step, generate_context,
+                   model_uncovered)
 from .token_choice import choose_tokens, needs_host_processors
 
 _MODEL_INPUTS = ("attention_mask", "past_key_values", "use_cache", "cache_position", "position_ids", "logits_to_keep")
 
 
-def speculation_uncovered(models: list[PreTrainedModel], config: GenerationConfig, processors: LogitsProcessorList,
-                          criteria: StoppingCriteriaList, model_kwargs: dict, sampling: bool = False) -> str | None:
-    """Why compiled speculation cannot run this call (the first reason), or None when it can; `sampling`: the
-    caller verifies sampled calls losslessly (deterministic drafts, or drafts with their distributions), so sampling
-    with the warpers the graph applies is covered too."""
+def speculation_uncovered(models: list[PreTrainedModel], call: GenerateCall, sampling: bool = False) -> str | None:
+    """The first reason why compiled speculation cannot run `call` with `models` (the target, and a draft model), or
+    None when it can; `sampling`: the drafter's loop verifies sampled calls losslessly (deterministic candidates, or
+    candidates with their distributions), so sampling with the warpers the graph applies is covered too."""
+    config = call.generation_config
     mode = config.get_generation_mode()
     covered = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE) if sampling else (GenerationMode.GREEDY_SEARCH,)
     if mode not in covered:
         return f"compiled speculation here covers {[m.value for m in covered]}, not {mode.value}"
-    if needs_host_processors(processors, mode == GenerationMode.SAMPLE):
-        return f"logits processors {[type(p).__name__ for p in processors]} are applied by the eager loop only"
-    other = [type(c).__name__ for c in criteria if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))]
+    if needs_host_processors(call.logits_processor, mode == GenerationMode.SAMPLE):
+        names = [type(p).__name__ for p in call.logits_processor]
+        return f"logits processors {names} are applied by the eager loop only"
+    other = [type(c).__name__ for c in call.stopping_criteria
+             if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))]
     if other:
         return f"stopping criteria {other} are checked by the eager loop only"
     if config.output_scores or config.output_logits or config.output_attentions or config.output_hidden_states:
         return "scores, logits, attentions and hidden states are returned by the eager loop only"
-    unknown = sorted(k for k, v in model_kwargs.items() if v is not None and k not in _MODEL_INPUTS)
+    unknown = sorted(k for k, v in call.model_kwargs.items() if v is not None and k not in _MODEL_INPUTS)
     if unknown:
         return f"model inputs {unknown} are passed by the eager loop only"
-    for model in models:
-        if not getattr(model, "_supports_attention_backend", False):
-            return f"{type(model).__name__} does not use transformers' AttentionInterface"
-        try:
-            KVShape.from_config(model.config, FULL_AND_SLIDING)
-        except ValueError as error:
-            return str(error)
-    return None
+    return next((reason for reason in map(model_uncovered, models) if reason is not None), None)
 
 
 @dataclass(slots=True)
@@ -125,40 +124,33 @@ class TargetRounds:
     """The target's pool, the rows' positions / last tokens and outputs, and its two kinds of round.
 
     Args:
-        model: the target.
-        input_ids: `[rows, width]` left-padded prompts; `attention_mask` their mask (None: no padding).
-        config: the call's generation config (max length, EOS, pad token, compile config).
+        call: the `generate` call (target, left-padded prompts and their mask, generation config, streamer, which
+            gets each emitted token at batch 1). With `do_sample` its processors are the in-graph warpers
+            (`token_choice.IN_GRAPH_WARPERS`): tokens are sampled, and candidates accepted by lossless speculative
+            sampling (against the distributions they were drawn from, or one-hot for deterministic ones;
+            `verify_round`).
         lookahead: the most candidates a round verifies.
-        stats: counters to add the rounds to; `streamer`: gets each emitted token at batch 1.
-        warpers: with `config.do_sample`, the warpers of generate's processors (`token_choice.IN_GRAPH_WARPERS`):
-            tokens are sampled, and candidates accepted by lossless speculative sampling (against the distributions
-            they were drawn from, or one-hot for deterministic drafts; `verify_round`).
+        stats: counters to add the rounds to (None: a new record).
         feature_layers: indices into the target's `output_hidden_states` whose states the prefill and every verify
             forward also return (an EAGLE head's input), kept in `features` with the round's `verdict`.
     """
 
-    def __init__(self, model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                 config: GenerationConfig, lookahead: int, stats: SpeculativeStats,
-                 streamer: BaseStreamer | None, warpers: tuple = (), feature_layers: tuple[int, ...] = ()):
-        if streamer is not None and input_ids.shape[0] > 1:
+    def __init__(self, call: GenerateCall, lookahead: int, stats: SpeculativeStats | None,
+                 feature_layers: tuple[int, ...] = ()):
+        model, input_ids, config = call.model, call.input_ids, call.generation_config
+        if call.streamer is not None and input_ids.shape[0] > 1:
             raise ValueError("`streamer` supports batch size 1 only")
-        self.model, self.input_ids, self.config, self.stats, self.streamer = model, input_ids, config, stats, streamer
-        self.do_sample, self.warpers, self.feature_layers = bool(config.do_sample), warpers, feature_layers
-        self.prompts = unpadded_prompts(input_ids, attention_mask)
+        self.model, self.input_ids, self.config, self.streamer = model, input_ids, config, call.streamer
+        self.stats = stats if stats is not None else SpeculativeStats()
+        self.do_sample, self.feature_layers = bool(config.do_sample), feature_layers
+        self.warpers = tuple(call.logits_processor) if self.do_sample else ()
+        self.prompts = unpadded_prompts(input_ids, call.model_kwargs.get("attention_mask"))
         eos = config._eos_token_tensor
         self.outputs = RowTokens.empty(len(self.prompts), config.max_length - input_ids.shape[1],
                                        [] if eos is None else eos.reshape(-1).tolist())
         self.rows = pool_for(model, self.prompts, self.outputs.max_new_tokens, lookahead, config)
         self.attends = Attends.for_device(self.rows.device)
-        decode = compiled_decode_step(config.compile_config, model)
-        verify = (compiled_verify_features_step if feature_layers else compiled_verify_step)(config.compile_config,
-                                                                                              model)
-        # the forwards hold what they read, not `self` (no reference cycle keeping the pool and graphs alive)
-        captured = captures(self.rows.device, config.compile_config.mode)
-        self.decode = CapturedSteps(functools.partial(decode_forward, decode, model, self.rows, self.attends.decode,
-                                                      warpers, self.do_sample, False), captured)
-        self.verify = CapturedSteps(functools.partial(verify_forward, verify, model, self.rows, self.attends.verify,
-                                                      feature_layers, self.do_sample), captured)
+        self.decode, self.verify = self._forwards()
         self.positions = self.rows.prompt_lengths.clone()  # [rows] where each row's last token goes
         self.last = torch.zeros_like(self.positions)  # [rows] each row's last emitted token
         self.previous = torch.stack([p[-1] for p in self.prompts])  # [rows] the token before it (at positions - 1)
@@ -166,21 +158,44 @@ class TargetRounds:
         self.features: torch.Tensor | None = None
         self.verdict: Verdict | None = None  # the last verify round's
 
-    def run(self, one_round: Callable[[], None], started: Callable[[], None] | None = None) -> torch.Tensor:
-        """Prefill, `started()` (when given), then `one_round()` until every row stops (the streamer ends however
-        the loop ends) -> `[rows, width + longest output]` sequences, as greedy `generate` returns them."""
-        try:
-            self._start()
-            if started is not None:
-                started()
-            while not self.outputs.is_done:
-                one_round()
-        finally:
-            if self.streamer is not None:
-                self.streamer.end()
+    def _forwards(self) -> tuple[CapturedSteps, CapturedSteps]:
+        """The compiled decode and verify forwards over the pool, captured in CUDA graphs where the mode asks; they
+        hold what they read, not `self` (no reference cycle keeping the pool and graphs alive)."""
+        compile_config, model = self.config.compile_config, self.model
+        decode = compiled_decode_step(compile_config, model)
+        verify = (compiled_verify_features_step if self.feature_layers else compiled_verify_step)(compile_config, model)
+        captured = captures(self.rows.device, compile_config.mode)
+        return (CapturedSteps(functools.partial(decode_forward, decode, model, self.rows, self.attends.decode,
+                                                self.warpers, self.do_sample, False), captured),
+                CapturedSteps(functools.partial(verify_forward, verify, model, self.rows, self.attends.verify,
+                                                self.feature_layers, self.do_sample), captured))
+
+    def run(self, one_round: Callable[[], None], started: Callable[[], None] | None = None,
+            contexts: Iterable[AbstractContextManager] = ()) -> GenerateDecoderOnlyOutput | torch.LongTensor:
+        """Prefill, `started()` (when given), then `one_round()` until every row stops, with the target's attention
+        over its pool, the drafter's `contexts` and the compile settings entered (the streamer ends however the loop
+        ends) -> what `generate` returns: `[rows, width + longest output]` sequences, or with
+        `return_dict_in_generate` a `GenerateDecoderOnlyOutput` (`past_key_values` None: the pools live for the call
+        only)."""
+        with contextlib.ExitStack() as stack:
+            for entered in (attention_implementation(self.model, ATTENTION_NAME), *contexts,
+                            generate_context(self.rows.device, self.config, self.model.dtype)):
+                stack.enter_context(entered)
+            try:
+                self._start()
+                if started is not None:
+                    started()
+                while not self.outputs.is_done:
+                    one_round()
+            finally:
+                if self.streamer is not None:
+                    self.streamer.end()
         self.stats.num_new_tokens += sum(len(out) for out in self.outputs.generated)
         pad = self.config._pad_token_tensor  # None only when no EOS is set: no row is padded then
-        return self.outputs.sequences(self.input_ids, 0 if pad is None else int(pad))
+        sequences = self.outputs.sequences(self.input_ids, 0 if pad is None else int(pad))
+        if not self.config.return_dict_in_generate:
+            return sequences
+        return GenerateDecoderOnlyOutput(sequences=sequences, past_key_values=None)
 
     def _start(self) -> None:
         if self.streamer is not None:

@@ -1,13 +1,15 @@
-"""What every speculative `custom_generate` loop shares; a generator (draft model, Medusa heads, ...) only proposes
-candidates and verifies them.
+"""What every speculative `custom_generate` loop shares; a loop's drafter (draft model, EAGLE head, Medusa heads,
+n-gram matcher) only makes each row's candidates, and the loop verifies them, one round (draft + verify, one target
+forward) at a time.
 
-- `GenerateCall`: what `generate` hands a custom generator, as one record.
+- `GenerateCall`: what `generate` hands a custom generate loop, as one record.
 - `TokenRules`: tokens are decided as plain `generate` decides them: the logits processors run on each row's compact
   tokens, then argmax or one multinomial draw; a row stops at the first token a stopping criterion fires on (EOS or
   any other; max length is the batch's own budget); scores and raw logits are kept per row when asked.
-- `Decoding`: one call's state (`RaggedBatch`, rules, `SpeculativeStats`, streamer); `start` builds it, `run` drives
-  prefill then steps until every row is finished (the models' Linears over packed panels, the streamer ended however
-  the loop ends), `emit` streams and commits a step's tokens, `output` returns what `generate` returns.
+- `Decoding`: one call's state (`RaggedBatch`, rules, `SpeculativeStats`, streamer); `Decoding.start` builds it,
+  `run` drives prefill then rounds until every row is finished (the models' Linears over packed panels, the streamer
+  ended however the loop ends), `emit` streams and commits a round's tokens, `output` returns what `generate`
+  returns.
 """
 
 from __future__ import annotations
@@ -103,52 +105,49 @@ class Decoding:
     stats: SpeculativeStats
     streamer: BaseStreamer | None
 
+    @classmethod
+    def start(cls, call: GenerateCall, stats: SpeculativeStats | None) -> Decoding:
+        """A call's batch, token rules and stats (`stats`, else a new record), with the prompt put to the streamer."""
+        config, rows = call.generation_config, call.input_ids.shape[0]
+        batch, eos, criteria = batch_for_generate(call.input_ids, call.model_kwargs.get("attention_mask"), config,
+                                                  call.stopping_criteria)
+        record = config.return_dict_in_generate
+        rules = TokenRules(call.logits_processor, criteria, eos, bool(config.do_sample),
+                           [[] for _ in range(rows)] if record and config.output_scores else None,
+                           [[] for _ in range(rows)] if record and config.output_logits else None)
+        if call.streamer is not None:
+            call.streamer.put(call.input_ids.cpu())
+        return cls(batch, rules, stats if stats is not None else SpeculativeStats(), call.streamer)
+
+    def run(self, prefill: Callable[[], State], one_round: Callable[[State], State],
+            models: tuple[nn.Module | None, ...]) -> None:
+        """`prefill()`, then `one_round(state)` until every row is finished, the Linears of `models` (target,
+        drafter) over packed panels (`packed_linears`); the streamer ends however the loop ends."""
+        try:
+            with packed_linears(*models):
+                state = prefill()
+                while bool(self.batch.unfinished.any()):
+                    state = one_round(state)
+        finally:
+            if self.streamer is not None:
+                self.streamer.end()
+
     def emit(self, tokens: torch.Tensor, num_emitted: torch.Tensor, fired: torch.Tensor | None,
              num_to_stop: torch.Tensor) -> int:
-        """Stream and commit a step's tokens (`RaggedBatch.commit`); returns M, the most tokens a row kept minus one."""
+        """Stream and commit a round's tokens (`RaggedBatch.commit`); returns M, the most tokens a row kept minus
+        one."""
         if self.streamer is not None:  # batch size 1
             self.streamer.put(tokens[0, : int(num_emitted[0])].cpu())
         return self.batch.commit(tokens, num_emitted, fired, num_to_stop)
 
-
-def start(call: GenerateCall, stats: SpeculativeStats | None) -> Decoding:
-    """A call's batch, token rules and stats (`stats`, else a new record), with the prompt put to the streamer."""
-    config, rows = call.generation_config, call.input_ids.shape[0]
-    batch, eos, criteria = batch_for_generate(call.input_ids, call.model_kwargs.get("attention_mask"), config,
-                                              call.stopping_criteria)
-    record = config.return_dict_in_generate
-    rules = TokenRules(call.logits_processor, criteria, eos, bool(config.do_sample),
-                       [[] for _ in range(rows)] if record and config.output_scores else None,
-                       [[] for _ in range(rows)] if record and config.output_logits else None)
-    if call.streamer is not None:
-        call.streamer.put(call.input_ids.cpu())
-    return Decoding(batch, rules, stats if stats is not None else SpeculativeStats(), call.streamer)
-
-
-def run(decoding: Decoding, prefill: Callable[[], State], step: Callable[[State], State],
-        models: tuple[nn.Module | None, ...]) -> None:
-    """`prefill()`, then `step(state)` until every row is finished, the Linears of `models` (target, draft, heads)
-    over packed panels (`packed_linears`); the streamer ends however the loop ends."""
-    try:
-        with packed_linears(*models):
-            state = prefill()
-            while bool(decoding.batch.unfinished.any()):
-                state = step(state)
-    finally:
-        if decoding.streamer is not None:
-            decoding.streamer.end()
-
-
-def output(decoding: Decoding, config: GenerationConfig,
-           cache: Cache | None) -> GenerateDecoderOnlyOutput | torch.LongTensor:
-    """What `generate` returns: `sequences` `[batch, prompt + new]` (finished rows padded), or with
-    `return_dict_in_generate` a `GenerateDecoderOnlyOutput` with the scores / logits kept and `cache`."""
-    batch = decoding.batch
-    decoding.stats.num_new_tokens += int(torch.minimum(batch.num_generated, batch.limit).sum())
-    num_steps = batch.num_output_tokens
-    sequences = batch.tokens[:, : batch.prompt_width + num_steps]
-    if not config.return_dict_in_generate:
-        return sequences
-    rules = decoding.rules
-    return GenerateDecoderOnlyOutput(sequences=sequences, scores=stack_steps(rules.scores, num_steps),
-                                     logits=stack_steps(rules.logits, num_steps), past_key_values=cache)
+    def output(self, config: GenerationConfig, cache: Cache | None) -> GenerateDecoderOnlyOutput | torch.LongTensor:
+        """What `generate` returns: `sequences` `[batch, prompt + new]` (finished rows padded), or with
+        `return_dict_in_generate` a `GenerateDecoderOnlyOutput` with the scores / logits kept and `cache`."""
+        batch = self.batch
+        self.stats.num_new_tokens += int(torch.minimum(batch.num_generated, batch.limit).sum())
+        num_steps = batch.num_output_tokens
+        sequences = batch.tokens[:, : batch.prompt_width + num_steps]
+        if not config.return_dict_in_generate:
+            return sequences
+        return GenerateDecoderOnlyOutput(sequences=sequences, scores=stack_steps(self.rules.scores, num_steps),
+                                         logits=stack_steps(self.rules.logits, num_steps), past_key_values=cache)
