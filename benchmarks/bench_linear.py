@@ -28,7 +28,7 @@ import torch
 from hf_accel.bench.output import hardware, run_benchmark
 from hf_accel.bench.timing import time_interleaved
 from hf_accel.kernels.packed_linear import pack_weight
-from hf_accel.kernels.ops import packed_linear_kernel
+from hf_accel.kernels.custom_ops import packed_linear_kernel
 
 ROOT = Path(__file__).resolve().parents[1]
 NAME = "bench_linear"

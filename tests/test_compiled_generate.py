@@ -24,7 +24,7 @@ from hf_accel.compiled.paged_rows import PagedRows
 from hf_accel.compiled.step import compile_context, compiled_verify_step
 from hf_accel.runtime.attention import ATTENTION_NAME, gathered_attention
 from hf_accel.runtime.kv_pool import KVPool
-from hf_accel.kernels.ops import paged_attention_kernel
+from hf_accel.kernels.custom_ops import paged_attention_kernel
 from hf_accel.registry import attention_implementation
 from hf_accel.compiled.route import route_generate
 

@@ -20,7 +20,7 @@ from hf_accel.compiled.paged_rows import PagedRows
 from hf_accel.compiled.quantized_loop import compiled_quantized_generate
 from hf_accel.compiled.quantized_rows import QuantizedRows, quantized_attention
 from hf_accel.compiled.route import route_generate
-from hf_accel.kernels.ops import quantized_attention_kernel
+from hf_accel.kernels.custom_ops import quantized_attention_kernel
 
 pytestmark = pytest.mark.compiled
 

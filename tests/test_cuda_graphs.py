@@ -12,7 +12,7 @@ from hf_accel.cache.kv_shape import KVShape
 from hf_accel.runtime.attention import gathered_attention
 from hf_accel.runtime.cuda_graphs import decode_attention, graph_sizes
 from hf_accel.runtime.kv_pool import KVPool
-from hf_accel.kernels.ops import paged_attention_kernel
+from hf_accel.kernels.custom_ops import paged_attention_kernel
 from test_paged_kernel import run, step_inputs
 
 

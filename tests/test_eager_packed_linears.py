@@ -13,7 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import hf_accel
 import hf_accel.kernels.eager_packing as packed_module
 from hf_accel.kernels.packed_linear import pack_weight
-from hf_accel.kernels.ops import packed_linear_kernel
+from hf_accel.kernels.custom_ops import packed_linear_kernel
 from hf_accel.kernels.eager_packing import packed_linears
 
 pytestmark = pytest.mark.skipif(packed_linear_kernel() is None, reason="the hf_accel kernels could not be built here")

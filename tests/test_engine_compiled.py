@@ -13,7 +13,7 @@ from conformance import make_model, weights_packed_while
 from engine_helpers import assert_greedy_equal, greedy_reference, random_prompts
 from hf_accel import (Engine, EngineConfig, MedusaHeads, SamplingParams, SpeculativeConfig, WeightOnlyConfig, bench,
                       quantize_model)
-from hf_accel.kernels.ops import paged_attention_kernel
+from hf_accel.kernels.custom_ops import paged_attention_kernel
 from hf_accel.runtime.step_inputs import StepInputs
 
 pytestmark = [pytest.mark.compiled,

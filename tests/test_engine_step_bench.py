@@ -5,7 +5,7 @@ docs table is written."""
 import json
 
 from hf_accel import Engine, SamplingParams, bench
-from hf_accel.kernels.ops import paged_attention_kernel
+from hf_accel.kernels.custom_ops import paged_attention_kernel
 
 
 def test_bench_engine_step_quick_adds_up_and_writes_the_docs_table(tmp_path, load_benchmark):

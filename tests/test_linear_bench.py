@@ -3,7 +3,7 @@ count is timed, and the docs table is written."""
 
 import json
 
-from hf_accel.kernels.ops import packed_linear_kernel
+from hf_accel.kernels.custom_ops import packed_linear_kernel
 
 
 def test_bench_linear_quick_times_every_shape_and_writes_the_table(tmp_path, load_benchmark):

@@ -11,7 +11,7 @@ from torch._dynamo.utils import counters
 
 from hf_accel.runtime.frozen_graphs import freezing
 from hf_accel.kernels.packed_linear import pack_weight
-from hf_accel.kernels.ops import packed_linear_kernel
+from hf_accel.kernels.custom_ops import packed_linear_kernel
 
 kernel = packed_linear_kernel()
 pytestmark = pytest.mark.skipif(kernel is None, reason="the hf_accel kernels could not be built here")

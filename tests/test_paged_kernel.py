@@ -13,7 +13,7 @@ import torch
 
 from hf_accel.runtime.attention import gathered_attention
 from hf_accel.kernels.build import _exclusive, build_directory
-from hf_accel.kernels.ops import paged_attention_kernel
+from hf_accel.kernels.custom_ops import paged_attention_kernel
 
 kernel = paged_attention_kernel()
 pytestmark = pytest.mark.skipif(kernel is None, reason="the paged attention kernel could not be built here")
@@ -111,7 +111,7 @@ def test_a_build_lock_left_by_a_killed_process_does_not_hang_the_next_one():
     with _exclusive(os_lock):
         stale.write_text("")
     try:
-        code = "from hf_accel.kernels.ops import paged_attention_kernel; assert paged_attention_kernel()"
+        code = "from hf_accel.kernels.custom_ops import paged_attention_kernel; assert paged_attention_kernel()"
         subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
         with _exclusive(os_lock):
             assert not stale.exists()

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hf_accel.runtime.cuda_graphs import decode_attention
-from hf_accel.kernels.ops import paged_tree_attention_kernel
+from hf_accel.kernels.custom_ops import paged_tree_attention_kernel
 from test_paged_kernel import run, step_inputs
 
 kernel = paged_tree_attention_kernel()
@@ -93,7 +93,7 @@ def test_nodes_of_a_wider_tree_see_their_ancestors_in_earlier_columns(rule, wind
 def test_a_chain_tree_is_plain_causal_attention():
     if kernel is None:
         pytest.skip("the paged attention kernel could not be built here")
-    from hf_accel.kernels.ops import paged_attention_kernel
+    from hf_accel.kernels.custom_ops import paged_attention_kernel
 
     num, lengths = 5, [9, 30]
     chain = torch.ones(num, num, dtype=torch.bool).tril().expand(len(lengths), -1, -1)

@@ -20,7 +20,7 @@ from ..compiled.paged_rows import PagedRows
 from ..compiled.step import compile_context, compiled_decode_step, compiled_tree_verify_step, compiled_verify_step
 from ..runtime.attention import ATTENTION_NAME, gathered_attention
 from ..runtime.cuda_graphs import decode_attention
-from ..kernels.ops import paged_attention_kernel, paged_tree_attention_kernel
+from ..kernels.custom_ops import paged_attention_kernel, paged_tree_attention_kernel
 from ..speculative.tree import DEFAULT_TREE, build_tree
 from ..registry import attention_implementation
 from .timing import time_interleaved

@@ -32,7 +32,7 @@ from ..cache.sink import SinkCache
 from ..cache.sink_config import SinkCacheConfig
 from ..runtime.attention import ATTENTION_NAME, gathered_attention
 from ..runtime.cuda_graphs import decode_attention
-from ..kernels.ops import paged_attention_kernel
+from ..kernels.custom_ops import paged_attention_kernel
 from ..registry import attention_implementation
 from .captured_step import CapturedStep, captures
 from .paged_rows import PagedRows, unpadded_prompts

@@ -38,7 +38,7 @@ from transformers import PreTrainedModel
 from ..cache.kv_shape import config_head_dim
 from ..cache.quantized import KEY_AXIS, VALUE_AXIS, QuantizedKVCache, QuantizedKVLayer
 from ..runtime.attention import attend_dense, pool_attention
-from ..kernels.ops import quantized_attention_kernel
+from ..kernels.custom_ops import quantized_attention_kernel
 from ..quant import ops
 from ..quant.ops import QuantizedTensor
 from .token_choice import choose_tokens

@@ -33,7 +33,7 @@ from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from ..kernels.ops import paged_attention_kernel, paged_tree_attention_kernel
+from ..kernels.custom_ops import paged_attention_kernel, paged_tree_attention_kernel
 from ..cache.paged_config import PagedCacheConfig
 from ..registry import attention_implementation
 from ..runtime.attention import ATTENTION_NAME, gathered_attention

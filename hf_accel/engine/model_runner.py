@@ -18,7 +18,7 @@ from transformers import PreTrainedModel
 
 from ..runtime.attention import gathered_attention
 from ..runtime.kv_pool import KVPool, token_slots
-from ..kernels.ops import paged_attention_kernel
+from ..kernels.custom_ops import paged_attention_kernel
 from .scheduler import ScheduledBatch, ScheduledSeq
 from .sequence import Sequence
 from ..runtime.cuda_graphs import DecodeGraphs

@@ -1,3 +1,4 @@
-"""hf_accel's C++ kernels (`csrc/`), their builder (`build.py`) and ops (`ops.py`): paged and quantized attention,
-Linears over packed column panels (`packed_linear.py` for compiled graphs, `eager_packing.py` for eager calls).
-The floor under every caller: the step runtime, compiled generate, the eager speculative loops and the engine."""
+"""hf_accel's C++ kernels (`csrc/`), their builder (`build.py`) and custom ops (`custom_ops.py`): paged and quantized
+attention, Linears over packed column panels (`packed_linear.py` for compiled graphs, `eager_packing.py` for eager
+calls). The floor under every caller: the step runtime, compiled generate, the eager speculative loops and the
+engine."""

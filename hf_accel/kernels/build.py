@@ -1,5 +1,5 @@
 """Building hf_accel's C++ extension: every source of `csrc/` compiled into one library with torch's `cpp_extension`
-at first use, registering its ops under `torch.ops.hf_accel` (`ops.py` names them and gives each a fake).
+at first use, registering its ops under `torch.ops.hf_accel` (`custom_ops.py` names them and gives each a fake).
 
 Building needs a C++ compiler, the Python headers and `ninja` (all on the machines this project runs on); the first
 build takes about half a minute and is cached (`build_directory()`, under `~/.cache/torch_extensions` or

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from ..registry import instance_forwards
-from .ops import packed_linear_kernel
+from .custom_ops import packed_linear_kernel
 from .packed_linear import pack_weight
 
 ENV_SWITCH = "HF_ACCEL_PACKED_LINEARS"  # "0": eager loops keep MKL's matmuls

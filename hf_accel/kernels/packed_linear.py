@@ -23,7 +23,7 @@ from torch._dynamo.utils import counters
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from .build import PACKED_LINEAR_SOURCE
-from .ops import packed_linear_kernel
+from .custom_ops import packed_linear_kernel
 
 PANEL = 16  # columns per panel (csrc/packed_linear.cpp's kPanel)
 

@@ -2,10 +2,10 @@
 as `ATTENTION_NAME` (by `hf_accel.register`).
 
 One engine step runs the model once on all scheduled tokens packed into one row (`[1, num_tokens]`, per-token
-`position_ids`). For each layer the registered function makes one call that writes the step's new K/V into their
-slots and attends every sequence's queries (a decode's one, a speculating decode's last token and candidates, a prefill
-chunk's many; causal, sliding windows and soft-capping as the layer asks) over that sequence's blocks: the C++ kernel
-of `kernels/ops.py`, which reads the pool in place, or, where it cannot be built, `gathered_attention` (the blocks
+`position_ids`). For each layer the registered function makes one call that writes the step's new K/V into their slots
+and attends every sequence's queries (a decode's one, a speculating decode's last token and candidates, a prefill
+chunk's many; causal, sliding windows and soft-capping as the layer asks) over that sequence's blocks: the C++ kernel of
+`kernels/custom_ops.py`, which reads the pool in place, or, where it cannot be built, `gathered_attention` (the blocks
 copied out, sdpa over them). The step's metadata (slots, block table, query starts, lengths: tensors only) travels in
 the forward's kwargs as `hf_accel_step` (the way transformers' own continuous batching passes `cu_seq_lens`), so no
 model code is forked, no state hides in globals, and a compiled model step sees the attention as one opaque op.
@@ -36,7 +36,7 @@ class StepAttention:
     block_table: torch.Tensor  # [seqs, max_blocks] pool block of each logical block (padded with block 0)
     query_start: torch.Tensor  # [seqs + 1] sequence s owns packed tokens query_start[s] .. query_start[s + 1]
     kv_lengths: torch.Tensor  # [seqs] tokens sequence s attends over, its queries the last of them
-    attend: Callable[..., torch.Tensor]  # `kernels.ops`'s op or `gathered_attention` (same signature)
+    attend: Callable[..., torch.Tensor]  # `kernels.custom_ops`' op or `gathered_attention` (same signature)
     full_window: int = 0  # > 0: the window of layers that have none of their own (compiled generate's sink cache)
     # [seqs, n, m] bool: each sequence computes n nodes of a speculative tree of its last m columns (node i sees tree
     # column j), and `attend` takes it as a last argument (`paged_tree_attention_kernel()`, `decode_attention`)

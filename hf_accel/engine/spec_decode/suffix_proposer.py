@@ -37,7 +37,7 @@ class SuffixProposer(Proposer):
         if config.method == "suffix":
             self.shared = SuffixCache(self.settings.max_depth, config.suffix_decoding_max_cached_requests)
         self.budget = DraftBudget(max_tokens=config.num_candidates)
-        self._drafters: dict[int, NgramDrafter] = {}  # seq_id -> its own tokens' proposer
+        self._drafters: dict[int, NgramDrafter] = {}  # seq_id -> the drafter over its own tokens
         self._verifying: dict[int, Draft] = {}  # seq_id -> its draft in the step running now
 
     @property
