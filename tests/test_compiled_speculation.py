@@ -1,4 +1,4 @@
-"""Speculative decoding under `compile_config` (`hf_accel/compiled/speculation.py`, `ngram_loop.py`,
+"""Speculative decoding under `compile_config` (`hf_accel/compiled/target_rounds.py`, `ngram_loop.py`,
 `draft_loop.py`): `ngram_generate` and `draft_generate` verify (and draft) with compiled forwards over static paged
 pools, rejected K/V rolled back by position. Greedy output equals plain greedy `generate` token for token, batch 1
 and left-padded batches, Llama and Gemma 2 (hybrid sliding / full), with candidates really accepted; EOS stops and

@@ -90,7 +90,8 @@ class BlockTables:
         num_shared, leaders, _, stride = self._prefill_shape(num_tokens, group_of, reserve_tokens)
         return len(leaders) * num_shared + len(group_of) * stride
 
-    def _prefill_shape(self, num_tokens: int, group_of: list[int], reserve_tokens: int) -> tuple[int, list[int], int, int]:
+    def _prefill_shape(self, num_tokens: int, group_of: list[int],
+                       reserve_tokens: int) -> tuple[int, list[int], int, int]:
         shares = any(g != r for r, g in enumerate(group_of))
         num_shared = max(num_tokens // self.block_size - self.first_block, 0) if shares else 0
         leaders = sorted(set(group_of))

@@ -2,12 +2,12 @@
 `cache_implementation="quantized", cache_config={"backend": "hf_accel", ...}` (selected by `route.py`).
 
 The prompt is prefilled eagerly through the `QuantizedKVCache` generate built (so its sinks, groups and residual are
-the eager cache's own), its state is copied into the static buffers of `quantized_rows.py`, and every later token is
-one call of a compiled whole step (forward, attention over the full-precision slots and the dequantized history,
-token choice) with the flush of a full residual done on the host between steps. The host loop, processors, stopping
-criteria, streamer and outputs are `loop.Decode`'s. Calls it cannot serve (sliding-window or hybrid layers, which the
-eager cache keeps in transformers' own layers; beams) decode eagerly with a warning naming why; a cache object
-passed in is left to transformers (`route.py` does not route such calls here).
+the eager cache's own), its state is copied into the static buffers of `quantized_rows.py`, and every later token is one
+call of a compiled whole step (forward, attention over the full-precision slots and the dequantized history, token
+choice) with the flush of a full residual done on the host between steps. The host loop, processors, stopping criteria,
+streamer and outputs are `decode_loop.Decode`'s. Calls it cannot serve (sliding-window or hybrid layers, which the eager
+cache keeps in transformers' own layers; beams) decode eagerly with a warning naming why; a cache object passed in is
+left to transformers (`route.py` does not route such calls here).
 On a GPU the step is not captured in a CUDA graph (`mode="reduce-overhead"` compiles in inductor's default mode):
 the live history grows at every flush (a new graph per size) and its views are rebuilt (new addresses), so graphs
 would cost more than they save.

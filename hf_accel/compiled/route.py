@@ -1,9 +1,9 @@
 """Which `generate` calls run hf_accel's compiled loops: `compile_config` with `cache_implementation="paged"` or
-`"sink"` (`loop.py`) or hf_accel's `"quantized"` (`quantized_loop.py`), and `ngram_generate` / `draft_generate` /
+`"sink"` (`decode_loop.py`) or hf_accel's `"quantized"` (`quantized_loop.py`), and `ngram_generate` / `draft_generate` /
 `eagle_generate` (`speculative_entry.py`) given `compile_config`.
 
 transformers compiles a decode step only for caches that are `is_compileable`, and by default only on accelerators.
-With hf_accel's paged cache, `compile_config` selects `loop.compiled_generate` instead, on every device (CPU
+With hf_accel's paged cache, `compile_config` selects `decode_loop.compiled_generate` instead, on every device (CPU
 included): the hook in `registry.py` sets it as the call's `custom_generate` when nothing else already claims the
 decoding (a `custom_generate`, an assistant model, prompt lookup, a cache object passed in).
 """

@@ -187,7 +187,8 @@ class DraftHeads:
 
     def num_speculative_tokens(self, method: str | None) -> int | None:
         """What `vllm serve` drafts per step with `method`: EAGLE-3's chain length, or one token per Medusa head."""
-        return {"eagle3": EAGLE_SPECULATIVE_TOKENS, "medusa": self.medusa.num_heads if self.medusa else None}.get(method)
+        per_step = {"eagle3": EAGLE_SPECULATIVE_TOKENS, "medusa": self.medusa.num_heads if self.medusa else None}
+        return per_step.get(method)
 
     def write(self, out: Path) -> list[tuple[str, str]]:
         """Write the heads into their folders under `out`; (folder, description) of each, for the README."""

@@ -90,8 +90,8 @@ def _add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
                              "within this (default: 24)")
     parser.add_argument("--speculative-config", default=None, metavar="JSON",
                         help="speculative decoding as vLLM's flag: a JSON object of SpeculativeConfig fields, e.g. "
-                             f"'{EXAMPLE}'; methods ngram, suffix, medusa (model: the heads' folder), eagle3 (model: an "
-                             "EAGLE head's folder), draft (model: a draft LM's folder)")
+                             f"'{EXAMPLE}'; methods ngram, suffix, medusa (model: the heads' folder), eagle3 "
+                             "(model: an EAGLE head's folder), draft (model: a draft LM's folder)")
 
 
 def resolve_serving(path: str | None, quant: str | None, medusa_heads: str | None) -> tuple[str | None, Path | None]:
@@ -144,7 +144,8 @@ def _speculative(parser: argparse.ArgumentParser, args: argparse.Namespace) -> S
     if args.medusa_heads is not None or args.num_speculative_tokens is not None \
             or args.max_speculative_batch_tokens is not None:
         parser.error("--speculative-config replaces --medusa-heads, --num-speculative-tokens and "
-                     "--max-speculative-batch-tokens (use {\"method\": \"medusa\", \"model\": PATH, ...}); pass one way")
+                     "--max-speculative-batch-tokens (use {\"method\": \"medusa\", \"model\": PATH, ...}); "
+                     "pass one way")
     try:
         return parse_speculative_config(args.speculative_config, DTYPES[args.dtype])
     except ValueError as error:

@@ -2,8 +2,8 @@
 
 Gauges and counters are read from `engine.stats()` at scrape time by a custom collector; the latency histograms
 are fed by the engine's finish observer from each finished request's timing. A request that failed alone counts in
-`request_success_total` under `finished_reason="error"`; the loop's own death in `engine_loop_failures_total`. Every series has vLLM's
-`model_name` label. Each app has its own `CollectorRegistry`, so several apps live in one process.
+`request_success_total` under `finished_reason="error"`; the loop's own death in `engine_loop_failures_total`. Every
+series has vLLM's `model_name` label. Each app has its own `CollectorRegistry`, so several apps live in one process.
 
 | hf_accel                                   | vLLM                                   | kind      |
 |--------------------------------------------|----------------------------------------|-----------|
