@@ -6,7 +6,9 @@ Importing this package registers hf_accel's cache names with transformers (`hf_a
     model.generate(**inputs, cache_implementation="paged", cache_config={"block_size": 16})
 """
 
+import importlib
 import warnings
+from typing import TYPE_CHECKING
 
 from . import registry
 from .cache.block_pool import BlockPool, OutOfBlocksError
@@ -20,31 +22,69 @@ from .cache.sink import SinkCache
 from .cache.sink_config import SinkCacheConfig
 from .compiled import quantized_rows as _quantized_rows
 from .compiled.route import route_generate
-from .engine.config import EngineConfig
-from .engine.engine import Engine
-from .engine.engine_process import EngineProcess
-from .engine.engine_stats import EngineStats
-from .engine.errors import ContextLengthExceededError, EngineDeadError
-from .engine.outputs import CompletionOutput, RequestOutput, RequestOutputKind
-from .engine.sampling_params import SamplingParams
-from .engine.spec_decode.speculative_config import SpeculativeConfig
 from .quant.linear import Int4Linear, Int8Linear
-from .quant.presets import list_quantization_presets, load_model, quantization_config
 from .quant.quantizer import METHODS as _WEIGHT_METHODS, WeightOnlyConfig, WeightOnlyQuantizer, quantize_model
 from .runtime import attention as _attention
-from .speculative.medusa import medusa_generate
-from .speculative.medusa_heads import MedusaConfig, MedusaHeads
-from .training.medusa_trainer import train_medusa
-from .training.eagle_trainer import train_eagle
-from .speculative.draft import draft_generate
-from .speculative.draft_length import DraftLength
-from .speculative.eagle import eagle_generate
-from .speculative.eagle_head import EagleConfig, EagleHead
-from .speculative.eagle_tree import EagleTree
-from .speculative.ngram import ngram_generate
-from .speculative.ngram_drafter import NgramSettings
-from .speculative.stats import SpeculativeStats
-from .speculative.suffix_cache import SuffixCache
+
+if TYPE_CHECKING:  # the lazy names for type checkers and the API docs; `_LAZY` must name the same ones
+    from .engine.config import EngineConfig
+    from .engine.engine import Engine
+    from .engine.engine_process import EngineProcess
+    from .engine.engine_stats import EngineStats
+    from .engine.errors import ContextLengthExceededError, EngineDeadError
+    from .engine.outputs import CompletionOutput, RequestOutput, RequestOutputKind
+    from .engine.sampling_params import SamplingParams
+    from .engine.spec_decode.speculative_config import SpeculativeConfig
+    from .quant.presets import list_quantization_presets, load_model, quantization_config
+    from .speculative.medusa import medusa_generate
+    from .speculative.medusa_heads import MedusaConfig, MedusaHeads
+    from .training.medusa_trainer import train_medusa
+    from .training.eagle_trainer import train_eagle
+    from .speculative.draft import draft_generate
+    from .speculative.draft_length import DraftLength
+    from .speculative.eagle import eagle_generate
+    from .speculative.eagle_head import EagleConfig, EagleHead
+    from .speculative.eagle_tree import EagleTree
+    from .speculative.ngram import ngram_generate
+    from .speculative.ngram_drafter import NgramSettings
+    from .speculative.stats import SpeculativeStats
+    from .speculative.suffix_cache import SuffixCache
+
+# public names loaded on first use (module `__getattr__`), so that `import hf_accel` loads only what registration
+# needs: the caches, the quantizer, the attention functions and the generate router. name -> module defining it
+_LAZY = {
+    "EngineConfig": "engine.config",
+    "Engine": "engine.engine",
+    "EngineProcess": "engine.engine_process",
+    "EngineStats": "engine.engine_stats",
+    "ContextLengthExceededError": "engine.errors",
+    "EngineDeadError": "engine.errors",
+    "CompletionOutput": "engine.outputs",
+    "RequestOutput": "engine.outputs",
+    "RequestOutputKind": "engine.outputs",
+    "SamplingParams": "engine.sampling_params",
+    "SpeculativeConfig": "engine.spec_decode.speculative_config",
+    "list_quantization_presets": "quant.presets",
+    "load_model": "quant.presets",
+    "quantization_config": "quant.presets",
+    "medusa_generate": "speculative.medusa",
+    "MedusaConfig": "speculative.medusa_heads",
+    "MedusaHeads": "speculative.medusa_heads",
+    "train_medusa": "training.medusa_trainer",
+    "train_eagle": "training.eagle_trainer",
+    "draft_generate": "speculative.draft",
+    "DraftLength": "speculative.draft_length",
+    "eagle_generate": "speculative.eagle",
+    "EagleConfig": "speculative.eagle_head",
+    "EagleHead": "speculative.eagle_head",
+    "EagleTree": "speculative.eagle_tree",
+    "ngram_generate": "speculative.ngram",
+    "NgramSettings": "speculative.ngram_drafter",
+    "SpeculativeStats": "speculative.stats",
+    "SuffixCache": "speculative.suffix_cache",
+}
+# names kept importable for one release after they left the public API: old name -> its current name
+_DEPRECATED = {"MedusaStats": "SpeculativeStats"}
 
 __version__ = "0.1.0"
 
@@ -73,17 +113,22 @@ def unregister() -> None:
 
 register()
 
-# names kept importable for one release after they left the public API: old name -> (current name, its object)
-_DEPRECATED = {"MedusaStats": ("SpeculativeStats", SpeculativeStats)}
-
-
 def __getattr__(name: str) -> object:
+    """A public name on first use: imported from its module and kept; a deprecated name with a warning."""
     if name in _DEPRECATED:
-        current, value = _DEPRECATED[name]
+        current = _DEPRECATED[name]
         warnings.warn(f"hf_accel.{name} is deprecated and will be removed in the next release: use "
                       f"hf_accel.{current}", DeprecationWarning, stacklevel=2)
-        return value
-    raise AttributeError(f"module 'hf_accel' has no attribute {name!r}")
+        return __getattr__(current)
+    if name not in _LAZY:
+        raise AttributeError(f"module 'hf_accel' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
 
 
 __all__ = [

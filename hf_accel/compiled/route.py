@@ -15,9 +15,6 @@ from typing import Any
 from transformers import GenerationConfig
 
 from .. import registry
-from .decode_loop import compiled_generate
-from .quantized_loop import compiled_quantized_generate
-from .speculative_entry import COMPILED_ENTRIES
 
 _CLAIMS_DECODING = ("custom_generate", "assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit",
                     "past_key_values")
@@ -31,6 +28,11 @@ def route_generate(model: Any, kwargs: dict[str, Any]) -> None:
     compile_config = _setting("compile_config", kwargs, config, model)
     if compile_config is None or _setting("disable_compile", kwargs, config, model):
         return
+    # the loops load here, on the first call that compiles: `import hf_accel` stays light
+    from .decode_loop import compiled_generate
+    from .quantized_loop import compiled_quantized_generate
+    from .speculative_entry import COMPILED_ENTRIES
+
     custom = kwargs.get("custom_generate")
     if callable(custom) and custom in COMPILED_ENTRIES:  # the speculative loops: their compiled entries
         kwargs["custom_generate"] = COMPILED_ENTRIES[custom]
