@@ -19,6 +19,7 @@ the kernel cannot be built, the op is ATen's matmul (the settings are then not a
 from __future__ import annotations
 
 import torch
+import torch._inductor.config as inductor_config
 from torch._dynamo.utils import counters
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
@@ -42,7 +43,17 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 class PackLinears(CustomGraphPass):
     """Post-grad pass: fp32 `mm` / `addmm` (alpha = beta = 1, a `[N]` bias) of a CPU graph whose right operand is a
     frozen constant -> `hf_accel::packed_linear` over that constant's panels (each one counted in dynamo's
-    `counters["hf_accel"]["packed_linears"]`)."""
+    `counters["hf_accel"]["packed_linears"]`).
+
+    `weights`: a fingerprint of every weight the graphs compiled under this pass may freeze, or None. Inductor's FX
+    graph cache keys a graph's frozen weights by shape alone and keeps the constants a pass adds (the panels) in its
+    entry, so an entry is only correct for the weights it was packed from: the fingerprint is part of the pass's
+    `uuid` (so of the cache key), and without one the cache is off (`settings`).
+    """
+
+    def __init__(self, weights: str | None = None):
+        super().__init__()
+        self.weights = weights
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         module = graph.owning_module
@@ -63,17 +74,20 @@ class PackLinears(CustomGraphPass):
             counters["hf_accel"]["packed_linears"] += 1
 
     def uuid(self) -> bytes:
-        return get_hash_for_files((__file__, str(PACKED_LINEAR_SOURCE)))
+        return get_hash_for_files((__file__, str(PACKED_LINEAR_SOURCE))) + (self.weights or "").encode()
 
 
-def settings(enabled: bool) -> dict:
+def settings(enabled: bool, weights: str | None = None) -> dict:
     """Inductor settings for the graphs compiled under them (with freezing): their fp32 Linears over packed panels,
-    when `enabled` and the kernel is built; else none."""
+    when `enabled` and the kernel is built; else none. With `weights` (a fingerprint of every weight those graphs
+    freeze, `frozen_graphs.weights_fingerprint`) inductor's FX graph cache keeps them across processes, so a new
+    process with the same weights loads the graphs instead of compiling them (where inductor's cache is on: it
+    stays off where the caller or `TORCHINDUCTOR_FX_GRAPH_CACHE=0` turned it off); without it the cache is off (see
+    `PackLinears`; oneDNN's packed graphs, the other dtypes', are never cached either: they do not pickle)."""
     if not enabled or packed_linear_kernel() is None:
         return {}
-    # no FX graph cache: it keys frozen weights by shape alone, so a hit would bring back panels packed from another
-    # model's (or an earlier version's) weights (oneDNN's packed graphs were never cached either: they do not pickle)
-    return {"cpp.weight_prepack": False, "post_grad_custom_post_pass": PackLinears(), "fx_graph_cache": False}
+    return {"cpp.weight_prepack": False, "post_grad_custom_post_pass": PackLinears(weights),
+            "fx_graph_cache": weights is not None and inductor_config.fx_graph_cache}
 
 
 def _linear_operands(node: torch.fx.Node, module: torch.nn.Module):

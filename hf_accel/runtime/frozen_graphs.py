@@ -12,6 +12,7 @@ unchanged model share their graphs.
 
 from __future__ import annotations
 
+import hashlib
 import types
 import weakref
 from collections.abc import Callable, Hashable
@@ -36,6 +37,8 @@ class _ModelGraphs:
 
 
 _BY_MODEL: weakref.WeakKeyDictionary[nn.Module, _ModelGraphs] = weakref.WeakKeyDictionary()
+_DIGESTS: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, str]] = weakref.WeakKeyDictionary()  # weights_fingerprint's
+MAX_CACHED_BYTES = 512 * 2**20  # weights a cached graph may freeze (its cache entry keeps their packed copy)
 
 
 def compiled_for(model: nn.Module, function: Callable, key: Hashable, compile: Callable[[Callable], Callable],
@@ -52,13 +55,43 @@ def compiled_for(model: nn.Module, function: Callable, key: Hashable, compile: C
     return known.functions[key]
 
 
-def freezing(enabled: bool, dtype: torch.dtype | None = None):
+def freezing(enabled: bool, dtype: torch.dtype | None = None, frozen: tuple[nn.Module, ...] = ()):
     """A config patch under which inductor compiles graphs with frozen weights (or not); for a model of `dtype`
     float32, their Linears over weights packed in column panels (`kernels/packed_linear.py`: CPU graphs of a few rows
     each; other dtypes keep oneDNN's packing). Inductor reads it when a graph is compiled, so it goes around the
-    calls that compile; `torch.compile(options={"freezing": True})` does not reach it."""
-    return inductor_config.patch(freezing=enabled,
-                                 **packed_linear_settings(enabled and dtype == torch.float32))
+    calls that compile; `torch.compile(options={"freezing": True})` does not reach it.
+    `frozen`: every module whose weights the graphs compiled under it may hold; when given (and their weights are
+    at most `MAX_CACHED_BYTES`), fp32 graphs are kept in inductor's on-disk cache under their fingerprint, so a
+    later process on the same weights loads them instead of compiling them again."""
+    packed = enabled and dtype == torch.float32
+    weights = weights_fingerprint(frozen) if packed and frozen else None
+    return inductor_config.patch(freezing=enabled, **packed_linear_settings(packed, weights))
+
+
+def weights_fingerprint(modules: tuple[nn.Module, ...]) -> str | None:
+    """A digest of every parameter and buffer of `modules` (names, dtypes, shapes, bytes), kept per module while
+    its weights stay as they are (`weights_signature`); None when they hold more than `MAX_CACHED_BYTES` (a cache
+    entry keeps a packed copy of them: larger models compile instead of writing that copy per graph)."""
+    tensors = [t for module in modules for t in (*module.parameters(), *module.buffers())]
+    if sum(t.numel() * t.element_size() for t in tensors) > MAX_CACHED_BYTES:
+        return None
+    digest = hashlib.blake2b(digest_size=16)
+    for module in modules:
+        digest.update(_module_digest(module).encode())
+    return digest.hexdigest()
+
+
+def _module_digest(module: nn.Module) -> str:
+    signature = weights_signature(module)
+    known = _DIGESTS.get(module)
+    if known is not None and known[0] == signature:
+        return known[1]
+    digest = hashlib.blake2b(digest_size=16)
+    for name, tensor in (*module.named_parameters(), *module.named_buffers()):
+        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}:".encode())
+        digest.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().data)
+    _DIGESTS[module] = (signature, digest.hexdigest())
+    return _DIGESTS[module][1]
 
 
 def weights_signature(model: nn.Module) -> tuple:

@@ -11,8 +11,8 @@ changes a result). A step of one sequence decoding one token (the latency-bound 
 a third graph with static shapes instead (`max_blocks` given: its block table padded to the engine's widest), the
 way vLLM captures fixed sizes: no symbolic sizes to compute or guard on. All graphs are traced and compiled in
 `warm_up`, at engine start, so `compile_seconds` is the whole cost and no request waits for a compile; inductor's
-on-disk cache of built C++ kernels makes a restart cheaper (its FX graph cache is skipped for fp32 graphs with packed
-Linears: `kernels.packed_linear.settings`).
+on-disk caches make a restart cheaper: built C++ kernels, and the compiled graphs themselves, keyed by a
+fingerprint of the weights they freeze (`frozen_graphs.freezing`).
 In the engine-core process (`EngineProcess`), steps (and an EAGLE head's passes) after the warm-up skip dynamo's
 guards (`skip_guard_eval_unsafe`: only the guards that tell the graphs apart run; `warm_guards`), since every step's
 inputs differ from the warmed ones in sizes and values only, and the full guards are a visible share of a small
@@ -144,7 +144,7 @@ class StepForward:
                 self._eager_call()
             # each engine's graphs count toward dynamo's process-wide total (accumulated_recompile_limit),
             # which a long notebook or test session would otherwise reach
-            with dynamo_settings(), freezing(True, self.model.dtype):
+            with dynamo_settings(), freezing(True, self.model.dtype, frozen=(self.model,)):
                 self._trace_graphs()
             self._warm = True
         except Exception as error:
