@@ -92,7 +92,13 @@ def compare_strategies(
     bar = tqdm(total=(warmup + repeats) * len(strategies), desc="compare", unit="run", leave=False,
                disable=not progress)
 
+    warmed: set[str] = set()
+
     def decode(name: str) -> tuple[float, Any]:  # time(new_tokens) - time(1 token): prefill excluded
+        # a strategy's first run may build hf_accel's C++ kernels or compile its steps: say so while it waits
+        bar.set_postfix_str(name if name in warmed else f"{name}: first run (builds kernels / compiles where it "
+                            "needs them; minutes on a cold cache, seconds once cached)")
+        warmed.add(name)
         for _ in range(PAIR_ATTEMPTS):
             prefill_time, _ = run_generate(models[name], inputs, by_name[name], 1)
             total_time, output = run_generate(models[name], inputs, by_name[name], new_tokens)
