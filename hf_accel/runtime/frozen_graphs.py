@@ -62,7 +62,10 @@ def freezing(enabled: bool, dtype: torch.dtype | None = None, frozen: tuple[nn.M
     calls that compile; `torch.compile(options={"freezing": True})` does not reach it.
     `frozen`: every module whose weights the graphs compiled under it may hold; when given (and their weights are
     at most `MAX_CACHED_BYTES`), fp32 graphs are kept in inductor's on-disk cache under their fingerprint, so a
-    later process on the same weights loads them instead of compiling them again."""
+    later process on the same weights loads them instead of compiling them again. The fingerprint keys the set of
+    modules, not which of them a graph froze: pass them only where every graph compiled inside freezes one owner's
+    weights (with its companions), never where two modules of the same shapes compile the same graph (a draft model
+    that is a copy of its target would then load the target's panels): the speculative loops pass none."""
     packed = enabled and dtype == torch.float32
     weights = weights_fingerprint(frozen) if packed and frozen else None
     return inductor_config.patch(freezing=enabled, **packed_linear_settings(packed, weights))
