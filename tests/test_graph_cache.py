@@ -17,43 +17,67 @@ from hf_accel.runtime.frozen_graphs import weights_fingerprint
 pytestmark = pytest.mark.compiled
 
 TESTS = Path(__file__).parent
+ROOT = TESTS.parent
 
-# one process: the tiny Llama with seed `argv[1]`, greedy tokens eager and compiled (paged), FX cache counters
+# one process: the tiny Llama with seed `argv[1]`, greedy tokens eager and compiled (paged), FX cache counters; with
+# a draft seed `argv[2]` (not "-"), compiled draft-model speculation instead, its draft of the target's shapes (so
+# target and draft compile the same graphs, over different weights)
 _PROCESS = """
 import json, sys, torch, transformers
 import torch._dynamo.utils as dynamo_utils
 import hf_accel
 from conformance import PAD, make_prompts, ARCHITECTURES
+
+def tiny(seed):
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(ARCHITECTURES["llama"][0](), attn_implementation="sdpa")
+    model.generation_config.eos_token_id = None
+    return model.eval()
+
 torch.set_num_threads(1)
-torch.manual_seed(int(sys.argv[1]))
-model = transformers.AutoModelForCausalLM.from_config(ARCHITECTURES["llama"][0](), attn_implementation="sdpa").eval()
-model.generation_config.eos_token_id = None
+model = tiny(int(sys.argv[1]))
 inputs = make_prompts([7, 12])
 kwargs = dict(max_new_tokens=10, do_sample=False, pad_token_id=PAD)
 eager = model.generate(**inputs, **kwargs)
-compiled = model.generate(**inputs, cache_implementation="paged",
-                          compile_config=transformers.CompileConfig(fullgraph=True), **kwargs)
+kwargs["compile_config"] = transformers.CompileConfig()
+if sys.argv[2] == "-":
+    compiled = model.generate(**inputs, cache_implementation="paged", **kwargs)
+else:
+    compiled = model.generate(**inputs, custom_generate=hf_accel.draft_generate, draft_model=tiny(int(sys.argv[2])),
+                              **kwargs)
 counters = dynamo_utils.counters["inductor"]
 print(json.dumps({"equal": torch.equal(eager, compiled), "hits": counters["fxgraph_cache_hit"],
                   "misses": counters["fxgraph_cache_miss"]}))
 """
 
 
-def _run(seed: int, cache: Path) -> dict:
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache), "PYTHONPATH": str(TESTS)}
-    done = subprocess.run([sys.executable, "-c", _PROCESS, str(seed)], capture_output=True, text=True, timeout=900,
-                          env=env, cwd=TESTS)
+def _run(cache: Path, seed: int, draft: int | None = None) -> dict:
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache), "PYTHONPATH": os.pathsep.join([str(TESTS), str(ROOT)])}
+    done = subprocess.run([sys.executable, "-c", _PROCESS, str(seed), "-" if draft is None else str(draft)],
+                          capture_output=True, text=True, timeout=900, env=env, cwd=TESTS)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.skipif(packed_linear_kernel() is None, reason="the packed-Linear kernel is not built here")
 def test_a_restart_loads_the_graphs_of_the_same_weights_only(tmp_path):
-    first = _run(0, tmp_path)
+    first = _run(tmp_path, 0)
     assert first["equal"] and first["misses"] > 0 and first["hits"] == 0
-    other = _run(1, tmp_path)  # same shapes, other weights: another fingerprint, so its own graphs
+    other = _run(tmp_path, 1)  # same shapes, other weights: another fingerprint, so its own graphs
     assert other["equal"] and other["hits"] == 0, other
-    again = _run(0, tmp_path)
+    again = _run(tmp_path, 0)
+    assert again["equal"] and again["hits"] > 0 and again["misses"] == 0, again
+
+
+@pytest.mark.skipif(packed_linear_kernel() is None, reason="the packed-Linear kernel is not built here")
+def test_speculation_keys_each_graph_by_the_weights_it_freezes(tmp_path):
+    """Target and draft compile the same graphs; each is keyed by its own weights: the draft's never load the
+    target's panels (its first call would hit the target's entry otherwise), and a new draft only misses its own."""
+    first = _run(tmp_path, 0, draft=10)
+    assert first["equal"] and first["misses"] > 0 and first["hits"] == 0, first
+    other_draft = _run(tmp_path, 0, draft=11)  # the same target: its graphs hit; the draft's miss
+    assert other_draft["equal"] and other_draft["misses"] > 0 and other_draft["hits"] > 0, other_draft
+    again = _run(tmp_path, 0, draft=10)
     assert again["equal"] and again["hits"] > 0 and again["misses"] == 0, again
 
 

@@ -124,7 +124,7 @@ class Decode:
         """The prefill and the decode steps, over the paged layout."""
         rows, sinks = self._layout()
         kernel = paged_attention_kernel() if rows.device.type == "cpu" else None
-        settings = generate_context(rows.device, self.config, self.model.dtype, frozen=(self.model,))
+        settings = generate_context(rows.device, self.config, self.model.dtype)
         with attention_implementation(self.model, ATTENTION_NAME), settings:
             self._decode(rows, sinks, self._prefill(rows, kernel or gathered_attention), kernel or decode_attention)
 

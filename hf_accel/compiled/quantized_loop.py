@@ -83,7 +83,7 @@ class QuantizedDecode(Decode):
             return out
 
         with attention_implementation(self.model, ATTENTION_NAME), \
-                generate_context(self.input_ids.device, self.config, self.model.dtype, frozen=(self.model,)):
+                generate_context(self.input_ids.device, self.config, self.model.dtype):
             self._steps(tokens, one_step)
 
     def _prefill_eagerly(self) -> torch.Tensor:

@@ -165,23 +165,20 @@ def inductor_mode(mode: str | None) -> str | None:
 
 @contextlib.contextmanager
 def compile_context(device: torch.device, config: CompileConfig, dtype: torch.dtype,
-                    sampling: bool = False, frozen: tuple[torch.nn.Module, ...] = ()) -> Iterator[None]:
+                    sampling: bool = False) -> Iterator[None]:
     """Around a decode loop of a `dtype` model on `device`: sizes that happen to be equal when traced stay separate
     symbols (duck shaping off), dynamo's settings are hf_accel's (`dynamo_settings`: recompile limits raised, as a
     long session compiles more than dynamo's default total; floats traced as constants unless the loop is `sampling`
     inside its graphs), and on CPU graphs compiled here freeze the weights (inductor's `freezing`: each
     Linear runs over a weight packed once, a copy kept with the graph: fp32 ones through hf_accel's kernel for a few
     rows, `kernels/packed_linear.py`, others through oneDNN, both faster than MKL's sgemm on the weights as they lie
-    at a few rows), unless `config.options` says `"freezing": False`. `frozen`: every module whose weights the graphs
-    compiled inside may hold, when the caller knows them all: their fp32 graphs are then kept in inductor's on-disk
-    cache (`frozen_graphs.freezing`)."""
+    at a few rows), unless `config.options` says `"freezing": False`."""
     freeze = device.type == "cpu" and (config.options or {}).get("freezing", True)
     with symbolic_config.patch(use_duck_shape=False), dynamo_settings(constant_floats=not sampling), \
-            freezing(freeze, dtype, frozen):
+            freezing(freeze, dtype):
         yield
 
 
-def generate_context(device: torch.device, config: GenerationConfig, dtype: torch.dtype,
-                     frozen: tuple[torch.nn.Module, ...] = ()):
+def generate_context(device: torch.device, config: GenerationConfig, dtype: torch.dtype):
     """`compile_context` for a `generate` call's decode loop: its `compile_config`, sampling when it samples."""
-    return compile_context(device, config.compile_config, dtype, bool(config.do_sample), frozen)
+    return compile_context(device, config.compile_config, dtype, bool(config.do_sample))

@@ -18,8 +18,9 @@ the kernel cannot be built, the op is ATen's matmul (the settings are then not a
 
 from __future__ import annotations
 
+import contextvars
+
 import torch
-import torch._inductor.config as inductor_config
 from torch._dynamo.utils import counters
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
@@ -27,6 +28,8 @@ from .build import PACKED_LINEAR_SOURCE
 from .custom_ops import packed_linear_kernel
 
 PANEL = 16  # columns per panel (csrc/packed_linear.cpp's kPanel)
+# fingerprint of the weights the graph compiled now freezes (`runtime.frozen_graphs.weights_fingerprint`), or None
+FROZEN_WEIGHTS: contextvars.ContextVar[str | None] = contextvars.ContextVar("hf_accel_frozen_weights", default=None)
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -45,15 +48,12 @@ class PackLinears(CustomGraphPass):
     frozen constant -> `hf_accel::packed_linear` over that constant's panels (each one counted in dynamo's
     `counters["hf_accel"]["packed_linears"]`).
 
-    `weights`: a fingerprint of every weight the graphs compiled under this pass may freeze, or None. Inductor's FX
-    graph cache keys a graph's frozen weights by shape alone and keeps the constants a pass adds (the panels) in its
-    entry, so an entry is only correct for the weights it was packed from: the fingerprint is part of the pass's
-    `uuid` (so of the cache key), and without one the cache is off (`settings`).
+    Inductor's FX graph cache keys a graph's frozen weights by shape alone and keeps the constants a pass adds (the
+    panels) in its entry, so an entry is correct only for the weights it was packed from. `uuid`, part of the key,
+    therefore carries `FROZEN_WEIGHTS`, the fingerprint of the weights the graph being compiled freezes (set around
+    each call of a compiled function by `runtime.frozen_graphs`); where it is unset `uuid` is None and inductor
+    bypasses its cache for that graph.
     """
-
-    def __init__(self, weights: str | None = None):
-        super().__init__()
-        self.weights = weights
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         module = graph.owning_module
@@ -73,21 +73,20 @@ class PackLinears(CustomGraphPass):
             graph.erase_node(node)
             counters["hf_accel"]["packed_linears"] += 1
 
-    def uuid(self) -> bytes:
-        return get_hash_for_files((__file__, str(PACKED_LINEAR_SOURCE))) + (self.weights or "").encode()
+    def uuid(self) -> bytes | None:
+        weights = FROZEN_WEIGHTS.get()
+        if weights is None:
+            return None
+        return get_hash_for_files((__file__, str(PACKED_LINEAR_SOURCE))) + weights.encode()
 
 
-def settings(enabled: bool, weights: str | None = None) -> dict:
+def settings(enabled: bool) -> dict:
     """Inductor settings for the graphs compiled under them (with freezing): their fp32 Linears over packed panels,
-    when `enabled` and the kernel is built; else none. With `weights` (a fingerprint of every weight those graphs
-    freeze, `frozen_graphs.weights_fingerprint`) inductor's FX graph cache keeps them across processes, so a new
-    process with the same weights loads the graphs instead of compiling them (where inductor's cache is on: it
-    stays off where the caller or `TORCHINDUCTOR_FX_GRAPH_CACHE=0` turned it off); without it the cache is off (see
-    `PackLinears`; oneDNN's packed graphs, the other dtypes', are never cached either: they do not pickle)."""
+    when `enabled` and the kernel is built; else none."""
     if not enabled or packed_linear_kernel() is None:
         return {}
-    return {"cpp.weight_prepack": False, "post_grad_custom_post_pass": PackLinears(weights),
-            "fx_graph_cache": weights is not None and inductor_config.fx_graph_cache}
+    # inductor's FX graph cache keeps such graphs only under a fingerprint of their weights (`PackLinears.uuid`)
+    return {"cpp.weight_prepack": False, "post_grad_custom_post_pass": PackLinears()}
 
 
 def _linear_operands(node: torch.fx.Node, module: torch.nn.Module):

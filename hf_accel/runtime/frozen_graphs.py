@@ -7,11 +7,14 @@ only the model it froze, and only while that model's weights are the ones it hol
 object it traced, and its guards tell models apart but not weight values, so each model compiles its own copy of a step
 function (`own_code`), kept here beside a `weights_signature`; a model whose weights changed (an optimizer step,
 `load_state_dict`, a merged adapter, a cast) gets new copies, and the old graphs go with them. Engines on the same
-unchanged model share their graphs.
+unchanged model share their graphs. Across processes, fp32 graphs are kept in inductor's FX graph cache under a
+fingerprint of the weights they freeze (the owner's and its companions', set around each call of a compiled
+function: `kernels.packed_linear.PackLinears.uuid`), so a restart on the same weights loads them.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import types
 import weakref
@@ -22,13 +25,14 @@ import torch
 import torch._inductor.config as inductor_config
 from torch import nn
 
-from ..kernels.packed_linear import settings as packed_linear_settings
+from ..kernels.packed_linear import FROZEN_WEIGHTS, settings as packed_linear_settings
 
 
 @dataclass
 class _ModelGraphs:
     weights: tuple
     companions: tuple[weakref.ref, ...]  # the other modules whose weights the graphs hold
+    fingerprint: str | None  # of those weights, keying the graphs in inductor's on-disk cache (None: not cached)
     functions: dict[Hashable, Callable] = field(default_factory=dict)
 
     def holds(self, weights: tuple, companions: tuple[nn.Module, ...]) -> bool:
@@ -49,32 +53,34 @@ def compiled_for(model: nn.Module, function: Callable, key: Hashable, compile: C
     signature = tuple(weights_signature(module) for module in (model, *companions))
     known = _BY_MODEL.get(model)
     if known is None or not known.holds(signature, companions):
-        known = _BY_MODEL[model] = _ModelGraphs(signature, tuple(weakref.ref(module) for module in companions))
+        known = _BY_MODEL[model] = _ModelGraphs(signature, tuple(weakref.ref(module) for module in companions),
+                                                weights_fingerprint((model, *companions)))
     if key not in known.functions:
-        known.functions[key] = compile(own_code(function))
+        known.functions[key] = _keyed(compile(own_code(function)), known.fingerprint)
     return known.functions[key]
 
 
-def freezing(enabled: bool, dtype: torch.dtype | None = None, frozen: tuple[nn.Module, ...] = ()):
-    """A config patch under which inductor compiles graphs with frozen weights (or not); for a model of `dtype`
-    float32, their Linears over weights packed in column panels (`kernels/packed_linear.py`: CPU graphs of a few rows
-    each; other dtypes keep oneDNN's packing). Inductor reads it when a graph is compiled, so it goes around the
-    calls that compile; `torch.compile(options={"freezing": True})` does not reach it.
-    `frozen`: every module whose weights the graphs compiled under it may hold; when given (and their weights are
-    at most `MAX_CACHED_BYTES`), fp32 graphs are kept in inductor's on-disk cache under their fingerprint, so a
-    later process on the same weights loads them instead of compiling them again. The fingerprint keys the set of
-    modules, not which of them a graph froze: pass them only where every graph compiled inside freezes one owner's
-    weights (with its companions), never where two modules of the same shapes compile the same graph (a draft model
-    that is a copy of its target would then load the target's panels): the speculative loops pass none."""
-    packed = enabled and dtype == torch.float32
-    weights = weights_fingerprint(frozen) if packed and frozen else None
-    return inductor_config.patch(freezing=enabled, **packed_linear_settings(packed, weights))
+def _keyed(compiled: Callable, fingerprint: str | None) -> Callable:
+    """`compiled`, each call of it (where its graphs compile) under `fingerprint` of the weights they freeze."""
+    if fingerprint is None:
+        return compiled
+
+    @functools.wraps(compiled)
+    def call(*args, **kwargs):
+        token = FROZEN_WEIGHTS.set(fingerprint)
+        try:
+            return compiled(*args, **kwargs)
+        finally:
+            FROZEN_WEIGHTS.reset(token)
+
+    return call
 
 
 def weights_fingerprint(modules: tuple[nn.Module, ...]) -> str | None:
     """A digest of every parameter and buffer of `modules` (names, dtypes, shapes, bytes), kept per module while
     its weights stay as they are (`weights_signature`); None when they hold more than `MAX_CACHED_BYTES` (a cache
-    entry keeps a packed copy of them: larger models compile instead of writing that copy per graph)."""
+    entry keeps a packed copy of them: larger models compile in every process instead of writing that copy per
+    graph)."""
     tensors = [t for module in modules for t in (*module.parameters(), *module.buffers())]
     if sum(t.numel() * t.element_size() for t in tensors) > MAX_CACHED_BYTES:
         return None
@@ -95,6 +101,15 @@ def _module_digest(module: nn.Module) -> str:
         digest.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().data)
     _DIGESTS[module] = (signature, digest.hexdigest())
     return _DIGESTS[module][1]
+
+
+def freezing(enabled: bool, dtype: torch.dtype | None = None):
+    """A config patch under which inductor compiles graphs with frozen weights (or not); for a model of `dtype`
+    float32, their Linears over weights packed in column panels (`kernels/packed_linear.py`: CPU graphs of a few rows
+    each; other dtypes keep oneDNN's packing). Inductor reads it when a graph is compiled, so it goes around the
+    calls that compile; `torch.compile(options={"freezing": True})` does not reach it."""
+    return inductor_config.patch(freezing=enabled,
+                                 **packed_linear_settings(enabled and dtype == torch.float32))
 
 
 def weights_signature(model: nn.Module) -> tuple:

@@ -144,7 +144,7 @@ class StepForward:
                 self._eager_call()
             # each engine's graphs count toward dynamo's process-wide total (accumulated_recompile_limit),
             # which a long notebook or test session would otherwise reach
-            with dynamo_settings(), freezing(True, self.model.dtype, frozen=(self.model,)):
+            with dynamo_settings(), freezing(True, self.model.dtype):
                 self._trace_graphs()
             self._warm = True
         except Exception as error:

@@ -113,8 +113,7 @@ class EagleProposer(Proposer):
                                   companions=(self.model,))
         self.compiled = True
         try:
-            with dynamo_settings(), freezing(True, self.head.dtype, frozen=(self.head, self.model)), \
-                    torch.inference_mode():
+            with dynamo_settings(), freezing(True, self.head.dtype), torch.inference_mode():
                 self._trace_both_graphs(device)
             self._warm = True
         except Exception as error:
