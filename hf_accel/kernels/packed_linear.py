@@ -19,6 +19,7 @@ the kernel cannot be built, the op is ATen's matmul (the settings are then not a
 from __future__ import annotations
 
 import contextvars
+from collections.abc import Callable
 
 import torch
 from torch._dynamo.utils import counters
@@ -28,8 +29,9 @@ from .build import PACKED_LINEAR_SOURCE
 from .custom_ops import packed_linear_kernel
 
 PANEL = 16  # columns per panel (csrc/packed_linear.cpp's kPanel)
-# fingerprint of the weights the graph compiled now freezes (`runtime.frozen_graphs.weights_fingerprint`), or None
-FROZEN_WEIGHTS: contextvars.ContextVar[str | None] = contextvars.ContextVar("hf_accel_frozen_weights", default=None)
+# gives the fingerprint of the weights the graph compiled now freezes (`runtime.frozen_graphs`), or None
+FROZEN_WEIGHTS: contextvars.ContextVar[Callable[[], str | None] | None] = contextvars.ContextVar(
+    "hf_accel_frozen_weights", default=None)
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -50,9 +52,9 @@ class PackLinears(CustomGraphPass):
 
     Inductor's FX graph cache keys a graph's frozen weights by shape alone and keeps the constants a pass adds (the
     panels) in its entry, so an entry is correct only for the weights it was packed from. `uuid`, part of the key,
-    therefore carries `FROZEN_WEIGHTS`, the fingerprint of the weights the graph being compiled freezes (set around
-    each call of a compiled function by `runtime.frozen_graphs`); where it is unset `uuid` is None and inductor
-    bypasses its cache for that graph.
+    therefore carries the fingerprint of the weights the graph being compiled freezes, which `FROZEN_WEIGHTS` gives
+    (set around each call of a compiled function by `runtime.frozen_graphs`, computed at the first compile that
+    asks); where there is none `uuid` is None and inductor bypasses its cache for that graph.
     """
 
     def __call__(self, graph: torch.fx.Graph) -> None:
@@ -74,7 +76,8 @@ class PackLinears(CustomGraphPass):
             counters["hf_accel"]["packed_linears"] += 1
 
     def uuid(self) -> bytes | None:
-        weights = FROZEN_WEIGHTS.get()
+        fingerprint = FROZEN_WEIGHTS.get()
+        weights = None if fingerprint is None else fingerprint()
         if weights is None:
             return None
         return get_hash_for_files((__file__, str(PACKED_LINEAR_SOURCE))) + weights.encode()

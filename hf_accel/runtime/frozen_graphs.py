@@ -31,13 +31,21 @@ from ..kernels.packed_linear import FROZEN_WEIGHTS, settings as packed_linear_se
 @dataclass
 class _ModelGraphs:
     weights: tuple
-    companions: tuple[weakref.ref, ...]  # the other modules whose weights the graphs hold
-    fingerprint: str | None  # of those weights, keying the graphs in inductor's on-disk cache (None: not cached)
+    modules: tuple[weakref.ref, ...]  # the model, then the other modules whose weights the graphs hold
     functions: dict[Hashable, Callable] = field(default_factory=dict)
+    digest: str | None = None  # `weights_fingerprint` of `modules` once asked for ("": not cached)
 
     def holds(self, weights: tuple, companions: tuple[nn.Module, ...]) -> bool:
-        return (self.weights == weights and len(self.companions) == len(companions)
-                and all(ref() is module for ref, module in zip(self.companions, companions)))
+        return (self.weights == weights and len(self.modules) == len(companions) + 1
+                and all(ref() is module for ref, module in zip(self.modules[1:], companions)))
+
+    def fingerprint(self) -> str | None:
+        """The key of these graphs in inductor's on-disk cache, computed when a compile first asks for it (only fp32
+        graphs with packed Linears do, `PackLinears.uuid`); None: not cached."""
+        if self.digest is None:
+            modules = tuple(ref() for ref in self.modules)
+            self.digest = "" if None in modules else (weights_fingerprint(modules) or "")
+        return self.digest or None
 
 
 _BY_MODEL: weakref.WeakKeyDictionary[nn.Module, _ModelGraphs] = weakref.WeakKeyDictionary()
@@ -53,17 +61,15 @@ def compiled_for(model: nn.Module, function: Callable, key: Hashable, compile: C
     signature = tuple(weights_signature(module) for module in (model, *companions))
     known = _BY_MODEL.get(model)
     if known is None or not known.holds(signature, companions):
-        known = _BY_MODEL[model] = _ModelGraphs(signature, tuple(weakref.ref(module) for module in companions),
-                                                weights_fingerprint((model, *companions)))
+        known = _BY_MODEL[model] = _ModelGraphs(signature, tuple(map(weakref.ref, (model, *companions))))
     if key not in known.functions:
         known.functions[key] = _keyed(compile(own_code(function)), known.fingerprint)
     return known.functions[key]
 
 
-def _keyed(compiled: Callable, fingerprint: str | None) -> Callable:
-    """`compiled`, each call of it (where its graphs compile) under `fingerprint` of the weights they freeze."""
-    if fingerprint is None:
-        return compiled
+def _keyed(compiled: Callable, fingerprint: Callable[[], str | None]) -> Callable:
+    """`compiled`, each call of it (where its graphs compile) with `fingerprint` of the weights they freeze at
+    hand (weak references only: the graphs kept per model never keep the model alive)."""
 
     @functools.wraps(compiled)
     def call(*args, **kwargs):
