@@ -113,6 +113,7 @@ def unregister() -> None:
 
 register()
 
+
 def __getattr__(name: str) -> object:
     """A public name on first use: imported from its module and kept; a deprecated name with a warning."""
     if name in _DEPRECATED:
