@@ -137,17 +137,6 @@ def test_stop_strings_and_streamer_batch_1():
     assert "".join(chunks) == tokenizer.decode(expected[0, inputs["input_ids"].shape[1] :])
 
 
-def test_draft_length_adapts():
-    length = hf_accel.DraftLength(num_tokens=4, max_tokens=7)
-    steps = []
-    for k_used, accepted in [(4, 4), (6, 6), (7, 2), (6, 0), (5, 5)]:
-        assert length.next(budget=100) == k_used
-        length.update(k_used, accepted)
-        steps.append(length.num_tokens)
-    assert steps == [6, 7, 6, 5, 7]
-    assert length.next(budget=3) == 2 and length.next(budget=1) == 0  # never past max_new_tokens
-
-
 @pytest.mark.parametrize("kwargs,name", [
     ({"num_beams": 2}, "num_beams"),
     ({"output_attentions": True, "return_dict_in_generate": True}, "output_attentions"),
@@ -198,4 +187,6 @@ def test_reference_pair_greedy_equals_plain_greedy(lengths):
         got = model.generate(**inputs, max_new_tokens=48, do_sample=False, custom_generate=draft_generate,
                              draft_model=draft, draft_stats=stats, **kwargs)
         assert torch.equal(got, expected)
-    assert stats.tokens_per_forward > 1.4  # a trained pair agrees often (v2 pair: 1.74 at batch 1, 1.60 at batch 3)
+    # a trained pair agrees often (v2 pair: 1.62 at batch 1); at batch 3 its rounds cost more than they gain on a CPU
+    # (15 ms for 1.6 tokens against 8 ms plain rounds), so `DraftLength` switches to plain rounds after measuring
+    assert stats.tokens_per_forward > (1.4 if len(lengths) == 1 else 1.0) and stats.num_draft_forwards > 0

@@ -1,7 +1,7 @@
 """`draft_generate` with `compile_config`: the draft's forwards and the target's verify forward, all compiled.
 
 The drafter (the draft model) gets its own static paged pool, prefilled with the prompts. A round of k candidates
-per row (k from `DraftLength`, as in the eager loop):
+per row (k from `DraftLength`, as in the eager loop, but never 0 by choice):
 - one compiled draft forward of 2 tokens per row, the token before the last and the last (positions `p - 1`, `p`):
   a row that accepted every candidate last round never fed the draft its final candidate, and feeding the pair always
   gives every row the same shape (rewriting a K/V that was already right costs nothing extra);
@@ -19,6 +19,7 @@ once that shape recurs (`captured_step.CapturedSteps`).
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -67,7 +68,8 @@ def compiled_draft_generate(call: GenerateCall,
                             options: DraftOptions) -> GenerateDecoderOnlyOutput | torch.LongTensor:
     """Draft-model speculation with compiled forwards (see the module docstring), greedy or (with `do_sample`)
     sampled after the call's warpers; returns what `generate` returns."""
-    draft, length = options.draft_model, options.length
+    draft = options.draft_model
+    length = DraftLength(options.num_draft_tokens, options.max_draft_tokens, allow_off=False)
     check_draft_vocabulary(call.model, draft)
     target = TargetRounds(call, length.max_tokens, options.draft_stats)
     pool = pool_for(draft, target.prompts, target.outputs.max_new_tokens, length.max_tokens, call.generation_config)
@@ -81,14 +83,17 @@ def _round(target: TargetRounds, draft: DraftSteps, length: DraftLength) -> None
     """Draft k candidates per row, verify them, adapt k. Where no row may gain two tokens (the last round) the round
     still verifies one candidate, counted as none, so that no target decode-step graph is compiled for that one
     token."""
-    k = length.next(max(target.outputs.remaining))
+    started, rows = time.perf_counter(), len(target.outputs.finished)
+    remaining = [left for left, done in zip(target.outputs.remaining, target.outputs.finished) if not done]
+    k = length.next(max(remaining), rows)
     generating = [not done for done in target.outputs.finished]
     counts = None if k else torch.zeros_like(target.positions)  # the last round: its one draft counts as none
     candidates, draft_probs = _draft(target, draft, max(k, 1))
     accepted = target.verify_round(candidates, counts, draft_probs)
     if k:
         target.stats.num_draft_forwards += k
-        length.update(k, min(n for n, on in zip(accepted, generating) if on))
+        length.update(k, [n for n, on in zip(accepted, generating) if on], rows, time.perf_counter() - started,
+                      remaining)
 
 
 def _draft(target: TargetRounds, draft: DraftSteps, k: int) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -23,6 +23,7 @@ one per input shape once it recurs (`captured_step.CapturedSteps`).
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -178,7 +179,8 @@ def compiled_eagle_generate(call: GenerateCall,
                             options: EagleOptions) -> GenerateDecoderOnlyOutput | torch.LongTensor:
     """EAGLE speculation with compiled forwards (see the module docstring), greedy or (with `do_sample`) sampled
     after the call's warpers; returns what `generate` returns."""
-    model, head, length = call.model, options.eagle_head, options.length
+    model, head = call.model, options.eagle_head
+    length = DraftLength(options.num_draft_tokens, options.max_draft_tokens, allow_off=False)
     head.check_compatible(model)
     target = TargetRounds(call, length.max_tokens, options.eagle_stats, head.config.feature_layers)
     pool = pool_for(head, target.prompts, target.outputs.max_new_tokens, length.max_tokens, call.generation_config,
@@ -196,7 +198,9 @@ def _round(target: TargetRounds, head: HeadRounds, length: DraftLength) -> None:
     """Draft with the head, verify, let the head read the verified features, adapt k. Where no row may gain two
     tokens (the last round) the round still verifies the head's first candidate, counted as none (none can be kept),
     so that no decode-step graph is compiled for that one token."""
-    k = length.next(max(target.outputs.remaining))
+    started, rows = time.perf_counter(), len(target.outputs.finished)
+    remaining = [left for left, done in zip(target.outputs.remaining, target.outputs.finished) if not done]
+    k = length.next(max(remaining), rows)
     generating = [not done for done in target.outputs.finished]
     start = target.positions
     candidates, probs = head.draft(start, max(k, 1), torch.tensor(generating, device=start.device))
@@ -205,4 +209,5 @@ def _round(target: TargetRounds, head: HeadRounds, length: DraftLength) -> None:
     head.catch_up(target.features, target.verdict.tokens, start, target.verdict.num_accepted)
     if k:
         target.stats.num_draft_forwards += candidates.shape[1]
-        length.update(candidates.shape[1], min(n for n, on in zip(accepted, generating) if on))
+        length.update(candidates.shape[1], [n for n, on in zip(accepted, generating) if on], rows,
+                      time.perf_counter() - started, remaining)

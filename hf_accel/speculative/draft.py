@@ -16,6 +16,7 @@ not cover (other logits processors, other stopping criteria, scores) come back h
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -116,19 +117,20 @@ def _start(call: GenerateCall, options: DraftOptions) -> DraftRun:
 
 def _round(run: DraftRun) -> None:
     """Draft k candidates per row, verify them in one target forward, keep each row's accepted prefix."""
-    batch = run.decoding.batch
-    k = run.length.next(int(batch.remaining.max()))
+    started, batch = time.perf_counter(), run.decoding.batch
+    rows, remaining = batch.columns.shape[0], batch.remaining[batch.unfinished].tolist()
+    k = run.length.next(max(remaining), rows)
     drafted = _draft(run, k)
     verdict, scores, logits = chain.verify(run.decoding, run.target, run.target_cache, drafted.tokens,
                                            drafted.history, drafted.probs)
-    fewest_accepted = int(verdict.num_accepted[batch.unfinished].min())
+    accepted = verdict.num_accepted[batch.unfinished].tolist()
     width_before = batch.width
     most = chain.keep(run.decoding, run.target_cache, verdict, scores, logits, k=k, record=True)
     held = min(run.draft_length_seen, width_before + most)  # == new width - 1
     if run.draft_length_seen > held:
         run.draft_cache.crop(-(run.draft_length_seen - held))
         run.draft_length_seen = held
-    run.length.update(k, fewest_accepted)
+    run.length.update(k, accepted, rows, time.perf_counter() - started, remaining)
 
 
 def _draft(run: DraftRun, k: int) -> RoundCandidates:

@@ -11,10 +11,9 @@ step, and it is the off-switch: where measured acceptance makes extra candidates
   drafted in), with a prior of `PRIOR_WEIGHT` expected tokens at trust 1.
 - `cap` on k: starts at `FIRST_CAP`, doubles (up to `max_tokens`) after a round that accepted at least half of what
   it expected, halves (down to `PROBE_TOKENS`) after one that did not, so one wrong guess costs a short round.
-- probes: while switched off nothing is measured, so after `probe_interval` rounds off, one round speculates as if
-  trust were 1, with at most `PROBE_TOKENS` candidates (a probe measures; it need not pay). Its outcome is evidence
-  like any round's: when it pays, speculation is back on; when not, the next probe waits four times as long
-  (`FIRST_PROBE_INTERVAL`, then x4 up to `MAX_PROBE_INTERVAL`): 3 probes in 128 rounds where nothing repeats.
+- probes: while switched off nothing is measured, so when the `round_cost.ProbeSchedule` says so (after 4 rounds off,
+  then 16, 64, 128 while probes fail), one round speculates as if trust were 1, with at most `PROBE_TOKENS` candidates
+  (a probe measures; it need not pay). Its outcome is evidence like any round's: when it pays, speculation is back on.
 - per row (`choose_counts`, the engine's packed steps, where rows need not verify equally many): every row's
   candidates ranked by trusted probability (a row's run in order: its probabilities never rise), and the round
   verifies the best-ranked prefix of that ranking that maximises expected tokens per cost; the cap bounds each row.
@@ -28,11 +27,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .round_cost import RoundCost
+from .round_cost import ProbeSchedule, RoundCost
 from .suffix_cache import Draft
 
-DECAY, PRIOR_WEIGHT = 0.9, 1.0
-FIRST_PROBE_INTERVAL, MAX_PROBE_INTERVAL, PROBE_TOKENS, FIRST_CAP = 4, 128, 4, 8
+DECAY, PRIOR_WEIGHT, PROBE_TOKENS, FIRST_CAP = 0.9, 1.0, 4, 8
 MARGIN = 0.1  # speculate only where expected tokens per second beat a plain round's by this much (estimates are noisy)
 
 
@@ -50,9 +48,13 @@ class DraftBudget:
     evidence: dict[str, list[float]] = field(default_factory=dict)  # source -> decayed [accepted, expected]
     costs: dict[int, RoundCost] = field(default_factory=dict)  # batch size -> what its rounds cost
     num_rounds: int = 0  # rounds updated so far (the first one's time holds one-off costs: not measured)
-    num_off_rounds: int = 0  # rounds switched off since the last speculating round
-    probe_interval: int = FIRST_PROBE_INTERVAL
+    probes: ProbeSchedule = field(default_factory=ProbeSchedule)
     cap: int = FIRST_CAP
+
+    @property
+    def probe_interval(self) -> int:
+        """Rounds off before the next probe."""
+        return self.probes.interval
 
     def trust(self, source: str) -> float:
         """Measured accepted / expected accepted candidates of drafts from `source`, with the prior."""
@@ -80,17 +82,9 @@ class DraftBudget:
 
     def _probes(self, drafts: Sequence[Draft], speculating: bool) -> bool:
         """Count a round on or off; whether this off round is a probe."""
-        if speculating:
-            self.num_off_rounds, self.probe_interval = 0, FIRST_PROBE_INTERVAL
+        if not speculating and not any(d.tokens for d in drafts):  # nothing to verify: not switched off
             return False
-        if not any(d.tokens for d in drafts):  # nothing to verify: not switched off
-            return False
-        self.num_off_rounds += 1
-        if self.num_off_rounds < self.probe_interval:
-            return False
-        self.num_off_rounds = 0
-        self.probe_interval = min(4 * self.probe_interval, MAX_PROBE_INTERVAL)
-        return True
+        return self.probes.is_probe(speculating)
 
     def _best_counts(self, drafts: Sequence[Draft], batch_size: int, probe: bool) -> list[int]:
         longest = min(self.max_tokens, self.cap)

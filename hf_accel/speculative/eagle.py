@@ -19,6 +19,7 @@ CPU too; their output's `past_key_values` is None); greedy trees too (`hf_accel/
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -165,17 +166,18 @@ def _prefill(run: _Run) -> None:
 def _round(run: _Run) -> None:
     """Draft k candidates per row with the head, verify them in one target forward, keep each row's accepted
     prefix."""
-    batch = run.decoding.batch
-    k = run.options.length.next(int(batch.remaining.max()))
+    started, batch = time.perf_counter(), run.decoding.batch
+    rows, remaining = batch.columns.shape[0], batch.remaining[batch.unfinished].tolist()
+    k = run.options.length.next(max(remaining), rows)
     drafted = _draft(run, k)
     k = drafted.tokens.shape[1]  # the chain may end early
     ids, mask, positions = chain.verify_inputs(batch, drafted.tokens)
     logits, features = _target_forward(run, ids, mask, positions, k + 1)
     verdict, scores, logits = chain.decide(run.decoding, logits, drafted.tokens, drafted.history, drafted.probs)
-    fewest_accepted = int(verdict.num_accepted[batch.unfinished].min())
+    accepted = verdict.num_accepted[batch.unfinished].tolist()
     most = chain.keep(run.decoding, run.cache, verdict, scores, logits, k=k, record=True)
     run.head.add_pending(features[:, : most + 1])  # slot i: the root (i = 0), then accepted draft i
-    run.options.length.update(k, fewest_accepted)
+    run.options.length.update(k, accepted, rows, time.perf_counter() - started, remaining)
 
 
 def _draft(run: _Run, k: int) -> RoundCandidates:
