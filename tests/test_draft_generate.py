@@ -187,6 +187,6 @@ def test_reference_pair_greedy_equals_plain_greedy(lengths):
         got = model.generate(**inputs, max_new_tokens=48, do_sample=False, custom_generate=draft_generate,
                              draft_model=draft, draft_stats=stats, **kwargs)
         assert torch.equal(got, expected)
-    # a trained pair agrees often (v2 pair: 1.62 at batch 1); at batch 3 its rounds cost more than they gain on a CPU
-    # (15 ms for 1.6 tokens against 8 ms plain rounds), so `DraftLength` switches to plain rounds after measuring
-    assert stats.tokens_per_forward > (1.4 if len(lengths) == 1 else 1.0) and stats.num_draft_forwards > 0
+    # a trained pair agrees often: tokens per drafting forward (at batch 3 its rounds can cost more than they gain on
+    # a CPU, 15 ms for 1.6 tokens against 8 ms plain rounds, and `DraftLength` then decodes plainly after measuring)
+    assert 1 + sum(stats.accepted) / stats.proposed[0] > 1.4, stats

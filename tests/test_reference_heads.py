@@ -47,7 +47,9 @@ def test_eagle_on_held_out_code_equals_plain_greedy_and_accepts(target):
     for row in rows:
         got = model.generate(row[None], custom_generate=eagle_generate, eagle_head=head, eagle_stats=stats, **options)
         assert torch.equal(got, model.generate(row[None], **options))
-    assert stats.tokens_per_forward > MIN_TOKENS_PER_FORWARD, stats
+    # per speculating forward: `DraftLength` may decode some rounds plainly (it times them while speculation is in
+    # question), which says nothing about the head
+    assert 1 + sum(stats.accepted) / stats.proposed[0] > MIN_TOKENS_PER_FORWARD, stats
     ids = torch.stack([torch.cat([torch.zeros(16 * i, dtype=torch.long), row[16 * i :]]) for i, row in enumerate(rows)])
     inputs = {"input_ids": ids, "attention_mask": (torch.arange(48) >= 16 * torch.arange(3)[:, None]).long()}
     got = model.generate(**inputs, custom_generate=eagle_generate, eagle_head=head, **options)
