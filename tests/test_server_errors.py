@@ -72,6 +72,12 @@ def assert_error(response: httpx.Response, status: int, param: str | None, code:
     ("/v1/chat/completions", {"messages": CHAT, "max_tokens": -3}, "max_tokens"),
     ("/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": 0}, "max_completion_tokens"),
     ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function"}]}, "tools"),
+    ("/v1/chat/completions", {"messages": CHAT, "tool_choice": "required"}, "tool_choice"),
+    ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/chat/completions", {"messages": CHAT, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object"}}}}, "response_format"),
+    ("/v1/completions", {"prompt": "x", "structured_outputs": {"choice": ["a", "b"]}}, "structured_outputs"),
+    ("/v1/completions", {"prompt": "x", "guided_regex": "[0-9]+"}, "guided_regex"),
     ("/detokenize", {"tokens": [-1]}, "tokens"),
     ("/tokenize", {"messages": []}, "messages"),
     ("/v1/completions", {"prompt": "x", "seed": 2**80}, "seed"),

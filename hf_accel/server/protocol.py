@@ -3,8 +3,9 @@ a number belongs is a 400, not a coercion; NaN and infinities are refused). An e
 default". Sampling ranges are checked
 once, by `SamplingParams`, whose errors name the field; only the server's own bounds live here (at most 20
 logprobs, `max_completion_tokens` >= 1). Fields this server cannot honour (`presence_penalty`, `frequency_penalty`,
-`logit_bias`, `echo`, `suffix`, `tools`, `best_of` != `n`) get a 400 when set to anything but their no-op value;
-other unknown fields are ignored.
+`logit_bias`, `echo`, `suffix`, `tools`, `tool_choice`, `best_of` != `n`, and constrained output: `response_format`
+other than text, vLLM's `structured_outputs` and `guided_*`) get a 400 when set to anything but their no-op value,
+never a 200 that ignored them; other unknown fields are ignored.
 
 Extras beyond OpenAI's fields (vLLM's names): `top_k`, `min_p`, `repetition_penalty`, `stop_token_ids`,
 `ignore_eos`, `priority` (lower runs first), `return_token_ids` (choices carry their `token_ids`).
@@ -58,6 +59,27 @@ class SamplingRequest(RequestModel):
     ignore_eos: bool = False
     priority: int = 0
     return_token_ids: bool = False
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None  # vLLM's
+    guided_json: Any = None  # vLLM's older names for structured_outputs' fields
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value and value != {"type": "text"}:
+            raise ValueError('only {"type": "text"}: constrained output (json_schema, json_object) is not supported '
+                             "by this server")
+        return value
+
+    @field_validator("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+    @classmethod
+    def _no_constraints(cls, value: object) -> object:
+        if value:
+            raise ValueError("constrained output is not supported by this server")
+        return value
 
     @field_validator("presence_penalty", "frequency_penalty")
     @classmethod
@@ -146,12 +168,20 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True  # vLLM's: end the prompt with the assistant turn's opening
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
 
     @field_validator("tools")
     @classmethod
     def _no_tools(cls, value: list | None) -> list | None:
         if value:
             raise ValueError("tool calls are not supported by this server")
+        return value
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _no_tool_choice(cls, value: str | dict | None) -> str | dict | None:
+        if value not in (None, "none", "auto"):  # without tools, "none" and "auto" ask for nothing
+            raise ValueError('only "none" or "auto": tool calls are not supported by this server')
         return value
 
     @property
