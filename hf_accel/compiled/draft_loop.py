@@ -83,17 +83,16 @@ def _round(target: TargetRounds, draft: DraftSteps, length: DraftLength) -> None
     """Draft k candidates per row, verify them, adapt k. Where no row may gain two tokens (the last round) the round
     still verifies one candidate, counted as none, so that no target decode-step graph is compiled for that one
     token."""
-    started, rows = time.perf_counter(), len(target.outputs.finished)
-    remaining = [left for left, done in zip(target.outputs.remaining, target.outputs.finished) if not done]
-    k = length.next(max(remaining), rows)
-    generating = [not done for done in target.outputs.finished]
+    started, generating = time.perf_counter(), [not done for done in target.outputs.finished]
+    remaining = [left for left, on in zip(target.outputs.remaining, generating) if on]
+    k = length.next(max(remaining), len(generating))
     counts = None if k else torch.zeros_like(target.positions)  # the last round: its one draft counts as none
     candidates, draft_probs = _draft(target, draft, max(k, 1))
     accepted = target.verify_round(candidates, counts, draft_probs)
     if k:
         target.stats.num_draft_forwards += k
-        length.update(k, [n for n, on in zip(accepted, generating) if on], rows, time.perf_counter() - started,
-                      remaining)
+        length.update(k, [n for n, on in zip(accepted, generating) if on], len(generating),
+                      time.perf_counter() - started, remaining)
 
 
 def _draft(target: TargetRounds, draft: DraftSteps, k: int) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -198,10 +198,9 @@ def _round(target: TargetRounds, head: HeadRounds, length: DraftLength) -> None:
     """Draft with the head, verify, let the head read the verified features, adapt k. Where no row may gain two
     tokens (the last round) the round still verifies the head's first candidate, counted as none (none can be kept),
     so that no decode-step graph is compiled for that one token."""
-    started, rows = time.perf_counter(), len(target.outputs.finished)
-    remaining = [left for left, done in zip(target.outputs.remaining, target.outputs.finished) if not done]
-    k = length.next(max(remaining), rows)
-    generating = [not done for done in target.outputs.finished]
+    started, generating = time.perf_counter(), [not done for done in target.outputs.finished]
+    remaining = [left for left, on in zip(target.outputs.remaining, generating) if on]
+    k = length.next(max(remaining), len(generating))
     start = target.positions
     candidates, probs = head.draft(start, max(k, 1), torch.tensor(generating, device=start.device))
     counts = None if k else torch.zeros_like(start)
@@ -209,5 +208,5 @@ def _round(target: TargetRounds, head: HeadRounds, length: DraftLength) -> None:
     head.catch_up(target.features, target.verdict.tokens, start, target.verdict.num_accepted)
     if k:
         target.stats.num_draft_forwards += candidates.shape[1]
-        length.update(candidates.shape[1], [n for n, on in zip(accepted, generating) if on], rows,
+        length.update(candidates.shape[1], [n for n, on in zip(accepted, generating) if on], len(generating),
                       time.perf_counter() - started, remaining)

@@ -12,8 +12,9 @@ Python.
   rates up to i. Every speculating round weighs earlier counts `DECAY` less; k grows at most `GROWTH` past the last
   round's.
 - cost: the `RoundCost` of the batch size over the tokens the verify forward scores (rows x (k + 1)), the first
-  round of each k at each batch size left out (one-off costs: a compiled loop compiles for a new shape then). Its prior adds `DRAFT_COST` per candidate (one drafter forward, for the
-  whole batch) to a model-free round's; once rounds of several lengths are timed, their line prices them.
+  round of each k at each batch size left out (one-off costs: a compiled loop compiles for a new shape then). Its
+  prior adds `DRAFT_COST` per candidate (one drafter forward, for the whole batch) to a model-free round's; once
+  rounds of several lengths are timed, their line prices them.
 - off-switch (`allow_off`: the eager loops): k = 0 is a plain decode step. Whether any k pays depends on what a plain
   round costs, and plain rounds are timed only while that is in question: while the best k's expected tokens per
   cost (priced without plain rounds) is under `CONFIDENT` times a plain round's, every `PLAIN_SPACING`-th round is
