@@ -86,3 +86,11 @@ def test_the_first_round_of_each_length_is_not_timed():
 def test_bad_lengths_are_refused_by_name(kwargs, name):
     with pytest.raises(ValueError, match=name):
         hf_accel.DraftLength(**kwargs)
+
+
+def test_neighbours_of_the_best_k_are_tried_so_the_cost_line_spans_the_choice():
+    length = DraftLength(num_tokens=3, max_tokens=8, allow_off=False)
+    # the first 3 candidates are always accepted, the 4th never: k = 3 is best, yet 2 and 4 run now and then
+    ks = _run(length, 36, lambda k: [min(k, 3)], lambda k: PLAIN * (1.3 + 0.2 * k))
+    assert ks[-12:].count(3) >= 8 and {2, 4} <= set(ks[-12:])
+    assert length.cost(1)._line() is not None  # rounds of several sizes: the line is fitted, not the prior

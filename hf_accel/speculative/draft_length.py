@@ -11,6 +11,9 @@ Python.
   and lengths never tried take the pooled rate. Expected extra tokens at k: the sum over i <= k of the product of the
   rates up to i. Every speculating round weighs earlier counts `DECAY` less; k grows at most `GROWTH` past the last
   round's.
+- neighbours: every `EXPLORE_EVERY`-th round drafts one more or one fewer than the best k (by turns), so the
+  cost line is fitted across the sizes the choice is between, not at one size only, and the next length's
+  acceptance keeps being measured.
 - cost: the `RoundCost` of the batch size over the tokens the verify forward scores (rows x (k + 1)), the first
   round of each k at each batch size left out (one-off costs: a compiled loop compiles for a new shape then). Its
   prior adds `DRAFT_COST` per candidate (one drafter forward, for the whole batch) to a model-free round's; once
@@ -34,6 +37,7 @@ from .round_cost import PRIOR_TOKEN_COST, ProbeSchedule, RoundCost
 from .tree_size import batch_progress
 
 DECAY, SHRINK, PRIOR_RATE, DRAFT_COST, GROWTH, CONFIDENT, PLAIN_SPACING = 0.9, 2.0, 0.8, 0.15, 2, 1.3, 2
+EXPLORE_EVERY = 6
 
 
 @dataclass(slots=True)
@@ -80,6 +84,8 @@ class DraftLength:
             return min(self.num_tokens, longest)
         rates = self.rates(longest, batch_size)
         best = max(range(1, longest + 1), key=rates.__getitem__)
+        if self.num_rounds % EXPLORE_EVERY == 0:  # a neighbour of the best, by turns above and below
+            best = min(max(best + (1 if self.num_rounds // EXPLORE_EVERY % 2 else -1), 1), longest)
         if not self.allow_off:
             return best
         if not self.cost(batch_size).is_measured:  # time plain rounds only while speculation may not pay
