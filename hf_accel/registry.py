@@ -29,6 +29,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import threading
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
@@ -124,23 +126,43 @@ def is_registered() -> bool:
     return hasattr(GenerationMixin.__dict__.get("generate"), _ORIGINAL_ATTR)
 
 
+# model -> [name, its own implementation, how many blocks hold the switch]: the switch is shared, so a thread that
+# compiles a model's graphs in the background and the thread that steps it eagerly meanwhile never undo each other's
+_SWITCHED: weakref.WeakKeyDictionary[nn.Module, list] = weakref.WeakKeyDictionary()
+_SWITCH_LOCK = threading.Lock()
+
+
 @contextlib.contextmanager
 def attention_implementation(model: nn.Module, name: str) -> Iterator[None]:
     """Run `model` (a transformers model) with the registered attention function `name` inside the block, its own
-    implementation after (a no-op when already inside one: the Engine switches once per run of steps, so single
-    steps pay nothing)."""
-    saved = model.config._attn_implementation
-    if saved == name:
-        yield
-        return
-    if name not in AttentionInterface._global_mapping:
-        raise RuntimeError(f"attention {name!r} is not registered with transformers: hf_accel.unregister() was "
-                           "called; call hf_accel.register() to use hf_accel's engine and compiled generate again")
-    model.set_attn_implementation(name)
+    implementation after the last block that holds the switch ends (nested or in other threads: the Engine switches
+    once per run of steps, so single steps pay nothing, and a background compile shares the loop's switch). A block
+    asking for another function while one is held raises RuntimeError."""
+    with _SWITCH_LOCK:
+        held = _SWITCHED.get(model)
+        if held is None:
+            if model.config._attn_implementation != name:  # (else switched by its owner: nothing to undo)
+                if name not in AttentionInterface._global_mapping:
+                    raise RuntimeError(f"attention {name!r} is not registered with transformers: hf_accel."
+                                       "unregister() was called; call hf_accel.register() to use hf_accel's engine "
+                                       "and compiled generate again")
+                saved = model.config._attn_implementation
+                model.set_attn_implementation(name)
+                held = _SWITCHED[model] = [name, saved, 1]
+        elif held[0] != name:
+            raise RuntimeError(f"the model runs with attention {held[0]!r} in another block; it cannot switch to "
+                               f"{name!r} until that block ends")
+        else:
+            held[2] += 1
     try:
         yield
     finally:
-        model.set_attn_implementation(saved)
+        if held is not None:
+            with _SWITCH_LOCK:
+                held[2] -= 1
+                if held[2] == 0:
+                    del _SWITCHED[model]
+                    model.set_attn_implementation(held[1])
 
 
 @contextlib.contextmanager

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from hf_accel import Engine, EngineConfig, SpeculativeConfig, reference
-from hf_accel.server import create_app, serve_in_thread
+from hf_accel.server import command, create_app, serve_in_thread
 
 MODEL_NAME = "reference-target"
 @dataclass(slots=True)
@@ -47,3 +50,27 @@ def live_server(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, a
 def prompt_ids(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
     """The ids the engine computes a string prompt on (no special tokens added)."""
     return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+@contextlib.contextmanager
+def served_app(monkeypatch, argv: Sequence[str], load_timeout: float = 600.0) -> Iterator[FastAPI]:
+    """`hf-accel serve argv` with uvicorn's server replaced: the app it would serve, started (its engine built, as
+    `/health` leaving "loading" says) until the block ends, then stopped."""
+    apps: list[FastAPI] = []
+
+    class Server:  # takes the app instead of serving it
+        def __init__(self, config):
+            self.config, self.should_exit = config, False
+
+        def run(self) -> None:
+            apps.append(self.config.app)
+
+    monkeypatch.setattr(command.uvicorn, "Server", Server)
+    assert command.main(list(argv)) == 0
+    with TestClient(apps[0]) as client:
+        deadline = time.monotonic() + load_timeout
+        while client.get("/health").json().get("status") == "loading":
+            assert time.monotonic() < deadline, "the engine did not load"
+            time.sleep(0.05)
+        assert apps[0].state.load.error is None, apps[0].state.load.error
+        yield apps[0]

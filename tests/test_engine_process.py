@@ -22,6 +22,7 @@ from hf_accel.engine.outputs import RequestOutputKind
 from hf_accel.server import create_app, serve_in_thread
 from hf_accel.server import command
 from hf_accel.server.command import build_parser
+from server_helpers import served_app
 from hf_accel.server.served_engine import EngineSpec, build_engine
 
 LIMITS = EngineConfig(max_num_seqs=8, max_model_len=256, enforce_eager=True)
@@ -191,12 +192,8 @@ def test_an_engine_that_cannot_be_built_raises_with_the_childs_reason(tmp_path):
 def test_serve_runs_the_engine_in_its_own_process_by_default(monkeypatch):
     parser = build_parser()
     assert parser.parse_args(["--no-engine-process"]).engine_process is False
-    served = {}
-    monkeypatch.setattr(command.uvicorn, "run", lambda app, **kwargs: served.update(app=app))
-    assert command.main(["--enforce-eager", "--threads", "1", "--max-model-len", "128"]) == 0
-    engine = served["app"].state.server.engine
-    try:
+    with served_app(monkeypatch, ["--enforce-eager", "--threads", "1", "--max-model-len", "128"]) as app:
+        engine = app.state.server.engine
         assert isinstance(engine, EngineProcess) and engine.is_running and engine.pid != os.getpid()
         assert engine.max_model_len == 128 and engine.config.enforce_eager
-    finally:
-        engine.shutdown()
+    assert not engine._process.is_alive()  # shut down with the app

@@ -13,7 +13,7 @@ from engine_helpers import greedy_reference
 from hf_accel import EagleHead, MedusaHeads, SamplingParams, SpeculativeConfig
 from hf_accel.server import command
 from hf_accel.server.speculative_option import parse_speculative_config
-from server_helpers import MODEL_NAME, live_server, load_target, prompt_ids
+from server_helpers import MODEL_NAME, live_server, load_target, prompt_ids, served_app
 
 CODE = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\n"
 
@@ -59,11 +59,9 @@ def test_eagle_head_folder_through_the_flag(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="`prompt_lookup_max` is for the methods 'ngram', 'suffix', not 'eagle3'"):
         parse_speculative_config(json.dumps({"method": "eagle3", "model": str(tmp_path), "prompt_lookup_max": 2}),
                                  torch.float32)
-    served = {}
-    monkeypatch.setattr(command.uvicorn, "run", lambda app, **kwargs: served.update(app=app))
     flag = json.dumps({"method": "eagle3", "model": str(tmp_path), "num_speculative_tokens": 3})
-    assert command.main(["--enforce-eager", "--no-engine-process", "--speculative-config", flag]) == 0
-    speculative = served["app"].state.server.engine.speculative  # the head, loaded for the served model
+    with served_app(monkeypatch, ["--enforce-eager", "--no-engine-process", "--speculative-config", flag]) as app:
+        speculative = app.state.server.engine.speculative  # the head, loaded for the served model
     assert speculative.method == "eagle3" and isinstance(speculative.model, EagleHead)
     assert speculative.num_candidates == 3
 
@@ -76,15 +74,13 @@ def test_draft_model_folder_through_the_flag(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="`prompt_lookup_max` is for the methods 'ngram', 'suffix', not 'draft'"):
         parse_speculative_config(json.dumps({"method": "draft", "model": str(tmp_path), "prompt_lookup_max": 2}),
                                  torch.float32)
-    served = {}
-    monkeypatch.setattr(command.uvicorn, "run", lambda app, **kwargs: served.update(app=app))
     flag = json.dumps({"method": "draft", "model": str(tmp_path), "num_speculative_tokens": 2})
-    assert command.main(["--enforce-eager", "--no-engine-process", "--speculative-config", flag]) == 0
-    engine = served["app"].state.server.engine
-    assert engine.speculative.method == "draft" and engine.speculative.num_candidates == 2
-    assert type(engine.speculative.model).__name__ == type(draft).__name__
     prompt = [5, 6, 7, 8]
-    out = engine.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
+    with served_app(monkeypatch, ["--enforce-eager", "--no-engine-process", "--speculative-config", flag]) as app:
+        engine = app.state.server.engine
+        assert engine.speculative.method == "draft" and engine.speculative.num_candidates == 2
+        assert type(engine.speculative.model).__name__ == type(draft).__name__
+        out = engine.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
     target = engine.core.model
     expected = target.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None)
     assert out.token_ids == expected[0, 4:].tolist()
@@ -103,13 +99,9 @@ def test_serve_exits_with_the_reason(capsys):
 
 
 def test_serve_builds_the_engine_with_the_flag(monkeypatch):
-    served = {}
-    monkeypatch.setattr(command.uvicorn, "run", lambda app, **kwargs: served.update(app=app))
-    assert command.main(["--enforce-eager", "--no-engine-process", "--speculative-config",
-                         '{"method": "suffix", "num_speculative_tokens": 6}']) == 0
-    engine = served["app"].state.server.engine
-    assert engine.speculative == SpeculativeConfig("suffix", num_speculative_tokens=6)
-    engine.shutdown()
+    with served_app(monkeypatch, ["--enforce-eager", "--no-engine-process", "--speculative-config",
+                                  '{"method": "suffix", "num_speculative_tokens": 6}']) as app:
+        assert app.state.server.engine.speculative == SpeculativeConfig("suffix", num_speculative_tokens=6)
 
 
 def scrape(url: str) -> dict[str, dict[tuple, float]]:

@@ -32,6 +32,10 @@ class EngineConfig:
             (inductor's `freezing`; fp32: into panels for hf_accel's kernel, `kernels/packed_linear.py`; else for
             oneDNN), so weights changed in place later reach that engine only in part:
             build a new engine after changing them, or pass `enforce_eager=True`.
+        compile_in_background: compile the model step in a thread while the engine serves eagerly, switching to
+            the graphs at the first step after they are ready (`Engine.compiling`): requests never wait for a
+            compile, at the price of slower eager steps (and a slower compile) meanwhile. Not with a proposer that
+            compiles graphs of its own (EAGLE, draft model): those engines compile at start.
     """
 
     max_num_seqs: int = 32
@@ -41,6 +45,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     max_model_len: int | None = None
     enforce_eager: bool = False
+    compile_in_background: bool = False
 
     def __post_init__(self) -> None:
         check_int("max_num_seqs", self.max_num_seqs, 1, "a positive int")
@@ -50,7 +55,7 @@ class EngineConfig:
             self.kv_cache_memory = parse_bytes(self.kv_cache_memory, "kv_cache_memory")
         if self.max_model_len is not None:
             check_int("max_model_len", self.max_model_len, 1, "a positive int or None")
-        for name in ("enable_prefix_caching", "enforce_eager"):
+        for name in ("enable_prefix_caching", "enforce_eager", "compile_in_background"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"`{name}` must be a bool, got {getattr(self, name)!r}")
 

@@ -44,6 +44,7 @@ class StepReport:
 
 
 STATS_INTERVAL = 0.05  # seconds: the stats go out with every step that reports, else at most this often
+COMPILE_POLL = 0.1  # seconds: how often an idle loop looks whether a background compile has ended (stats then)
 
 
 def run_engine_core(conn: Connection, factory: Callable[[], Engine]) -> None:
@@ -73,6 +74,7 @@ class _CoreLoop:
         self.reports: list[RequestOutput] = []
         self.finished: list[RequestOutput] = []
         self.stats_sent = 0.0
+        self.compiling_sent = engine.core.compiling  # as the last stats sent said
         engine.add_finish_observer(self.finished.append)
 
     def run(self) -> None:
@@ -95,6 +97,10 @@ class _CoreLoop:
         """Apply every waiting command, blocking for one when the engine has nothing to do; False to stop."""
         block = not self.engine.has_unfinished_requests()
         while block or self.conn.poll(0):
+            if block and self.compiling_sent and not self.conn.poll(COMPILE_POLL):
+                if not self.engine.core.compiling:  # idle when the compile ended: the other side learns it now
+                    self._send_step(force=True)
+                continue
             try:
                 command = self.conn.recv()
             except EOFError:  # the other side is gone
@@ -123,6 +129,6 @@ class _CoreLoop:
             return
         step = StepReport(self.reports, self.finished, self.engine.stats())
         self.conn.send(("step", step))  # pickled now: the lists can be emptied in place (the listeners hold them)
-        self.stats_sent = now
+        self.stats_sent, self.compiling_sent = now, step.stats.compiling
         self.reports.clear()
         self.finished.clear()

@@ -36,6 +36,12 @@ class EngineClient(ABC):
     def is_healthy(self) -> bool:
         return self._dead is None
 
+    @property
+    def compiling(self) -> bool:
+        """Whether the model step's graphs are still compiling in the background (`EngineConfig.
+        compile_in_background`): requests are served meanwhile, by eager steps."""
+        return self.stats().compiling
+
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, listener: Listener | None = None,
                     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> str:

@@ -60,11 +60,13 @@ class EngineCore:
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler_config(speculative), self.blocks, self.proposer.can_propose)
         keep_hidden = self.proposer.needs_hidden
+        # a proposer with a pool of its own (EAGLE, draft model) compiles its graphs at start: so does the step
+        background = config.compile_in_background and not self.proposer.kv_bytes_per_token(dtype)
         self.kv = KVPool(shape, num_blocks, config.block_size, dtype, device,
-                         spare_block=uses_cuda_graphs(device, config.enforce_eager, keep_hidden))
+                         spare_block=background or uses_cuda_graphs(device, config.enforce_eager, keep_hidden))
         self.runner = ModelRunner(model, self.kv, keep_hidden=keep_hidden, enforce_eager=config.enforce_eager,
                                   max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
-                                  feature_layers=self.proposer.feature_layers)
+                                  feature_layers=self.proposer.feature_layers, compile_in_background=background)
         # an EAGLE head's or a draft model's pool, beside the target's (nothing for the other proposers)
         self.proposer.allocate(num_blocks, config.block_size, dtype, device, self.runner.attend,
                                compile=self.runner.forward.compiled)
@@ -78,6 +80,11 @@ class EngineCore:
     def compile_seconds(self) -> float:
         """Seconds spent compiling at start: the model step's graphs, and an EAGLE head's or a draft model's."""
         return self.runner.forward.compile_seconds + self.proposer.compile_seconds
+
+    @property
+    def compiling(self) -> bool:
+        """Whether the model step's graphs are compiling in the background (`compile_in_background`)."""
+        return self.runner.forward.compiling
 
     @property
     def has_unfinished(self) -> bool:
@@ -157,7 +164,7 @@ class EngineCore:
             self.blocks.stats.queries, self.blocks.stats.hits, self.prompt_tokens, self.committer.generation_tokens,
             self.num_steps, self.blocks.num_free_blocks, self.blocks.num_blocks, spec.num_drafts,
             spec.num_draft_tokens, spec.num_accepted_tokens, self.compile_seconds,
-            list(spec.accepted_per_position),
+            list(spec.accepted_per_position), self.compiling,
         )
 
     def _mark_scheduled(self, batch: ScheduledBatch, now: float) -> None:

@@ -66,10 +66,12 @@ class ModelRunner:
     """Runs scheduled batches of `model` over the block pool `kv` (`keep_hidden`: also return hidden states;
     `enforce_eager`: never compile the forward, which is otherwise compiled where the in-place kernel is built and no
     hidden states are kept, and on CUDA never capture decode steps; `max_num_seqs` and `max_model_len` size the
-    CUDA graphs)."""
+    CUDA graphs; `compile_in_background`: steps run eagerly while the graphs compile in a thread, `kv` having a
+    spare block)."""
 
     def __init__(self, model: PreTrainedModel, kv: KVPool, keep_hidden: bool = False, enforce_eager: bool = False,
-                 max_num_seqs: int = 1, max_model_len: int = 1, feature_layers: tuple[int, ...] = ()):
+                 max_num_seqs: int = 1, max_model_len: int = 1, feature_layers: tuple[int, ...] = (),
+                 compile_in_background: bool = False):
         if not getattr(model, "_supports_attention_backend", False):
             raise ValueError(f"`model` ({type(model).__name__}) does not use transformers' AttentionInterface, "
                              "which the engine needs")
@@ -86,7 +88,7 @@ class ModelRunner:
             graphs = DecodeGraphs(model, kv, max_num_seqs, max_model_len)
         self.forward = StepForward(model, kv, self.attend, keep_hidden, compile=compile, graphs=graphs,
                                    feature_layers=feature_layers, max_blocks=-(-max_model_len // kv.block_size))
-        self.forward.warm_up()
+        self.forward.warm_up(background=compile_in_background and compile and graphs is None)
 
     def execute(self, batch: ScheduledBatch) -> StepOutput:
         """Run one step; keeps the rows of the sequences whose last token this step computes (and their

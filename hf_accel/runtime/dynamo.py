@@ -9,6 +9,7 @@ graph is warm (`skip_warm_guards`, `warm_guards`).
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import torch
 
@@ -28,10 +29,29 @@ def skip_warm_guards(enabled: bool) -> None:
     _SKIP_WARM_GUARDS = enabled
 
 
+_BACKGROUND_COMPILES = 0  # compiles running in background threads (`step_forward.StepForward.warm_up`)
+_BACKGROUND_LOCK = threading.Lock()
+
+
+def begin_background_compile() -> None:
+    """A thread starts compiling: until it ends, no call skips guards (dynamo's stance is process-wide, and the
+    compiling thread's first calls must run every guard)."""
+    global _BACKGROUND_COMPILES
+    with _BACKGROUND_LOCK:
+        _BACKGROUND_COMPILES += 1
+
+
+def end_background_compile() -> None:
+    global _BACKGROUND_COMPILES
+    with _BACKGROUND_LOCK:
+        _BACKGROUND_COMPILES -= 1
+
+
 def warm_guards(warm: bool):
     """Dynamo's stance for one call of graphs traced at start: the distinguishing guards only, when `warm` (every
-    graph compiled) in a process that allows it (`skip_warm_guards`); otherwise the stance is left as it is."""
-    if warm and _SKIP_WARM_GUARDS:
+    graph compiled) in a process that allows it (`skip_warm_guards`) and no background compile runs; otherwise the
+    stance is left as it is."""
+    if warm and _SKIP_WARM_GUARDS and not _BACKGROUND_COMPILES:
         return torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
     return contextlib.nullcontext()
 

@@ -12,7 +12,11 @@ a third graph with static shapes instead (`max_blocks` given: its block table pa
 way vLLM captures fixed sizes: no symbolic sizes to compute or guard on. All graphs are traced and compiled in
 `warm_up`, at engine start, so `compile_seconds` is the whole cost and no request waits for a compile; inductor's
 on-disk caches make a restart cheaper: built C++ kernels, and the compiled graphs themselves, keyed by a
-fingerprint of the weights they freeze (`frozen_graphs.freezing`).
+fingerprint of the weights they freeze (`frozen_graphs.freezing`). `warm_up(background=True)` compiles them in a
+thread instead while steps run eagerly (`compiling`), and the first step after the thread is done switches to them:
+an engine then serves from its first second. The thread writes only into the pool's spare block (which the
+allocator never hands out) and shares the step's attention switch (`registry.attention_implementation`); it holds
+the interpreter lock for most of its tracing, so eager steps meanwhile are slower, and the compile too.
 In the engine-core process (`EngineProcess`), steps (and an EAGLE head's passes) after the warm-up skip dynamo's
 guards (`skip_guard_eval_unsafe`: only the guards that tell the graphs apart run; `warm_guards`), since every step's
 inputs differ from the warmed ones in sizes and values only, and the full guards are a visible share of a small
@@ -31,7 +35,9 @@ trace, so one eager call installs them before the graphs are traced.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
 import time
 import warnings
 from dataclasses import dataclass
@@ -43,7 +49,7 @@ from transformers import PreTrainedModel
 from ..registry import attention_implementation
 from .attention import ATTENTION_NAME
 from .cuda_graphs import DecodeGraphs
-from .dynamo import dynamo_settings, warm_guards
+from .dynamo import begin_background_compile, dynamo_settings, end_background_compile, warm_guards
 from .frozen_graphs import compiled_for, freezing
 from .kv_pool import KVPool
 from .step_inputs import StepInputs
@@ -54,8 +60,12 @@ def call_model(model: PreTrainedModel, **kwargs):
     return model(**kwargs)
 
 
-_ONE_TOKEN = StepInputs(tokens=[0], positions=[0], slots=[0], query_start=[0, 1], kv_lengths=[1], tables=[[0]],
-                        keep=[0])  # one sequence's first token, in block 0
+
+
+def _one_token(block: int, block_size: int) -> StepInputs:
+    """One sequence's first token, written into `block`."""
+    return StepInputs(tokens=[0], positions=[0], slots=[block * block_size], query_start=[0, 1], kv_lengths=[1],
+                      tables=[[block]], keep=[0])
 
 
 @dataclass(slots=True)
@@ -82,12 +92,16 @@ class StepForward:
         self.model, self.kv, self.attend, self.keep_hidden, self.graphs = model, kv, attend, keep_hidden, graphs
         self.feature_layers = feature_layers
         self.device = next(model.parameters()).device
-        self.compiled = compile
+        self.compiled = compile  # whether steps run the graphs (False while they compile in the background)
         self.compile_seconds = 0.0
         self._warm = False  # every graph compiled: steps may skip dynamo's guards
         self._forward = model  # eager: the module's own __call__ (its hooks, its forward as it is at call time)
         self._single = None  # the static single-sequence decode graph
         self.max_blocks = max_blocks if compile and graphs is None else None
+        # warm-up writes go to the spare block where the pool has one (steps may run meanwhile), else to block 0
+        self._scratch = kv.spare_block if kv.spare_block is not None else 0
+        self._compiler: threading.Thread | None = None  # the background compile, while it runs
+        self._compiled_graphs: tuple | None = None  # (forward, single) compiled in the background, to switch to
         if compile:
             compiled = compiled_for(model, call_model, "engine step",
                                     lambda function: torch.compile(function, dynamic=True, fullgraph=True))
@@ -97,7 +111,14 @@ class StepForward:
                                   lambda function: torch.compile(function, dynamic=False, fullgraph=True))
             self._single = functools.partial(single, model)
 
+    @property
+    def compiling(self) -> bool:
+        """Whether the graphs are compiling in the background (steps run eagerly until the first one after)."""
+        return self._compiler is not None and self._compiled_graphs is None and self._compiler.is_alive()
+
     def __call__(self, inputs: StepInputs) -> ForwardOutput:
+        if self._compiled_graphs is not None:
+            self._switch_to_graphs()
         kept = len(inputs.keep)
         if self.graphs is not None and len(inputs.tokens) == len(inputs.kv_lengths) == kept:  # one token each
             with attention_implementation(self.model, ATTENTION_NAME):
@@ -105,17 +126,21 @@ class StepForward:
                                          inputs.kv_lengths)
             if logits is not None:
                 return ForwardOutput(logits)
-        if self._single is not None and inputs.is_single_decode:
-            return self._run(inputs.with_table_width(self.max_blocks), self._single, kept)
-        return self._run(inputs.padded() if self.compiled else inputs, self._forward, kept)
+        if self._single is not None and self.compiled and inputs.is_single_decode:
+            return self._run(inputs.with_table_width(self.max_blocks), self._single, kept, graph=True)
+        if self.compiled:
+            return self._run(inputs.padded(), self._forward, kept, graph=True)
+        return self._run(inputs, self.model, kept, graph=False)
 
-    def _run(self, inputs: StepInputs, forward, kept: int) -> ForwardOutput:
-        """`inputs` (padded as `forward`, a graph or the eager model, needs them) through `forward`; the first
-        `kept` kept rows are returned."""
+    def _run(self, inputs: StepInputs, forward, kept: int, graph: bool) -> ForwardOutput:
+        """`inputs` (padded as `forward`, a graph (`graph`) or the eager model, needs them) through `forward`; the
+        first `kept` kept rows are returned."""
         step = inputs.attention(self.kv, self.attend, self.device)
         keep = self._tensor(inputs.keep)
-        with torch.inference_mode(), attention_implementation(self.model, ATTENTION_NAME), \
-                symbolic_config.patch(use_duck_shape=False), warm_guards(self._warm):
+        # dynamo's config is process-wide: eager steps beside a background compile must not patch it
+        traced = symbolic_config.patch(use_duck_shape=False) if graph else contextlib.nullcontext()
+        with torch.inference_mode(), attention_implementation(self.model, ATTENTION_NAME), traced, \
+                warm_guards(self._warm and graph):
             out = forward(
                 input_ids=self._tensor([inputs.tokens]), position_ids=self._tensor([inputs.positions]),
                 use_cache=False, logits_to_keep=keep, hf_accel_step=step,
@@ -127,11 +152,12 @@ class StepForward:
             features = torch.cat([out.hidden_states[i][0] for i in self.feature_layers], dim=-1)
         return ForwardOutput(out.logits[0, :kept].float(), hidden, features)
 
-    def warm_up(self) -> None:
+    def warm_up(self, background: bool = False) -> None:
         """Compile the graphs now (a no-op when eager), timing it into `compile_seconds`; where compiling fails
         (a module dynamo cannot trace whole, e.g. weights that repack themselves on first use), warn and run eagerly.
-        Writes K/V only into block 0 of a pool that holds nothing yet (an engine at start). Captures the CUDA
-        graphs, if any, the same way."""
+        Writes K/V only into the pool's spare block, or block 0 of a pool that holds nothing yet (an engine at
+        start). Captures the CUDA graphs, if any, the same way. `background` (a pool with a spare block): compile in
+        a thread and run steps eagerly until it is done (`compiling`)."""
         started = time.perf_counter()
         if self.graphs is not None:
             with attention_implementation(self.model, ATTENTION_NAME):
@@ -139,39 +165,64 @@ class StepForward:
             self.compile_seconds = time.perf_counter() - started
         if not self.compiled:
             return
+        if not background:
+            self._compile(self._forward, self._single, started)
+            return
+        if self.kv.spare_block is None:
+            raise ValueError("a background compile needs a pool with a spare block (`KVPool(spare_block=True)`)")
+        self.compiled = False  # eager until the graphs are ready
+        graphs = (self._forward, self._single)
+        self._compiler = threading.Thread(target=self._compile, args=(*graphs, started, True),
+                                          name="hf_accel-compile", daemon=True)
+        begin_background_compile()
+        self._compiler.start()
+
+    def _compile(self, forward, single, started: float, background: bool = False) -> None:
+        """Trace and compile `forward` and `single` (None: no single-sequence graph); steps use them after (at once,
+        or from the first step after a `background` compile); on failure, warn and keep the eager forward."""
         try:
             if self.feature_layers:  # transformers' capturing hooks get installed by an eager call (see above)
-                self._eager_call()
+                self._run(_one_token(self._scratch, self.kv.block_size), self.model, 1, graph=False)
             # each engine's graphs count toward dynamo's process-wide total (accumulated_recompile_limit),
             # which a long notebook or test session would otherwise reach
             with dynamo_settings(), freezing(True, self.model.dtype):
-                self._trace_graphs()
-            self._warm = True
+                self._trace_graphs(forward, single)
         except Exception as error:
             warnings.warn(f"hf_accel: compiling the engine's model step failed ({type(error).__name__}: "
                           f"{str(error).splitlines()[0] if str(error) else ''}); the engine runs it eagerly",
-                          RuntimeWarning, stacklevel=2)
+                          RuntimeWarning, stacklevel=3)
             self.compiled, self._forward, self._single, self.max_blocks = False, self.model, None, None
-        self.compile_seconds = time.perf_counter() - started
+        else:
+            if background:
+                self._compiled_graphs = (forward, single)  # the next step switches (in its own thread)
+            else:
+                self._warm = True
+        finally:
+            self.compile_seconds = time.perf_counter() - started
+            if background:
+                end_background_compile()
 
-    def _eager_call(self) -> None:
-        """One token through the model's own forward (K/V into block 0 of the empty pool)."""
-        self._run(_ONE_TOKEN, self.model, 1)
+    def _switch_to_graphs(self) -> None:
+        """From the eager forward to the graphs a background compile made (between steps, in the stepping thread)."""
+        (self._forward, self._single), self._compiled_graphs = self._compiled_graphs, None
+        self.compiled = self._warm = True
+        self._compiler = None
 
-    def _trace_graphs(self) -> None:
-        """The dynamic graphs (one token; several: two sequences), then the single-sequence one."""
-        size = self.kv.block_size
+    def _trace_graphs(self, forward, single) -> None:
+        """The dynamic graphs (one token; several: two sequences), then the single-sequence one, writing K/V into
+        the scratch block."""
+        size, block = self.kv.block_size, self._scratch
         for num_tokens in (1, 3):
             lengths = [num_tokens] if num_tokens == 1 else [1, num_tokens - 1]
             inputs = StepInputs(tokens=[0] * num_tokens, positions=[0] + list(range(num_tokens - 1)),
-                                slots=list(range(num_tokens)), keep=list(range(num_tokens)))
+                                slots=[block * size + i for i in range(num_tokens)], keep=list(range(num_tokens)))
             for length in lengths:
                 inputs.query_start.append(inputs.query_start[-1] + length)
                 inputs.kv_lengths.append(length)
-                inputs.tables.append([0] * -(-length // size))
-            self._run(inputs.padded(), self._forward, num_tokens)
-        if self._single is not None:
-            self(_ONE_TOKEN)
+                inputs.tables.append([block] * -(-length // size))
+            self._run(inputs.padded(), forward, num_tokens, graph=True)
+        if single is not None:
+            self._run(_one_token(block, size).with_table_width(self.max_blocks), single, 1, graph=True)
 
     def _tensor(self, values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

@@ -13,17 +13,20 @@ from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from transformers import PreTrainedTokenizerBase
 
 from ..cache.settings import check_int
+from ..engine.engine_client import EngineClient
+from ..engine.errors import describe
 from . import chat, completions, tokenization
 from .errors import APIError, engine_dead, install_error_handlers
 from .generation import WaitingRequests
 from .metrics import ServerMetrics
 from .responses import ModelCard, ModelList
 from .served_engine import ServedEngine
+from .startup import EngineLoad
 from .state import ServerState, server_state
 
 DEFAULT_MAX_QUEUE_LEN = 1024
@@ -40,11 +43,17 @@ async def list_models(server: ServerState = Depends(server_state)) -> ModelList:
 
 
 @open_routes.get("/health")
-async def health(server: ServerState = Depends(server_state)) -> Response:
-    """200 while the engine loop is alive, 503 with the reason once it has died."""
-    if not server.engine.is_healthy:
-        return engine_dead(server.engine.dead_reason).response()
-    return Response(status_code=200)
+async def health(request: Request) -> Response:
+    """vLLM's readiness: 200 once requests are served (`{"status": "ready"}`, or `"compiling"`: eager steps serve
+    them while the graphs compile), 503 while the engine loads (`"loading"`), when loading it failed (`"failed"`)
+    and once its loop has died (the error, with the reason)."""
+    load: EngineLoad = request.app.state.load
+    status = load.status
+    if status == "failed":
+        return JSONResponse({"status": status, "error": describe(load.error)}, status_code=503)
+    if load.engine is not None and not load.engine.is_healthy:
+        return engine_dead(load.engine.dead_reason).response()
+    return JSONResponse({"status": status}, status_code=503 if status == "loading" else 200)
 
 
 @open_routes.get("/metrics")
@@ -65,16 +74,21 @@ def api_key_check(api_key: str) -> Callable[[Request], Coroutine[None, None, Non
     return check
 
 
-def create_app(engine: ServedEngine, tokenizer: PreTrainedTokenizerBase, model_name: str, api_key: str | None = None,
-               max_queue_len: int = DEFAULT_MAX_QUEUE_LEN) -> FastAPI:
+def create_app(engine: ServedEngine | Callable[[], ServedEngine], tokenizer: PreTrainedTokenizerBase, model_name: str,
+               api_key: str | None = None, max_queue_len: int = DEFAULT_MAX_QUEUE_LEN,
+               on_load_error: Callable[[BaseException], None] | None = None) -> FastAPI:
     """The HTTP app serving `engine` as model `model_name`.
 
     Args:
-        engine: the engine to serve; its loop starts with the app and it is shut down when the app stops.
+        engine: the engine to serve, or a function that builds it: then the app answers from the start, building it
+            in a thread (`/health` says `loading`, other routes 503 `model_loading` until it is built).
+            Its loop starts with the app (or once built) and it is shut down when the app stops.
         tokenizer: the engine's tokenizer (chat template, /tokenize, logprob token strings).
         model_name: the `model` clients name (others get 404) and /v1/models lists.
         api_key: when set, the /v1 routes and /tokenize, /detokenize need `Authorization: Bearer <api_key>`.
         max_queue_len: most requests waiting for their first token; more get 429.
+        on_load_error: called (in the loading thread) with what building the engine raised (`hf-accel serve`
+            stops there).
     """
     if not isinstance(model_name, str) or not model_name:
         raise ValueError(f"`model_name` must be a non-empty string, got {model_name!r}")
@@ -82,17 +96,28 @@ def create_app(engine: ServedEngine, tokenizer: PreTrainedTokenizerBase, model_n
         raise ValueError("`api_key` must be a non-empty string or None")
     check_int("max_queue_len", max_queue_len, 1, "a positive int")
 
+    def serve(built: ServedEngine) -> None:
+        built.start()
+        app.state.server = ServerState(built, tokenizer, model_name, WaitingRequests(max_queue_len),
+                                       ServerMetrics(built, model_name))
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        engine.start()
+        load = app.state.load
+        if isinstance(engine, EngineClient):
+            load.serve_now(engine, serve)
+        else:
+            load.start(engine, serve, on_load_error or (lambda error: None))
         try:
             yield
         finally:
-            await asyncio.to_thread(engine.shutdown)
+            built = load.cancel()
+            if built is not None:
+                await asyncio.to_thread(built.shutdown)
 
     app = FastAPI(title="hf_accel", lifespan=lifespan)
-    app.state.server = ServerState(engine, tokenizer, model_name, WaitingRequests(max_queue_len),
-                                   ServerMetrics(engine, model_name))
+    app.state.load = EngineLoad()
+    app.state.server = None  # set once the engine is built
     install_error_handlers(app)
     guarded = [] if api_key is None else [Depends(api_key_check(api_key))]
     for router in (completions.router, chat.router, tokenization.router, model_routes):

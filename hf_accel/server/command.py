@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from functools import partial
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -66,6 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="KV pool size, bytes or e.g. 2GiB (default: room for max-num-seqs full sequences)")
     _add_speculative_arguments(parser)
     parser.add_argument("--enforce-eager", action="store_true", help="run the model step eagerly (default: compiled)")
+    parser.add_argument("--compile-in-background", action=argparse.BooleanOptionalAction, default=True,
+                        help="serve with eager steps while the model step compiles in the background, then switch "
+                             "(default: on; /health says 'compiling' meanwhile; --no-compile-in-background answers "
+                             "only once compiled)")
     parser.add_argument("--max-queue-len", type=int, default=DEFAULT_MAX_QUEUE_LEN,
                         help="requests waiting for their first token before new ones get 429 (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
@@ -103,9 +108,29 @@ def resolve_serving(path: str | None, quant: str | None, medusa_heads: str | Non
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of `hf-accel serve`; returns once the server has shut down."""
+    """Entry point of `hf-accel serve`; returns once the server has shut down (1 if the engine failed to build)."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    spec = engine_spec(parser, args)
+    tokenizer = spec.tokenizer()
+    load_failed: list[BaseException] = []
+
+    def stop(error: BaseException) -> None:  # the engine could not be built: nothing to serve
+        load_failed.append(error)
+        server.should_exit = True
+
+    # listening from the start: /health says "loading" while the engine is built
+    app = create_app(partial(serve_engine, spec, tokenizer, in_process=not args.engine_process), tokenizer,
+                     args.served_model_name or args.model or REFERENCE_NAME, api_key=args.api_key or None,
+                     max_queue_len=args.max_queue_len, on_load_error=stop)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                           timeout_graceful_shutdown=args.graceful_timeout))
+    server.run()
+    return 1 if load_failed else 0
+
+
+def engine_spec(parser: argparse.ArgumentParser, args: argparse.Namespace) -> EngineSpec:
+    """The engine the parsed `args` ask for (exits with the reason when they conflict)."""
     quant, heads_path = resolve_serving(args.model, args.quant, args.medusa_heads)
     speculative = _speculative(parser, args)
     if speculative is not None:
@@ -119,14 +144,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                                max_speculative_batch_tokens=args.max_speculative_batch_tokens)
     config = _checked(parser, EngineConfig, max_num_seqs=args.max_num_seqs,
                       max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
-                      max_model_len=args.max_model_len, enforce_eager=args.enforce_eager)
-    spec = EngineSpec(args.model, quant, DTYPES[args.dtype], args.threads, config, speculative)
-    engine, tokenizer = serve_engine(spec, in_process=not args.engine_process)
-    name = args.served_model_name or args.model or REFERENCE_NAME
-    app = create_app(engine, tokenizer, name, api_key=args.api_key or None, max_queue_len=args.max_queue_len)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=args.graceful_timeout)
-    return 0
+                      max_model_len=args.max_model_len, enforce_eager=args.enforce_eager,
+                      compile_in_background=args.compile_in_background)
+    return EngineSpec(args.model, quant, DTYPES[args.dtype], args.threads, config, speculative)
 
 
 def _checked(parser: argparse.ArgumentParser, config_class: type, *args, **kwargs):

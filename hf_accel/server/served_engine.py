@@ -63,11 +63,9 @@ def build_engine(spec: EngineSpec) -> Engine:
     return Engine(model, tokenizer, config=spec.config, speculative=speculative)
 
 
-def serve_engine(spec: EngineSpec, in_process: bool = False) -> tuple[ServedEngine, PreTrainedTokenizerBase]:
-    """The engine to serve and its tokenizer: an `EngineProcess` building `spec` in its own process, or with
-    `in_process` an `Engine` here."""
+def serve_engine(spec: EngineSpec, tokenizer: PreTrainedTokenizerBase, in_process: bool = False) -> ServedEngine:
+    """The engine to serve (`tokenizer`: the spec's): an `EngineProcess` building `spec` in its own process, or
+    with `in_process` an `Engine` here."""
     if in_process:
-        engine = build_engine(spec)
-        return engine, engine.tokenizer
-    tokenizer = spec.tokenizer()
-    return EngineProcess(partial(build_engine, spec), tokenizer), tokenizer
+        return build_engine(spec)
+    return EngineProcess(partial(build_engine, spec), tokenizer)

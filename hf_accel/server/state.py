@@ -58,5 +58,9 @@ class ServerState:
 
 
 def server_state(request: Request) -> ServerState:
-    """FastAPI dependency: the app's `ServerState`."""
-    return request.app.state.server
+    """FastAPI dependency: the app's `ServerState`; 503 while the engine is still loading (or failed to)."""
+    server = request.app.state.server
+    if server is None:
+        raise APIError(503, "The model is still loading; retry once GET /health answers 200.", code="model_loading",
+                       error_type="service_unavailable_error")
+    return server
