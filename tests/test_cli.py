@@ -8,12 +8,16 @@ import pytest
 import torch
 
 import hf_accel
-from hf_accel import PagedCache, bench, cli
+from hf_accel import PagedCache, bench, cli, reference
 
 ROOT = Path(__file__).resolve().parents[1]
-STRATEGY_NAMES = [s.name for s in bench.STRATEGIES]
-WEIGHT_ROWS = {s.name for s in bench.STRATEGIES if s.model_variant is not None}  # lossy: greedy tokens may differ
+QUICK_ROWS = ["DynamicCache", "StaticCache + compile", "hf_accel paged + compile", "hf_accel n-gram", "hf_accel Engine"]
+FULL_ROWS = ["DynamicCache", "StaticCache + compile", "hf_accel paged + compile", "hf_accel int4 KV + compile",
+             "hf_accel EAGLE + compile", "hf_accel n-gram", "hf_accel Engine", "hf_accel int8 weights",
+             "hf_accel int4 weights"]
+LOSSY = {"hf_accel int4 KV + compile", "hf_accel int8 weights", "hf_accel int4 weights"}
 SMALL_BENCH = ["bench", "--new-tokens", "8", "--prompt-len", "24", "--batch-size", "2", "--repeats", "1"]
+DRAFT = str(reference.ASSETS_DIR / "draft")
 
 
 @pytest.fixture
@@ -23,50 +27,56 @@ def one_thread():
         yield
 
 
-def _table_rows(text: str) -> list[str]:
-    return [line for line in text.splitlines() if line.split("  ")[0] in STRATEGY_NAMES]
+def _table_rows(text: str, names: list[str]) -> list[str]:
+    return [line for line in text.splitlines() if line.split("  ")[0] in names]
 
 
-def test_bench_prints_one_row_per_strategy(capsys):
+def test_bench_quick_prints_one_row_and_one_verdict_per_kind(capsys):
     threads = torch.get_num_threads()
-    assert cli.main(SMALL_BENCH) == 0
-    rows = _table_rows(capsys.readouterr().out)
-    assert [row.split("  ")[0] for row in rows] == STRATEGY_NAMES
+    assert cli.main([*SMALL_BENCH, "--quick"]) == 0
+    out = capsys.readouterr().out
+    rows = _table_rows(out, QUICK_ROWS)
+    assert [row.split("  ")[0] for row in rows] == QUICK_ROWS
     assert rows[0].split()[2] == "1.00x"  # the baseline's ratio to itself
-    lossless = [row for row in rows if row.split("  ")[0] not in WEIGHT_ROWS]
-    assert all(row.rstrip().endswith("100.0%") for row in lossless)  # greedy tokens agree with DynamicCache
-    assert all(float(row.split()[-1].rstrip("%")) > 50 for row in rows)  # quantized weights: mostly the same tokens
+    assert all(row.rstrip().endswith("100.0%") for row in rows)  # every quick row is lossless: DynamicCache's tokens
+    verdicts = [line[2:] for line in out.splitlines() if line.startswith("- ")]
+    assert [line.split(":")[0] for line in verdicts] == QUICK_ROWS
+    assert verdicts[0] == "DynamicCache: the baseline, transformers' default"
+    assert all("same greedy tokens" in line for line in verdicts[1:])
+    assert all("x StaticCache + compile" in line or "as fast as StaticCache + compile" in line
+               for line in verdicts[2:])  # each hf_accel row against the fastest stock option too
+    assert "--quick: the int4 KV, EAGLE and weight rows are left out" in out
     assert torch.get_num_threads() == threads  # --threads does not leak out of the command
 
 
-def test_bench_runs_on_the_reference_pair_by_default(tmp_path, capsys):
+def test_bench_runs_every_feature_on_the_reference_target(tmp_path, capsys):
     path = tmp_path / "out" / "bench.json"
-    cli.main([*SMALL_BENCH, "--batch-size", "1", "--json", str(path)])
+    cli.main([*SMALL_BENCH, "--batch-size", "1", "--draft", DRAFT, "--json", str(path)])
     report = json.loads(path.read_text())
-    assert [r["name"] for r in report["results"]] == [*STRATEGY_NAMES, "hf_accel Engine",
-                                                      "transformers assisted (draft)", "hf_accel draft",
-                                                      "hf_accel medusa"]
+    results = {r["name"]: r for r in report["results"]}
+    assert list(results) == [*FULL_ROWS, "hf_accel draft", "transformers assisted (draft)"]
     assert report["settings"]["prompt_lengths"] == [24] and report["settings"]["new_tokens"] == 8
-    assert all(r["decode_tokens_per_s"] > 0 for r in report["results"])
-    assert all(r["kv_bytes"] > 0 for r in report["results"] if r["name"] != "hf_accel Engine")  # frees at finish
+    assert all(r["decode_tokens_per_s"] > 0 for r in results.values())
+    for name in ("hf_accel paged + compile", "hf_accel int4 KV + compile"):
+        assert results[name]["kv_bytes"] > 0  # measured by an eager run of the same cache
+    assert results["hf_accel int4 KV + compile"]["kv_ratio"] < results["hf_accel paged + compile"]["kv_ratio"]
+    assert results["hf_accel Engine"]["kv_bytes"] is None  # its pool is sized by EngineConfig, not by the run
     assert report["model"].startswith("hf_accel reference target") and report["prompts"].startswith("held-out")
-    lossless = [r for r in report["results"] if r["name"] not in WEIGHT_ROWS]
-    assert all(r["agreement"] == 1.0 for r in lossless)  # lossless at these lengths, speculative rows included
-    # int8 weights: mostly the same tokens; int4's 8 tokens of one prompt hinge on a near-tie (the v3 target flips its
-    # first one), so its quality is held by the perplexity tests in test_weight_quant.py and the batch-2 run above
-    assert next(r for r in report["results"] if r["name"] == "hf_accel int8 weights")["agreement"] > 0.5
+    lossless = [r for name, r in results.items() if name not in LOSSY]
+    assert all(r["agreement"] == 1.0 for r in lossless)  # compiled and speculative rows: DynamicCache's tokens
+    assert results["hf_accel int8 weights"]["agreement"] > 0.5
+    assert len(report["verdicts"]) == len(results)
+    assert "K/V in 4 bits" in next(v for v in report["verdicts"] if v.startswith("hf_accel int4 KV + compile"))
     assert "transformers assisted (draft)" in capsys.readouterr().out
 
 
-def test_bench_leaves_stock_assisted_out_of_batches_and_says_why(capsys):
-    cli.main(SMALL_BENCH)
+def test_bench_leaves_stock_assisted_out_of_batches(capsys):
+    cli.main([*SMALL_BENCH, "--quick", "--draft", DRAFT])
     out = capsys.readouterr().out
-    assert "supports batch size 1 only" in out and "transformers assisted (draft)" not in out
+    assert "transformers assisted (draft)" not in out
     rows = {line.split("  ")[0]: line for line in out.splitlines()}
-    for name in ("hf_accel draft", "hf_accel medusa"):  # both speculative paths run left-padded batches
-        assert rows[name].rstrip().endswith("100.0%")
-    engine_row = next(line for line in out.splitlines() if line.startswith("hf_accel Engine"))
-    assert engine_row.rstrip().endswith("100.0%")  # left-padded rows through the engine: the same greedy tokens
+    assert rows["hf_accel draft"].rstrip().endswith("100.0%")  # a left-padded batch: the same greedy tokens
+    assert rows["hf_accel Engine"].rstrip().endswith("100.0%")
 
 
 def test_train_reference_is_a_subcommand(capsys):

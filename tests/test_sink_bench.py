@@ -1,4 +1,5 @@
-"""benchmarks/bench_sink.py runs end to end (tiny model, a few seconds) and `hf-accel bench` has a sink row."""
+"""benchmarks/bench_sink.py runs end to end (tiny model, a few seconds), and the eager cache comparison
+(`bench.STRATEGIES`, bench_paged's rows) has a sink row."""
 
 import json
 
@@ -20,7 +21,7 @@ def test_bench_sink_quick_writes_json_and_markdown(tmp_path, load_benchmark):
     assert "old" not in doc and "| sink |" in doc and doc.startswith("a\n") and doc.endswith("b\n")
 
 
-def test_hf_accel_bench_has_a_sink_row():
+def test_the_cache_comparison_has_a_sink_row():
     sink = next(s for s in bench.STRATEGIES if s.name == "hf_accel sink")
     assert sink.generate_kwargs(None, 576) == {
         "cache_implementation": "sink", "cache_config": {"window_length": 288, "num_sink_tokens": 4}}

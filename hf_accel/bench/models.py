@@ -1,5 +1,5 @@
 """What benchmarks run on: the model (hf_accel's reference target by default, a random-weight Llama when its assets
-are missing, or any causal LM by path or hub id), its tokenizer, draft and Medusa heads (`BenchModel`)."""
+are missing, or any causal LM by path or hub id), its tokenizer, draft, Medusa heads and EAGLE head (`BenchModel`)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from transformers import (
 )
 
 from .. import reference
+from ..speculative.eagle_head import EagleHead
 from ..speculative.medusa_heads import MedusaHeads
 
 RANDOM_MODEL_NOTE = (
@@ -54,13 +55,14 @@ def random_llama(
 @dataclass(slots=True)
 class BenchModel:
     """What a benchmark runs on: the model, its tokenizer (None for a random model), an optional draft model and
-    Medusa heads for the speculative rows, and a one-line description."""
+    Medusa heads and EAGLE head for the speculative rows, and a one-line description."""
 
     model: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase | None
     draft: PreTrainedModel | None
     description: str
     medusa_heads: MedusaHeads | None = None
+    eagle_head: EagleHead | None = None
 
 
 def load_bench_model(name: str | None, draft: str | None = None, dtype: torch.dtype = torch.float32) -> BenchModel:
@@ -74,7 +76,10 @@ def load_bench_model(name: str | None, draft: str | None = None, dtype: torch.dt
         draft_model = reference.load("draft", dtype=dtype)[0] if draft is None else _pretrained(draft, dtype)
         heads_folder = reference.ASSETS_DIR / "medusa"
         heads = MedusaHeads.from_pretrained(heads_folder).to(dtype) if heads_folder.is_dir() else None
-        return BenchModel(model, tokenizer, draft_model, f"hf_accel reference target: {describe_model(model)}", heads)
+        has_eagle = (reference.ASSETS_DIR / "eagle" / "eagle_config.json").is_file()
+        eagle = reference.load_head("eagle", model, dtype=dtype) if has_eagle else None
+        return BenchModel(model, tokenizer, draft_model, f"hf_accel reference target: {describe_model(model)}", heads,
+                          eagle)
     model = _pretrained(name, dtype)
     tokenizer = AutoTokenizer.from_pretrained(name)
     return BenchModel(model, tokenizer, None if draft is None else _pretrained(draft, dtype),

@@ -47,13 +47,21 @@ class Strategy:
     """One row of the benchmark: `generate_kwargs(model, max_cache_len)` gives the extra `generate` kwargs;
     `model_variant`, when set, builds the model this row runs on from the benchmarked one (once, untimed); `run`,
     when set, replaces `generate`: `run(model, inputs, new_tokens)` returns an object with `sequences` (prompt
-    columns then exactly `new_tokens` greedy tokens) and `past_key_values` (None when it keeps no cache)."""
+    columns then exactly `new_tokens` greedy tokens) and `past_key_values` (None when it keeps no cache).
+    `lossy`: its tokens may differ from the baseline's by design (quantized K/V or weights, a sink window);
+    `kv_kwargs`, when set: generate kwargs of one untimed run whose cache holds the K/V this row holds (a compiled
+    loop returns none); `gains`: what the row buys besides speed (`hf-accel bench`'s verdicts say it); `first_run`:
+    what its first (warm-up) run does that later runs do not, for the progress bar (kernels, compiling)."""
 
     name: str
     description: str
     generate_kwargs: Callable[[PreTrainedModel, int], dict[str, Any]] = lambda model, max_len: {}
     model_variant: Callable[[PreTrainedModel], PreTrainedModel] | None = None
     run: Callable[[PreTrainedModel, dict[str, torch.Tensor], int], Any] | None = None
+    lossy: bool = False
+    kv_kwargs: Callable[[PreTrainedModel, int], dict[str, Any]] | None = None
+    gains: str = ""
+    first_run: str = ""
 
 
 # Add a strategy (quantized cache, sink cache, speculative decoding, ...) by adding an entry; the first is the baseline.
@@ -125,4 +133,5 @@ def engine_strategy() -> Strategy:
         return SimpleNamespace(sequences=torch.cat([ids, new], dim=1), past_key_values=None)
 
     return Strategy("hf_accel Engine", "hf_accel.Engine (continuous batching, paged attention), same prompts",
-                    run=run)
+                    run=run, first_run="starting the engine: compiling its step (first run only; seconds once "
+                                       "cached)")

@@ -96,8 +96,9 @@ def compare_strategies(
 
     def decode(name: str) -> tuple[float, Any]:  # time(new_tokens) - time(1 token): prefill excluded
         # a strategy's first run may build hf_accel's C++ kernels or compile its steps: say so while it waits
-        bar.set_postfix_str(name if name in warmed else f"{name}: first run (builds kernels / compiles where it "
-                            "needs them; minutes on a cold cache, seconds once cached)")
+        first_run = by_name[name].first_run or ("first run (builds kernels / compiles where it needs them; minutes "
+                                                "on a cold cache, seconds once cached)")
+        bar.set_postfix_str(name if name in warmed else f"{name}: {first_run}")
         warmed.add(name)
         for _ in range(PAIR_ATTEMPTS):
             prefill_time, _ = run_generate(models[name], inputs, by_name[name], 1)

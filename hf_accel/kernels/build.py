@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -41,6 +42,12 @@ def build_extension() -> None:
              build_directory=str(build), is_python_module=False, verbose=False)
 
 
+def is_built() -> bool:
+    """Whether the extension's library is in the build cache (a first use then loads it instead of building)."""
+    build = build_directory()
+    return (build / f"{build.name}.so").is_file()
+
+
 def build_directory() -> Path:
     """Where the extension is built and cached. -march=native: built where it runs (torch's own kernels dispatch at
     run time instead), so the name carries the CPU's feature flags (a cache shared between different CPUs never hands
@@ -48,8 +55,9 @@ def build_directory() -> Path:
     folder the Python and torch versions the binary was built against."""
     from torch.utils.cpp_extension import get_default_build_root
 
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()  # torch's own rule for its builds
     versions = f"py{sys.version_info.major}{sys.version_info.minor}_torch{torch.__version__}"
-    return Path(get_default_build_root()) / versions / f"hf_accel_paged_attention_{_cpu_tag()}_{_source_tag()}"
+    return Path(root) / versions / f"hf_accel_paged_attention_{_cpu_tag()}_{_source_tag()}"
 
 
 @contextlib.contextmanager
