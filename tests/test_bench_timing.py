@@ -6,7 +6,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from hf_accel.bench import timing
-from hf_accel.bench.strategies import STRATEGIES
+from hf_accel.bench.strategies import STRATEGIES, Strategy
 
 
 @pytest.fixture
@@ -44,3 +44,22 @@ def test_a_machine_too_noisy_for_every_attempt_is_reported(tiny_llama, monkeypat
     with pytest.raises(RuntimeError, match="too noisy"):
         timing.compare_strategies(tiny_llama, inputs, 4, STRATEGIES[:1], repeats=1, warmup=0, progress=False)
     assert calls == [1, 4] * timing.PAIR_ATTEMPTS
+
+
+def test_a_row_that_fails_is_left_out_with_its_reason(tiny_llama):
+    def broken(model, inputs, new_tokens):
+        raise ValueError("this model has no such thing")
+
+    def broken_variant(model):
+        raise TypeError("cannot quantize this model")
+
+    rows = (STRATEGIES[0], Strategy("broken run", "", run=broken),
+            Strategy("broken variant", "", model_variant=broken_variant))
+    inputs = {"input_ids": torch.tensor([[5, 6, 7, 8]]), "attention_mask": torch.ones(1, 4, dtype=torch.long)}
+    errors = []
+    results = timing.compare_strategies(tiny_llama, inputs, 4, rows, repeats=1, warmup=1, progress=False,
+                                        on_error=lambda name, error: errors.append((name, str(error))))
+    assert [r.name for r in results] == [STRATEGIES[0].name]
+    assert errors == [("broken variant", "cannot quantize this model"), ("broken run", "this model has no such thing")]
+    with pytest.raises(ValueError, match="no such thing"):  # without on_error the error is the caller's
+        timing.compare_strategies(tiny_llama, inputs, 4, rows[:2], repeats=1, warmup=0, progress=False)

@@ -5,6 +5,7 @@ the end of the compile; the shared attention switch survives two threads enterin
 
 import threading
 import time
+import warnings
 
 import pytest
 import torch
@@ -60,13 +61,14 @@ def test_engine_serves_while_compiling_then_switches_to_the_graphs():
 
 @pytest.mark.compiled
 @pytest.mark.skipif(paged_attention_kernel() is None, reason="the paged attention kernel is not built")
-def test_compile_writes_only_the_spare_block():
+@pytest.mark.parametrize("block_size", [4, 1])  # the warm-up's three tokens stay inside one-slot blocks too
+def test_compile_writes_only_the_spare_block(block_size):
     model = make_model("llama", torch.float32, "sdpa")
-    kv = KVPool(KVShape.from_config(model.config), num_blocks=3, block_size=4, dtype=torch.float32,
+    kv = KVPool(KVShape.from_config(model.config), num_blocks=3, block_size=block_size, dtype=torch.float32,
                 device=torch.device("cpu"), spare_block=True)
     for pool in kv.keys + kv.values:  # [kv_heads, blocks + spare, block_size, head_dim]
         pool.fill_(7.0)  # what live sequences' K/V would be
-    forward = StepForward(model, kv, paged_attention_kernel(), keep_hidden=False, compile=True, max_blocks=2)
+    forward = StepForward(model, kv, paged_attention_kernel(), keep_hidden=False, compile=True, max_blocks=3)
     forward.warm_up(background=True)
     forward._compiler.join(COMPILE_TIMEOUT)
     assert not forward.compiling and forward._compiled_graphs is not None
@@ -79,7 +81,7 @@ def test_background_compile_is_ignored_when_eager_or_with_a_compiling_proposer()
     model = make_model("llama", torch.float32, "sdpa")
     engine = Engine(model, config=EngineConfig(block_size=4, enforce_eager=True, compile_in_background=True))
     assert not engine.compiling and not engine.core.runner.forward.compiled
-    assert engine.core.kv.spare_block is not None  # asked for: its one block costs nothing more
+    assert engine.core.kv.spare_block is None  # nothing compiles: no scratch block outside the K/V budget
     draft = make_model("llama", torch.float32, "sdpa")
     engine = Engine(model, config=EngineConfig(block_size=4, enforce_eager=True, compile_in_background=True),
                     speculative=SpeculativeConfig("draft", model=draft, num_speculative_tokens=2))
@@ -115,3 +117,18 @@ def test_attention_switch_is_shared_between_threads():
                 pass
     thread.join(5)
     assert seen == [ATTENTION_NAME] and model.config._attn_implementation == own
+
+
+@pytest.mark.compiled
+@pytest.mark.skipif(paged_attention_kernel() is None, reason="the paged attention kernel is not built")
+def test_shutdown_stops_a_background_compile():
+    model = make_model("llama", torch.float32, "sdpa")
+    with warnings.catch_warnings(record=True) as caught:  # process-wide: the compile thread's warnings too
+        warnings.simplefilter("always")
+        engine = Engine(model, config=EngineConfig(max_num_seqs=2, block_size=4, compile_in_background=True))
+        engine.shutdown()
+        engine.core.runner.forward._compiler.join(COMPILE_TIMEOUT)  # ends at its next graph
+    assert not engine.compiling and not engine.core.runner.forward.compiled
+    assert not [w for w in caught if "compiling the engine's model step failed" in str(w.message)]  # no failure
+    out = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 4  # eager steps serve on

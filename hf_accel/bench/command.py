@@ -85,14 +85,23 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     inputs = bench_prompts(loaded, lengths)
     strategies, notes = main_rows(loaded, args.quick)
     strategies += draft_rows(loaded.draft if args.draft is not None else None, args.batch_size)
+    failures: list[str] = []  # a row that cannot run on this model is reported, not fatal
+
+    def failed(name: str, error: Exception) -> None:
+        failures.append(f"left out: {name} failed on this model ({type(error).__name__}: "
+                        f"{str(error).splitlines()[0] if str(error) else ''})")
+
     with torch_threads(args.threads):  # compare_strategies shows a tqdm bar over the runs
-        results = compare_strategies(model, inputs, args.new_tokens, strategies, repeats=args.repeats, warmup=1)
+        results = compare_strategies(model, inputs, args.new_tokens, strategies, repeats=args.repeats, warmup=1,
+                                     on_error=failed)
+        ran = {r.name for r in results}
+        strategies = tuple(s for s in strategies if s.name in ran)
         fill_kv_bytes(model, inputs, args.new_tokens, strategies, results)
         machine = hardware()
     report = {
         "model": loaded.description,
         "prompts": "held-out standard-library text" if loaded.tokenizer is not None else "random token ids",
-        "notes": notes,
+        "notes": notes + failures,
         "hardware": machine,
         "settings": {"dtype": str(model.dtype), "batch_size": args.batch_size, "prompt_lengths": lengths,
                      "new_tokens": args.new_tokens, "repeats": args.repeats, "warmup": 1, "quick": args.quick},

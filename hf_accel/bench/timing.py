@@ -81,20 +81,46 @@ def compare_strategies(
     warmup: int = 1,
     on_step: Callable[[str], None] | None = None,
     progress: bool = True,
+    on_error: Callable[[str, Exception], None] | None = None,
 ) -> list[StrategyResult]:
     """Time decode of every strategy, interleaved, and compare with `strategies[0]`; `on_step` after each run pair,
     a `tqdm.auto` bar over the runs unless `progress=False`. A strategy with a `model_variant` runs on that variant of
-    `model`, built once before any timing."""
+    `model`, built once before any timing. With `on_error`, a strategy other than the baseline whose variant or run
+    raises is left out of the results and `on_error(name, error)` told why (without it, the error propagates)."""
     if new_tokens < 2:
         raise ValueError(f"`new_tokens` must be at least 2 to measure decode, got {new_tokens}")
     by_name = {s.name: s for s in strategies}
-    models = {s.name: model if s.model_variant is None else s.model_variant(model) for s in strategies}
+    failed: set[str] = set()
+
+    def fail(name: str, error: Exception) -> None:
+        if on_error is None or name == strategies[0].name:
+            raise error
+        failed.add(name)
+        on_error(name, error)
+
+    def variant(strategy: Strategy) -> PreTrainedModel | None:
+        try:
+            return model if strategy.model_variant is None else strategy.model_variant(model)
+        except Exception as error:
+            fail(strategy.name, error)
+            return None
+
+    models = {s.name: variant(s) for s in strategies}
     bar = tqdm(total=(warmup + repeats) * len(strategies), desc="compare", unit="run", leave=False,
                disable=not progress)
 
     warmed: set[str] = set()
 
-    def decode(name: str) -> tuple[float, Any]:  # time(new_tokens) - time(1 token): prefill excluded
+    def decode(name: str) -> tuple[float, Any]:
+        if name not in failed:
+            try:
+                return timed_decode(name)
+            except Exception as error:
+                fail(name, error)
+        bar.update()
+        return 0.0, None
+
+    def timed_decode(name: str) -> tuple[float, Any]:  # time(new_tokens) - time(1 token): prefill excluded
         # a strategy's first run may build hf_accel's C++ kernels or compile its steps: say so while it waits
         first_run = by_name[name].first_run or ("first run (builds kernels / compiles where it needs them; minutes "
                                                 "on a cold cache, seconds once cached)")
@@ -112,7 +138,9 @@ def compare_strategies(
 
     timings = time_interleaved(list(by_name), decode, repeats, warmup)
     bar.close()
-    return summarize(strategies, timings.seconds, timings.outputs, inputs, new_tokens)
+    kept = [s for s in strategies if s.name not in failed]
+    return summarize(kept, {s.name: timings.seconds[s.name] for s in kept},
+                     {s.name: timings.outputs[s.name] for s in kept}, inputs, new_tokens)
 
 
 def count_forwards(model: torch.nn.Module, run: Callable[[], Any]) -> int:

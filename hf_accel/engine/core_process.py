@@ -59,9 +59,10 @@ def run_engine_core(conn: Connection, factory: Callable[[], Engine]) -> None:
         traceback.print_exc()
         conn.send(("failed", describe(error)))
         return
-    conn.send(("ready", Ready(engine.core.limits, engine.config, engine.stats())))
+    ready = Ready(engine.core.limits, engine.config, engine.stats())
+    conn.send(("ready", ready))
     try:
-        _CoreLoop(conn, engine).run()
+        _CoreLoop(conn, engine, ready.stats.compiling).run()
     except (BrokenPipeError, ConnectionResetError):  # the other side is gone: nobody to report to
         pass
 
@@ -69,12 +70,12 @@ def run_engine_core(conn: Connection, factory: Callable[[], Engine]) -> None:
 class _CoreLoop:
     """The child's loop over one engine: commands in, one step, its reports out."""
 
-    def __init__(self, conn: Connection, engine: Engine):
+    def __init__(self, conn: Connection, engine: Engine, compiling: bool):
         self.conn, self.engine = conn, engine
         self.reports: list[RequestOutput] = []
         self.finished: list[RequestOutput] = []
         self.stats_sent = 0.0
-        self.compiling_sent = engine.core.compiling  # as the last stats sent said
+        self.compiling_sent = compiling  # as the last stats sent said
         engine.add_finish_observer(self.finished.append)
 
     def run(self) -> None:

@@ -6,8 +6,8 @@
 
 Threads: the core (scheduler, blocks, model) is driven by one thread at a time. `generate` drives it in the calling
 thread, unless the background loop is running (`start`, or the first `stream`), which then owns it (and the model:
-while it steps, the model's attention implementation is the engine's, so do not call `model.generate` from another
-thread while the loop runs); requests and aborts from other threads go through a queue the stepping thread drains
+while it steps, and while its graphs compile in the background, the model's attention implementation is the
+engine's, so do not call `model.generate` from another thread then); requests and aborts from other threads go through a queue the stepping thread drains
 before each step, so callers never wait for a model forward.
 
 Faults: what one request's handling raises fails that request alone (its output ends with finish_reason "error" and
@@ -150,7 +150,9 @@ class Engine(RichDisplay, EngineClient):
         self._thread.start()
 
     def shutdown(self, timeout: float | None = 30.0) -> None:
-        """Stop the background loop after its current step; unfinished requests are aborted."""
+        """Stop the background loop after its current step; unfinished requests are aborted. A background compile
+        (`EngineConfig.compile_in_background`) stops at its next graph: the engine stays eager if started again."""
+        self.core.runner.forward.cancel_compile()
         self._stopping = True
         self._wakeup.set()
         if self._thread is not None:

@@ -61,7 +61,8 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler_config(speculative), self.blocks, self.proposer.can_propose)
         keep_hidden = self.proposer.needs_hidden
         # a proposer with a pool of its own (EAGLE, draft model) compiles its graphs at start: so does the step
-        background = config.compile_in_background and not self.proposer.kv_bytes_per_token(dtype)
+        background = config.compile_in_background and not config.enforce_eager \
+            and not self.proposer.kv_bytes_per_token(dtype)
         self.kv = KVPool(shape, num_blocks, config.block_size, dtype, device,
                          spare_block=background or uses_cuda_graphs(device, config.enforce_eager, keep_hidden))
         self.runner = ModelRunner(model, self.kv, keep_hidden=keep_hidden, enforce_eager=config.enforce_eager,

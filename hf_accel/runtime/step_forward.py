@@ -68,6 +68,10 @@ def _one_token(block: int, block_size: int) -> StepInputs:
                       tables=[[block]], keep=[0])
 
 
+class _Cancelled(Exception):
+    """A background compile stopped by `StepForward.cancel_compile`."""
+
+
 @dataclass(slots=True)
 class ForwardOutput:
     """What one step's forward returns: `logits` `[kept, vocab]` fp32; `hidden` `[kept, hidden]` (the final normed
@@ -102,6 +106,7 @@ class StepForward:
         self._scratch = kv.spare_block if kv.spare_block is not None else 0
         self._compiler: threading.Thread | None = None  # the background compile, while it runs
         self._compiled_graphs: tuple | None = None  # (forward, single) compiled in the background, to switch to
+        self._cancelled = False  # set by `cancel_compile`: the background compile stops at its next graph
         if compile:
             compiled = compiled_for(model, call_model, "engine step",
                                     lambda function: torch.compile(function, dynamic=True, fullgraph=True))
@@ -114,7 +119,12 @@ class StepForward:
     @property
     def compiling(self) -> bool:
         """Whether the graphs are compiling in the background (steps run eagerly until the first one after)."""
-        return self._compiler is not None and self._compiled_graphs is None and self._compiler.is_alive()
+        compiler = self._compiler  # read once: the stepping thread may clear it meanwhile (any thread may ask)
+        return compiler is not None and self._compiled_graphs is None and compiler.is_alive()
+
+    def cancel_compile(self) -> None:
+        """Stop a background compile at its next graph (the engine shuts down: nothing will step); steps stay eager."""
+        self._cancelled = True
 
     def __call__(self, inputs: StepInputs) -> ForwardOutput:
         if self._compiled_graphs is not None:
@@ -126,11 +136,11 @@ class StepForward:
                                          inputs.kv_lengths)
             if logits is not None:
                 return ForwardOutput(logits)
-        if self._single is not None and self.compiled and inputs.is_single_decode:
+        if self._single is not None and inputs.is_single_decode:
             return self._run(inputs.with_table_width(self.max_blocks), self._single, kept, graph=True)
         if self.compiled:
             return self._run(inputs.padded(), self._forward, kept, graph=True)
-        return self._run(inputs, self.model, kept, graph=False)
+        return self._run(inputs, self._forward, kept, graph=False)  # the model's own forward
 
     def _run(self, inputs: StepInputs, forward, kept: int, graph: bool) -> ForwardOutput:
         """`inputs` (padded as `forward`, a graph (`graph`) or the eager model, needs them) through `forward`; the
@@ -170,8 +180,8 @@ class StepForward:
             return
         if self.kv.spare_block is None:
             raise ValueError("a background compile needs a pool with a spare block (`KVPool(spare_block=True)`)")
-        self.compiled = False  # eager until the graphs are ready
         graphs = (self._forward, self._single)
+        self.compiled, self._forward, self._single = False, self.model, None  # eager until the graphs are ready
         self._compiler = threading.Thread(target=self._compile, args=(*graphs, started, True),
                                           name="hf_accel-compile", daemon=True)
         begin_background_compile()
@@ -187,12 +197,15 @@ class StepForward:
             # which a long notebook or test session would otherwise reach
             with dynamo_settings(), freezing(True, self.model.dtype):
                 self._trace_graphs(forward, single)
+        except _Cancelled:
+            self.compiled, self._forward, self._single, self.max_blocks = False, self.model, None, None
         except Exception as error:
             warnings.warn(f"hf_accel: compiling the engine's model step failed ({type(error).__name__}: "
                           f"{str(error).splitlines()[0] if str(error) else ''}); the engine runs it eagerly",
                           RuntimeWarning, stacklevel=3)
             self.compiled, self._forward, self._single, self.max_blocks = False, self.model, None, None
         else:
+            self.compile_seconds = time.perf_counter() - started  # before the graphs show: whoever sees them sees it
             if background:
                 self._compiled_graphs = (forward, single)  # the next step switches (in its own thread)
             else:
@@ -213,16 +226,24 @@ class StepForward:
         the scratch block."""
         size, block = self.kv.block_size, self._scratch
         for num_tokens in (1, 3):
+            self._check_cancelled()
             lengths = [num_tokens] if num_tokens == 1 else [1, num_tokens - 1]
+            # every write inside the scratch block, whatever the block size (what is read there is never used)
             inputs = StepInputs(tokens=[0] * num_tokens, positions=[0] + list(range(num_tokens - 1)),
-                                slots=[block * size + i for i in range(num_tokens)], keep=list(range(num_tokens)))
+                                slots=[block * size + i % size for i in range(num_tokens)],
+                                keep=list(range(num_tokens)))
             for length in lengths:
                 inputs.query_start.append(inputs.query_start[-1] + length)
                 inputs.kv_lengths.append(length)
                 inputs.tables.append([block] * -(-length // size))
             self._run(inputs.padded(), forward, num_tokens, graph=True)
         if single is not None:
+            self._check_cancelled()
             self._run(_one_token(block, size).with_table_width(self.max_blocks), single, 1, graph=True)
+
+    def _check_cancelled(self) -> None:
+        if self._cancelled:
+            raise _Cancelled()
 
     def _tensor(self, values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

@@ -125,7 +125,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                      max_queue_len=args.max_queue_len, on_load_error=stop)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            timeout_graceful_shutdown=args.graceful_timeout))
-    server.run()
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn raises the SIGINT it held back once shut down (as `uvicorn.run` catches)
+        pass
     return 1 if load_failed else 0
 
 
