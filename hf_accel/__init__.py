@@ -21,10 +21,11 @@ from .cache.quantized_config import QuantizedKVConfig
 from .cache.sink import SinkCache
 from .cache.sink_config import SinkCacheConfig
 from .compiled import quantized_rows as _quantized_rows
-from .compiled.route import route_generate
+from .generate_router import route
 from .quant.linear import Int4Linear, Int8Linear
 from .quant.quantizer import METHODS as _WEIGHT_METHODS, WeightOnlyConfig, WeightOnlyQuantizer, quantize_model
 from .runtime import attention as _attention
+from .structured.constraint import StructuredOutput
 
 if TYPE_CHECKING:  # the lazy names for type checkers and the API docs; `_LAZY` must name the same ones
     from .engine.config import EngineConfig
@@ -103,7 +104,7 @@ QUANTIZATION_METHODS = {method: (WeightOnlyConfig, WeightOnlyQuantizer) for meth
 def register() -> None:
     """Register hf_accel with transformers (done on import; idempotent): cache names, the generate router, attention
     functions and weight-quantization methods."""
-    registry.register(CACHE_BUILDERS, route_generate, ATTENTION_FUNCTIONS, QUANTIZATION_METHODS)
+    registry.register(CACHE_BUILDERS, route, ATTENTION_FUNCTIONS, QUANTIZATION_METHODS)
 
 
 def unregister() -> None:
@@ -142,8 +143,8 @@ __all__ = [
     "EagleTree",
     "Engine",
     "EngineConfig",
-    "EngineProcess",
     "EngineDeadError",
+    "EngineProcess",
     "EngineStats",
     "Int4Linear",
     "Int8Linear",
@@ -164,6 +165,7 @@ __all__ = [
     "SinkCacheConfig",
     "SpeculativeConfig",
     "SpeculativeStats",
+    "StructuredOutput",
     "SuffixCache",
     "WeightOnlyConfig",
     "draft_generate",

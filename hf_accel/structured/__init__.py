@@ -1,0 +1,1 @@
+"""Structured outputs: generated text constrained to a JSON schema, a regex, a choice or a grammar (xgrammar)."""

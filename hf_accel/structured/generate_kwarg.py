@@ -1,0 +1,55 @@
+"""`structured_output=` in `model.generate`: the router turns it into a `StructuredLogitsProcessor` in the call's
+`logits_processor` (so eager generate, every cache and compiled generate, whose loop applies such processors on the
+host between compiled steps, all honour it), with the call's `tokenizer` (required, as for `stop_strings`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import GenerationConfig, LogitsProcessorList
+
+from .constraint import StructuredOutput
+
+
+def take_structured_output(model: Any, kwargs: dict[str, Any]) -> None:
+    """Pop `structured_output` from generate's `kwargs`, if given, and add its processor to `logits_processor`;
+    TypeError / ValueError naming what is wrong with the call."""
+    constraint = kwargs.pop("structured_output", None)
+    if constraint is None:
+        return
+    if not isinstance(constraint, StructuredOutput):
+        raise TypeError(f"`structured_output` must be a hf_accel.StructuredOutput, got {type(constraint).__name__}")
+    tokenizer = kwargs.get("tokenizer")
+    if tokenizer is None:
+        raise ValueError("`structured_output` needs the model's tokenizer: pass `tokenizer=tokenizer` to generate")
+    _check_decoding(model, kwargs)
+    from .grammars import compile_constraint, compiler_for  # xgrammar loads on the first constrained call
+    from .logits import StructuredLogitsProcessor
+
+    vocab_size = model.get_output_embeddings().weight.shape[0]
+    compiled = compile_constraint(constraint, compiler_for(tokenizer, vocab_size, _stop_tokens(model, kwargs)))
+    kwargs["logits_processor"] = LogitsProcessorList([*(kwargs.get("logits_processor") or []),
+                                                      StructuredLogitsProcessor(compiled)])
+
+
+def _check_decoding(model: Any, kwargs: dict[str, Any]) -> None:
+    """ValueError for decoding modes the processor cannot follow: beams (rows reordered), speculative decoding
+    (candidate rows scored at once)."""
+    config = kwargs.get("generation_config") or model.generation_config
+    beams = kwargs.get("num_beams", getattr(config, "num_beams", 1)) or 1
+    if beams > 1:
+        raise ValueError(f"`structured_output` supports greedy decoding and sampling, not beam search "
+                         f"(num_beams={beams})")
+    for name in ("custom_generate", "assistant_model", "prompt_lookup_num_tokens"):
+        if kwargs.get(name) is not None:
+            raise ValueError(f"`structured_output` does not combine with `{name}` yet: speculative decoding under "
+                             "a grammar is not supported in this release")
+
+
+def _stop_tokens(model: Any, kwargs: dict[str, Any]) -> list[int] | None:
+    """The call's EOS ids (its `eos_token_id`, else its generation config's), which end a complete grammar."""
+    config: GenerationConfig = kwargs.get("generation_config") or model.generation_config
+    eos = kwargs.get("eos_token_id", config.eos_token_id)
+    if eos is None:
+        return None
+    return [eos] if isinstance(eos, int) else list(eos)

@@ -1,0 +1,66 @@
+"""Compiled grammars for `StructuredOutput` constraints, on xgrammar: one `GrammarCompiler` per tokenizer and
+vocabulary size (kept, least recently used first out, `MAX_COMPILERS`), whose own cache keeps compiled grammars by
+their text within `CACHE_LIMIT_BYTES`. xgrammar is an optional dependency (the `structured` extra); asking for a
+constraint without it raises ImportError naming the extra."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from .constraint import StructuredOutput
+
+MAX_COMPILERS = 8  # tokenizers (with a vocabulary size) whose compiler is kept
+CACHE_LIMIT_BYTES = 256 * 1024 * 1024  # compiled grammars each compiler keeps
+_compilers: OrderedDict[tuple[int, int], tuple[PreTrainedTokenizerBase, Any]] = OrderedDict()
+_lock = threading.Lock()
+
+
+def xgrammar() -> Any:
+    """The xgrammar module; ImportError naming the extra to install when it is missing."""
+    try:
+        import xgrammar as xgr
+    except ImportError as error:
+        raise ImportError("structured outputs need xgrammar: pip install 'hf_accel[structured]'") from error
+    return xgr
+
+
+def compiler_for(tokenizer: PreTrainedTokenizerBase, vocab_size: int, stop_token_ids: list[int] | None) -> Any:
+    """The `GrammarCompiler` of `tokenizer` over a model vocabulary of `vocab_size` (its logits' width, which may
+    exceed the tokenizer's), whose grammars end on `stop_token_ids` (None: the tokenizer's EOS)."""
+    xgr = xgrammar()
+    key = (id(tokenizer), vocab_size, tuple(stop_token_ids or ()))
+    with _lock:
+        found = _compilers.get(key)
+        if found is not None and found[0] is tokenizer:  # an id reused by a new tokenizer is a miss
+            _compilers.move_to_end(key)
+            return found[1]
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
+        compiler = xgr.GrammarCompiler(info, cache_enabled=True, cache_limit_bytes=CACHE_LIMIT_BYTES)
+        _compilers[key] = (tokenizer, compiler)
+        while len(_compilers) > MAX_COMPILERS:
+            _compilers.popitem(last=False)
+        return compiler
+
+
+def compile_constraint(constraint: StructuredOutput, compiler: Any) -> Any:
+    """`constraint` compiled by `compiler`; ValueError naming the constraint and what the backend refused (an
+    unsupported schema feature, a bad regex or grammar)."""
+    kind = constraint.kind
+    try:
+        if kind == "json":
+            return compiler.compile_json_schema(json.dumps(constraint.schema()), any_whitespace=False)
+        if kind == "json_object":  # an object with any members (xgrammar's builtin JSON grammar allows any value)
+            return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
+        if kind == "regex":
+            return compiler.compile_regex(constraint.regex)
+        if kind == "choice":  # one EBNF alternative per string, each a quoted literal
+            return compiler.compile_grammar("root ::= " + " | ".join(json.dumps(c) for c in constraint.choice))
+        return compiler.compile_grammar(constraint.grammar)
+    except (RuntimeError, ValueError, TypeError) as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ValueError(f"the `{kind}` constraint cannot be compiled: {reason}") from error

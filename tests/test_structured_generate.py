@@ -1,0 +1,134 @@
+"""`model.generate(..., structured_output=hf_accel.StructuredOutput(...), tokenizer=tokenizer)`: the output matches
+its constraint (JSON schema, Pydantic model, any JSON object, regex, choice, EBNF grammar) on the reference target,
+greedy and sampled, left-padded batches, hf_accel's paged cache eager and compiled (the compiled loop applies the
+mask on the host: the same tokens as eager); bad calls get a clear error naming what is wrong."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+
+import jsonschema
+import pydantic
+import pytest
+import torch
+from transformers import CompileConfig
+
+from hf_accel import StructuredOutput, reference
+from hf_accel.structured.grammars import xgrammar
+
+pytest.importorskip("xgrammar")
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                           "color": {"enum": ["red", "green", "blue"]},
+                                           "done": {"type": "boolean"}},
+          "required": ["name", "color", "done"], "additionalProperties": False}
+MAX_NEW = 48
+
+
+class Pet(pydantic.BaseModel):
+    kind: str = pydantic.Field(max_length=10)
+    legs: int = pydantic.Field(ge=0, le=8)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return reference.load("target")
+
+
+def generate(pair, prompts: list[str], constraint: StructuredOutput, **kwargs) -> list[str]:
+    """The constrained continuations of `prompts` (left-padded batch), EOS cut off, and whether each row stopped."""
+    model, tokenizer = pair
+    tokenizer.padding_side = "left"
+    inputs = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    out = model.generate(**inputs, max_new_tokens=MAX_NEW, structured_output=constraint, tokenizer=tokenizer,
+                         pad_token_id=tokenizer.pad_token_id, **kwargs)
+    texts = []
+    for row in out[:, inputs["input_ids"].shape[1]:].tolist():
+        eos = model.generation_config.eos_token_id
+        stopped = eos in row
+        texts.append((tokenizer.decode(row[: row.index(eos)] if stopped else row), stopped))
+    return texts
+
+
+def test_json_schema_greedy_output_validates_and_stops(pair):
+    [(text, stopped)] = generate(pair, ["# a config record\nrecord = "], StructuredOutput(json=SCHEMA),
+                                 do_sample=False)
+    assert stopped, text  # the grammar completed and only EOS was allowed after it
+    jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def test_pydantic_model_and_sampled_batches_validate(pair):
+    prompts = ["pet = ", "# the data of one animal\nanimal = "]
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        for text, stopped in generate(pair, prompts, StructuredOutput(json=Pet), do_sample=True, temperature=1.0):
+            assert stopped, text
+            Pet.model_validate_json(text)
+
+
+def test_regex_choice_grammar_and_json_object(pair):
+    [(code, stopped)] = generate(pair, ["code = '"], StructuredOutput(regex=r"[a-z]{3}-[0-9]{2}"), do_sample=False)
+    assert stopped and re.fullmatch(r"[a-z]{3}-[0-9]{2}", code)
+    choices = ["import os", "import sys", "pass"]
+    texts = generate(pair, ["def main():\n    ", "x = 1\n"], StructuredOutput(choice=choices), do_sample=False)
+    assert all(stopped and text in choices for text, stopped in texts)
+    grammar = 'root ::= "(" number ("," number)* ")"\nnumber ::= [1-9] [0-9]*'
+    [(numbers, stopped)] = generate(pair, ["point = "], StructuredOutput(grammar=grammar), do_sample=False)
+    assert stopped and re.fullmatch(r"\([1-9][0-9]*(,[1-9][0-9]*)*\)", numbers)
+    [(obj, stopped)] = generate(pair, ["data = "], StructuredOutput(json_object=True), do_sample=False)
+    assert stopped and isinstance(json.loads(obj), dict)  # an object, not any JSON value
+
+
+def test_paged_cache_compiled_equals_eager(pair):
+    constraint = StructuredOutput(json=SCHEMA)
+    prompts = ["record = ", "# settings\nconfig = "]
+    eager = generate(pair, prompts, constraint, do_sample=False, cache_implementation="paged")
+    compiled = generate(pair, prompts, constraint, do_sample=False, cache_implementation="paged",
+                        compile_config=CompileConfig(fullgraph=True))
+    assert compiled == eager == generate(pair, prompts, constraint, do_sample=False)  # DynamicCache's too
+    for text, stopped in compiled:
+        assert stopped
+        jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def test_bad_calls_name_what_is_wrong(pair):
+    model, tokenizer = pair
+    ids = tokenizer("x = ", return_tensors="pt")["input_ids"]
+    constraint = StructuredOutput(choice=["a", "b"])
+    with pytest.raises(ValueError, match="needs the model's tokenizer"):
+        model.generate(ids, max_new_tokens=4, structured_output=constraint)
+    with pytest.raises(ValueError, match="not beam search"):
+        model.generate(ids, max_new_tokens=4, structured_output=constraint, tokenizer=tokenizer, num_beams=2)
+    with pytest.raises(ValueError, match="does not combine with `prompt_lookup_num_tokens`"):
+        model.generate(ids, max_new_tokens=4, structured_output=constraint, tokenizer=tokenizer,
+                       prompt_lookup_num_tokens=3)
+    with pytest.raises(TypeError, match="must be a hf_accel.StructuredOutput"):
+        model.generate(ids, max_new_tokens=4, structured_output={"choice": ["a"]}, tokenizer=tokenizer)
+    with pytest.raises(ValueError, match="the `regex` constraint cannot be compiled"):
+        model.generate(ids, max_new_tokens=4, structured_output=StructuredOutput(regex="([a-z"), tokenizer=tokenizer)
+    with pytest.raises(ValueError, match="the `grammar` constraint cannot be compiled"):
+        model.generate(ids, max_new_tokens=4, structured_output=StructuredOutput(grammar="root ::= undefined_rule"),
+                       tokenizer=tokenizer)
+
+
+def test_constraint_arguments_are_checked():
+    with pytest.raises(ValueError, match="exactly one of json, json_object, regex, choice, grammar; got json, regex"):
+        StructuredOutput(json=SCHEMA, regex="a")
+    with pytest.raises(ValueError, match="got none"):
+        StructuredOutput()
+    with pytest.raises(TypeError, match="`choice` must be a non-empty list"):
+        StructuredOutput(choice="abc")
+    with pytest.raises(TypeError, match="`json` must be a JSON schema"):
+        StructuredOutput(json=3)
+    with pytest.raises(ValueError, match="`json` is not valid JSON"):
+        StructuredOutput(json="{not json").key()
+    assert StructuredOutput(json=Pet).key() == ("json", json.dumps(Pet.model_json_schema(), sort_keys=True))
+    assert StructuredOutput(json=json.dumps(SCHEMA)).key() == StructuredOutput(json=SCHEMA).key()
+
+
+def test_without_xgrammar_the_error_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "xgrammar", None)  # an import of it raises ImportError
+    with pytest.raises(ImportError, match=r"pip install 'hf_accel\[structured\]'"):
+        xgrammar()
