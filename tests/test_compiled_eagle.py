@@ -20,6 +20,7 @@ from transformers import CompileConfig
 
 from hf_accel import EagleHead, SpeculativeStats, eagle_generate
 from hf_accel.compiled import eagle_loop, target_rounds
+from hf_accel.speculative.draft_length import DraftLength
 from hf_accel.training.eagle_features import target_features
 from hf_accel.training.eagle_unroll import unrolled_hidden
 
@@ -136,6 +137,8 @@ def test_frozen_head_graphs_follow_changes_to_the_head_and_the_target(monkeypatc
 
         with monkeypatch.context() as patch:
             patch.setattr(eagle_loop.HeadRounds, "draft", recording)
+            # k fixed: the measured DraftLength picks k by timing, and the sides compared must run the same rounds
+            patch.setattr(DraftLength, "next", lambda self, budget, batch_size=1: max(0, min(4, budget - 1)))
             _eagle(target, eagle_head, inputs, min_draft_probability=0.0)
         return torch.stack(hidden), drafts
 
