@@ -92,3 +92,16 @@ def test_the_fingerprint_follows_the_weights():
     twin.load_state_dict(model.state_dict())
     assert weights_fingerprint((twin,)) == weights_fingerprint((model,))
     assert weights_fingerprint((model, twin)) != weights_fingerprint((model,))
+
+
+@pytest.mark.skipif(packed_linear_kernel() is None, reason="the packed-Linear kernel is not built here")
+def test_a_corrupt_cache_entry_is_compiled_again_never_used(tmp_path):
+    first = _run(tmp_path, 0)
+    entries = [path for path in (tmp_path / "fxgraph").rglob("*") if path.is_file()]
+    assert first["equal"] and entries
+    for path in entries:  # a half-written entry: what a process killed mid-write leaves
+        path.write_bytes(path.read_bytes()[:100])
+    again = _run(tmp_path, 0)
+    assert again["equal"] and again["hits"] == 0 and again["misses"] > 0, again  # inductor warns and recompiles
+    last = _run(tmp_path, 0)  # the entries written again are whole
+    assert last["equal"] and last["hits"] > 0 and last["misses"] == 0, last
