@@ -14,12 +14,14 @@ import hf_accel
 # packages `import hf_accel` must not load: they load on first use of a public name from them
 DEFERRED = ("hf_accel.engine", "hf_accel.server", "hf_accel.training", "hf_accel.speculative", "hf_accel.bench",
             "hf_accel.export", "hf_accel.reference", "hf_accel.compiled.decode_loop",
-            "hf_accel.compiled.speculative_entry")
+            "hf_accel.compiled.speculative_entry", "hf_accel.structured.grammars", "hf_accel.structured.logits",
+            "xgrammar")  # structured outputs' engine: loaded by the first constrained generate call
 
 
 def _modules_after(code: str) -> list[str]:
-    """hf_accel modules loaded in a fresh interpreter after running `code`."""
-    probe = f"import sys, json\n{code}\nprint(json.dumps(sorted(m for m in sys.modules if m.startswith('hf_accel'))))"
+    """hf_accel's modules (and xgrammar's) loaded in a fresh interpreter after running `code`."""
+    probe = (f"import sys, json\n{code}\nprint(json.dumps(sorted(m for m in sys.modules "
+             "if m.startswith(('hf_accel', 'xgrammar')))))")
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=600, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
