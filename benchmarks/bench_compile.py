@@ -29,12 +29,13 @@ from typing import Any
 
 import torch
 import torch._dynamo.utils as dynamo_utils
-from transformers import CompileConfig, PreTrainedModel, StaticCache
+from transformers import PreTrainedModel, StaticCache
 
 from hf_accel import MedusaHeads, SpeculativeStats, bench, draft_generate, medusa_generate, ngram_generate
 from hf_accel.bench.inputs import bench_prompts, copy_heavy_prompts, left_padded
 from hf_accel.bench.compiled_costs import llama_cpp_decode, verify_cost
 from hf_accel.bench.output import run_benchmark
+from hf_accel.bench.main_rows import compile_config
 from hf_accel.bench.strategies import Strategy, quantized_int4
 from hf_accel.display import format_table
 
@@ -65,14 +66,6 @@ QUICK = Plan(None, [Scenario("batch 1, prompt 32", 1, 32, 8, repeats=1),
                     Scenario("batch 2, prompts 16-32", 2, 32, 8, repeats=1)])
 
 
-def compile_config(all_devices: bool) -> CompileConfig:
-    """`fullgraph=True`; `all_devices` sets transformers' private switch that lets its own loop compile on CPU."""
-    config = CompileConfig(fullgraph=True)
-    if all_devices:
-        config._compile_all_devices = True
-    return config
-
-
 def sink(max_len: int) -> dict[str, Any]:
     """The sink rows' cache: a window of half the longest row (at least 64 tokens), 4 sinks."""
     return {"cache_implementation": "sink", "cache_config": {"window_length": max(max_len // 2, 64),
@@ -84,7 +77,7 @@ def strategies() -> tuple[Strategy, ...]:
     def row(name: str, description: str, extra) -> Strategy:
         return Strategy(name, description, lambda model, max_len: {"eos_token_id": None, **extra(model, max_len)})
 
-    transformers_compile, ours = compile_config(all_devices=True), compile_config(all_devices=False)
+    transformers_compile, ours = compile_config(stock=True), compile_config(stock=False)
     paged = {"cache_implementation": "paged", "cache_config": {"block_size": 16}}
     return (
         row("DynamicCache", "transformers default, eager (baseline)", lambda m, n: {}),
@@ -152,7 +145,7 @@ def speculative_strategies(draft: PreTrainedModel, stats: dict[str, SpeculativeS
         return Strategy(name, description, lambda model, max_len: {"eos_token_id": None, **extra})
 
     paged = {"cache_implementation": "paged", "cache_config": {"block_size": 16}}
-    ours = {**paged, "compile_config": compile_config(all_devices=False)}
+    ours = {**paged, "compile_config": compile_config(stock=False)}
     stats.update({name: SpeculativeStats() for name in ("ngram eager", "ngram + compile", "draft + compile",
                                                          "medusa eager", "medusa + compile")})
     medusa = () if heads is None else (

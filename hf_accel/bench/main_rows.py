@@ -23,6 +23,7 @@ from transformers import CompileConfig, PreTrainedModel, StaticCache
 from ..kernels.build import is_built
 from ..speculative.eagle import eagle_generate
 from ..speculative.ngram import ngram_generate
+from ..speculative.eagle_head import EagleHead
 from .models import BenchModel
 from .strategies import Strategy, engine_strategy, quantized_int4, weight_quantized
 
@@ -55,47 +56,54 @@ def row(name: str, description: str, kwargs: Callable[[PreTrainedModel, int], di
 
 def main_rows(bench_model: BenchModel, quick: bool = False) -> tuple[tuple[Strategy, ...], list[str]]:
     """The rows (the baseline first) and notes on what was left out and why."""
-    stock = compile_config(stock=True)
-    kernels = "" if is_built() else "building hf_accel's C++ kernels (first run only, about half a minute), then "
-    rows = [
-        row(BASELINE, "transformers default, eager (the baseline)", lambda m, n: {}, first_run=WARM_UP),
-        row(STOCK_BEST, "transformers StaticCache + compile_config: the fastest stock option on CPU",
-            lambda m, n: {"past_key_values": StaticCache(config=m.config, max_cache_len=n), "compile_config": stock},
-            first_run=COMPILING),
-        row("hf_accel paged + compile", 'cache_implementation="paged" + compile_config: hf_accel\'s compiled loop',
-            lambda m, n: PAGED, compiled_cache=True, first_run=kernels + COMPILING),
-    ]
-    if not quick:
-        rows += [
-            row("hf_accel int4 KV + compile", 'cache_implementation="quantized" (hf_accel, 4 bits) + compile_config',
-                lambda m, n: quantized_int4(m), compiled_cache=True, lossy=True, gains="K/V in 4 bits",
-                first_run=COMPILING),
-        ]
-    notes = []
-    if bench_model.eagle_head is not None and not quick:
-        head = bench_model.eagle_head
-        rows.append(row("hf_accel EAGLE + compile", "custom_generate=hf_accel.eagle_generate with the reference "
-                        "target's EAGLE head, paged cache + compile_config",
-                        lambda m, n: {**PAGED, "custom_generate": eagle_generate, "eagle_head": head,
-                                      "compile_config": compile_config(stock=False)},
-                        first_run="compiling its draft and verify steps (first run only; seconds once cached)"))
-    elif not quick:
-        notes.append("left out: EAGLE (no trained head for this model; `hf-accel train-eagle` makes one)")
-    rows.append(row("hf_accel n-gram", "custom_generate=hf_accel.ngram_generate (drafts from the prompt, no second "
-                    "model), paged cache", lambda m, n: {**PAGED, "custom_generate": ngram_generate},
-                    first_run=WARM_UP))
-    rows.append(engine_strategy())
-    if not quick:
-        rows += [
-            row("hf_accel int8 weights", "Linear weights int8 per output channel (hf_accel.quantize_model), "
-                "DynamicCache", lambda m, n: {}, model_variant=weight_quantized(8), lossy=True, first_run=WARM_UP,
-                gains="Linear weights in a quarter of fp32's bytes (decode at 0.5B+ parameters reads fewer bytes)"),
-            row("hf_accel int4 weights", "Linear weights int4 in groups of 64 (hf_accel.quantize_model), "
-                "DynamicCache", lambda m, n: {}, model_variant=weight_quantized(4), lossy=True, first_run=WARM_UP,
-                gains="Linear weights in an eighth of fp32's bytes (decode at 0.5B+ parameters reads fewer bytes)"),
-        ]
-    else:
+    rows, notes = [*_stock_rows(), _paged_row()], []
+    if quick:
+        rows += [_ngram_row(), engine_strategy()]
         notes.append("--quick: the int4 KV, EAGLE and weight rows are left out (run without --quick for all)")
+    else:
+        rows.append(row("hf_accel int4 KV + compile", 'cache_implementation="quantized" (hf_accel, 4 bits) + '
+                        "compile_config", lambda m, n: quantized_int4(m), compiled_cache=True, lossy=True,
+                        gains="K/V in 4 bits", first_run=COMPILING))
+        if bench_model.eagle_head is not None:
+            rows.append(_eagle_row(bench_model.eagle_head))
+        else:
+            notes.append("left out: EAGLE (no trained head for this model; `hf-accel train-eagle` makes one)")
+        rows += [_ngram_row(), engine_strategy(), *(_weight_row(bits) for bits in (8, 4))]
     notes.append("not here: the sink cache (its point is generation far past its window: benchmarks/bench_sink.py) "
                  "and the eager caches (benchmarks/bench_paged.py, bench_compile.py)")
     return tuple(rows), notes
+
+
+def _stock_rows() -> tuple[Strategy, Strategy]:
+    stock = compile_config(stock=True)
+    return (row(BASELINE, "transformers default, eager (the baseline)", lambda m, n: {}, first_run=WARM_UP),
+            row(STOCK_BEST, "transformers StaticCache + compile_config: the fastest stock option on CPU",
+                lambda m, n: {"past_key_values": StaticCache(config=m.config, max_cache_len=n),
+                              "compile_config": stock}, first_run=COMPILING))
+
+
+def _paged_row() -> Strategy:
+    """The first hf_accel row: its first run also builds the C++ kernels, unless they are built already."""
+    kernels = "" if is_built() else "building hf_accel's C++ kernels (first run only, about half a minute), then "
+    return row("hf_accel paged + compile", 'cache_implementation="paged" + compile_config: hf_accel\'s compiled loop',
+               lambda m, n: PAGED, compiled_cache=True, first_run=kernels + COMPILING)
+
+
+def _eagle_row(head: EagleHead) -> Strategy:
+    return row("hf_accel EAGLE + compile", "custom_generate=hf_accel.eagle_generate with the reference target's "
+               "EAGLE head, paged cache + compile_config",
+               lambda m, n: {**PAGED, "custom_generate": eagle_generate, "eagle_head": head,
+                             "compile_config": compile_config(stock=False)},
+               first_run="compiling its draft and verify steps (first run only; seconds once cached)")
+
+
+def _ngram_row() -> Strategy:
+    return row("hf_accel n-gram", "custom_generate=hf_accel.ngram_generate (drafts from the prompt, no second model), "
+               "paged cache", lambda m, n: {**PAGED, "custom_generate": ngram_generate}, first_run=WARM_UP)
+
+
+def _weight_row(bits: int) -> Strategy:
+    layout, share = ("per output channel", "a quarter") if bits == 8 else ("in groups of 64", "an eighth")
+    return row(f"hf_accel int{bits} weights", f"Linear weights int{bits} {layout} (hf_accel.quantize_model), "
+               "DynamicCache", lambda m, n: {}, model_variant=weight_quantized(bits), lossy=True, first_run=WARM_UP,
+               gains=f"Linear weights in {share} of fp32's bytes (decode at 0.5B+ parameters reads fewer bytes)")

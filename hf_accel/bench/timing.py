@@ -89,58 +89,64 @@ def compare_strategies(
     raises is left out of the results and `on_error(name, error)` told why (without it, the error propagates)."""
     if new_tokens < 2:
         raise ValueError(f"`new_tokens` must be at least 2 to measure decode, got {new_tokens}")
-    by_name = {s.name: s for s in strategies}
-    failed: set[str] = set()
-
-    def fail(name: str, error: Exception) -> None:
-        if on_error is None or name == strategies[0].name:
-            raise error
-        failed.add(name)
-        on_error(name, error)
-
-    def variant(strategy: Strategy) -> PreTrainedModel | None:
-        try:
-            return model if strategy.model_variant is None else strategy.model_variant(model)
-        except Exception as error:
-            fail(strategy.name, error)
-            return None
-
-    models = {s.name: variant(s) for s in strategies}
-    bar = tqdm(total=(warmup + repeats) * len(strategies), desc="compare", unit="run", leave=False,
-               disable=not progress)
-
-    warmed: set[str] = set()
-
-    def decode(name: str) -> tuple[float, Any]:
-        if name not in failed:
-            try:
-                return timed_decode(name)
-            except Exception as error:
-                fail(name, error)
-        bar.update()
-        return 0.0, None
-
-    def timed_decode(name: str) -> tuple[float, Any]:  # time(new_tokens) - time(1 token): prefill excluded
-        # a strategy's first run may build hf_accel's C++ kernels or compile its steps: say so while it waits
-        first_run = by_name[name].first_run or ("first run (builds kernels / compiles where it needs them; minutes "
-                                                "on a cold cache, seconds once cached)")
-        bar.set_postfix_str(name if name in warmed else f"{name}: {first_run}")
-        warmed.add(name)
-        for _ in range(PAIR_ATTEMPTS):
-            prefill_time, _ = run_generate(models[name], inputs, by_name[name], 1)
-            total_time, output = run_generate(models[name], inputs, by_name[name], new_tokens)
-            if total_time > prefill_time:
-                break
-        bar.update()
-        if on_step is not None:
-            on_step(name)
-        return total_time - prefill_time, output
-
-    timings = time_interleaved(list(by_name), decode, repeats, warmup)
-    bar.close()
-    kept = [s for s in strategies if s.name not in failed]
+    runs = _Runs(model, inputs, new_tokens, strategies, on_step, on_error)
+    with tqdm(total=(warmup + repeats) * len(strategies), desc="compare", unit="run", leave=False,
+              disable=not progress) as runs.bar:
+        timings = time_interleaved([s.name for s in strategies], runs.decode, repeats, warmup)
+    kept = [s for s in strategies if s.name not in runs.failed]
     return summarize(kept, {s.name: timings.seconds[s.name] for s in kept},
                      {s.name: timings.outputs[s.name] for s in kept}, inputs, new_tokens)
+
+
+class _Runs:
+    """The runs `compare_strategies` times: each strategy's model (its variant built once), the progress bar, and the
+    strategies that failed (left out, when `on_error` is given)."""
+
+    def __init__(self, model, inputs, new_tokens, strategies, on_step, on_error):
+        self.inputs, self.new_tokens, self.on_step, self.on_error = inputs, new_tokens, on_step, on_error
+        self.baseline, self.by_name = strategies[0].name, {s.name: s for s in strategies}
+        self.failed: set[str] = set()
+        self.warmed: set[str] = set()
+        self.bar = None
+        self.models = {s.name: self._attempt(s.name, lambda s=s: model if s.model_variant is None
+                                             else s.model_variant(model)) for s in strategies}
+
+    def decode(self, name: str) -> tuple[float, Any]:
+        """Seconds of `name`'s decode (time(new_tokens) - time(1 token): prefill excluded) and its output; (0, None)
+        once it has failed."""
+        result = self._attempt(name, lambda: self._timed(name)) if name not in self.failed else None
+        if result is None:
+            self.bar.update()
+            return 0.0, None
+        return result
+
+    def _timed(self, name: str) -> tuple[float, Any]:
+        # a strategy's first run may build hf_accel's C++ kernels or compile its steps: say so while it waits
+        first_run = self.by_name[name].first_run or ("first run (builds kernels / compiles where it needs them; "
+                                                     "minutes on a cold cache, seconds once cached)")
+        self.bar.set_postfix_str(name if name in self.warmed else f"{name}: {first_run}")
+        self.warmed.add(name)
+        model, strategy = self.models[name], self.by_name[name]
+        for _ in range(PAIR_ATTEMPTS):
+            prefill_time, _ = run_generate(model, self.inputs, strategy, 1)
+            total_time, output = run_generate(model, self.inputs, strategy, self.new_tokens)
+            if total_time > prefill_time:
+                break
+        self.bar.update()
+        if self.on_step is not None:
+            self.on_step(name)
+        return total_time - prefill_time, output
+
+    def _attempt(self, name: str, work: Callable[[], Any]) -> Any:
+        """`work()`, or None when it raises and `name` may fail alone (not the baseline, `on_error` given)."""
+        try:
+            return work()
+        except Exception as error:
+            if self.on_error is None or name == self.baseline:
+                raise
+            self.failed.add(name)
+            self.on_error(name, error)
+            return None
 
 
 def count_forwards(model: torch.nn.Module, run: Callable[[], Any]) -> int:

@@ -190,6 +190,7 @@ class StepForward:
     def _compile(self, forward, single, started: float, background: bool = False) -> None:
         """Trace and compile `forward` and `single` (None: no single-sequence graph); steps use them after (at once,
         or from the first step after a `background` compile); on failure, warn and keep the eager forward."""
+        compiled = False
         try:
             if self.feature_layers:  # transformers' capturing hooks get installed by an eager call (see above)
                 self._run(_one_token(self._scratch, self.kv.block_size), self.model, 1, graph=False)
@@ -197,23 +198,23 @@ class StepForward:
             # which a long notebook or test session would otherwise reach
             with dynamo_settings(), freezing(True, self.model.dtype):
                 self._trace_graphs(forward, single)
-        except _Cancelled:
-            self.compiled, self._forward, self._single, self.max_blocks = False, self.model, None, None
+            compiled = True
+        except _Cancelled:  # the engine shut down: nothing to warn about
+            pass
         except Exception as error:
             warnings.warn(f"hf_accel: compiling the engine's model step failed ({type(error).__name__}: "
                           f"{str(error).splitlines()[0] if str(error) else ''}); the engine runs it eagerly",
                           RuntimeWarning, stacklevel=3)
-            self.compiled, self._forward, self._single, self.max_blocks = False, self.model, None, None
-        else:
+        finally:
             self.compile_seconds = time.perf_counter() - started  # before the graphs show: whoever sees them sees it
             if background:
-                self._compiled_graphs = (forward, single)  # the next step switches (in its own thread)
-            else:
-                self._warm = True
-        finally:
-            self.compile_seconds = time.perf_counter() - started
-            if background:
                 end_background_compile()
+        if not compiled:
+            self.compiled, self._forward, self._single, self.max_blocks = False, self.model, None, None
+        elif background:
+            self._compiled_graphs = (forward, single)  # the next step switches (in its own thread)
+        else:
+            self._warm = True
 
     def _switch_to_graphs(self) -> None:
         """From the eager forward to the graphs a background compile made (between steps, in the stepping thread)."""

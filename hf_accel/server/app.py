@@ -18,7 +18,6 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from transformers import PreTrainedTokenizerBase
 
 from ..cache.settings import check_int
-from ..engine.engine_client import EngineClient
 from ..engine.errors import describe
 from . import chat, completions, tokenization
 from .errors import APIError, engine_dead, install_error_handlers
@@ -90,11 +89,7 @@ def create_app(engine: ServedEngine | Callable[[], ServedEngine], tokenizer: Pre
         on_load_error: called (in the loading thread) with what building the engine raised (`hf-accel serve`
             stops there).
     """
-    if not isinstance(model_name, str) or not model_name:
-        raise ValueError(f"`model_name` must be a non-empty string, got {model_name!r}")
-    if api_key is not None and (not isinstance(api_key, str) or not api_key):
-        raise ValueError("`api_key` must be a non-empty string or None")
-    check_int("max_queue_len", max_queue_len, 1, "a positive int")
+    _check_settings(model_name, api_key, max_queue_len)
 
     def serve(built: ServedEngine) -> None:
         built.start()
@@ -103,15 +98,11 @@ def create_app(engine: ServedEngine | Callable[[], ServedEngine], tokenizer: Pre
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        load = app.state.load
-        if isinstance(engine, EngineClient):
-            load.serve_now(engine, serve)
-        else:
-            load.start(engine, serve, on_load_error or (lambda error: None))
+        app.state.load.begin(engine, serve, on_load_error or (lambda error: None))
         try:
             yield
         finally:
-            built = load.cancel()
+            built = app.state.load.cancel()
             if built is not None:
                 await asyncio.to_thread(built.shutdown)
 
@@ -124,3 +115,11 @@ def create_app(engine: ServedEngine | Callable[[], ServedEngine], tokenizer: Pre
         app.include_router(router, dependencies=guarded)
     app.include_router(open_routes)
     return app
+
+
+def _check_settings(model_name: str, api_key: str | None, max_queue_len: int) -> None:
+    if not isinstance(model_name, str) or not model_name:
+        raise ValueError(f"`model_name` must be a non-empty string, got {model_name!r}")
+    if api_key is not None and (not isinstance(api_key, str) or not api_key):
+        raise ValueError("`api_key` must be a non-empty string or None")
+    check_int("max_queue_len", max_queue_len, 1, "a positive int")

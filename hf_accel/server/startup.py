@@ -15,6 +15,7 @@ import logging
 import threading
 from collections.abc import Callable
 
+from ..engine.engine_client import EngineClient
 from .served_engine import ServedEngine
 
 logger = logging.getLogger(__name__)
@@ -39,6 +40,14 @@ class EngineLoad:
         if self.engine is None:
             return "loading"
         return "compiling" if self.engine.compiling else "ready"
+
+    def begin(self, engine: ServedEngine | Callable[[], ServedEngine], on_built: Callable[[ServedEngine], None],
+              on_failed: Callable[[BaseException], None]) -> None:
+        """Serve `engine` now if it is built, else build it in the background (`start`)."""
+        if isinstance(engine, EngineClient):
+            self.serve_now(engine, on_built)
+        else:
+            self.start(engine, on_built, on_failed)
 
     def serve_now(self, engine: ServedEngine, on_built: Callable[[ServedEngine], None]) -> None:
         """Serve an engine built already (`on_built` called here)."""

@@ -24,13 +24,12 @@ class StructuredLogitsProcessor(LogitsProcessor):
     first call for as many rows as it sees."""
 
     def __init__(self, compiled: Any):
-        self.compiled = compiled
+        self.compiled, self.xgr = compiled, xgrammar()
         self.matchers: list[Any] = []
         self.bitmask: torch.Tensor | None = None  # [rows, ceil(vocab / 32)] int32
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        xgr = xgrammar()
-        rows = input_ids.shape[0]
+        xgr, rows = self.xgr, input_ids.shape[0]
         if not self.matchers:
             self.matchers = [xgr.GrammarMatcher(self.compiled) for _ in range(rows)]
             self.bitmask = xgr.allocate_token_bitmask(rows, self.compiled.tokenizer_info.vocab_size)
