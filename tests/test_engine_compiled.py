@@ -77,15 +77,26 @@ def test_enforce_eager_compiles_nothing():
 
 
 def test_a_model_that_cannot_compile_runs_eagerly_with_a_warning():
-    # int4 weights repack themselves on their first forward, which dynamo cannot trace
-    model = quantize_model(make_model("llama", torch.float32, "sdpa"), WeightOnlyConfig(bits=4, group_size=32),
-                           progress=False)
+    model = copy.deepcopy(make_model("llama", torch.float32, "sdpa"))  # make_model's are shared: keep those clean
+    # a hook that breaks the graph: nothing in eager mode, an error for the engine's full-graph compile
+    model.model.layers[0].register_forward_pre_hook(lambda module, args: torch._dynamo.graph_break())
     with pytest.warns(RuntimeWarning, match="compiling the engine's model step failed"):
         engine = Engine(model, config=EngineConfig(block_size=4))
     assert not engine.core.runner.forward.compiled
     prompts = random_prompts(LENGTHS[:3], seed=1)
     got = run(engine, prompts)
     for prompt, n, tokens in zip(prompts, MAX_TOKENS, got):
+        assert_greedy_equal(model, prompt, tokens, greedy_reference(model, prompt, n))
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_weight_quantized_models_compile_and_decode_as_plain_greedy(bits):
+    model = quantize_model(make_model("llama", torch.float32, "sdpa"),
+                           WeightOnlyConfig(bits=bits, group_size=32 if bits == 4 else None), progress=False)
+    engine = Engine(model, config=EngineConfig(block_size=4))
+    assert engine.core.runner.forward.compiled
+    prompts = random_prompts(LENGTHS[:3], seed=bits)
+    for prompt, n, tokens in zip(prompts, MAX_TOKENS, run(engine, prompts)):
         assert_greedy_equal(model, prompt, tokens, greedy_reference(model, prompt, n))
 
 

@@ -65,13 +65,16 @@ def test_kernel_path_and_fallback_agree(bits, dtype):
         assert ((kernel.float() - other).norm() / other.norm()).item() < 1e-2
 
 
-def test_int4_kernel_layout_reads_back_exactly_and_saves_the_checkpoint_format():
+@pytest.mark.parametrize(("bits", "kernel_switch", "layout"), [(4, "1", "panels"), (4, "0", "cpu"), (8, "1", "panels")])
+def test_kernel_layout_reads_back_exactly_and_saves_the_checkpoint_format(monkeypatch, bits, kernel_switch, layout):
+    monkeypatch.setenv("HF_ACCEL_PAGED_KERNEL", kernel_switch)  # "0": hf_accel's kernels off, torch's int4 kernel
     torch.manual_seed(0)
-    module = Int4Linear.from_float(nn.Linear(128, 64, bias=False), group_size=64)
+    linear = nn.Linear(128, 64, bias=False)
+    module = Int4Linear.from_float(linear, group_size=64) if bits == 4 else Int8Linear.from_float(linear)
     before = {k: v.clone() for k, v in module.state_dict().items()}
     codes = module.codes()
     module(torch.randn(1, 128))  # re-lays the weight out for the CPU kernel
-    assert module.layout == "cpu"
+    assert module.layout == layout
     assert torch.equal(module.codes(), codes)
     after = module.state_dict()
     assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)

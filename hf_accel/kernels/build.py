@@ -23,10 +23,13 @@ CSRC = Path(__file__).resolve().parent / "csrc"
 PAGED_ATTENTION_SOURCE = CSRC / "paged_attention.cpp"  # paged_attention, paged_tree_attention
 QUANTIZED_ATTENTION_SOURCE = CSRC / "quantized_attention.cpp"  # quantized_decode_attention
 PACKED_LINEAR_SOURCE = CSRC / "packed_linear.cpp"  # packed_linear
-SOURCES = (PAGED_ATTENTION_SOURCE, QUANTIZED_ATTENTION_SOURCE, PACKED_LINEAR_SOURCE)
+QUANTIZED_LINEAR_SOURCE = CSRC / "quantized_linear.cpp"  # int8_linear, int4_linear
+SOURCES = (PAGED_ATTENTION_SOURCE, QUANTIZED_ATTENTION_SOURCE, PACKED_LINEAR_SOURCE, QUANTIZED_LINEAR_SOURCE)
 # `omp simd` loops vectorized; their reductions may reassociate, so results match the gather path up to float
 # rounding, not bit for bit
-CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=fast"]
+CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=fast",
+          "-fopenmp"]  # ATen's `parallel_for` is OpenMP inlined into the caller: without it the kernels run serially
+LDFLAGS = ["-fopenmp"]  # libgomp: the copy torch ships and has loaded already (same soname)
 
 
 def build_extension() -> None:
@@ -38,7 +41,7 @@ def build_extension() -> None:
     with _exclusive(build.parent / f"{build.name}.lock"):
         # inside the lock no other process is building here: torch's lock file, if any, is a dead process's
         (build / "lock").unlink(missing_ok=True)
-        load(name=build.name, sources=[str(source) for source in SOURCES], extra_cflags=CFLAGS,
+        load(name=build.name, sources=[str(source) for source in SOURCES], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
              build_directory=str(build), is_python_module=False, verbose=False)
 
 

@@ -6,7 +6,9 @@
 - `torch.ops.hf_accel.quantized_decode_attention` (`csrc/quantized_attention.cpp`): compiled generate's quantized
   cache, attention over packed codes;
 - `torch.ops.hf_accel.packed_linear` (`csrc/packed_linear.cpp`): a Linear of a few rows over a weight packed in
-  column panels (`packed_linear.py`).
+  column panels (`packed_linear.py`);
+- `torch.ops.hf_accel.int8_linear` / `int4_linear` (`csrc/quantized_linear.cpp`): Linears over weight-only quantized
+  codes re-laid in column panels (`quant/panels.py`), dequantized in registers.
 Each mutates only what it writes and has a fake implementation, so a compiled step traces around it as one opaque
 node. Where the extension cannot be built, or with `HF_ACCEL_PAGED_KERNEL=0`, every accessor returns None and callers
 take their fallback (the engine's `runtime.attention.gathered_attention`: the same rule over blocks copied out of the
@@ -50,6 +52,8 @@ def _built_kernel() -> Callable[..., torch.Tensor] | None:
     torch.library.register_fake("hf_accel::paged_tree_attention")(_fake)
     torch.library.register_fake("hf_accel::quantized_decode_attention")(_quantized_fake)
     torch.library.register_fake("hf_accel::packed_linear")(_linear_fake)
+    torch.library.register_fake("hf_accel::int8_linear")(_quantized_linear_fake)
+    torch.library.register_fake("hf_accel::int4_linear")(_quantized_linear_fake)
     return torch.ops.hf_accel.paged_attention
 
 
@@ -73,6 +77,14 @@ def packed_linear_kernel() -> Callable[..., torch.Tensor] | None:
     return None if paged_attention_kernel() is None else torch.ops.hf_accel.packed_linear
 
 
+def quantized_linear_kernels() -> tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]] | None:
+    """(`torch.ops.hf_accel.int8_linear`, `torch.ops.hf_accel.int4_linear`) (csrc/quantized_linear.cpp, built with
+    the paged kernel); None where that is switched off or not buildable."""
+    if paged_attention_kernel() is None:
+        return None
+    return torch.ops.hf_accel.int8_linear, torch.ops.hf_accel.int4_linear
+
+
 def _fake(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_pool: torch.Tensor,
           value_pool: torch.Tensor, slots: torch.Tensor, block_table: torch.Tensor, query_start: torch.Tensor,
           kv_lengths: torch.Tensor, scale: float, window: int, softcap: float,
@@ -88,3 +100,8 @@ def _quantized_fake(query: torch.Tensor, *args) -> torch.Tensor:
 def _linear_fake(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor,
                  bias: torch.Tensor | None) -> torch.Tensor:
     return x.new_empty(x.shape[0], weight.shape[1])  # [M, N]
+
+
+def _quantized_linear_fake(x: torch.Tensor, panels: torch.Tensor, params: torch.Tensor,
+                           bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(x.shape[0], panels.shape[0] * panels.shape[2])  # [M, N = 16 P]

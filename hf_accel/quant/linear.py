@@ -1,18 +1,86 @@
 """Drop-in weight-only quantized Linear modules (int8 per output channel, grouped int4) and the swap that installs
-them. Parameters hold the checkpoint format of `hf_accel.quant.weights`; `from_float` quantizes an `nn.Linear`."""
+them. Parameters hold the checkpoint format of `hf_accel.quant.weights`; `from_float` quantizes an `nn.Linear`.
+
+Each module re-lays its `weight` once for the fastest kernel of the device it runs on (`layout`): on a CPU where
+hf_accel's extension builds, 16-column panels (`panels.py`) for `torch.ops.hf_accel.int8_linear` / `int4_linear`,
+which dequantize in registers and read each weight byte once for the few rows of a decode; else torch's own int8 /
+int4 kernels; else a dequantized matmul. `state_dict` always writes the checkpoint format back, so saving is device
+and kernel independent. A compiled graph runs the layout its trace saw: nothing is re-laid while compiling.
+"""
 
 from __future__ import annotations
 
+import abc
 from typing import Any
 
 import torch
 from torch import nn
 
-from . import weights
+from ..kernels.custom_ops import quantized_linear_kernels
+from . import panels, weights
 
 
-class Int8Linear(nn.Module):
-    """`y = x @ (code * scale).T + bias`; `weight` int32 `[out, in / 4]` (int8 codes), `weight_scale` `[out]`."""
+class _QuantizedLinear(nn.Module, abc.ABC):
+    """What `Int8Linear` and `Int4Linear` share: `weight` in the checkpoint format (`layout` None) or in a kernel's
+    packing of the same codes (`layout` names it), chosen per device by `prepare_kernel` or the first forward."""
+
+    bits: int
+    in_features: int
+    out_features: int
+    bias: nn.Parameter | None
+
+    def forward(self, x: torch.Tensor, use_kernel: bool = True) -> torch.Tensor:
+        if use_kernel and not torch.compiler.is_compiling():
+            self.prepare_kernel(x.device)
+        return self._matmul(x, use_kernel)
+
+    def prepare_kernel(self, device: torch.device | None = None) -> None:
+        """Re-lay `weight` for the kernel of `device` (default: where the weight lies), as the first forward would;
+        done before compiling, so a compiled graph traces the fast layout."""
+        layout = self._kernel_layout(torch.device(device) if device is not None else self.weight.device)
+        if layout != self.layout:
+            self._relayout(layout)
+
+    @abc.abstractmethod
+    def codes(self) -> torch.Tensor:
+        """The codes `[out, in]` (int8 for 8 bits, uint8 0..15 for 4), whatever the current layout."""
+
+    @abc.abstractmethod
+    def _kernel_layout(self, device: torch.device) -> str | None:
+        """The layout of the fastest kernel for inputs on `device`."""
+
+    @abc.abstractmethod
+    def _matmul(self, x: torch.Tensor, use_kernel: bool) -> torch.Tensor:
+        """`x` `[..., in]` @ the dequantized weight (+ bias) -> `[..., out]` in x's dtype, in the current layout."""
+
+    @abc.abstractmethod
+    def _packed(self, codes: torch.Tensor, layout: str | None) -> torch.Tensor:
+        """`weight` holding `codes` in `layout`."""
+
+    @torch.inference_mode(False)
+    @torch.no_grad()
+    def _relayout(self, layout: str | None) -> None:
+        codes = self.codes()
+        self.weight = nn.Parameter(self._packed(codes, layout), requires_grad=False)
+        self.layout = layout
+
+    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.layout is not None:  # write the checkpoint format, never a kernel's packing
+            destination[prefix + "weight"] = weights.pack_words(self.codes(), self.bits)
+
+    def _load_from_state_dict(self, state_dict: dict, prefix: str, *args: Any, **kwargs: Any) -> None:
+        if self.layout is not None:  # incoming `weight` is in the checkpoint format
+            self._relayout(None)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+
+class Int8Linear(_QuantizedLinear):
+    """`y = x @ (code * scale).T + bias`; `weight` int32 `[out, in / 4]` (int8 codes), `weight_scale` `[out]`.
+
+    Layouts: None (the checkpoint's words: torch's `_weight_int8pack_mm` on CPU) or "panels" (int8 `[out / 16, in,
+    16]` for `torch.ops.hf_accel.int8_linear`, fp32 accumulation).
+    """
 
     bits = 8
 
@@ -28,6 +96,7 @@ class Int8Linear(nn.Module):
                                    requires_grad=False)
         self.weight_scale = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
+        self.layout: str | None = None
 
     @classmethod
     def from_float(cls, linear: nn.Linear) -> Int8Linear:
@@ -39,10 +108,32 @@ class Int8Linear(nn.Module):
         module.weight_scale.data = scale.to(linear.weight.dtype)
         return _bias_from(module, linear)
 
-    def forward(self, x: torch.Tensor, use_kernel: bool = True) -> torch.Tensor:
-        if not weights.is_aligned(self.weight):  # e.g. memory-mapped from a checkpoint: copy once
+    def codes(self) -> torch.Tensor:
+        if self.layout == "panels":
+            return panels.unpack_int8(self.weight)
+        return weights.unpack_words(self.weight, 8)
+
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight `[out, in]` this module multiplies by."""
+        return weights.dequantize_int8(self.codes(), self.weight_scale, dtype)
+
+    def _kernel_layout(self, device: torch.device) -> str | None:
+        usable = device.type == "cpu" and panels.fits(self.out_features)
+        return "panels" if usable and quantized_linear_kernels() is not None else None
+
+    def _packed(self, codes: torch.Tensor, layout: str | None) -> torch.Tensor:
+        return panels.pack_int8(codes) if layout == "panels" else weights.pack_words(codes, 8)
+
+    def _matmul(self, x: torch.Tensor, use_kernel: bool) -> torch.Tensor:
+        if use_kernel and self.layout == "panels":
+            out = torch.ops.hf_accel.int8_linear(x.reshape(-1, x.shape[-1]), self.weight, self.weight_scale,
+                                                 self.bias)
+            return out.view(*x.shape[:-1], self.out_features)
+        compiling = torch.compiler.is_compiling()
+        if not compiling and not weights.is_aligned(self.weight):  # e.g. memory-mapped from a checkpoint: copy once
             self._realign()
-        out = weights.int8_matmul(x, weights.unpack_words(self.weight, 8), self.weight_scale, use_kernel)
+        # torch's int8 kernel needs aligned memory, which a graph cannot check: compiled, the plain product
+        out = weights.int8_matmul(x, self.codes(), self.weight_scale, use_kernel and not compiling)
         return out if self.bias is None else out + self.bias.to(out.dtype)
 
     @torch.inference_mode(False)
@@ -50,20 +141,17 @@ class Int8Linear(nn.Module):
     def _realign(self) -> None:
         self.weight = nn.Parameter(weights.aligned(self.weight.detach()), requires_grad=False)
 
-    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The weight `[out, in]` this module multiplies by."""
-        return weights.dequantize_int8(weights.unpack_words(self.weight, 8), self.weight_scale, dtype)
-
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-class Int4Linear(nn.Module):
+class Int4Linear(_QuantizedLinear):
     """`y = x @ ((code - 8) * scale + zero).T + bias` with one (scale, zero) per `group_size` inputs.
 
     `weight` int32 `[out, in / 8]` (codes, two per byte) and `weight_qparams` `[in / group, out, 2]` are the checkpoint
-    format. On a device with a torch int4 kernel, the first forward re-lays `weight` out into that kernel's opaque
-    packing (same bytes); `state_dict` always writes the checkpoint format back, so saving is device independent.
+    format. Layouts: None (dequantized matmul), "panels" (`torch.ops.hf_accel.int4_linear`: uint8 `[out / 16, in / 2,
+    16]` and the buffer `weight_qpanels`, fp16 scale and minimum per group and column), "cpu" / "cuda" (torch's int4
+    kernels' opaque packing, computed in bf16).
     """
 
     bits = 4
@@ -79,7 +167,9 @@ class Int4Linear(nn.Module):
         self.weight_qparams = nn.Parameter(
             torch.empty(in_features // group_size, out_features, 2, dtype=dtype, device=device), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
-        self.layout: str | None = None  # None: `weight` is in the checkpoint format; else a kernel's packing
+        self.register_buffer("weight_qpanels", None, persistent=False)  # layout "panels": [out / 16, G, 2, 16]
+        self.layout: str | None = None
+        self.qparams_fit_fp16 = True  # False once found past fp16's range: torch's kernel instead of the panels
 
     @classmethod
     def from_float(cls, linear: nn.Linear, group_size: int = 64) -> Int4Linear:
@@ -91,21 +181,11 @@ class Int4Linear(nn.Module):
         module.weight_qparams.data = qparams.to(linear.weight.dtype)
         return _bias_from(module, linear)
 
-    def forward(self, x: torch.Tensor, use_kernel: bool = True) -> torch.Tensor:
-        layout = weights.int4_kernel_layout(x.device, self.out_features) if use_kernel else None
-        if layout != self.layout:
-            self._relayout(layout)
-        if layout is None:
-            weight = weights.dequantize_int4(self.codes(), self.weight_qparams, x.dtype)
-            out = nn.functional.linear(x, weight)
-        else:
-            out = weights.int4_kernel_matmul(x, self.weight, self.weight_qparams, layout)
-        return out if self.bias is None else out + self.bias.to(out.dtype)
-
     def codes(self) -> torch.Tensor:
-        """uint8 codes `[out, in]` in 0..15, whatever the current layout."""
         if self.layout is None:
             return weights.unpack_words(self.weight, 4)
+        if self.layout == "panels":
+            return panels.unpack_int4(self.weight)
         num_groups = self.in_features // self.group_size
         return weights.unpack_int4_from_kernel(self.weight.detach(), self.in_features, num_groups, self.layout)
 
@@ -113,27 +193,52 @@ class Int4Linear(nn.Module):
         """The weight `[out, in]` this module multiplies by."""
         return weights.dequantize_int4(self.codes(), self.weight_qparams, dtype)
 
-    @torch.inference_mode(False)
-    @torch.no_grad()
+    def _kernel_layout(self, device: torch.device) -> str | None:
+        usable = device.type == "cpu" and panels.fits(self.out_features) and self.qparams_fit_fp16
+        if usable and quantized_linear_kernels() is not None:
+            return "panels"
+        return weights.int4_kernel_layout(device, self.out_features)
+
+    def _packed(self, codes: torch.Tensor, layout: str | None) -> torch.Tensor:
+        if layout == "panels":
+            return panels.pack_int4(codes)
+        return weights.pack_words(codes, 4) if layout is None else weights.pack_int4_for_kernel(codes, layout)
+
     def _relayout(self, layout: str | None) -> None:
-        codes = self.codes()
-        packed = weights.pack_words(codes, 4) if layout is None else weights.pack_int4_for_kernel(codes, layout)
-        self.weight = nn.Parameter(packed, requires_grad=False)
-        self.layout = layout
+        qpanels = panels.pack_int4_params(self.weight_qparams.detach()) if layout == "panels" else None
+        if layout == "panels" and qpanels is None:
+            self.qparams_fit_fp16 = False
+            layout = weights.int4_kernel_layout(self.weight.device, self.out_features)
+        super()._relayout(layout)
+        self.weight_qpanels = qpanels
 
-    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
-        super()._save_to_state_dict(destination, prefix, keep_vars)
-        if self.layout is not None:  # write the checkpoint format, never a kernel's packing
-            destination[prefix + "weight"] = weights.pack_words(self.codes(), 4)
-
-    def _load_from_state_dict(self, state_dict: dict, prefix: str, *args: Any, **kwargs: Any) -> None:
-        if self.layout is not None:  # incoming `weight` is in the checkpoint format
-            self._relayout(None)
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+    def _matmul(self, x: torch.Tensor, use_kernel: bool) -> torch.Tensor:
+        if use_kernel and self.layout == "panels":
+            out = torch.ops.hf_accel.int4_linear(x.reshape(-1, x.shape[-1]), self.weight, self.weight_qpanels,
+                                                 self.bias)
+            return out.view(*x.shape[:-1], self.out_features)
+        if use_kernel and self.layout is not None:
+            out = weights.int4_kernel_matmul(x, self.weight, self.weight_qparams, self.layout)
+        else:
+            out = nn.functional.linear(x, self.dequantized_weight(x.dtype))
+        return out if self.bias is None else out + self.bias.to(out.dtype)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"group_size={self.group_size}")
+
+
+def float_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
+    """`module.state_dict()` as a float module of the same shape holds it: each quantized Linear's `weight` is its
+    dequantized weight (in the dtype of its scales) and its scales are left out."""
+    state = module.state_dict()
+    for name, sub in module.named_modules():
+        if isinstance(sub, _QuantizedLinear):
+            prefix = f"{name}." if name else ""
+            scales = sub.weight_scale if isinstance(sub, Int8Linear) else sub.weight_qparams
+            state[prefix + "weight"] = sub.dequantized_weight(scales.dtype)
+            state.pop(prefix + ("weight_scale" if isinstance(sub, Int8Linear) else "weight_qparams"))
+    return state
 
 
 def make_quantized_linear(linear: nn.Linear, bits: int, group_size: int, dtype: torch.dtype | None = None,

@@ -96,12 +96,21 @@ class WeightOnlyQuantizer(HfQuantizer):
         self.modules_to_not_convert = modules_kept_float(model, config)
         replace_linear_modules(model, config.bits, config.group_size or 0, self.modules_to_not_convert)
 
+    def _process_model_after_weight_loading(self, model: nn.Module, **kwargs: Any) -> nn.Module:
+        prepare_kernels(model)
+        return model
+
     def is_serializable(self) -> bool:
         return True
 
     @property
     def is_trainable(self) -> bool:
         return False
+
+    @property
+    def is_compileable(self) -> bool:
+        """transformers compiles the decode steps of `compile_config`: the kernels are custom ops with fakes."""
+        return True
 
     def get_quantize_ops(self) -> WeightOnlyQuantize:
         return WeightOnlyQuantize(self)
@@ -134,6 +143,14 @@ def quantize_model(model: PreTrainedModel, config: WeightOnlyConfig, progress: b
     quantized.hf_quantizer = WeightOnlyQuantizer(config, pre_quantized=False)
     quantized.hf_quantizer.postprocess_model(quantized)  # sets config.quantization_config, as from_pretrained does
     return quantized
+
+
+def prepare_kernels(model: nn.Module) -> None:
+    """Re-lay every quantized Linear of `model` for the kernel of the device its weight is on (as a first forward
+    would), so a model compiled before it ever ran eagerly traces the fast layout."""
+    for module in model.modules():
+        if isinstance(module, (Int8Linear, Int4Linear)):
+            module.prepare_kernel()
 
 
 def quantize_linear(linear: nn.Linear, bits: int, group_size: int) -> Int8Linear | Int4Linear:

@@ -34,6 +34,7 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
 
 from ..display import RichDisplay
+from ..quant.linear import float_state_dict
 from .head_files import read_head, save_head, stored_dtype
 
 CONFIG_NAME = "eagle_config.json"
@@ -130,11 +131,11 @@ class EagleHead(RichDisplay, nn.Module):
 
     @torch.no_grad()
     def start_from(self, layer: nn.Module) -> None:
-        """Copy a target decoder layer into `midlayer`: every weight as it is, q/k/v into the feature half of their
-        2H-wide inputs (the embedding half keeps its initialisation)."""
+        """Copy a target decoder layer into `midlayer`: every weight as it is (a weight-quantized layer's dequantized),
+        q/k/v into the feature half of their 2H-wide inputs (the embedding half keeps its initialisation)."""
         widened = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")
         state = self.midlayer.state_dict()
-        for name, tensor in layer.state_dict().items():
+        for name, tensor in float_state_dict(layer).items():
             if name in widened:
                 state[name][:, tensor.shape[1]:] = tensor
             else:

@@ -1,0 +1,161 @@
+"""hf_accel's quantized Linear kernels (`torch.ops.hf_accel.int8_linear` / `int4_linear`, csrc/quantized_linear.cpp)
+over weights re-laid in panels (`hf_accel.quant.panels`): exact layout round trips, products equal to the dequantized
+weight's matmul up to fp32 rounding at every row count (the register kernel's 1-16 rows, several passes per panel,
+the blocked matmul past 16), every int4 group size, bf16 inputs, bias; threads split the panels without changing a
+bit; `Int8Linear` / `Int4Linear` choose the panels on CPU and keep them out of `state_dict`; int8 and int4 models
+generate with `compile_config` (int8 + compile used to crash in dynamo) token for token as they do eagerly."""
+
+import pytest
+import torch
+import torch._dynamo.utils as dynamo_utils
+from tiny_llama import tiny_llama
+from torch import nn
+
+from hf_accel import Int4Linear, Int8Linear, WeightOnlyConfig, quantize_model
+from hf_accel.bench.main_rows import compile_config
+from hf_accel.kernels.custom_ops import quantized_linear_kernels
+from hf_accel.quant import panels, weights
+
+pytestmark = pytest.mark.skipif(quantized_linear_kernels() is None, reason="hf_accel's C++ extension is not built")
+ROWS = (1, 2, 3, 4, 5, 8, 9, 13, 16, 17, 40)  # one pass, several passes over a panel, past the register kernel
+
+
+def weight(out_features=96, in_features=256, seed=0):
+    return torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(seed))
+
+
+def relative_error(out, reference):
+    return ((out.float() - reference).abs().max() / reference.abs().max()).item()
+
+
+def test_panels_round_trip_exactly():
+    codes8, _ = weights.quantize_int8(weight())
+    codes4, qparams = weights.quantize_int4(weight(), 32)
+    assert panels.pack_int8(codes8).shape == (6, 256, 16)
+    assert torch.equal(panels.unpack_int8(panels.pack_int8(codes8)), codes8)
+    packed = panels.pack_int4(codes4)
+    assert packed.shape == (6, 128, 16) and packed.dtype == torch.uint8
+    assert packed[0, 0, 3] == codes4[3, 0] | (codes4[3, 1] << 4)  # input 2j low, 2j + 1 high, column 3 of panel 0
+    assert torch.equal(panels.unpack_int4(packed), codes4)
+    qpanels = panels.pack_int4_params(qparams)
+    assert qpanels.shape == (6, 8, 2, 16) and qpanels.dtype == torch.float16
+    minimum = qparams[..., 1] - 8 * qparams[..., 0]  # [G, N]
+    torch.testing.assert_close(qpanels[1, 2, 1, 5].float(), minimum[2, 21], rtol=1e-3, atol=1e-6)
+
+
+def test_qparams_past_fp16_are_refused():
+    _, qparams = weights.quantize_int4(weight() * 1e6, 32)
+    assert panels.pack_int4_params(qparams) is None
+
+
+@pytest.mark.parametrize("rows", ROWS)
+def test_int8_linear_equals_the_dequantized_matmul(rows):
+    int8_linear, _ = quantized_linear_kernels()
+    codes, scale = weights.quantize_int8(weight())
+    x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows))
+    bias = torch.randn(96)
+    reference = x @ weights.dequantize_int8(codes, scale, torch.float32).T + bias
+    out = int8_linear(x, panels.pack_int8(codes), scale, bias)
+    assert out.shape == (rows, 96) and out.dtype == torch.float32
+    assert relative_error(out, reference) < 1e-5
+
+
+@pytest.mark.parametrize("group_size", [32, 64, 128, 256])
+@pytest.mark.parametrize("rows", ROWS)
+def test_int4_linear_equals_the_dequantized_matmul(rows, group_size):
+    _, int4_linear = quantized_linear_kernels()
+    codes, qparams = weights.quantize_int4(weight(), group_size)
+    qpanels = panels.pack_int4_params(qparams)
+    x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows))
+    # the kernel's (scale, minimum) are fp16: compare with the weight they give
+    scale, minimum = qpanels.float().permute(1, 2, 0, 3).reshape(256 // group_size, 2, 96).unbind(1)
+    dequantized = codes.float() * scale.t().repeat_interleave(group_size, 1) + minimum.t().repeat_interleave(
+        group_size, 1)
+    out = int4_linear(x, panels.pack_int4(codes), qpanels, None)
+    assert relative_error(out, x @ dequantized.T) < 1e-5
+    exact = x @ weights.dequantize_int4(codes, qparams, torch.float32).T  # and fp16's rounding is small
+    assert relative_error(out, exact) < 2e-3
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_bf16_rows_and_strided_rows(bits):
+    int8_linear, int4_linear = quantized_linear_kernels()
+    x = torch.randn(5, 512)[:, ::2]  # [5, 256], strided
+    if bits == 8:
+        codes, scale = weights.quantize_int8(weight())
+        run = lambda rows: int8_linear(rows, panels.pack_int8(codes), scale, None)  # noqa: E731
+    else:
+        codes, qparams = weights.quantize_int4(weight(), 64)
+        run = lambda rows: int4_linear(rows, panels.pack_int4(codes), panels.pack_int4_params(qparams), None)  # noqa
+    strided = run(x)
+    assert torch.equal(strided, run(x.contiguous()))
+    half = run(x.bfloat16())
+    assert half.dtype == torch.bfloat16 and relative_error(half, strided) < 2e-2
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_threads_split_panels_without_changing_a_bit(bits):
+    int8_linear, int4_linear = quantized_linear_kernels()
+    codes8, scale = weights.quantize_int8(weight(512))
+    codes4, qparams = weights.quantize_int4(weight(512), 32)
+    x = torch.randn(3, 256)
+    run = ((lambda: int8_linear(x, panels.pack_int8(codes8), scale, None)) if bits == 8 else
+           (lambda: int4_linear(x, panels.pack_int4(codes4), panels.pack_int4_params(qparams), None)))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = run()
+        torch.set_num_threads(2)
+        assert torch.equal(run(), one)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_bad_operands_are_refused():
+    int8_linear, int4_linear = quantized_linear_kernels()
+    codes, scale = weights.quantize_int8(weight())
+    with pytest.raises(RuntimeError, match="disagree on K"):
+        int8_linear(torch.randn(2, 128), panels.pack_int8(codes), scale, None)
+    with pytest.raises(RuntimeError, match="scale must be"):
+        int8_linear(torch.randn(2, 256), panels.pack_int8(codes), scale[:10], None)
+    codes4, qparams = weights.quantize_int4(weight(), 32)
+    with pytest.raises(RuntimeError, match="qpanels"):
+        int4_linear(torch.randn(2, 256), panels.pack_int4(codes4), panels.pack_int4_params(qparams).float(), None)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_modules_use_the_panels_on_cpu_and_fall_back_where_they_do_not_fit(bits):
+    torch.manual_seed(0)
+    make = (lambda linear: Int8Linear.from_float(linear)) if bits == 8 else (
+        lambda linear: Int4Linear.from_float(linear, group_size=32))
+    fitting, odd = make(nn.Linear(64, 48)), make(nn.Linear(64, 40))  # 40 columns: not whole panels
+    x = torch.randn(2, 7, 64)
+    for module in (fitting, odd):
+        reference = nn.functional.linear(x, module.dequantized_weight(), module.bias)
+        torch.testing.assert_close(module(x), reference, rtol=2e-2, atol=2e-2)
+    assert fitting.layout == "panels" and odd.layout != "panels"
+    assert "weight_qpanels" not in fitting.state_dict()
+
+
+def test_int4_qparams_past_fp16_keep_torchs_kernel():
+    module = Int4Linear.from_float(nn.Linear(64, 32), group_size=32)
+    module.weight_qparams.data *= 1e6
+    module(torch.randn(1, 64))
+    assert module.layout == "cpu" and not module.qparams_fit_fp16
+
+
+@pytest.mark.compiled
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_models_generate_compiled_as_they_do_eagerly(bits):
+    config = WeightOnlyConfig(bits=bits, group_size=32 if bits == 4 else None)
+    model = quantize_model(tiny_llama(), config, progress=False)
+    assert {module.layout for module in model.modules() if isinstance(module, (Int8Linear, Int4Linear))} == {"panels"}
+    prompt = torch.randint(1, 128, (2, 12), generator=torch.Generator().manual_seed(bits))
+    options = {"max_new_tokens": 10, "do_sample": False, "pad_token_id": 0}
+    eager = model.generate(prompt, **options)
+    for cache in ("paged", "static"):  # hf_accel's compiled loop; transformers' own compiled loop
+        graphs = dynamo_utils.counters["stats"]["unique_graphs"]
+        compiled = model.generate(prompt, cache_implementation=cache, compile_config=compile_config(stock=True),
+                                  **options)
+        assert torch.equal(compiled, eager), cache
+        assert dynamo_utils.counters["stats"]["unique_graphs"] > graphs, f"{cache}: nothing was compiled"
