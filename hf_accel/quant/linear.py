@@ -110,7 +110,7 @@ class Int8Linear(_QuantizedLinear):
 
     def codes(self) -> torch.Tensor:
         if self.layout == "panels":
-            return panels.unpack_int8(self.weight)
+            return panels.unpack_int8(self.weight, panels.kernel_format())
         return weights.unpack_words(self.weight, 8)
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -118,11 +118,12 @@ class Int8Linear(_QuantizedLinear):
         return weights.dequantize_int8(self.codes(), self.weight_scale, dtype)
 
     def _kernel_layout(self, device: torch.device) -> str | None:
-        usable = device.type == "cpu" and panels.fits(self.out_features)
-        return "panels" if usable and quantized_linear_kernels() is not None else None
+        if device.type != "cpu" or quantized_linear_kernels() is None:
+            return None
+        return "panels" if panels.fits(self.out_features, self.in_features, panels.kernel_format()) else None
 
     def _packed(self, codes: torch.Tensor, layout: str | None) -> torch.Tensor:
-        return panels.pack_int8(codes) if layout == "panels" else weights.pack_words(codes, 8)
+        return panels.pack_int8(codes, panels.kernel_format()) if layout == "panels" else weights.pack_words(codes, 8)
 
     def _matmul(self, x: torch.Tensor, use_kernel: bool) -> torch.Tensor:
         if use_kernel and self.layout == "panels":
@@ -185,7 +186,7 @@ class Int4Linear(_QuantizedLinear):
         if self.layout is None:
             return weights.unpack_words(self.weight, 4)
         if self.layout == "panels":
-            return panels.unpack_int4(self.weight)
+            return panels.unpack_int4(self.weight, panels.kernel_format())
         num_groups = self.in_features // self.group_size
         return weights.unpack_int4_from_kernel(self.weight.detach(), self.in_features, num_groups, self.layout)
 
@@ -194,14 +195,14 @@ class Int4Linear(_QuantizedLinear):
         return weights.dequantize_int4(self.codes(), self.weight_qparams, dtype)
 
     def _kernel_layout(self, device: torch.device) -> str | None:
-        usable = device.type == "cpu" and panels.fits(self.out_features) and self.qparams_fit_fp16
-        if usable and quantized_linear_kernels() is not None:
+        usable = device.type == "cpu" and self.qparams_fit_fp16 and quantized_linear_kernels() is not None
+        if usable and panels.fits(self.out_features, self.in_features, panels.kernel_format()):
             return "panels"
         return weights.int4_kernel_layout(device, self.out_features)
 
     def _packed(self, codes: torch.Tensor, layout: str | None) -> torch.Tensor:
         if layout == "panels":
-            return panels.pack_int4(codes)
+            return panels.pack_int4(codes, panels.kernel_format())
         return weights.pack_words(codes, 4) if layout is None else weights.pack_int4_for_kernel(codes, layout)
 
     def _relayout(self, layout: str | None) -> None:

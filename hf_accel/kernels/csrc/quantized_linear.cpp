@@ -1,40 +1,54 @@
 // Linears over weight-only quantized weights (hf_accel's int8 per output channel and int4 per group), re-laid once
-// into 16-column panels (hf_accel/quant/panels.py packs them) and dequantized in registers: the few rows of a decode
-// or a speculative verify read each weight byte once, at the memory's speed.
+// into 16-column panels (hf_accel/quant/panels.py packs them): the few rows of a decode or a speculative verify read
+// each weight byte once, at the memory's speed, and a prefill's many rows reuse each panel from cache.
 //
 // int8_linear(x, panels, scale, bias)
 //   x        [M, K]            fp32, bf16 or fp16 rows (any strides)
-//   panels   [P, K, 16] int8   columns 16p .. 16p + 15 of the codes, row k of a panel holding their k-th inputs
+//   panels   [P, K, 16]        the codes of columns 16p .. 16p + 15 (byte order: below)
 //   scale    [N = 16 P]        per output column: w[n, k] = code * scale[n]
 // int4_linear(x, panels, qpanels, bias)
-//   panels   [P, K / 2, 16] uint8   byte j of a column holds the codes (0..15) of inputs 2j (low nibble), 2j + 1
+//   panels   [P, K / 2, 16] uint8   the codes (0..15) of columns 16p .. 16p + 15, two a byte (byte order: below)
 //   qpanels  [P, G, 2, 16] fp16     per group of K / G inputs and column: (scale, minimum),
 //                                   w[n, k] = code * scale + minimum
-// both: bias [N] or None; returns [M, N] in x's dtype.
+// both: bias [N] or None; returns [M, N] in x's dtype. quantized_linear_format() says which byte order the build
+// expects (panels.py packs either):
 //
-// Rule: out[m, n] = sum_k x[m, k] w[n, k] (+ bias[n]), accumulated in fp32. int4 sums each group as
-// scale * sum_k x_k code_k + minimum * sum_k x_k (the second factor computed once per row and group), so the inner
-// loop is one FMA per code and row. Up to kPassRows rows share one pass over a panel (their accumulators stay in
-// registers); more rows take further passes over the panel, now in cache. Past kKernelRows rows (a prefill) the
-// weight is dequantized into fp32 blocks of columns and multiplied by ATen's matmul. Panels are split over torch's
-// intra-op threads. AVX-512 (one register per 16 columns) or AVX2 + F16C (two), chosen at build (-march=native);
-// without either the ops dequantize and run ATen's matmul.
+// Format 1, integer dot products (AVX-512 VNNI): each row of x is quantized to int8 in blocks of 32 inputs
+// (symmetric, scale absmax / 127: llama.cpp's Q8_0 rule), and `vpdpbusd` sums 4 products of unsigned weight bytes
+// and signed activation bytes per lane. int8 panels hold code + 128 as uint8, 4 consecutive inputs per column
+// ([P, K / 4, 16, 4]); the +128 is taken back once per row (128 * the row's block sums). int4 panels hold 8
+// consecutive inputs per column in 4 bytes ([P, K / 8, 16, 4]: byte t has input t in the low nibble, t + 4 in the
+// high). out = sum over blocks of dx_b * (integer dot), so a row's result is the same bits whatever the other rows.
+// Format 0, fp32 FMA after an in-register dequantization (AVX2 + F16C, or AVX-512 without VNNI): int8 panels [P, K,
+// 16] hold the signed codes, int4 panels [P, K / 2, 16] inputs 2j (low nibble) and 2j + 1 (high) in byte j; x stays
+// fp32; past kKernelRows rows the weight is dequantized into fp32 blocks of columns for ATen's matmul.
+//
+// int4 sums each group as scale * sum_k x_k code_k + minimum * sum_k x_k (the second factor once per row and group).
+// Up to kPassRows rows share one pass over a panel (their accumulators stay in registers); more rows take further
+// passes over the panel, now in cache. Panels are split over torch's intra-op threads. Without AVX2 the ops
+// dequantize and run ATen's matmul.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define HF_ACCEL_QLINEAR_SIMD 1
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && !defined(HF_ACCEL_QLINEAR_FORMAT0)
+#define HF_ACCEL_QLINEAR_VNNI 1  // (HF_ACCEL_QLINEAR_FORMAT0: the tests' build of format 0 on such a CPU)
+#endif
 #endif
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 
 namespace {
 
 constexpr int64_t kPanel = 16;        // columns per panel
-constexpr int64_t kKernelRows = 16;   // the most rows the register kernel computes; more dequantize into blocks
+constexpr int64_t kKernelRows = 64;   // format 0: the most rows the register kernel computes (about MKL's speed on the
+                                      // dequantized weight at 64 rows); more dequantize into blocks
 constexpr int64_t kBlockPanels = 32;  // panels (512 columns) dequantized per ATen matmul past kKernelRows
+constexpr int64_t kXBlock = 32;       // format 1: inputs per activation scale
 // bytes ahead of the current 64-byte line that a pass asks the memory for: one stream per thread is otherwise held
 // to about half the core's read bandwidth (7 of 13.5 GB/s here; 10-12 GB/s with 4 KB ahead, 1024 and 2048 less)
 constexpr int64_t kPrefetch = 4096;
@@ -220,9 +234,9 @@ at::Tensor blocked_matmul(const at::Tensor& x, int64_t panel_count, Block block)
 #ifdef HF_ACCEL_QLINEAR_SIMD
 // Each panel of [0, panel_count) for all rows, kPassRows rows a pass, split over threads by panel.
 template <typename PanelFn>
-at::Tensor over_panels(const at::Tensor& rows, int64_t panel_count, PanelFn run) {
-  const int64_t m = rows.size(0), n = panel_count * kPanel;
-  auto out = at::empty({m, n}, rows.options());
+at::Tensor over_panels(int64_t m, int64_t panel_count, PanelFn run) {
+  const int64_t n = panel_count * kPanel;
+  auto out = at::empty({m, n}, at::TensorOptions().dtype(at::kFloat));
   float* out_data = out.data_ptr<float>();
   at::parallel_for(0, panel_count, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p)
@@ -267,21 +281,190 @@ struct Int4Kernel {
 };
 #endif
 
+#ifdef HF_ACCEL_QLINEAR_VNNI
+
+// x [M, K] quantized per row in blocks of kXBlock: q int8 [M, K], scale fp32 [M, K / kXBlock], and per block
+// sum_k q_k * scale (the block's sum of the quantized row, in fp32).
+struct QuantizedRows {
+  at::Tensor q, scale, sum;
+};
+
+QuantizedRows quantize_rows(const at::Tensor& x) {
+  auto rows = x.to(at::kFloat).contiguous();
+  const int64_t m = rows.size(0), k = rows.size(1), blocks = k / kXBlock;
+  QuantizedRows out{at::empty({m, k}, rows.options().dtype(at::kChar)), at::empty({m, blocks}, rows.options()),
+                    at::empty({m, blocks}, rows.options())};
+  const float* src = rows.data_ptr<float>();
+  int8_t* q = out.q.data_ptr<int8_t>();
+  float* scale = out.scale.data_ptr<float>();
+  float* sum = out.sum.data_ptr<float>();
+  at::parallel_for(0, m * blocks, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const float* in = src + b * kXBlock;  // rows are contiguous: block b of the flattened [M * blocks]
+      const __m512 low = _mm512_loadu_ps(in), high = _mm512_loadu_ps(in + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(low), _mm512_abs_ps(high)));
+      const float d = amax / 127.0f, inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+      // round to nearest even (the default rounding mode), |q| <= 127
+      const __m512i q_low = _mm512_cvtps_epi32(_mm512_mul_ps(low, _mm512_set1_ps(inverse)));
+      const __m512i q_high = _mm512_cvtps_epi32(_mm512_mul_ps(high, _mm512_set1_ps(inverse)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kXBlock), _mm512_cvtsepi32_epi8(q_low));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kXBlock + 16), _mm512_cvtsepi32_epi8(q_high));
+      scale[b] = d;
+      sum[b] = static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q_low, q_high))) * d;
+    }
+  });
+  return out;
+}
+
+inline __m512i broadcast4(const int8_t* p) {  // 4 activation bytes into every lane
+  int32_t word;
+  std::memcpy(&word, p, sizeof(word));
+  return _mm512_set1_epi32(word);
+}
+
+// out[r, :16] = scale * (sum_b dx_b * sum_{k in b} q_k (code_k + 128) - 128 * sum_b dx_b sum_{k in b} q_k)
+template <int R>
+void int8_vnni_panel(const int8_t* q, const float* dx, const float* xsum, int64_t k, const uint8_t* panel,
+                     const float* scale, float* out, int64_t n) {
+  const int64_t blocks = k / kXBlock;
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* bytes = panel + b * kXBlock * kPanel;  // 32 inputs x 16 columns: 8 lines of 64 bytes
+    _mm_prefetch(reinterpret_cast<const char*>(bytes) + kPrefetch, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(bytes) + kPrefetch + 256, _MM_HINT_T0);
+    __m512i dot[R];
+    for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int i = 0; i < kXBlock / 4; ++i) {
+      const __m512i w = _mm512_loadu_si512(bytes + i * 64);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) dot[r] = _mm512_dpbusd_epi32(dot[r], w, broadcast4(q + r * k + b * kXBlock + 4 * i));
+    }
+    for (int r = 0; r < R; ++r)
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_set1_ps(dx[r * blocks + b]), acc[r]);
+  }
+  const __m512 columns = _mm512_loadu_ps(scale);
+  for (int r = 0; r < R; ++r) {
+    float offset = 0.0f;  // 128 * the row's quantized sum
+    for (int64_t b = 0; b < blocks; ++b) offset += xsum[r * blocks + b];
+    const __m512 centered = _mm512_sub_ps(acc[r], _mm512_set1_ps(128.0f * offset));
+    _mm512_storeu_ps(out + r * n, _mm512_mul_ps(centered, columns));
+  }
+}
+
+// out[r, :16] = sum_g (scale_g * sum_{b in g} dx_b sum_{k in b} q_k code_k + minimum_g * sum_{k in g} dx q_k)
+template <int R>
+void int4_vnni_panel(const int8_t* q, const float* dx, const float* xsum, int64_t k, const uint8_t* panel,
+                     const at::Half* qpanel, int64_t group, float* out, int64_t n) {
+  const int64_t blocks = k / kXBlock, groups = k / group, per_group = group / kXBlock;
+  const __m512i nibble = _mm512_set1_epi8(15);
+  __m512 total[R];
+  for (int r = 0; r < R; ++r) total[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512 acc[R];
+    float group_sum[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps(), group_sum[r] = 0.0f;
+    for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) {
+      const uint8_t* bytes = panel + b * (kXBlock / 2) * kPanel;  // 32 inputs x 16 columns: 4 lines of 64 bytes
+      _mm_prefetch(reinterpret_cast<const char*>(bytes) + kPrefetch, _MM_HINT_T0);
+      __m512i dot[R];
+      for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+      for (int i = 0; i < kXBlock / 8; ++i) {
+        const __m512i packed = _mm512_loadu_si512(bytes + i * 64);
+        const __m512i low = _mm512_and_si512(packed, nibble);
+        const __m512i high = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
+        const int8_t* xi = q + b * kXBlock + 8 * i;
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          dot[r] = _mm512_dpbusd_epi32(dot[r], low, broadcast4(xi + r * k));
+          dot[r] = _mm512_dpbusd_epi32(dot[r], high, broadcast4(xi + r * k + 4));
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_set1_ps(dx[r * blocks + b]), acc[r]);
+        group_sum[r] += xsum[r * blocks + b];
+      }
+    }
+    const at::Half* params = qpanel + g * 2 * kPanel;
+    const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(params)));
+    const __m512 minimum = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(params + kPanel)));
+    for (int r = 0; r < R; ++r)
+      total[r] = _mm512_fmadd_ps(minimum, _mm512_set1_ps(group_sum[r]), _mm512_fmadd_ps(acc[r], scale, total[r]));
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * n, total[r]);
+}
+
+template <template <int> class Kernel, typename... Args>
+void vnni_rows_dispatch(int64_t rows, Args... args) {
+  switch (rows) {
+    case 1: Kernel<1>::run(args...); break;
+    case 2: Kernel<2>::run(args...); break;
+    case 3: Kernel<3>::run(args...); break;
+    case 4: Kernel<4>::run(args...); break;
+    case 5: Kernel<5>::run(args...); break;
+    case 6: Kernel<6>::run(args...); break;
+    case 7: Kernel<7>::run(args...); break;
+    default: Kernel<8>::run(args...); break;
+  }
+}
+
+template <int R>
+struct Int8Vnni {
+  static void run(const int8_t* q, const float* dx, const float* xsum, int64_t k, const uint8_t* panel,
+                  const float* scale, float* out, int64_t n) {
+    int8_vnni_panel<R>(q, dx, xsum, k, panel, scale, out, n);
+  }
+};
+
+template <int R>
+struct Int4Vnni {
+  static void run(const int8_t* q, const float* dx, const float* xsum, int64_t k, const uint8_t* panel,
+                  const at::Half* qpanel, int64_t group, float* out, int64_t n) {
+    int4_vnni_panel<R>(q, dx, xsum, k, panel, qpanel, group, out, n);
+  }
+};
+
+#endif  // HF_ACCEL_QLINEAR_VNNI
+
+int64_t quantized_linear_format() {
+#ifdef HF_ACCEL_QLINEAR_VNNI
+  return 1;
+#else
+  return 0;
+#endif
+}
+
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& scale,
                        const c10::optional<at::Tensor>& bias) {
   const int64_t p = panels.size(0), k = panels.size(1), n = p * kPanel;
   check_common(x, panels, bias, n);
-  TORCH_CHECK(panels.scalar_type() == at::kChar, "int8 panels must be int8");
   TORCH_CHECK(x.size(1) == k, "x and panels disagree on K");
   TORCH_CHECK(scale.dim() == 1 && scale.size(0) == n, "scale must be [16 P]");
   auto columns = scale.to(at::kFloat).contiguous();
+#ifdef HF_ACCEL_QLINEAR_VNNI
+  TORCH_CHECK(panels.scalar_type() == at::kByte && k % kXBlock == 0, "format 1: uint8 panels, K a multiple of 32");
+  const auto rows = quantize_rows(x);
+  const int8_t* q = rows.q.data_ptr<int8_t>();
+  const float *dx = rows.scale.data_ptr<float>(), *xsum = rows.sum.data_ptr<float>();
+  const uint8_t* codes = panels.data_ptr<uint8_t>();
+  const float* scale_data = columns.data_ptr<float>();
+  const int64_t blocks = k / kXBlock;
+  auto out = over_panels(x.size(0), p, [&](int64_t panel, int64_t first, int64_t count, float* dst) {
+    vnni_rows_dispatch<Int8Vnni>(count, q + first * k, dx + first * blocks, xsum + first * blocks, k,
+                                 codes + panel * k * kPanel, scale_data + panel * kPanel, dst, n);
+  });
+  return finish(out, x, bias);
+#else
+  TORCH_CHECK(panels.scalar_type() == at::kChar, "format 0: int8 panels");
 #ifdef HF_ACCEL_QLINEAR_SIMD
   if (x.size(0) <= kKernelRows) {
     auto rows = x.to(at::kFloat).contiguous();
     const float* x_data = rows.data_ptr<float>();
     const int8_t* codes = panels.data_ptr<int8_t>();
     const float* scale_data = columns.data_ptr<float>();
-    auto out = over_panels(rows, p, [&](int64_t panel, int64_t first, int64_t count, float* dst) {
+    auto out = over_panels(x.size(0), p, [&](int64_t panel, int64_t first, int64_t count, float* dst) {
       rows_dispatch<Int8Kernel>(count, x_data + first * k, k, codes + panel * k * kPanel,
                                 scale_data + panel * kPanel, dst, n);
     });
@@ -290,6 +473,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& panels, const at::
 #endif
   auto out = blocked_matmul(x, p, [&](int64_t first, int64_t count) { return int8_block(panels, columns, first, count); });
   return finish(out, x, bias);
+#endif
 }
 
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& qpanels,
@@ -302,25 +486,37 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& panels, const at::
                   qpanels.scalar_type() == at::kHalf && qpanels.is_contiguous(),
               "qpanels must be contiguous fp16 [P, G, 2, 16]");
   const int64_t groups = qpanels.size(1);
-  TORCH_CHECK(groups > 0 && k % groups == 0 && (k / groups) % 8 == 0, "K / G must be a multiple of 8");
+  TORCH_CHECK(groups > 0 && k % groups == 0 && (k / groups) % 32 == 0, "K / G must be a multiple of 32");
+  const int64_t group = k / groups;
+  const uint8_t* codes = panels.data_ptr<uint8_t>();
+  const at::Half* params = qpanels.data_ptr<at::Half>();
+#ifdef HF_ACCEL_QLINEAR_VNNI
+  const auto rows = quantize_rows(x);
+  const int8_t* q = rows.q.data_ptr<int8_t>();
+  const float *dx = rows.scale.data_ptr<float>(), *xsum = rows.sum.data_ptr<float>();
+  const int64_t blocks = k / kXBlock;
+  auto out = over_panels(x.size(0), p, [&](int64_t panel, int64_t first, int64_t count, float* dst) {
+    vnni_rows_dispatch<Int4Vnni>(count, q + first * k, dx + first * blocks, xsum + first * blocks, k,
+                                 codes + panel * (k / 2) * kPanel, params + panel * groups * 2 * kPanel, group, dst, n);
+  });
+  return finish(out, x, bias);
+#else
 #ifdef HF_ACCEL_QLINEAR_SIMD
   if (x.size(0) <= kKernelRows) {
     auto rows = x.to(at::kFloat).contiguous();
-    auto xsum = rows.view({rows.size(0), groups, k / groups}).sum(-1).contiguous();  // [M, G]
+    auto xsum = rows.view({rows.size(0), groups, group}).sum(-1).contiguous();  // [M, G]
     const float* x_data = rows.data_ptr<float>();
     const float* xsum_data = xsum.data_ptr<float>();
-    const uint8_t* codes = panels.data_ptr<uint8_t>();
-    const at::Half* q = qpanels.data_ptr<at::Half>();
-    const int64_t group = k / groups;
-    auto out = over_panels(rows, p, [&](int64_t panel, int64_t first, int64_t count, float* dst) {
+    auto out = over_panels(x.size(0), p, [&](int64_t panel, int64_t first, int64_t count, float* dst) {
       rows_dispatch<Int4Kernel>(count, x_data + first * k, k, codes + panel * (k / 2) * kPanel,
-                                q + panel * groups * 2 * kPanel, group, xsum_data + first * groups, dst, n);
+                                params + panel * groups * 2 * kPanel, group, xsum_data + first * groups, dst, n);
     });
     return finish(out, x, bias);
   }
 #endif
   auto out = blocked_matmul(x, p, [&](int64_t first, int64_t count) { return int4_block(panels, qpanels, first, count); });
   return finish(out, x, bias);
+#endif
 }
 
 }  // namespace
@@ -328,6 +524,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& panels, const at::
 TORCH_LIBRARY_FRAGMENT(hf_accel, m) {
   m.def("int8_linear(Tensor x, Tensor panels, Tensor scale, Tensor? bias) -> Tensor");
   m.def("int4_linear(Tensor x, Tensor panels, Tensor qpanels, Tensor? bias) -> Tensor");
+  m.def("quantized_linear_format() -> int", &quantized_linear_format);
 }
 
 TORCH_LIBRARY_IMPL(hf_accel, CPU, m) {
