@@ -9,7 +9,8 @@ skips its rows with a message.
 
 The converter identifies a BPE tokenizer's pre-tokenizer by hashing its output on a test string and refuses one it
 does not know, as the reference tokenizer is; for a speed run the pre-tokenizer is declared GPT-2's (it only decides
-how text is split into tokens, which `llama-bench` never does: it times random token ids).
+how text is split into tokens, which `llama-bench` never does: it times random token ids). It also imports
+`sentencepiece` before looking for a `tokenizer.model`; a folder without one goes on to its BPE path without it.
 """
 
 from __future__ import annotations
@@ -31,6 +32,12 @@ import sys
 sys.path[:0] = [{gguf_py!r}, {source!r}]
 import conversion.base as base
 base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"  # speed runs only: see llama_cpp_peer.py
+sentencepiece = base.TextModel._set_vocab_sentencepiece
+def sentencepiece_where_present(self):  # a tokenizer.json folder needs no sentencepiece package
+    if not (self.dir_model / "tokenizer.model").is_file():
+        raise FileNotFoundError("no tokenizer.model")
+    return sentencepiece(self)
+base.TextModel._set_vocab_sentencepiece = sentencepiece_where_present
 import convert_hf_to_gguf
 sys.argv = ["convert_hf_to_gguf.py"] + {args!r}
 convert_hf_to_gguf.main()
@@ -48,6 +55,7 @@ class LlamaCpp:
 
     def convert(self, folder: Path, out: Path, outtype: str) -> Path:
         """The transformers checkpoint `folder` as a GGUF file of `outtype` ("f32", "bf16")."""
+        out.mkdir(parents=True, exist_ok=True)
         target = out / f"model-{outtype}.gguf"
         script = CONVERT_PATCH.format(gguf_py=str(self.source / "gguf-py"), source=str(self.source),
                                       args=[str(folder), "--outfile", str(target), "--outtype", outtype])

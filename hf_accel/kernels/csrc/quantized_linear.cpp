@@ -353,10 +353,13 @@ void int8_vnni_panel(const int8_t* q, const float* dx, const float* xsum, int64_
   }
 }
 
-// out[r, :16] = sum_g (scale_g * sum_{b in g} dx_b sum_{k in b} q_k code_k + minimum_g * sum_{k in g} dx q_k)
+// out[r, :16] = sum_g (scale_g * sum_{b in g} dx_b sum_{k in b} q_k code_k + minimum_g * sum_{k in g} dx q_k).
+// At one to four rows the low and the high nibbles' products go to two accumulators: a single chain of dependent
+// dot products would wait on their latency, not on the memory.
 template <int R>
 void int4_vnni_panel(const int8_t* q, const float* dx, const float* xsum, int64_t k, const uint8_t* panel,
                      const at::Half* qpanel, int64_t group, float* out, int64_t n) {
+  constexpr int S = R <= 4 ? 2 : 1;
   const int64_t blocks = k / kXBlock, groups = k / group, per_group = group / kXBlock;
   const __m512i nibble = _mm512_set1_epi8(15);
   __m512 total[R];
@@ -368,8 +371,9 @@ void int4_vnni_panel(const int8_t* q, const float* dx, const float* xsum, int64_
     for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) {
       const uint8_t* bytes = panel + b * (kXBlock / 2) * kPanel;  // 32 inputs x 16 columns: 4 lines of 64 bytes
       _mm_prefetch(reinterpret_cast<const char*>(bytes) + kPrefetch, _MM_HINT_T0);
-      __m512i dot[R];
-      for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
+      __m512i dot[R][S];
+      for (int r = 0; r < R; ++r)
+        for (int s = 0; s < S; ++s) dot[r][s] = _mm512_setzero_si512();
 #pragma GCC unroll 4
       for (int i = 0; i < kXBlock / 8; ++i) {
         const __m512i packed = _mm512_loadu_si512(bytes + i * 64);
@@ -378,12 +382,13 @@ void int4_vnni_panel(const int8_t* q, const float* dx, const float* xsum, int64_
         const int8_t* xi = q + b * kXBlock + 8 * i;
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) {
-          dot[r] = _mm512_dpbusd_epi32(dot[r], low, broadcast4(xi + r * k));
-          dot[r] = _mm512_dpbusd_epi32(dot[r], high, broadcast4(xi + r * k + 4));
+          dot[r][0] = _mm512_dpbusd_epi32(dot[r][0], low, broadcast4(xi + r * k));
+          dot[r][S - 1] = _mm512_dpbusd_epi32(dot[r][S - 1], high, broadcast4(xi + r * k + 4));
         }
       }
       for (int r = 0; r < R; ++r) {
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_set1_ps(dx[r * blocks + b]), acc[r]);
+        const __m512i sum = S == 2 ? _mm512_add_epi32(dot[r][0], dot[r][S - 1]) : dot[r][0];
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(dx[r * blocks + b]), acc[r]);
         group_sum[r] += xsum[r * blocks + b];
       }
     }
