@@ -28,7 +28,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from hf_accel import reference
 from hf_accel.bench import describe_model, random_llama
-from hf_accel.bench.output import benchmark_parser, hardware, output_root, run_benchmark
+from hf_accel.bench.output import benchmark_parser, hardware, output_root, run_benchmark, target_table
 from hf_accel.bench.peer import (
     count_identical, create_venv, free_port, judged, load_server, median_rows, rounds_summary, run_job, side_order,
     tokens_per_s, venv_python,
@@ -251,9 +251,7 @@ def render(report: dict[str, Any]) -> str:
                   + " | ".join("/".join(f"{r[k][s]:.0f}" for s in ("mean", "median", "p99"))
                                for k in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")) + " |"
                   for side in SIDES for r in online[side]]
-    lines += ["", "| target (recorded, not asserted) | measured | met |", "| --- | --- | --- |"]
-    lines += [f"| {t['name']} {t['goal']} | " + ("-" if t["value"] is None else f"{t['value']:.2f}")
-              + f" | {'-' if t['met'] is None else 'yes' if t['met'] else 'no'} |" for t in report["targets"]]
+    lines += ["", *target_table(report["targets"], "| target (recorded, not asserted) | measured | met |")]
     lines += ["", f"![hf_accel vs vLLM]({NAME}.png)"]
     return "\n".join(lines) + f"\n\nFrom `{report['command']}` ({report['total_seconds'] / 60:.1f} min in all).\n"
 

@@ -108,6 +108,7 @@ def test_a_build_lock_left_by_a_killed_process_does_not_hang_the_next_one():
     stale, os_lock = build / "lock", build.parent / f"{build.name}.lock"
     # under the OS lock, as the kernel's loader holds it: no other process of the suite is loading the kernel (whose
     # torch lock file exists while it loads) when the stale file is written or looked for
+    build.mkdir(parents=True, exist_ok=True)  # (the suite's first build may not have run yet)
     with _exclusive(os_lock):
         stale.write_text("")
     try:

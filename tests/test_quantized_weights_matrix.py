@@ -60,7 +60,8 @@ def speculative_kwargs(method: str, model) -> dict:
     if method == "ngram":
         return {"custom_generate": ngram_generate, "draft_token_cost": 0.0}
     if method == "draft":
-        return {"custom_generate": draft_generate, "draft_model": make_draft_model(make_model("llama", torch.float32, "sdpa"))}  # float
+        float_model = make_model("llama", torch.float32, "sdpa")
+        return {"custom_generate": draft_generate, "draft_model": make_draft_model(float_model)}
     with torch.random.fork_rng():
         torch.manual_seed(0)
         if method == "eagle":

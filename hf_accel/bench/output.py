@@ -39,6 +39,15 @@ def hardware() -> dict[str, Any]:
     }
 
 
+def target_table(targets: list[dict[str, Any]], heading: str = "| target | value | met |") -> list[str]:
+    """Markdown lines of a report's targets: each `{"name", "goal", "value", "met"}` (value and met None when the
+    row could not be measured), under a three-column `heading`."""
+    lines = [heading, "| --- | --- | --- |"]
+    lines += [f"| {t['name']} {t['goal']} | " + ("-" if t["value"] is None else f"{t['value']:.2f}")
+              + f" | {'-' if t['met'] is None else 'yes' if t['met'] else 'no'} |" for t in targets]
+    return lines
+
+
 def benchmark_parser(description: str, name: str) -> argparse.ArgumentParser:
     """`--quick` (a smoke run), `--threads` (default 1) and `--out` (the root results are written under)."""
     parser = argparse.ArgumentParser(description=description)

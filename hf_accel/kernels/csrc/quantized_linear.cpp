@@ -476,7 +476,9 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& panels, const at::
     return finish(out, x, bias);
   }
 #endif
-  auto out = blocked_matmul(x, p, [&](int64_t first, int64_t count) { return int8_block(panels, columns, first, count); });
+  auto out = blocked_matmul(x, p, [&](int64_t first, int64_t count) {
+    return int8_block(panels, columns, first, count);
+  });
   return finish(out, x, bias);
 #endif
 }
@@ -519,7 +521,9 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& panels, const at::
     return finish(out, x, bias);
   }
 #endif
-  auto out = blocked_matmul(x, p, [&](int64_t first, int64_t count) { return int4_block(panels, qpanels, first, count); });
+  auto out = blocked_matmul(x, p, [&](int64_t first, int64_t count) {
+    return int4_block(panels, qpanels, first, count);
+  });
   return finish(out, x, bias);
 #endif
 }
