@@ -45,12 +45,12 @@
 namespace {
 
 constexpr int64_t kPanel = 16;        // columns per panel
-constexpr int64_t kKernelRows = 64;   // format 0: the most rows the register kernel computes (about MKL's speed on the
-                                      // dequantized weight at 64 rows); more dequantize into blocks
+constexpr int64_t kKernelRows = 64;   // format 0: the most rows the register kernel computes (where MKL's matmul on
+                                      // the dequantized weight catches up); more dequantize into blocks
 constexpr int64_t kBlockPanels = 32;  // panels (512 columns) dequantized per ATen matmul past kKernelRows
 constexpr int64_t kXBlock = 32;       // format 1: inputs per activation scale
 // bytes ahead of the current 64-byte line that a pass asks the memory for: one stream per thread is otherwise held
-// to about half the core's read bandwidth (7 of 13.5 GB/s here; 10-12 GB/s with 4 KB ahead, 1024 and 2048 less)
+// to about half the core's read bandwidth by the hardware prefetcher (benchmarks/bench_size.py measures the result)
 constexpr int64_t kPrefetch = 4096;
 
 #ifdef HF_ACCEL_QLINEAR_SIMD
