@@ -30,16 +30,19 @@ class _QuantizedLinear(nn.Module, abc.ABC):
     bias: nn.Parameter | None
 
     def forward(self, x: torch.Tensor, use_kernel: bool = True) -> torch.Tensor:
-        if use_kernel and not torch.compiler.is_compiling():
+        # the layout is chosen once per device, not per call (choosing asks for the kernel build, under a lock)
+        if use_kernel and not torch.compiler.is_compiling() and x.device != self.__dict__.get("_prepared_for"):
             self.prepare_kernel(x.device)
         return self._matmul(x, use_kernel)
 
     def prepare_kernel(self, device: torch.device | None = None) -> None:
         """Re-lay `weight` for the kernel of `device` (default: where the weight lies), as the first forward would;
         done before compiling, so a compiled graph traces the fast layout."""
-        layout = self._kernel_layout(torch.device(device) if device is not None else self.weight.device)
+        device = torch.device(device) if device is not None else self.weight.device
+        layout = self._kernel_layout(device)
         if layout != self.layout:
             self._relayout(layout)
+        self.__dict__["_prepared_for"] = device
 
     @abc.abstractmethod
     def codes(self) -> torch.Tensor:
@@ -72,6 +75,7 @@ class _QuantizedLinear(nn.Module, abc.ABC):
     def _load_from_state_dict(self, state_dict: dict, prefix: str, *args: Any, **kwargs: Any) -> None:
         if self.layout is not None:  # incoming `weight` is in the checkpoint format
             self._relayout(None)
+        self.__dict__.pop("_prepared_for", None)  # the next forward chooses the layout again
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
 

@@ -110,11 +110,16 @@ def create_app(engine: ServedEngine | Callable[[], ServedEngine], tokenizer: Pre
     app.state.load = EngineLoad()
     app.state.server = None  # set once the engine is built
     install_error_handlers(app)
+    _include_routes(app, api_key)
+    return app
+
+
+def _include_routes(app: FastAPI, api_key: str | None) -> None:
+    """Every route; those of /v1 and /tokenize, /detokenize behind `api_key` when it is set."""
     guarded = [] if api_key is None else [Depends(api_key_check(api_key))]
     for router in (completions.router, chat.router, tokenization.router, model_routes):
         app.include_router(router, dependencies=guarded)
     app.include_router(open_routes)
-    return app
 
 
 def _check_settings(model_name: str, api_key: str | None, max_queue_len: int) -> None:
