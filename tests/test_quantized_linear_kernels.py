@@ -3,7 +3,8 @@ over weights re-laid in panels (`hf_accel.quant.panels`): exact layout round tri
 to the matmul of the dequantized weight by the rows the kernel multiplies (format 1: each row quantized to int8 per
 32 inputs, `quantized_rows`; format 0: the rows themselves) up to fp32 rounding at every row count (one pass, several
 passes per panel, past the register kernel), every int4 group size, bf16 and strided inputs, bias; a row's result
-does not depend on the other rows (format 1) and threads split the panels without changing a bit;
+does not depend on the other rows (format 1) and threads split the panels without changing a bit; int8 with one
+scale per group of inputs (GGUF's Q8_0) in both formats, and a single group is the per-channel kernel bit for bit;
 `Int8Linear` / `Int4Linear` choose the panels on CPU and keep them out of `state_dict`; int8 and int4 models generate
 with `compile_config` (int8 + compile used to crash in dynamo) token for token as they do eagerly."""
 
@@ -79,6 +80,29 @@ def test_int8_linear_equals_the_dequantized_matmul(rows):
     assert out.shape == (rows, 96) and out.dtype == torch.float32
     assert relative_error(out, quantized_rows(x) @ dequantized.T + bias) < 1e-5
     assert relative_error(out, x @ dequantized.T + bias) < 2e-2  # format 1's activation rounding: about 1%
+
+
+@pytest.mark.parametrize("group_size", [32, 64, 256])
+@pytest.mark.parametrize("rows", (1, 3, 9, 70))
+def test_grouped_int8_linear_equals_the_dequantized_matmul(rows, group_size):
+    """int8 with one scale per group of inputs (GGUF's Q8_0 at group 32): scale panels `[P, G, 16]`."""
+    int8_linear, _ = quantized_linear_kernels()
+    codes, scale = weights.quantize_int8(weight(), group_size)
+    assert scale.shape == (96, 256 // group_size)
+    x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows))
+    dequantized = weights.dequantize_int8(codes, scale, torch.float32)
+    out = int8_linear(x, panels.pack_int8(codes, FORMAT), panels.pack_int8_scales(scale), None)
+    assert relative_error(out, quantized_rows(x) @ dequantized.T) < 1e-5
+    assert relative_error(out, x @ dequantized.T) < 2e-2
+
+
+def test_one_group_of_int8_scales_is_the_per_channel_kernel_bit_for_bit():
+    int8_linear, _ = quantized_linear_kernels()
+    codes, scale = weights.quantize_int8(weight())
+    x = torch.randn(5, 256)
+    packed = panels.pack_int8(codes, FORMAT)
+    assert torch.equal(int8_linear(x, packed, panels.pack_int8_scales(scale[:, None]), None),
+                       int8_linear(x, packed, scale, None))
 
 
 @pytest.mark.parametrize("group_size", [32, 64, 128, 256])
@@ -157,6 +181,8 @@ def test_bad_operands_are_refused():
         int8_linear(torch.randn(2, 128), panels.pack_int8(codes, FORMAT), scale, None)
     with pytest.raises(RuntimeError, match="scale must be"):
         int8_linear(torch.randn(2, 256), panels.pack_int8(codes, FORMAT), scale[:10], None)
+    with pytest.raises(RuntimeError, match="multiple of 32"):  # groups of 16 inputs
+        int8_linear(torch.randn(2, 256), panels.pack_int8(codes, FORMAT), torch.ones(6, 16, 16), None)
     with pytest.raises(RuntimeError, match=f"format {FORMAT}"):  # the other byte order's dtype
         int8_linear(torch.randn(2, 256), panels.pack_int8(codes, 1 - FORMAT), scale, None)
     codes4, qparams = weights.quantize_int4(weight(), 32)
@@ -165,18 +191,24 @@ def test_bad_operands_are_refused():
                     None)
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", [8, "8g32", 4])
 def test_modules_use_the_panels_on_cpu_and_fall_back_where_they_do_not_fit(bits):
     torch.manual_seed(0)
-    make = (lambda linear: Int8Linear.from_float(linear)) if bits == 8 else (
-        lambda linear: Int4Linear.from_float(linear, group_size=32))
+    make = {8: lambda linear: Int8Linear.from_float(linear),
+            "8g32": lambda linear: Int8Linear.from_float(linear, group_size=32),
+            4: lambda linear: Int4Linear.from_float(linear, group_size=32)}[bits]
     fitting, odd = make(nn.Linear(64, 48)), make(nn.Linear(64, 40))  # 40 columns: not whole panels
     x = torch.randn(2, 7, 64)
     for module in (fitting, odd):
         reference = nn.functional.linear(x, module.dequantized_weight(), module.bias)
         torch.testing.assert_close(module(x), reference, rtol=2e-2, atol=2e-2)
     assert fitting.layout == "panels" and odd.layout != "panels"
-    assert "weight_qpanels" not in fitting.state_dict()
+    assert "weight_qpanels" not in fitting.state_dict() and "weight_scale_panels" not in fitting.state_dict()
+    saved = fitting.state_dict()
+    assert saved["weight"].shape == (48, 64 * fitting.bits // 32) and saved["weight"].dtype == torch.int32
+    fresh = type(fitting)(64, 48, group_size=32) if bits != 8 else Int8Linear(64, 48)
+    fresh.load_state_dict(saved)
+    assert torch.equal(fresh(x), fitting(x))
 
 
 def test_int4_qparams_past_fp16_keep_torchs_kernel():
@@ -187,9 +219,9 @@ def test_int4_qparams_past_fp16_keep_torchs_kernel():
 
 
 @pytest.mark.compiled
-@pytest.mark.parametrize("bits", [8, 4])
-def test_quantized_models_generate_compiled_as_they_do_eagerly(bits):
-    config = WeightOnlyConfig(bits=bits, group_size=32 if bits == 4 else None)
+@pytest.mark.parametrize("bits, group_size", [(8, None), (8, 32), (4, 32)])
+def test_quantized_models_generate_compiled_as_they_do_eagerly(bits, group_size):
+    config = WeightOnlyConfig(bits=bits, group_size=group_size)
     model = quantize_model(tiny_llama(), config, progress=False)
     assert {module.layout for module in model.modules() if isinstance(module, (Int8Linear, Int4Linear))} == {"panels"}
     prompt = torch.randint(1, 128, (2, 12), generator=torch.Generator().manual_seed(bits))
@@ -214,6 +246,7 @@ assert torch.ops.hf_accel.quantized_linear_format() == 0
 w = torch.randn(96, 256, generator=torch.Generator().manual_seed(0))
 codes, scale = weights.quantize_int8(w)
 codes4, qparams = weights.quantize_int4(w, 64)
+codes_g, scale_g = weights.quantize_int8(w, 32)
 qpanels = panels.pack_int4_params(qparams)
 s, m = qpanels.float().permute(1, 2, 0, 3).reshape(4, 2, 96).unbind(1)
 dequantized4 = codes4.float() * s.t().repeat_interleave(64, 1) + m.t().repeat_interleave(64, 1)
@@ -221,7 +254,9 @@ for rows in (1, 3, 9, 70):
     x = torch.randn(rows, 256)
     out8 = torch.ops.hf_accel.int8_linear(x, panels.pack_int8(codes, 0), scale, None)
     out4 = torch.ops.hf_accel.int4_linear(x, panels.pack_int4(codes4, 0), qpanels, None)
-    for out, ref in ((out8, x @ weights.dequantize_int8(codes, scale, torch.float32).T), (out4, x @ dequantized4.T)):
+    out8g = torch.ops.hf_accel.int8_linear(x, panels.pack_int8(codes_g, 0), panels.pack_int8_scales(scale_g), None)
+    for out, ref in ((out8, x @ weights.dequantize_int8(codes, scale, torch.float32).T), (out4, x @ dequantized4.T),
+                     (out8g, x @ weights.dequantize_int8(codes_g, scale_g, torch.float32).T)):
         assert ((out - ref).abs().max() / ref.abs().max()).item() < 1e-5, rows
 print("format 0 ok")
 """

@@ -12,8 +12,9 @@ from transformers import AutoModelForCausalLM, DynamicCache
 import hf_accel
 from hf_accel import Int4Linear, Int8Linear, WeightOnlyConfig, quantize_model, registry
 
-QUANT_CLASSES = {8: Int8Linear, 4: Int4Linear}
-CONFIGS = {8: WeightOnlyConfig(bits=8), 4: WeightOnlyConfig(bits=4, group_size=32)}
+QUANT_CLASSES = {8: Int8Linear, "8g32": Int8Linear, 4: Int4Linear}
+CONFIGS = {8: WeightOnlyConfig(bits=8), "8g32": WeightOnlyConfig(bits=8, group_size=32),  # int8 per channel / group
+           4: WeightOnlyConfig(bits=4, group_size=32)}
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +33,7 @@ def _load(path, bits):
     return AutoModelForCausalLM.from_pretrained(path, quantization_config=CONFIGS[bits]).eval()
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", [8, "8g32", 4])
 def test_quantize_on_load_swaps_decoder_linears_and_keeps_embeddings_and_lm_head(float_path, prompt, bits):
     model = _load(float_path, bits)
     linears = [m for name, m in model.named_modules() if ".layers." in name and isinstance(m, torch.nn.Linear)]
@@ -40,13 +41,14 @@ def test_quantize_on_load_swaps_decoder_linears_and_keeps_embeddings_and_lm_head
     assert not linears and len(quantized) == 2 * 7
     assert type(model.lm_head) is torch.nn.Linear and model.lm_head.weight.dtype == torch.float32
     assert type(model.model.embed_tokens) is torch.nn.Embedding
-    assert model.config.quantization_config.quant_method == f"hf_accel_int{bits}"
+    assert model.config.quantization_config.quant_method == f"hf_accel_int{CONFIGS[bits].bits}"
+    assert all(m.group_size == CONFIGS[bits].group_size for m in quantized)
     reference = AutoModelForCausalLM.from_pretrained(float_path)(prompt).logits
     error = (model(prompt).logits - reference).abs().max().item()
-    assert error < (0.02 if bits == 8 else 0.2)
+    assert error < (0.2 if bits == 4 else 0.02)
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", [8, "8g32", 4])
 def test_save_and_reload_pre_quantized_is_bit_identical(float_path, prompt, tmp_path, bits):
     model = _load(float_path, bits)
     logits = model(prompt).logits  # int4: runs the CPU kernel, which re-lays weights out; saving must not notice
@@ -60,7 +62,7 @@ def test_save_and_reload_pre_quantized_is_bit_identical(float_path, prompt, tmp_
     assert torch.equal(reloaded(prompt).logits, logits)
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", [8, "8g32", 4])
 def test_quantize_model_equals_quantize_on_load_and_leaves_the_float_model(float_path, prompt, tmp_path, bits):
     float_model = AutoModelForCausalLM.from_pretrained(float_path).eval()
     quantized, loaded = quantize_model(float_model, CONFIGS[bits]), _load(float_path, bits)

@@ -80,34 +80,40 @@ class _QuantizedLinear(nn.Module, abc.ABC):
 
 
 class Int8Linear(_QuantizedLinear):
-    """`y = x @ (code * scale).T + bias`; `weight` int32 `[out, in / 4]` (int8 codes), `weight_scale` `[out]`.
+    """`y = x @ (code * scale).T + bias`; `weight` int32 `[out, in / 4]` (int8 codes), `weight_scale` `[out]` (one
+    per output channel) or, with `group_size`, `[out, in / group_size]` (one per group of inputs: GGUF's Q8_0).
 
-    Layouts: None (the checkpoint's words: torch's `_weight_int8pack_mm` on CPU) or "panels" (int8 `[out / 16, in,
-    16]` for `torch.ops.hf_accel.int8_linear`, fp32 accumulation).
+    Layouts: None (the checkpoint's words: torch's `_weight_int8pack_mm` on CPU per channel, a dequantized matmul
+    grouped) or "panels" (`[out / 16, in, 16]` for `torch.ops.hf_accel.int8_linear`, fp32 accumulation; grouped
+    scales in the buffer `weight_scale_panels` `[out / 16, groups, 16]`).
     """
 
     bits = 8
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, dtype: torch.dtype | None = None,
-                 device: Any = None) -> None:
+                 device: Any = None, group_size: int | None = None) -> None:
         super().__init__()
         if in_features % 4:
             raise ValueError(f"int8 weights pack 4 per int32 word: in_features must be a multiple of 4, "
                              f"got {in_features}")
-        self.in_features, self.out_features = in_features, out_features
+        if group_size is not None:
+            weights.check_group_size(in_features, group_size)
+        self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
         dtype = dtype or torch.get_default_dtype()
         self.weight = nn.Parameter(torch.empty(out_features, in_features // 4, dtype=torch.int32, device=device),
                                    requires_grad=False)
-        self.weight_scale = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False)
+        scale_shape = (out_features,) if group_size is None else (out_features, in_features // group_size)
+        self.weight_scale = nn.Parameter(torch.empty(scale_shape, dtype=dtype, device=device), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
+        self.register_buffer("weight_scale_panels", None, persistent=False)  # "panels", grouped: [out / 16, G, 16]
         self.layout: str | None = None
 
     @classmethod
-    def from_float(cls, linear: nn.Linear) -> Int8Linear:
-        """A quantized copy of `linear` (scale and bias keep its dtype)."""
+    def from_float(cls, linear: nn.Linear, group_size: int | None = None) -> Int8Linear:
+        """A quantized copy of `linear` (scale and bias keep its dtype), per channel or in groups of `group_size`."""
         module = cls(linear.in_features, linear.out_features, linear.bias is not None, linear.weight.dtype,
-                     linear.weight.device)
-        codes, scale = weights.quantize_int8(linear.weight.detach())
+                     linear.weight.device, group_size)
+        codes, scale = weights.quantize_int8(linear.weight.detach(), group_size)
         module.weight.data = weights.pack_words(codes, 8)
         module.weight_scale.data = scale.to(linear.weight.dtype)
         return _bias_from(module, linear)
@@ -129,11 +135,19 @@ class Int8Linear(_QuantizedLinear):
     def _packed(self, codes: torch.Tensor, layout: str | None) -> torch.Tensor:
         return panels.pack_int8(codes, panels.kernel_format()) if layout == "panels" else weights.pack_words(codes, 8)
 
+    def _relayout(self, layout: str | None) -> None:
+        grouped = layout == "panels" and self.group_size is not None
+        super()._relayout(layout)
+        self.weight_scale_panels = panels.pack_int8_scales(self.weight_scale.detach()) if grouped else None
+
     def _matmul(self, x: torch.Tensor, use_kernel: bool) -> torch.Tensor:
         if use_kernel and self.layout == "panels":
-            out = torch.ops.hf_accel.int8_linear(x.reshape(-1, x.shape[-1]), self.weight, self.weight_scale,
-                                                 self.bias)
+            scale = self.weight_scale if self.group_size is None else self.weight_scale_panels
+            out = torch.ops.hf_accel.int8_linear(x.reshape(-1, x.shape[-1]), self.weight, scale, self.bias)
             return out.view(*x.shape[:-1], self.out_features)
+        if self.group_size is not None:  # torch's int8 kernel has one scale per channel
+            out = nn.functional.linear(x, self.dequantized_weight(x.dtype))
+            return out if self.bias is None else out + self.bias.to(out.dtype)
         compiling = torch.compiler.is_compiling()
         if not compiling and not weights.is_aligned(self.weight):  # e.g. memory-mapped from a checkpoint: copy once
             self._realign()
@@ -147,7 +161,8 @@ class Int8Linear(_QuantizedLinear):
         self.weight = nn.Parameter(weights.aligned(self.weight.detach()), requires_grad=False)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        group = "" if self.group_size is None else f", group_size={self.group_size}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}{group}"
 
 
 class Int4Linear(_QuantizedLinear):
@@ -248,10 +263,11 @@ def float_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
 
 def make_quantized_linear(linear: nn.Linear, bits: int, group_size: int, dtype: torch.dtype | None = None,
                           device: Any = None) -> Int8Linear | Int4Linear:
-    """An empty quantized module shaped like `linear` (its parameters are filled by loading)."""
+    """An empty quantized module shaped like `linear` (its parameters are filled by loading); `group_size` 0: int8
+    per output channel."""
     bias = linear.bias is not None
     if bits == 8:
-        return Int8Linear(linear.in_features, linear.out_features, bias, dtype, device)
+        return Int8Linear(linear.in_features, linear.out_features, bias, dtype, device, group_size or None)
     return Int4Linear(linear.in_features, linear.out_features, bias, group_size, dtype, device)
 
 

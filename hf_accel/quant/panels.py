@@ -9,7 +9,8 @@ of two byte orders (`kernel_format()`; the .cpp file gives the arithmetic of eac
   inputs per column) stored as `[N / 16, K, 16]`; int4 -> uint8 `[N / 16, K / 8, 16, 4]` stored as `[N / 16, K / 2,
   16]`, byte t of a column's 4 holding inputs 8i + t (low nibble) and 8i + 4 + t (high).
 Both: the int4 qparams `[G, N, 2]` (scale, zero; `w = (code - 8) * scale + zero`) -> qpanels fp16 `[N / 16, G, 2,
-16]` of (scale, minimum = zero - 8 * scale): `w = code * scale + minimum`; int8 keeps its per-column scale `[N]`.
+16]` of (scale, minimum = zero - 8 * scale): `w = code * scale + minimum`; int8 keeps its per-column scale `[N]`,
+and a grouped int8 scale `[N, G]` goes to fp32 `[N / 16, G, 16]`.
 Each packing has its inverse, so a module can give back its checkpoint format at any time.
 """
 
@@ -87,3 +88,9 @@ def pack_int4_params(qparams: torch.Tensor) -> torch.Tensor | None:
         return None
     groups, _, n = pairs.shape
     return pairs.reshape(groups, 2, n // PANEL, PANEL).permute(2, 0, 1, 3).to(torch.float16).contiguous()
+
+
+def pack_int8_scales(scale: torch.Tensor) -> torch.Tensor:
+    """A grouped int8 scale `[N, G]` -> fp32 scale panels `[N / 16, G, 16]` (the kernel's per-group operand)."""
+    n, groups = scale.shape
+    return scale.float().reshape(n // PANEL, PANEL, groups).transpose(1, 2).contiguous()

@@ -34,25 +34,28 @@ DEFAULT_GROUP_SIZE = 64
 
 
 class WeightOnlyConfig(QuantizationConfigMixin):
-    """Weight-only quantization: `bits=8` (symmetric per output channel) or `bits=4` (asymmetric, one scale and zero
-    per `group_size` inputs; 32, 64, 128 or 256, dividing every converted layer's in_features).
+    """Weight-only quantization: `bits=8` (symmetric, per output channel, or per `group_size` inputs when given) or
+    `bits=4` (asymmetric, one scale and zero per `group_size` inputs, 64 by default). Group sizes: 32, 64, 128 or 256,
+    dividing every converted layer's in_features.
 
     `modules_to_not_convert`: names or patterns kept in float on top of the defaults (output embedding, tied weights).
     """
 
     def __init__(self, bits: int = 8, group_size: int | None = None, modules_to_not_convert: list[str] | None = None,
                  format_version: int = FORMAT_VERSION, **kwargs: Any) -> None:  # kwargs: `quant_method` from a dict
-        group_size = DEFAULT_GROUP_SIZE if group_size is None else group_size
         if bits not in METHODS:
             raise ValueError(f"bits must be one of {sorted(METHODS)}, got {bits}")
-        if bits == 4 and group_size not in weights.INT4_GROUP_SIZES:
-            raise ValueError(f"group_size must be one of {weights.INT4_GROUP_SIZES}, got {group_size}")
+        if bits == 4 and group_size is None:
+            group_size = DEFAULT_GROUP_SIZE
+        if group_size is not None and group_size not in weights.INT4_GROUP_SIZES:
+            raise ValueError(f"group_size must be one of {weights.INT4_GROUP_SIZES} (or None for int8 per channel), "
+                             f"got {group_size}")
         if format_version != FORMAT_VERSION:
             raise ValueError(f"checkpoint format_version {format_version} is not {FORMAT_VERSION}; "
                              "upgrade hf_accel to load it")
         self.quant_method = METHODS[bits]
         self.bits = bits
-        self.group_size = group_size if bits == 4 else None
+        self.group_size = group_size
         self.modules_to_not_convert = modules_to_not_convert
         self.format_version = format_version
 
@@ -69,7 +72,7 @@ class WeightOnlyQuantize(ConversionOps):
         weight = value[0] if isinstance(value, list) else value
         module, _ = get_module_from_name(model, full_layer_name)
         if isinstance(module, Int8Linear):
-            codes, scale = weights.quantize_int8(weight)
+            codes, scale = weights.quantize_int8(weight, module.group_size)
             return {full_layer_name: weights.pack_words(codes, 8),
                     full_layer_name + "_scale": scale.to(module.weight_scale.dtype)}
         codes, qparams = weights.quantize_int4(weight, module.group_size)
@@ -154,8 +157,10 @@ def prepare_kernels(model: nn.Module) -> None:
 
 
 def quantize_linear(linear: nn.Linear, bits: int, group_size: int) -> Int8Linear | Int4Linear:
-    """A quantized copy of `linear`: `Int8Linear` (bits 8) or `Int4Linear` with groups of `group_size` (bits 4)."""
-    quantized = Int8Linear.from_float(linear) if bits == 8 else Int4Linear.from_float(linear, group_size)
+    """A quantized copy of `linear`: `Int8Linear` (bits 8; `group_size` 0: per channel) or `Int4Linear` with groups
+    of `group_size` (bits 4)."""
+    quantized = (Int8Linear.from_float(linear, group_size or None) if bits == 8
+                 else Int4Linear.from_float(linear, group_size))
     return quantized.train(linear.training)
 
 

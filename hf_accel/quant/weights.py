@@ -2,7 +2,8 @@
 
 Checkpoint format (device independent; what `save_pretrained` writes for `hf_accel_int8` / `hf_accel_int4`):
 - int8: `weight` int32 `[out, in / 4]` holds the int8 codes `[out, in]` (symmetric, per output channel), four per
-  word in memory order; `weight_scale` `[out]`: `w ~= code * scale`.
+  word in memory order; `weight_scale` `[out]`: `w ~= code * scale`, or `[out, in / group]` for int8 in groups of
+  inputs (GGUF's Q8_0 is group 32): `w[o, i] ~= code * scale[o, i // group]`.
 - int4: `weight` int32 `[out, in / 8]` holds codes 0..15 `[out, in]`, two per byte (even `k` in the low nibble),
   bytes in memory order; `weight_qparams` `[in / group, out, 2]` (scale, zero): `w ~= (code - 8) * scale + zero`,
   the layout torch's int4 kernels take as is.
@@ -42,12 +43,18 @@ def check_group_size(in_features: int, group_size: int) -> None:
         raise ValueError(f"group_size {group_size} must divide in_features {in_features}")
 
 
-def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`weight` `[out, in]` -> (int8 codes `[out, in]` in -127..127, fp32 scale `[out]`); symmetric per row."""
+def quantize_int8(weight: torch.Tensor, group_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`weight` `[out, in]` -> (int8 codes `[out, in]` in -127..127, fp32 scale `[out]`, or `[out, in / group_size]`
+    with `group_size`); symmetric per row or per group of inputs."""
     w = weight.float()
-    scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127  # [out]
-    codes = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
-    return codes, scale
+    if group_size is None:
+        scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127  # [out]
+        return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
+    check_group_size(w.shape[1], group_size)
+    grouped = w.reshape(w.shape[0], -1, group_size)  # [out, groups, group]
+    scale = grouped.abs().amax(dim=-1).clamp(min=1e-12) / 127  # [out, groups]
+    codes = torch.round(grouped / scale[..., None]).clamp(-127, 127).to(torch.int8)
+    return codes.reshape(w.shape), scale
 
 
 def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,8 +92,11 @@ def unpack_words(words: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def dequantize_int8(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """int8 codes `[out, in]`, scale `[out]` -> weight `[out, in]` in `dtype`."""
-    return codes.to(dtype) * scale.to(dtype)[:, None]
+    """int8 codes `[out, in]`, scale `[out]` or `[out, groups]` -> weight `[out, in]` in `dtype`."""
+    if scale.dim() == 1:
+        return codes.to(dtype) * scale.to(dtype)[:, None]
+    grouped = codes.to(dtype).reshape(codes.shape[0], scale.shape[1], -1)  # [out, groups, group]
+    return (grouped * scale.to(dtype)[..., None]).reshape(codes.shape)
 
 
 def dequantize_int4(codes: torch.Tensor, qparams: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -5,7 +5,9 @@
 // int8_linear(x, panels, scale, bias)
 //   x        [M, K]            fp32, bf16 or fp16 rows (any strides)
 //   panels   [P, K, 16]        the codes of columns 16p .. 16p + 15 (byte order: below)
-//   scale    [N = 16 P]        per output column: w[n, k] = code * scale[n]
+//   scale    [N = 16 P]        per output column: w[n, k] = code * scale[n]; or
+//            [P, G, 16]        per group of K / G inputs (a multiple of 32) and column (GGUF's Q8_0: G = K / 32).
+//                              [N] is the G = 1 case of the same memory.
 // int4_linear(x, panels, qpanels, bias)
 //   panels   [P, K / 2, 16] uint8   the codes (0..15) of columns 16p .. 16p + 15, two a byte (byte order: below)
 //   qpanels  [P, G, 2, 16] fp16     per group of K / G inputs and column: (scale, minimum),
@@ -123,32 +125,40 @@ constexpr int kPassRows = 8;  // rows per pass over a panel: 32 registers hold t
 constexpr int kPassRows = 4;  // 16 registers, two per 16 lanes
 #endif
 
-// out[r, :16] = scale * sum_k x[r, k] codes[k, :] for R rows (x: fp32 [R, K] contiguous), S streams over k.
+// out[r, :16] = sum_g scale_g * sum_{k in g} x[r, k] codes[k, :] for R rows (x: fp32 [R, K] contiguous), `group`
+// inputs per scale (K for one per column), S streams over k.
 template <int R, int S>
-void int8_panel(const float* x, int64_t k, const int8_t* panel, const float* scale, float* out, int64_t n) {
-  Lanes acc[R][S];
-  for (int r = 0; r < R; ++r)
-    for (int s = 0; s < S; ++s) acc[r][s] = zero();
-  int64_t i = 0;
-  for (; i + S <= k; i += S) {
-    if (i % 4 == 0) _mm_prefetch(reinterpret_cast<const char*>(panel + i * kPanel) + kPrefetch, _MM_HINT_T0);
+void int8_panel(const float* x, int64_t k, const int8_t* panel, const float* scale, int64_t group, float* out,
+                int64_t n) {
+  Lanes total[R];
+  for (int r = 0; r < R; ++r) total[r] = zero();
+  for (int64_t start = 0, g = 0; start < k; start += group, ++g) {
+    Lanes acc[R][S];
+    for (int r = 0; r < R; ++r)
+      for (int s = 0; s < S; ++s) acc[r][s] = zero();
+    const int64_t end = start + group;
+    int64_t i = start;
+    for (; i + S <= end; i += S) {
+      if (i % 4 == 0) _mm_prefetch(reinterpret_cast<const char*>(panel + i * kPanel) + kPrefetch, _MM_HINT_T0);
 #pragma GCC unroll 8
-    for (int s = 0; s < S; ++s) {
-      const Lanes w = codes8(panel + (i + s) * kPanel);
+      for (int s = 0; s < S; ++s) {
+        const Lanes w = codes8(panel + (i + s) * kPanel);
 #pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) acc[r][s] = fma(w, x[r * k + i + s], acc[r][s]);
+        for (int r = 0; r < R; ++r) acc[r][s] = fma(w, x[r * k + i + s], acc[r][s]);
+      }
+    }
+    for (; i < end; ++i) {
+      const Lanes w = codes8(panel + i * kPanel);
+      for (int r = 0; r < R; ++r) acc[r][0] = fma(w, x[r * k + i], acc[r][0]);
+    }
+    const Lanes columns = load(scale + g * kPanel);
+    for (int r = 0; r < R; ++r) {
+      Lanes sum = acc[r][0];
+      for (int s = 1; s < S; ++s) sum = add(sum, acc[r][s]);
+      total[r] = fma(sum, columns, total[r]);
     }
   }
-  for (; i < k; ++i) {
-    const Lanes w = codes8(panel + i * kPanel);
-    for (int r = 0; r < R; ++r) acc[r][0] = fma(w, x[r * k + i], acc[r][0]);
-  }
-  const Lanes columns = load(scale);
-  for (int r = 0; r < R; ++r) {
-    Lanes sum = acc[r][0];
-    for (int s = 1; s < S; ++s) sum = add(sum, acc[r][s]);
-    store(out + r * n, mul(sum, columns));
-  }
+  for (int r = 0; r < R; ++r) store(out + r * n, total[r]);
 }
 
 // The same for int4: `group` inputs (group / 2 bytes) per (scale, minimum); xsum [R, G] the rows' group sums.
@@ -201,11 +211,12 @@ at::Tensor finish(at::Tensor out, const at::Tensor& x, const c10::optional<at::T
   return out.to(x.scalar_type());
 }
 
-// fp32 [K, 16 * panels] of panels first .. first + count (the dequantized weight, transposed).
+// fp32 [K, 16 * panels] of panels first .. first + count (the dequantized weight, transposed); scale [P, G, 16].
 at::Tensor int8_block(const at::Tensor& panels, const at::Tensor& scale, int64_t first, int64_t count) {
-  auto codes = panels.narrow(0, first, count).to(at::kFloat);                   // [count, K, 16]
-  auto columns = scale.narrow(0, first * kPanel, count * kPanel).view({count, 1, kPanel});
-  return (codes * columns).permute({1, 0, 2}).reshape({panels.size(1), count * kPanel});
+  const int64_t k = panels.size(1), groups = scale.size(1);
+  auto codes = panels.narrow(0, first, count).to(at::kFloat).view({count, groups, k / groups, kPanel});
+  auto weight = codes * scale.narrow(0, first, count).unsqueeze(2);            // [count, G, K / G, 16]
+  return weight.view({count, k, kPanel}).permute({1, 0, 2}).reshape({k, count * kPanel});
 }
 
 at::Tensor int4_block(const at::Tensor& panels, const at::Tensor& qpanels, int64_t first, int64_t count) {
@@ -267,8 +278,9 @@ void rows_dispatch(int64_t rows, Args... args) {
 
 template <int R, int S>
 struct Int8Kernel {
-  static void run(const float* x, int64_t k, const int8_t* panel, const float* scale, float* out, int64_t n) {
-    int8_panel<R, S>(x, k, panel, scale, out, n);
+  static void run(const float* x, int64_t k, const int8_t* panel, const float* scale, int64_t group, float* out,
+                  int64_t n) {
+    int8_panel<R, S>(x, k, panel, scale, group, out, n);
   }
 };
 
@@ -322,35 +334,43 @@ inline __m512i broadcast4(const int8_t* p) {  // 4 activation bytes into every l
   return _mm512_set1_epi32(word);
 }
 
-// out[r, :16] = scale * (sum_b dx_b * sum_{k in b} q_k (code_k + 128) - 128 * sum_b dx_b sum_{k in b} q_k)
+// out[r, :16] = sum_g scale_g * (sum_{b in g} dx_b sum_{k in b} q_k (code_k + 128) - 128 * sum_{b in g} dx_b
+// sum_{k in b} q_k), `group` inputs per scale (K for one per column).
 template <int R>
 void int8_vnni_panel(const int8_t* q, const float* dx, const float* xsum, int64_t k, const uint8_t* panel,
-                     const float* scale, float* out, int64_t n) {
-  const int64_t blocks = k / kXBlock;
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* bytes = panel + b * kXBlock * kPanel;  // 32 inputs x 16 columns: 8 lines of 64 bytes
-    _mm_prefetch(reinterpret_cast<const char*>(bytes) + kPrefetch, _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(bytes) + kPrefetch + 256, _MM_HINT_T0);
-    __m512i dot[R];
-    for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
+                     const float* scale, int64_t group, float* out, int64_t n) {
+  const int64_t groups = k / group, per_group = group / kXBlock;
+  __m512 total[R];
+  for (int r = 0; r < R; ++r) total[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512 acc[R];
+    float offset[R];  // the rows' quantized sums over the group
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps(), offset[r] = 0.0f;
+    for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) {
+      const uint8_t* bytes = panel + b * kXBlock * kPanel;  // 32 inputs x 16 columns: 8 lines of 64 bytes
+      _mm_prefetch(reinterpret_cast<const char*>(bytes) + kPrefetch, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(bytes) + kPrefetch + 256, _MM_HINT_T0);
+      __m512i dot[R];
+      for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
 #pragma GCC unroll 8
-    for (int i = 0; i < kXBlock / 4; ++i) {
-      const __m512i w = _mm512_loadu_si512(bytes + i * 64);
+      for (int i = 0; i < kXBlock / 4; ++i) {
+        const __m512i w = _mm512_loadu_si512(bytes + i * 64);
 #pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) dot[r] = _mm512_dpbusd_epi32(dot[r], w, broadcast4(q + r * k + b * kXBlock + 4 * i));
+        for (int r = 0; r < R; ++r)
+          dot[r] = _mm512_dpbusd_epi32(dot[r], w, broadcast4(q + r * k + b * kXBlock + 4 * i));
+      }
+      for (int r = 0; r < R; ++r) {
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_set1_ps(dx[r * (k / kXBlock) + b]), acc[r]);
+        offset[r] += xsum[r * (k / kXBlock) + b];
+      }
     }
-    for (int r = 0; r < R; ++r)
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_set1_ps(dx[r * blocks + b]), acc[r]);
+    const __m512 columns = _mm512_loadu_ps(scale + g * kPanel);
+    for (int r = 0; r < R; ++r) {
+      const __m512 centered = _mm512_sub_ps(acc[r], _mm512_set1_ps(128.0f * offset[r]));
+      total[r] = _mm512_fmadd_ps(centered, columns, total[r]);
+    }
   }
-  const __m512 columns = _mm512_loadu_ps(scale);
-  for (int r = 0; r < R; ++r) {
-    float offset = 0.0f;  // 128 * the row's quantized sum
-    for (int64_t b = 0; b < blocks; ++b) offset += xsum[r * blocks + b];
-    const __m512 centered = _mm512_sub_ps(acc[r], _mm512_set1_ps(128.0f * offset));
-    _mm512_storeu_ps(out + r * n, _mm512_mul_ps(centered, columns));
-  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * n, total[r]);
 }
 
 // out[r, :16] = sum_g (scale_g * sum_{b in g} dx_b sum_{k in b} q_k code_k + minimum_g * sum_{k in g} dx q_k).
@@ -418,8 +438,8 @@ void vnni_rows_dispatch(int64_t rows, Args... args) {
 template <int R>
 struct Int8Vnni {
   static void run(const int8_t* q, const float* dx, const float* xsum, int64_t k, const uint8_t* panel,
-                  const float* scale, float* out, int64_t n) {
-    int8_vnni_panel<R>(q, dx, xsum, k, panel, scale, out, n);
+                  const float* scale, int64_t group, float* out, int64_t n) {
+    int8_vnni_panel<R>(q, dx, xsum, k, panel, scale, group, out, n);
   }
 };
 
@@ -441,24 +461,38 @@ int64_t quantized_linear_format() {
 #endif
 }
 
+// scale [N] or [P, G, 16] -> fp32 [P, G, 16] (the same memory for [N], G = 1).
+at::Tensor int8_scale_panels(const at::Tensor& scale, int64_t p, int64_t k) {
+  if (scale.dim() == 1) {
+    TORCH_CHECK(scale.size(0) == p * kPanel, "scale must be [16 P] or [P, G, 16]");
+    return scale.to(at::kFloat).contiguous().view({p, 1, kPanel});
+  }
+  TORCH_CHECK(scale.dim() == 3 && scale.size(0) == p && scale.size(2) == kPanel,
+              "scale must be [16 P] or [P, G, 16]");
+  const int64_t groups = scale.size(1);
+  TORCH_CHECK(groups > 0 && k % groups == 0 && (k / groups) % kXBlock == 0,
+              "grouped scale: K / G must be a multiple of 32");
+  return scale.to(at::kFloat).contiguous();
+}
+
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& scale,
                        const c10::optional<at::Tensor>& bias) {
   const int64_t p = panels.size(0), k = panels.size(1), n = p * kPanel;
   check_common(x, panels, bias, n);
   TORCH_CHECK(x.size(1) == k, "x and panels disagree on K");
-  TORCH_CHECK(scale.dim() == 1 && scale.size(0) == n, "scale must be [16 P]");
-  auto columns = scale.to(at::kFloat).contiguous();
+  auto columns = int8_scale_panels(scale, p, k);  // [P, G, 16]
+  const int64_t groups = columns.size(1), group = k / groups;
+  const float* scale_data = columns.data_ptr<float>();
 #ifdef HF_ACCEL_QLINEAR_VNNI
   TORCH_CHECK(panels.scalar_type() == at::kByte && k % kXBlock == 0, "format 1: uint8 panels, K a multiple of 32");
   const auto rows = quantize_rows(x);
   const int8_t* q = rows.q.data_ptr<int8_t>();
   const float *dx = rows.scale.data_ptr<float>(), *xsum = rows.sum.data_ptr<float>();
   const uint8_t* codes = panels.data_ptr<uint8_t>();
-  const float* scale_data = columns.data_ptr<float>();
   const int64_t blocks = k / kXBlock;
   auto out = over_panels(x.size(0), p, [&](int64_t panel, int64_t first, int64_t count, float* dst) {
     vnni_rows_dispatch<Int8Vnni>(count, q + first * k, dx + first * blocks, xsum + first * blocks, k,
-                                 codes + panel * k * kPanel, scale_data + panel * kPanel, dst, n);
+                                 codes + panel * k * kPanel, scale_data + panel * groups * kPanel, group, dst, n);
   });
   return finish(out, x, bias);
 #else
@@ -468,10 +502,9 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& panels, const at::
     auto rows = x.to(at::kFloat).contiguous();
     const float* x_data = rows.data_ptr<float>();
     const int8_t* codes = panels.data_ptr<int8_t>();
-    const float* scale_data = columns.data_ptr<float>();
     auto out = over_panels(x.size(0), p, [&](int64_t panel, int64_t first, int64_t count, float* dst) {
       rows_dispatch<Int8Kernel>(count, x_data + first * k, k, codes + panel * k * kPanel,
-                                scale_data + panel * kPanel, dst, n);
+                                scale_data + panel * groups * kPanel, group, dst, n);
     });
     return finish(out, x, bias);
   }
