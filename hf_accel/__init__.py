@@ -36,6 +36,7 @@ if TYPE_CHECKING:  # the lazy names for type checkers and the API docs; `_LAZY` 
     from .engine.outputs import CompletionOutput, RequestOutput, RequestOutputKind
     from .engine.sampling_params import SamplingParams
     from .engine.spec_decode.speculative_config import SpeculativeConfig
+    from .quant.gguf_file import load_gguf
     from .quant.presets import list_quantization_presets, load_model, quantization_config
     from .speculative.medusa import medusa_generate
     from .speculative.medusa_heads import MedusaConfig, MedusaHeads
@@ -65,6 +66,7 @@ _LAZY = {
     "RequestOutputKind": "engine.outputs",
     "SamplingParams": "engine.sampling_params",
     "SpeculativeConfig": "engine.spec_decode.speculative_config",
+    "load_gguf": "quant.gguf_file",
     "list_quantization_presets": "quant.presets",
     "load_model": "quant.presets",
     "quantization_config": "quant.presets",
@@ -171,6 +173,7 @@ __all__ = [
     "draft_generate",
     "eagle_generate",
     "list_quantization_presets",
+    "load_gguf",
     "load_model",
     "medusa_generate",
     "ngram_generate",

@@ -108,9 +108,14 @@ def test_group_size_that_does_not_divide_in_features_is_a_value_error(float_path
         quantize_model(AutoModelForCausalLM.from_pretrained(float_path), WeightOnlyConfig(bits=4, group_size=128))
 
 
-@pytest.mark.parametrize("kwargs", [{"bits": 3}, {"bits": 4, "group_size": 48}, {"format_version": 2}])
-def test_config_rejects_bad_values(kwargs):
-    with pytest.raises(ValueError):
+@pytest.mark.parametrize("kwargs, message", [
+    ({"bits": 3}, "bits must be one of"), ({"bits": 4, "group_size": 48}, "group_size must be one of"),
+    ({"bits": 8, "group_size": 16}, "group_size must be one of"), ({"format_version": 2}, "format_version"),
+    ({"module_formats": {"lm_head": {"bits": 3}}}, r"module_formats\['lm_head'\]: bits must be one of"),
+    ({"module_formats": {"lm_head": {"group_size": 32}}}, "must be a dict with 'bits'"),
+])
+def test_config_rejects_bad_values(kwargs, message):
+    with pytest.raises(ValueError, match=message):
         WeightOnlyConfig(**kwargs)
 
 

@@ -1,6 +1,7 @@
 """Weight quantization by name: a table of presets -> transformers quantization configs, and a loader.
 
     model = hf_accel.load_model(path, quant="int8")         # hf_accel's own weight-only int8, CPU and GPU
+    model = hf_accel.load_model("model-Q4_0.gguf")          # a llama.cpp file, its Q8_0 / Q4_0 weights kept packed
     config = hf_accel.quantization_config("int4", group_size=32)
     for preset in hf_accel.list_quantization_presets(): print(preset.name, preset.can_run, preset.reason)
 """
@@ -19,6 +20,7 @@ from transformers import (
 )
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
+from .gguf_file import load_gguf
 from .quantizer import WeightOnlyConfig
 
 
@@ -147,7 +149,14 @@ def list_quantization_presets() -> list[PresetStatus]:
 
 def load_model(path_or_id: str, quant: str | QuantizationConfigMixin | None = None, **kwargs: Any) -> PreTrainedModel:
     """`AutoModelForCausalLM.from_pretrained(path_or_id, quantization_config=..., **kwargs)` with `quant` a preset
-    name (see `list_quantization_presets`), a quantization config, or None (no quantization)."""
+    name (see `list_quantization_presets`), a quantization config, or None (no quantization).
+
+    A GGUF file (`path_or_id` ending in `.gguf`) loads with `load_gguf`: its Q8_0 / Q4_0 weights stay packed
+    (`quant` must be None; `kwargs` may hold `dtype`)."""
+    if str(path_or_id).endswith(".gguf"):
+        if quant is not None:
+            raise ValueError(f"quant must be None for a GGUF file (its weights are quantized already), got {quant!r}")
+        return load_gguf(path_or_id, **kwargs)
     config = quantization_config(quant) if isinstance(quant, str) else quant
     if config is not None:
         kwargs["quantization_config"] = config

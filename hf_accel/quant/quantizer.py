@@ -39,17 +39,19 @@ class WeightOnlyConfig(QuantizationConfigMixin):
     dividing every converted layer's in_features.
 
     `modules_to_not_convert`: names or patterns kept in float on top of the defaults (output embedding, tied weights).
+    `module_formats`: exact module names -> `{"bits": ..., "group_size": ...}` for Linears quantized otherwise than
+    the rest, the output layer included (a GGUF file's mix of Q8_0 and Q4_0 layers, saved and reloaded as it is).
     """
 
     def __init__(self, bits: int = 8, group_size: int | None = None, modules_to_not_convert: list[str] | None = None,
-                 format_version: int = FORMAT_VERSION, **kwargs: Any) -> None:  # kwargs: `quant_method` from a dict
-        if bits not in METHODS:
-            raise ValueError(f"bits must be one of {sorted(METHODS)}, got {bits}")
-        if bits == 4 and group_size is None:
-            group_size = DEFAULT_GROUP_SIZE
-        if group_size is not None and group_size not in weights.INT4_GROUP_SIZES:
-            raise ValueError(f"group_size must be one of {weights.INT4_GROUP_SIZES} (or None for int8 per channel), "
-                             f"got {group_size}")
+                 format_version: int = FORMAT_VERSION, module_formats: dict[str, dict[str, Any]] | None = None,
+                 **kwargs: Any) -> None:  # kwargs: `quant_method` from a dict
+        bits, group_size = _checked_format(bits, group_size, "")
+        for name, entry in (module_formats or {}).items():
+            if not isinstance(entry, dict) or set(entry) - {"bits", "group_size"} or "bits" not in entry:
+                raise ValueError(f"module_formats[{name!r}] must be a dict with 'bits' and optionally 'group_size', "
+                                 f"got {entry!r}")
+            _checked_format(entry["bits"], entry.get("group_size"), f"module_formats[{name!r}]: ")
         if format_version != FORMAT_VERSION:
             raise ValueError(f"checkpoint format_version {format_version} is not {FORMAT_VERSION}; "
                              "upgrade hf_accel to load it")
@@ -58,6 +60,28 @@ class WeightOnlyConfig(QuantizationConfigMixin):
         self.group_size = group_size
         self.modules_to_not_convert = modules_to_not_convert
         self.format_version = format_version
+        self.module_formats = module_formats
+
+    def format_of(self, module_name: str) -> tuple[int, int]:
+        """(bits, group size; 0 for int8 per channel) of the Linear `module_name`."""
+        entry = (self.module_formats or {}).get(module_name)
+        if entry is None:
+            return self.bits, self.group_size or 0
+        bits, group_size = _checked_format(entry["bits"], entry.get("group_size"), "")
+        return bits, group_size or 0
+
+
+def _checked_format(bits: int, group_size: int | None, where: str) -> tuple[int, int | None]:
+    """(bits, group_size) with int4's default group; `ValueError` (prefixed by `where`) for values outside the
+    supported ones."""
+    if bits not in METHODS:
+        raise ValueError(f"{where}bits must be one of {sorted(METHODS)}, got {bits}")
+    if bits == 4 and group_size is None:
+        group_size = DEFAULT_GROUP_SIZE
+    if group_size is not None and group_size not in weights.INT4_GROUP_SIZES:
+        raise ValueError(f"{where}group_size must be one of {weights.INT4_GROUP_SIZES} (or None for int8 per "
+                         f"channel), got {group_size}")
+    return bits, group_size
 
 
 class WeightOnlyQuantize(ConversionOps):
@@ -97,7 +121,7 @@ class WeightOnlyQuantizer(HfQuantizer):
     def _process_model_before_weight_loading(self, model: nn.Module, **kwargs: Any) -> None:
         config = self.quantization_config
         self.modules_to_not_convert = modules_kept_float(model, config)
-        replace_linear_modules(model, config.bits, config.group_size or 0, self.modules_to_not_convert)
+        replace_linear_modules(model, config, self.modules_to_not_convert)
 
     def _process_model_after_weight_loading(self, model: nn.Module, **kwargs: Any) -> nn.Module:
         prepare_kernels(model)
@@ -164,12 +188,15 @@ def quantize_linear(linear: nn.Linear, bits: int, group_size: int) -> Int8Linear
     return quantized.train(linear.training)
 
 
-def replace_linear_modules(model: nn.Module, bits: int, group_size: int, skip: list[str] | None = None) -> int:
-    """Replace every `nn.Linear` of `model` not matched by `skip` with an empty quantized module on the meta device;
-    returns how many. `ValueError` names the layer whose in_features the int4 group size does not divide."""
+def replace_linear_modules(model: nn.Module, config: WeightOnlyConfig, skip: list[str] | None = None) -> int:
+    """Replace every `nn.Linear` of `model` not matched by `skip` (or named in `config.module_formats`) with an empty
+    quantized module of its format on the meta device; returns how many. `ValueError` names the layer whose
+    in_features the group size does not divide."""
+    named = config.module_formats or {}
     targets = [(name, module) for name, module in model.named_modules()
-               if isinstance(module, nn.Linear) and should_convert_module(name, skip)]
+               if isinstance(module, nn.Linear) and (name in named or should_convert_module(name, skip))]
     for name, linear in targets:
+        bits, group_size = config.format_of(name)
         try:
             with torch.device("meta"):
                 quantized = make_quantized_linear(linear, bits, group_size, dtype=linear.weight.dtype)
