@@ -112,7 +112,8 @@ def speed(llama: llama_cpp_peer.LlamaCpp, plan: dict[str, Any], scratch: Path) -
             rows.append({"weights": f"GGUF {kind}", "tool": "llama.cpp", "threads": threads,
                          "tokens_per_s": statistics.median(their_rates), "bytes_per_token": None, "vs_own": None,
                          "vs_llama_cpp": 1.0})
-    parameters = sum(p.numel() for p in models["GGUF Q4_0"].parameters())
+    with torch.device("meta"):  # parameters of the float model (a packed Linear's words are not its elements)
+        parameters = sum(p.numel() for p in AutoModelForCausalLM.from_config(models["int4 g32"].config).parameters())
     del models
     gc.collect()
     return {"size": plan["size"].name, "rows": rows, "parameters": parameters}

@@ -109,7 +109,8 @@ def load(folder: Path, fmt: str) -> torch.nn.Module:
 
 def bytes_read_per_token(model: torch.nn.Module) -> int:
     """Bytes of the weights a decode step reads: every parameter and buffer in the kernels' current layouts (the
-    panels and fp16 group parameters of int4, not the checkpoint's fp32 ones), the input embedding aside."""
+    panels and fp16 group parameters of int4 and grouped int8, not the checkpoint's fp32 ones), the input embedding
+    aside."""
     embedding = model.get_input_embeddings().weight
     total, seen = 0, {embedding.data_ptr()}
     for module in model.modules():
@@ -119,6 +120,9 @@ def bytes_read_per_token(model: torch.nn.Module) -> int:
                 continue
             if isinstance(module, hf_accel.Int4Linear) and module.layout == "panels" and name == "weight_qparams":
                 continue  # the kernel reads weight_qpanels instead
+            if isinstance(module, hf_accel.Int8Linear) and module.weight_scale_panels is not None and \
+                    name == "weight_scale":
+                continue  # grouped: the kernel reads weight_scale_panels instead
             seen.add(tensor.data_ptr())
             total += tensor.nbytes
     return total

@@ -72,7 +72,7 @@ class LlamaCpp:
     def greedy_text(self, model: Path, prompt: str, new_tokens: int) -> str:
         """The text `llama-simple` (greedy sampling) writes after `prompt`: `new_tokens` tokens or until end of text."""
         simple = self.bench.with_name("llama-simple")
-        out = _run([str(simple), "-m", str(model), "-n", str(new_tokens), prompt])
+        out = _run([str(simple), "-m", str(model), "-n", str(new_tokens), prompt], errors="replace")
         if not out.startswith(prompt):
             raise RuntimeError(f"llama-simple did not echo the prompt: {out[:200]!r}")
         return out[len(prompt):].rstrip("\n")
@@ -117,11 +117,12 @@ def build() -> LlamaCpp:
     return found
 
 
-def _run(command: list[str]) -> str:
-    """Run `command`; its stdout, or a RuntimeError with the end of its output."""
+def _run(command: list[str], errors: str = "strict") -> str:
+    """Run `command`; its stdout, or a RuntimeError with the end of its output. `errors`: how bytes that are not
+    UTF-8 decode (llama-simple prints token by token, so a character cut at the last token is half there)."""
     if shutil.which(command[0]) is None and not Path(command[0]).is_file():
         raise RuntimeError(f"{command[0]} not found")
-    done = subprocess.run(command, capture_output=True, text=True)
+    done = subprocess.run(command, capture_output=True, text=True, errors=errors)
     if done.returncode:
         raise RuntimeError(f"{Path(command[0]).name} failed ({done.returncode}): {done.stderr[-2000:]}")
     return done.stdout

@@ -37,7 +37,7 @@ if TYPE_CHECKING:  # the lazy names for type checkers and the API docs; `_LAZY` 
     from .engine.sampling_params import SamplingParams
     from .engine.spec_decode.speculative_config import SpeculativeConfig
     from .quant.gguf_file import load_gguf
-    from .quant.presets import list_quantization_presets, load_model, quantization_config
+    from .quant.presets import list_quantization_presets, load_model, load_tokenizer, quantization_config
     from .speculative.medusa import medusa_generate
     from .speculative.medusa_heads import MedusaConfig, MedusaHeads
     from .training.medusa_trainer import train_medusa
@@ -69,6 +69,7 @@ _LAZY = {
     "load_gguf": "quant.gguf_file",
     "list_quantization_presets": "quant.presets",
     "load_model": "quant.presets",
+    "load_tokenizer": "quant.presets",
     "quantization_config": "quant.presets",
     "medusa_generate": "speculative.medusa",
     "MedusaConfig": "speculative.medusa_heads",
@@ -175,6 +176,7 @@ __all__ = [
     "list_quantization_presets",
     "load_gguf",
     "load_model",
+    "load_tokenizer",
     "medusa_generate",
     "ngram_generate",
     "quantization_config",

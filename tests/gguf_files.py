@@ -16,14 +16,33 @@ def _interleaved(weight: np.ndarray, heads: int) -> np.ndarray:
         weight.shape)
 
 
+def _add_tokenizer(writer, tokenizer) -> None:
+    """A byte-level BPE tokenizer (tokenizer.json's vocab and merges) as llama.cpp's "gpt2" tokenizer metadata."""
+    import json
+
+    state = json.loads(tokenizer.backend_tokenizer.to_str())["model"]
+    tokens = sorted(state["vocab"], key=state["vocab"].get)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in state["merges"]]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt-2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * len(tokens))
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(tokenizer.bos_token_id or 0)
+    writer.add_eos_token_id(tokenizer.eos_token_id or 0)
+
+
 def write_gguf(model: torch.nn.Module, path: Path, architecture: str, types: dict[str, str] | None = None,
-               default: str = "F32") -> Path:
+               default: str = "F32", tokenizer=None) -> Path:
     """`model` (a transformers Llama / Qwen2 causal LM) as a GGUF file: tensor `name` in `types.get(name,
-    default)` ("F32", "F16", "Q8_0", "Q4_0"; norms are always F32); no output tensor when the model ties it."""
+    default)` ("F32", "F16", "Q8_0", "Q4_0"; norms are always F32); no output tensor when the model ties it; with
+    `tokenizer` (byte-level BPE) its vocabulary and merges too."""
     import gguf
 
     config = model.config
     writer = gguf.GGUFWriter(path, architecture)
+    if tokenizer is not None:
+        _add_tokenizer(writer, tokenizer)
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)

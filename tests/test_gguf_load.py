@@ -11,10 +11,13 @@ import torch
 import transformers
 from gguf_files import write_gguf
 from tiny_llama import tiny_llama
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hf_accel
-from hf_accel import Int4Linear, Int8Linear
+from hf_accel import Engine, Int4Linear, Int8Linear, SamplingParams
+from hf_accel.bench.models import load_bench_model
+from hf_accel.reference import ASSETS_DIR
+from hf_accel.server.served_engine import load_served_model
 
 pytest.importorskip("gguf")
 
@@ -127,3 +130,26 @@ def test_bad_files_are_value_errors_naming_the_problem(tmp_path):
     writer.close()
     with pytest.raises(ValueError, match="architecture 'gpt2' is not supported; supported: llama, qwen2, qwen3"):
         hf_accel.load_gguf(tmp_path / "gpt2.gguf")
+
+
+def test_a_gguf_file_is_served_with_the_tokenizer_it_holds(tmp_path):
+    """What `hf-accel serve --model x.gguf` (and `hf-accel bench --model x.gguf`) loads: the packed model and the
+    file's tokenizer; the Engine decodes it as plain greedy generate does."""
+    tokenizer = AutoTokenizer.from_pretrained(ASSETS_DIR / "tokenizer")
+    torch.manual_seed(2)
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=len(tokenizer),
+                                      tie_word_embeddings=True, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    path = write_gguf(transformers.LlamaForCausalLM(config).eval(), tmp_path / "model-Q8_0.gguf", "llama",
+                      default="Q8_0", tokenizer=tokenizer)
+    model, served_tokenizer = load_served_model(str(path), None, torch.float32)
+    assert isinstance(model.model.layers[0].self_attn.q_proj, Int8Linear)
+    benched = load_bench_model(str(path))  # hf-accel bench --model x.gguf
+    assert isinstance(benched.model.model.layers[0].self_attn.q_proj, Int8Linear) and benched.tokenizer is not None
+    text = "def parse_args(argv):\n    return  x  # \u00e9\n\tfoo"
+    assert served_tokenizer(text).input_ids == tokenizer(text).input_ids
+    prompt = tokenizer("import os\nimport sys\n", return_tensors="pt").input_ids
+    expected = model.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0)[0, prompt.shape[1]:]
+    out = Engine(model, served_tokenizer).generate([prompt[0].tolist()],
+                                                   SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0]
+    assert out.outputs[0].token_ids == expected.tolist()

@@ -96,13 +96,19 @@ def test_grouped_int8_linear_equals_the_dequantized_matmul(rows, group_size):
     assert relative_error(out, x @ dequantized.T) < 2e-2
 
 
-def test_one_group_of_int8_scales_is_the_per_channel_kernel_bit_for_bit():
+def test_one_group_of_int8_scales_is_the_per_channel_kernel_and_fp16_scales_are_fp32_ones_bit_for_bit():
     int8_linear, _ = quantized_linear_kernels()
     codes, scale = weights.quantize_int8(weight())
     x = torch.randn(5, 256)
     packed = panels.pack_int8(codes, FORMAT)
-    assert torch.equal(int8_linear(x, packed, panels.pack_int8_scales(scale[:, None]), None),
-                       int8_linear(x, packed, scale, None))
+    fp32_panels = scale.view(6, 1, 16)
+    assert torch.equal(int8_linear(x, packed, fp32_panels, None), int8_linear(x, packed, scale, None))
+    grouped_codes, grouped = weights.quantize_int8(weight(), 32)
+    scale_panels = panels.pack_int8_scales(grouped)  # fp16 (the stored scales are fp16 values): fp32 gives the same
+    assert scale_panels.dtype == torch.float16
+    assert torch.equal(int8_linear(x, panels.pack_int8(grouped_codes, FORMAT), scale_panels, None),
+                       int8_linear(x, panels.pack_int8(grouped_codes, FORMAT), scale_panels.float(), None))
+    assert panels.pack_int8_scales(grouped * 1e7).dtype == torch.float32  # past fp16 (65504): fp32 panels
 
 
 @pytest.mark.parametrize("group_size", [32, 64, 128, 256])

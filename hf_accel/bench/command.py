@@ -43,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     """Options of `hf-accel bench`."""
     parser = argparse.ArgumentParser(prog="hf-accel bench")
     parser.add_argument("--model", default=None,
-                        help="local path or hub id of a causal LM (default: hf_accel's reference target)")
+                        help="local path or hub id of a causal LM, or a GGUF file (Q8_0 / Q4_0 kept packed) "
+                             "(default: hf_accel's reference target)")
     parser.add_argument("--draft", default=None,
                         help="local path or hub id of a draft model: adds hf_accel's draft-model rows (and at batch "
                              "size 1 transformers' assisted decoding)")

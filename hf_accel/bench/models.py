@@ -7,10 +7,12 @@ from dataclasses import dataclass
 
 import torch
 from transformers import (
-    AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerBase,
+    AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerBase,
 )
 
 from .. import reference
+from ..quant.gguf_file import load_gguf
+from ..quant.presets import load_tokenizer
 from ..speculative.eagle_head import EagleHead
 from ..speculative.medusa_heads import MedusaHeads
 
@@ -66,7 +68,7 @@ class BenchModel:
 
 
 def load_bench_model(name: str | None, draft: str | None = None, dtype: torch.dtype = torch.float32) -> BenchModel:
-    """`name` (local path or hub id) and `draft` loaded with `from_pretrained`; by default hf_accel's reference
+    """`name` (local path, hub id or GGUF file) and `draft` loaded with `from_pretrained`; by default hf_accel's reference
     target and draft (or, when their assets are missing, a random-weight Llama and no draft)."""
     if name is None:
         if not reference.has_assets():
@@ -81,12 +83,15 @@ def load_bench_model(name: str | None, draft: str | None = None, dtype: torch.dt
         return BenchModel(model, tokenizer, draft_model, f"hf_accel reference target: {describe_model(model)}", heads,
                           eagle)
     model = _pretrained(name, dtype)
-    tokenizer = AutoTokenizer.from_pretrained(name)
+    tokenizer = load_tokenizer(name)
     return BenchModel(model, tokenizer, None if draft is None else _pretrained(draft, dtype),
                       f"{name}: {describe_model(model)}")
 
 
 def _pretrained(name: str, dtype: torch.dtype) -> PreTrainedModel:
+    """`from_pretrained(name)` in eval mode; a GGUF file through `load_gguf` (its Q8_0 / Q4_0 weights kept packed)."""
+    if name.endswith(".gguf"):
+        return load_gguf(name, dtype=dtype)
     return AutoModelForCausalLM.from_pretrained(name, dtype=dtype).eval()
 
 

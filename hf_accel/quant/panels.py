@@ -10,7 +10,7 @@ of two byte orders (`kernel_format()`; the .cpp file gives the arithmetic of eac
   16]`, byte t of a column's 4 holding inputs 8i + t (low nibble) and 8i + 4 + t (high).
 Both: the int4 qparams `[G, N, 2]` (scale, zero; `w = (code - 8) * scale + zero`) -> qpanels fp16 `[N / 16, G, 2,
 16]` of (scale, minimum = zero - 8 * scale): `w = code * scale + minimum`; int8 keeps its per-column scale `[N]`,
-and a grouped int8 scale `[N, G]` goes to fp32 `[N / 16, G, 16]`.
+and a grouped int8 scale `[N, G]` goes to fp16 `[N / 16, G, 16]` (fp32 past fp16's range).
 Each packing has its inverse, so a module can give back its checkpoint format at any time.
 """
 
@@ -91,6 +91,10 @@ def pack_int4_params(qparams: torch.Tensor) -> torch.Tensor | None:
 
 
 def pack_int8_scales(scale: torch.Tensor) -> torch.Tensor:
-    """A grouped int8 scale `[N, G]` -> fp32 scale panels `[N / 16, G, 16]` (the kernel's per-group operand)."""
+    """A grouped int8 scale `[N, G]` -> scale panels `[N / 16, G, 16]` (the kernel's per-group operand): fp16, as
+    GGUF's Q8_0 stores them (exact for its scales; 1 / 16 of the codes' bytes at groups of 32), or fp32 where a
+    value does not fit fp16."""
     n, groups = scale.shape
-    return scale.float().reshape(n // PANEL, PANEL, groups).transpose(1, 2).contiguous()
+    panels = scale.float().reshape(n // PANEL, PANEL, groups).transpose(1, 2).contiguous()
+    fits = panels.isfinite().all() and panels.abs().max() <= HALF_MAX
+    return panels.to(torch.float16) if fits else panels

@@ -11,12 +11,13 @@ from __future__ import annotations
 import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import (
-    AutoModelForCausalLM, AwqConfig, BitsAndBytesConfig, FineGrainedFP8Config, GPTQConfig, PreTrainedModel,
-    QuantoConfig,
+    AutoModelForCausalLM, AutoTokenizer, AwqConfig, BitsAndBytesConfig, FineGrainedFP8Config, GPTQConfig, PreTrainedModel,
+    PreTrainedTokenizerBase, QuantoConfig,
 )
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
@@ -145,6 +146,15 @@ def list_quantization_presets() -> list[PresetStatus]:
         statuses.append(PresetStatus(preset.name, preset.description, tuple(b.package for b in preset.backends),
                                      preset.needs, reason is None, reason))
     return statuses
+
+
+def load_tokenizer(path_or_id: str) -> PreTrainedTokenizerBase:
+    """The tokenizer beside `load_model(path_or_id)`: `AutoTokenizer.from_pretrained(path_or_id)`, or for a GGUF file
+    the one it holds (transformers reads it: `from_pretrained(folder, gguf_file=name)`)."""
+    if str(path_or_id).endswith(".gguf"):
+        path = Path(path_or_id)
+        return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    return AutoTokenizer.from_pretrained(path_or_id)
 
 
 def load_model(path_or_id: str, quant: str | QuantizationConfigMixin | None = None, **kwargs: Any) -> PreTrainedModel:

@@ -45,14 +45,15 @@ def check_group_size(in_features: int, group_size: int) -> None:
 
 def quantize_int8(weight: torch.Tensor, group_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`weight` `[out, in]` -> (int8 codes `[out, in]` in -127..127, fp32 scale `[out]`, or `[out, in / group_size]`
-    with `group_size`); symmetric per row or per group of inputs."""
+    with `group_size`, each a value of fp16, GGUF's Q8_0 rule); symmetric per row or per group of inputs."""
     w = weight.float()
     if group_size is None:
         scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127  # [out]
         return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
     check_group_size(w.shape[1], group_size)
     grouped = w.reshape(w.shape[0], -1, group_size)  # [out, groups, group]
-    scale = grouped.abs().amax(dim=-1).clamp(min=1e-12) / 127  # [out, groups]
+    # fp16 scales, as the kernels read them (and Q8_0 stores them); the codes are rounded against the stored scale
+    scale = (grouped.abs().amax(dim=-1) / 127).clamp(min=2**-24).to(torch.float16).float()  # [out, groups]
     codes = torch.round(grouped / scale[..., None]).clamp(-127, 127).to(torch.int8)
     return codes.reshape(w.shape), scale
 

@@ -8,13 +8,13 @@ from dataclasses import dataclass, field
 from functools import partial
 
 import torch
-from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ..engine.config import EngineConfig
 from ..engine.engine import Engine
 from ..engine.engine_process import EngineProcess
 from ..engine.spec_decode.speculative_config import SpeculativeConfig
-from ..quant.presets import load_model
+from ..quant.presets import load_model, load_tokenizer
 from ..reference import ASSETS_DIR
 from .speculative_option import ModelFolder
 
@@ -36,7 +36,7 @@ class EngineSpec:
     speculative: SpeculativeConfig | ModelFolder | None = None
 
     def tokenizer(self) -> PreTrainedTokenizerBase:
-        return AutoTokenizer.from_pretrained(model_source(self.model))
+        return load_tokenizer(model_source(self.model))
 
 
 def model_source(path: str | None) -> str:
@@ -47,9 +47,9 @@ def model_source(path: str | None) -> str:
 def load_served_model(path: str | None, quant: str | None,
                       dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """The model (quantized with the `quant` preset, if any) in eval mode and its tokenizer; `path` None is the
-    reference target."""
+    reference target, a `.gguf` file loads packed (`hf_accel.load_gguf`) with the tokenizer it holds."""
     source = model_source(path)
-    return load_model(source, quant=quant, dtype=dtype).eval(), AutoTokenizer.from_pretrained(source)
+    return load_model(source, quant=quant, dtype=dtype).eval(), load_tokenizer(source)
 
 
 def build_engine(spec: EngineSpec) -> Engine:

@@ -6,7 +6,8 @@
 //   x        [M, K]            fp32, bf16 or fp16 rows (any strides)
 //   panels   [P, K, 16]        the codes of columns 16p .. 16p + 15 (byte order: below)
 //   scale    [N = 16 P]        per output column: w[n, k] = code * scale[n]; or
-//            [P, G, 16]        per group of K / G inputs (a multiple of 32) and column (GGUF's Q8_0: G = K / 32).
+//            [P, G, 16]        per group of K / G inputs (a multiple of 32) and column (GGUF's Q8_0: G = K / 32),
+//                              fp16 (half the bytes of fp32: 1 / 16 of the codes' at groups of 32) or fp32.
 //                              [N] is the G = 1 case of the same memory.
 // int4_linear(x, panels, qpanels, bias)
 //   panels   [P, K / 2, 16] uint8   the codes (0..15) of columns 16p .. 16p + 15, two a byte (byte order: below)
@@ -71,6 +72,7 @@ inline Lanes load(const float* p) { return {_mm512_loadu_ps(p)}; }
 inline Lanes load_half(const at::Half* p) {
   return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
 }
+inline Lanes load(const at::Half* p) { return load_half(p); }
 inline void store(float* p, Lanes a) { _mm512_storeu_ps(p, a.v); }
 // 16 int8 codes -> fp32
 inline Lanes codes8(const int8_t* p) {
@@ -101,6 +103,7 @@ inline Lanes load_half(const at::Half* p) {
   const __m128i* q = reinterpret_cast<const __m128i*>(p);
   return {_mm256_cvtph_ps(_mm_loadu_si128(q)), _mm256_cvtph_ps(_mm_loadu_si128(q + 1))};
 }
+inline Lanes load(const at::Half* p) { return load_half(p); }
 inline void store(float* p, Lanes a) {
   _mm256_storeu_ps(p, a.lo);
   _mm256_storeu_ps(p + 8, a.hi);
@@ -127,8 +130,8 @@ constexpr int kPassRows = 4;  // 16 registers, two per 16 lanes
 
 // out[r, :16] = sum_g scale_g * sum_{k in g} x[r, k] codes[k, :] for R rows (x: fp32 [R, K] contiguous), `group`
 // inputs per scale (K for one per column), S streams over k.
-template <int R, int S>
-void int8_panel(const float* x, int64_t k, const int8_t* panel, const float* scale, int64_t group, float* out,
+template <int R, int S, typename Scale>
+void int8_panel(const float* x, int64_t k, const int8_t* panel, const Scale* scale, int64_t group, float* out,
                 int64_t n) {
   Lanes total[R];
   for (int r = 0; r < R; ++r) total[r] = zero();
@@ -278,9 +281,10 @@ void rows_dispatch(int64_t rows, Args... args) {
 
 template <int R, int S>
 struct Int8Kernel {
-  static void run(const float* x, int64_t k, const int8_t* panel, const float* scale, int64_t group, float* out,
+  template <typename Scale>
+  static void run(const float* x, int64_t k, const int8_t* panel, const Scale* scale, int64_t group, float* out,
                   int64_t n) {
-    int8_panel<R, S>(x, k, panel, scale, group, out, n);
+    int8_panel<R, S, Scale>(x, k, panel, scale, group, out, n);
   }
 };
 
@@ -336,9 +340,14 @@ inline __m512i broadcast4(const int8_t* p) {  // 4 activation bytes into every l
 
 // out[r, :16] = sum_g scale_g * (sum_{b in g} dx_b sum_{k in b} q_k (code_k + 128) - 128 * sum_{b in g} dx_b
 // sum_{k in b} q_k), `group` inputs per scale (K for one per column).
-template <int R>
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+template <int R, typename Scale>
 void int8_vnni_panel(const int8_t* q, const float* dx, const float* xsum, int64_t k, const uint8_t* panel,
-                     const float* scale, int64_t group, float* out, int64_t n) {
+                     const Scale* scale, int64_t group, float* out, int64_t n) {
   const int64_t groups = k / group, per_group = group / kXBlock;
   __m512 total[R];
   for (int r = 0; r < R; ++r) total[r] = _mm512_setzero_ps();
@@ -364,7 +373,7 @@ void int8_vnni_panel(const int8_t* q, const float* dx, const float* xsum, int64_
         offset[r] += xsum[r * (k / kXBlock) + b];
       }
     }
-    const __m512 columns = _mm512_loadu_ps(scale + g * kPanel);
+    const __m512 columns = load16(scale + g * kPanel);
     for (int r = 0; r < R; ++r) {
       const __m512 centered = _mm512_sub_ps(acc[r], _mm512_set1_ps(128.0f * offset[r]));
       total[r] = _mm512_fmadd_ps(centered, columns, total[r]);
@@ -437,9 +446,10 @@ void vnni_rows_dispatch(int64_t rows, Args... args) {
 
 template <int R>
 struct Int8Vnni {
+  template <typename Scale>
   static void run(const int8_t* q, const float* dx, const float* xsum, int64_t k, const uint8_t* panel,
-                  const float* scale, int64_t group, float* out, int64_t n) {
-    int8_vnni_panel<R>(q, dx, xsum, k, panel, scale, group, out, n);
+                  const Scale* scale, int64_t group, float* out, int64_t n) {
+    int8_vnni_panel<R, Scale>(q, dx, xsum, k, panel, scale, group, out, n);
   }
 };
 
@@ -461,7 +471,8 @@ int64_t quantized_linear_format() {
 #endif
 }
 
-// scale [N] or [P, G, 16] -> fp32 [P, G, 16] (the same memory for [N], G = 1).
+// scale [N] or [P, G, 16] -> contiguous [P, G, 16]: fp16 grouped scales as they are, anything else in fp32 ([N]
+// is the same memory, G = 1).
 at::Tensor int8_scale_panels(const at::Tensor& scale, int64_t p, int64_t k) {
   if (scale.dim() == 1) {
     TORCH_CHECK(scale.size(0) == p * kPanel, "scale must be [16 P] or [P, G, 16]");
@@ -472,17 +483,16 @@ at::Tensor int8_scale_panels(const at::Tensor& scale, int64_t p, int64_t k) {
   const int64_t groups = scale.size(1);
   TORCH_CHECK(groups > 0 && k % groups == 0 && (k / groups) % kXBlock == 0,
               "grouped scale: K / G must be a multiple of 32");
-  return scale.to(at::kFloat).contiguous();
+  return (scale.scalar_type() == at::kHalf ? scale : scale.to(at::kFloat)).contiguous();
 }
 
-at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& scale,
-                       const c10::optional<at::Tensor>& bias) {
+// int8_linear with scales [P, G, 16] of type Scale (float or at::Half).
+template <typename Scale>
+at::Tensor int8_linear_with(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& scales,
+                            const c10::optional<at::Tensor>& bias) {
   const int64_t p = panels.size(0), k = panels.size(1), n = p * kPanel;
-  check_common(x, panels, bias, n);
-  TORCH_CHECK(x.size(1) == k, "x and panels disagree on K");
-  auto columns = int8_scale_panels(scale, p, k);  // [P, G, 16]
-  const int64_t groups = columns.size(1), group = k / groups;
-  const float* scale_data = columns.data_ptr<float>();
+  const int64_t groups = scales.size(1), group = k / groups;
+  const Scale* scale_data = scales.data_ptr<Scale>();
 #ifdef HF_ACCEL_QLINEAR_VNNI
   TORCH_CHECK(panels.scalar_type() == at::kByte && k % kXBlock == 0, "format 1: uint8 panels, K a multiple of 32");
   const auto rows = quantize_rows(x);
@@ -509,11 +519,22 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& panels, const at::
     return finish(out, x, bias);
   }
 #endif
+  auto columns = scales.to(at::kFloat);
   auto out = blocked_matmul(x, p, [&](int64_t first, int64_t count) {
     return int8_block(panels, columns, first, count);
   });
   return finish(out, x, bias);
 #endif
+}
+
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& scale,
+                       const c10::optional<at::Tensor>& bias) {
+  const int64_t p = panels.size(0), k = panels.size(1);
+  check_common(x, panels, bias, p * kPanel);
+  TORCH_CHECK(x.size(1) == k, "x and panels disagree on K");
+  const auto scales = int8_scale_panels(scale, p, k);  // [P, G, 16]
+  if (scales.scalar_type() == at::kHalf) return int8_linear_with<at::Half>(x, panels, scales, bias);
+  return int8_linear_with<float>(x, panels, scales, bias);
 }
 
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& qpanels,
