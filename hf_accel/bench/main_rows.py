@@ -105,5 +105,6 @@ def _ngram_row() -> Strategy:
 def _weight_row(bits: int) -> Strategy:
     layout, share = ("per output channel", "a quarter") if bits == 8 else ("in groups of 64", "an eighth")
     return row(f"hf_accel int{bits} weights", f"Linear weights int{bits} {layout} (hf_accel.quantize_model), "
-               "DynamicCache", lambda m, n: {}, model_variant=weight_quantized(bits), lossy=True, first_run=WARM_UP,
+               "DynamicCache", lambda m, n: {}, model_variant=weight_quantized(bits), lossy=True,
+               first_run=f"quantizing the weights to int{bits}, then a {WARM_UP}",
                gains=f"Linear weights in {share} of fp32's bytes (decode at 0.5B+ parameters reads fewer bytes)")

@@ -85,7 +85,7 @@ def compare_strategies(
 ) -> list[StrategyResult]:
     """Time decode of every strategy, interleaved, and compare with `strategies[0]`; `on_step` after each run pair,
     a `tqdm.auto` bar over the runs unless `progress=False`. A strategy with a `model_variant` runs on that variant of
-    `model`, built once before any timing. With `on_error`, a strategy other than the baseline whose variant or run
+    `model`, built once at its first run, untimed. With `on_error`, a strategy other than the baseline whose variant or run
     raises is left out of the results and `on_error(name, error)` told why (without it, the error propagates)."""
     if new_tokens < 2:
         raise ValueError(f"`new_tokens` must be at least 2 to measure decode, got {new_tokens}")
@@ -99,8 +99,8 @@ def compare_strategies(
 
 
 class _Runs:
-    """The runs `compare_strategies` times: each strategy's model (its variant built once), the progress bar, and the
-    strategies that failed (left out, when `on_error` is given)."""
+    """The runs `compare_strategies` times: each strategy's model (its variant built once, at its first run), the
+    progress bar, and the strategies that failed (left out, when `on_error` is given)."""
 
     def __init__(self, model, inputs, new_tokens, strategies, on_step, on_error):
         self.inputs, self.new_tokens, self.on_step, self.on_error = inputs, new_tokens, on_step, on_error
@@ -108,8 +108,9 @@ class _Runs:
         self.failed: set[str] = set()
         self.warmed: set[str] = set()
         self.bar = None
-        self.models = {s.name: self._attempt(s.name, lambda s=s: model if s.model_variant is None
-                                             else s.model_variant(model)) for s in strategies}
+        self.model = model
+        self.variants: dict[str, PreTrainedModel] = {}  # built at a strategy's first run: by then hf_accel's kernels
+        # have built in the background (a quantized variant re-lays its weights for them, which waits for the build)
 
     def decode(self, name: str) -> tuple[float, Any]:
         """Seconds of `name`'s decode (time(new_tokens) - time(1 token): prefill excluded) and its output; (0, None)
@@ -126,7 +127,8 @@ class _Runs:
                                                      "minutes on a cold cache, seconds once cached)")
         self.bar.set_postfix_str(name if name in self.warmed else f"{name}: {first_run}")
         self.warmed.add(name)
-        model, strategy = self.models[name], self.by_name[name]
+        strategy = self.by_name[name]
+        model = self.model if strategy.model_variant is None else self._variant(strategy)
         for _ in range(PAIR_ATTEMPTS):
             prefill_time, _ = run_generate(model, self.inputs, strategy, 1)
             total_time, output = run_generate(model, self.inputs, strategy, self.new_tokens)
@@ -136,6 +138,12 @@ class _Runs:
         if self.on_step is not None:
             self.on_step(name)
         return total_time - prefill_time, output
+
+    def _variant(self, strategy: Strategy) -> PreTrainedModel:
+        """`strategy`'s variant of the model, built at its first call (untimed)."""
+        if strategy.name not in self.variants:
+            self.variants[strategy.name] = strategy.model_variant(self.model)
+        return self.variants[strategy.name]
 
     def _attempt(self, name: str, work: Callable[[], Any]) -> Any:
         """`work()`, or None when it raises and `name` may fail alone (not the baseline, `on_error` given)."""
