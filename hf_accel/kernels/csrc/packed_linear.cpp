@@ -16,7 +16,8 @@
 // 12 accumulators in registers while the panel's rows go past; a 7th row starts a second pass over the panel, now in
 // L1 or L2. At one or two rows, interleaved streams over k keep the FMA units busy instead of waiting on one chain.
 // Rows beyond kPackedRows take ATen's matmul (MKL's sgemm runs near peak there).
-#include <torch/extension.h>
+#include <ATen/ATen.h>  // not torch/extension.h: its Python and nn headers triple the compile time
+#include <torch/library.h>
 #include <ATen/Parallel.h>
 
 #if defined(__AVX2__) && defined(__FMA__)

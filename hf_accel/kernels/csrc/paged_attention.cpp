@@ -25,7 +25,8 @@
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
-#include <torch/extension.h>
+#include <ATen/ATen.h>  // not torch/extension.h: its Python and nn headers triple the compile time
+#include <torch/library.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>

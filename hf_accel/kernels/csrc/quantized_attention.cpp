@@ -14,7 +14,8 @@
 // new_key      [rows, kv_heads, dim]                  the step's own token: always attended (new_value alike)
 // returns      [rows, heads, dim]
 // Query head h reads K/V head h / (heads / kv_heads). A value is code * scale + minimum. Scores and sums in fp32.
-#include <torch/extension.h>
+#include <ATen/ATen.h>  // not torch/extension.h: its Python and nn headers triple the compile time
+#include <torch/library.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -60,7 +61,7 @@ struct Strided {  // a tensor's data and strides, indexed by up to 5 coordinates
   }
 };
 
-Strided strided(const torch::Tensor& t) {
+Strided strided(const at::Tensor& t) {
   Strided s{static_cast<const char*>(t.data_ptr()), t.element_size(), {0, 0, 0, 0, 0}};
   for (int64_t i = 0; i < t.dim() && i < 5; ++i) s.stride[i] = t.stride(i);
   return s;
@@ -68,21 +69,21 @@ Strided strided(const torch::Tensor& t) {
 
 }  // namespace
 
-torch::Tensor quantized_decode_attention(const torch::Tensor& query, const torch::Tensor& fp_keys,
-                                         const torch::Tensor& fp_values,
-                                         const torch::Tensor& key_codes, const torch::Tensor& key_scale,
-                                         const torch::Tensor& key_minimum, const torch::Tensor& value_codes,
-                                         const torch::Tensor& value_scale, const torch::Tensor& value_minimum,
-                                         const torch::Tensor& valid, const torch::Tensor& new_key,
-                                         const torch::Tensor& new_value, double scale) {
+at::Tensor quantized_decode_attention(const at::Tensor& query, const at::Tensor& fp_keys,
+                                         const at::Tensor& fp_values,
+                                         const at::Tensor& key_codes, const at::Tensor& key_scale,
+                                         const at::Tensor& key_minimum, const at::Tensor& value_codes,
+                                         const at::Tensor& value_scale, const at::Tensor& value_minimum,
+                                         const at::Tensor& valid, const at::Tensor& new_key,
+                                         const at::Tensor& new_value, double scale) {
   for (const auto* t : {&query, &fp_keys, &fp_values, &key_scale, &key_minimum, &value_scale, &value_minimum,
                         &new_key, &new_value}) {
-    TORCH_CHECK(t->scalar_type() == torch::kFloat, "quantized_decode_attention: fp32 tensors expected");
+    TORCH_CHECK(t->scalar_type() == at::kFloat, "quantized_decode_attention: fp32 tensors expected");
     TORCH_CHECK(t->stride(-1) == 1, "quantized_decode_attention: the last dimension must be contiguous");
   }
-  TORCH_CHECK(key_codes.scalar_type() == torch::kUInt8 && value_codes.scalar_type() == torch::kUInt8,
+  TORCH_CHECK(key_codes.scalar_type() == at::kByte && value_codes.scalar_type() == at::kByte,
               "quantized_decode_attention: uint8 codes expected");
-  TORCH_CHECK(valid.scalar_type() == torch::kBool, "quantized_decode_attention: a bool `valid` expected");
+  TORCH_CHECK(valid.scalar_type() == at::kBool, "quantized_decode_attention: a bool `valid` expected");
   const int64_t rows = query.size(0), heads = query.size(1), dim = query.size(2);
   const int64_t kv_heads = fp_keys.size(0), slots = fp_keys.size(2);
   const int64_t groups = key_codes.size(2), group = key_codes.size(3), packed = key_codes.size(4);
@@ -94,7 +95,7 @@ torch::Tensor quantized_decode_attention(const torch::Tensor& query, const torch
              ks = strided(key_scale), km = strided(key_minimum), vc = strided(value_codes),
              vs = strided(value_scale), vm = strided(value_minimum), ok = strided(valid), nk = strided(new_key),
              nv = strided(new_value);
-  auto out = torch::empty({rows, heads, dim}, query.options());
+  auto out = at::empty({rows, heads, dim}, query.options());
   float* out_data = out.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
   const int64_t channels_per_group = dim / channel_groups;

@@ -30,7 +30,8 @@
 // Up to kPassRows rows share one pass over a panel (their accumulators stay in registers); more rows take further
 // passes over the panel, now in cache. Panels are split over torch's intra-op threads. Without AVX2 the ops
 // dequantize and run ATen's matmul.
-#include <torch/extension.h>
+#include <ATen/ATen.h>  // not torch/extension.h: its Python and nn headers triple the compile time
+#include <torch/library.h>
 #include <ATen/Parallel.h>
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
