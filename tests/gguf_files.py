@@ -34,7 +34,7 @@ def _add_tokenizer(writer, tokenizer) -> None:
 
 def write_gguf(model: torch.nn.Module, path: Path, architecture: str, types: dict[str, str] | None = None,
                default: str = "F32", tokenizer=None) -> Path:
-    """`model` (a transformers Llama / Qwen2 causal LM) as a GGUF file: tensor `name` in `types.get(name,
+    """`model` (a transformers Llama / Qwen2 / Qwen3 causal LM) as a GGUF file: tensor `name` in `types.get(name,
     default)` ("F32", "F16", "Q8_0", "Q4_0"; norms are always F32); no output tensor when the model ties it; with
     `tokenizer` (byte-level BPE) its vocabulary and merges too."""
     import gguf
@@ -52,6 +52,9 @@ def write_gguf(model: torch.nn.Module, path: Path, architecture: str, types: dic
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     writer.add_vocab_size(config.vocab_size)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
     arch = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}[architecture]
     names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
     for key, value in model.state_dict().items():

@@ -1,7 +1,7 @@
 """GGUF in, kept packed (`hf_accel.load_gguf`, `hf_accel.load_model("x.gguf")`): Q8_0 / Q4_0 Linears become
 `Int8Linear` / `Int4Linear` in groups of 32 holding the file's codes, and the weights they multiply by are exactly
 those of transformers' own GGUF loader (which dequantizes everything) on the same file: for Llama (whose q / k rows
-the converter interleaves) and Qwen2 (biases, no interleaving), all-Q8_0, all-Q4_0 and mixed files (another type per
+the converter interleaves), Qwen2 (biases, no interleaving) and Qwen3 (q / k norms), all-Q8_0, all-Q4_0 and mixed files (another type per
 layer, an untied Q8_0 output layer, an F16 embedding). Logits agree within the kernels' activation rounding, the
 model generates with hf_accel's caches, saves as an hf_accel checkpoint and reloads bit for bit; bad files get a
 `ValueError` naming the problem."""
@@ -30,7 +30,16 @@ def tiny_qwen2() -> transformers.Qwen2ForCausalLM:
     return transformers.Qwen2ForCausalLM(config).eval()
 
 
-MODELS = {"llama": tiny_llama, "qwen2": tiny_qwen2}
+def tiny_qwen3() -> transformers.Qwen3ForCausalLM:
+    torch.manual_seed(3)
+    # head_dim 128: transformers' GGUF config reader does not read qwen3's key_length (Qwen3's own head_dim is 128)
+    config = transformers.Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=128, vocab_size=128,
+                                      tie_word_embeddings=False, bos_token_id=1, eos_token_id=None, pad_token_id=0)
+    return transformers.Qwen3ForCausalLM(config).eval()
+
+
+MODELS = {"llama": tiny_llama, "qwen2": tiny_qwen2, "qwen3": tiny_qwen3}
 MIXED = {"blk.0.ffn_down.weight": "Q8_0", "blk.1.attn_v.weight": "F16", "output.weight": "Q8_0",
          "token_embd.weight": "F16"}
 PROMPT = torch.randint(2, 128, (2, 9), generator=torch.Generator().manual_seed(0))
@@ -45,7 +54,7 @@ def relative_error(out, expected):
     return ((out - expected).abs().max() / expected.abs().max()).item()
 
 
-@pytest.mark.parametrize("architecture", ["llama", "qwen2"])
+@pytest.mark.parametrize("architecture", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("kind, types", [("Q8_0", None), ("Q4_0", None), ("Q4_0", MIXED)])
 def test_packed_linears_multiply_by_the_weights_transformers_dequantizes(tmp_path, architecture, kind, types):
     path = write_gguf(MODELS[architecture](), tmp_path / "model.gguf", architecture, types, default=kind)
