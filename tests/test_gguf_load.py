@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hf_accel
 from hf_accel import Engine, Int4Linear, Int8Linear, SamplingParams
+from hf_accel.bench.main_rows import main_rows
 from hf_accel.bench.models import load_bench_model
 from hf_accel.reference import ASSETS_DIR
 from hf_accel.server.served_engine import load_served_model
@@ -155,6 +156,8 @@ def test_a_gguf_file_is_served_with_the_tokenizer_it_holds(tmp_path):
     assert isinstance(model.model.layers[0].self_attn.q_proj, Int8Linear)
     benched = load_bench_model(str(path))  # hf-accel bench --model x.gguf
     assert isinstance(benched.model.model.layers[0].self_attn.q_proj, Int8Linear) and benched.tokenizer is not None
+    rows, notes = main_rows(benched)  # the weight rows would re-quantize nothing: left out, and said so
+    assert not any("weights" in row.name for row in rows) and any("quantized already" in note for note in notes)
     text = "def parse_args(argv):\n    return  x  # \u00e9\n\tfoo"
     assert served_tokenizer(text).input_ids == tokenizer(text).input_ids
     prompt = tokenizer("import os\nimport sys\n", return_tensors="pt").input_ids

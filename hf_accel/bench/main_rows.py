@@ -68,7 +68,11 @@ def main_rows(bench_model: BenchModel, quick: bool = False) -> tuple[tuple[Strat
             rows.append(_eagle_row(bench_model.eagle_head))
         else:
             notes.append("left out: EAGLE (no trained head for this model; `hf-accel train-eagle` makes one)")
-        rows += [_ngram_row(), engine_strategy(), *(_weight_row(bits) for bits in (8, 4))]
+        rows += [_ngram_row(), engine_strategy()]
+        if getattr(bench_model.model.config, "quantization_config", None) is None:
+            rows += [_weight_row(bits) for bits in (8, 4)]
+        else:  # a pre-quantized model (a GGUF file, a quantized checkpoint): its own weights are the baseline's
+            notes.append("left out: the int8 / int4 weight rows (the model's weights are quantized already)")
     notes.append("not here: the sink cache (its point is generation far past its window: benchmarks/bench_sink.py) "
                  "and the eager caches (benchmarks/bench_paged.py, bench_compile.py)")
     return tuple(rows), notes
