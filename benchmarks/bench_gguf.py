@@ -93,7 +93,8 @@ def speed(llama: llama_cpp_peer.LlamaCpp, plan: dict[str, Any], scratch: Path) -
     folder = bench_size.model_folder(plan["size"], scratch / "model")
     files = gguf_files(llama, folder, scratch / "gguf")
     models = {f"GGUF {kind}": hf_accel.load_gguf(path) for kind, path in files.items()}
-    models |= {name: hf_accel.load_model(str(folder), quant=config, dtype=torch.float32) for name, config in OWN.items()}
+    models |= {name: hf_accel.load_model(str(folder), quant=config, dtype=torch.float32)
+               for name, config in OWN.items()}
     for model in models.values():
         model.generation_config.eos_token_id, model.generation_config.pad_token_id = None, 0
     sizes = {name: bench_size.bytes_read_per_token(model) for name, model in models.items()}

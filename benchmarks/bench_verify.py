@@ -5,8 +5,9 @@ Measured on the 755M random-weight Llama of bench_size.py (int4 groups of 32, in
 batch 1, after a 128-token held-out prefill into a `DynamicCache`: the eager forward of 1 token and of k = 2, 3, 5 and
 8 tokens at the next positions, the cache cut back to the prefill after each call (as after a verify that rejects
 every draft). Eager, so each forward carries the same Python overhead (about 5 ms at this size; a compiled step does
-not): the ratios are the weights' and attention's own, slightly flattered. Each repeat times every k as the mean of a few calls, in alternating order, after a
-warm-up round; one format at a time; the ratio is the median of per-repeat ratios t(k) / t(1).
+not): the ratios are the weights' and attention's own, slightly flattered. Each repeat times every k as the mean of a
+few calls, in alternating order, after a warm-up round; one format at a time; the ratio is the median of per-repeat
+ratios t(k) / t(1).
 
 Regenerate benchmarks/results/bench_verify.json and docs/bench_verify.md:
     .venv/bin/python benchmarks/bench_verify.py

@@ -1,10 +1,10 @@
 """GGUF in, kept packed (`hf_accel.load_gguf`, `hf_accel.load_model("x.gguf")`): Q8_0 / Q4_0 Linears become
 `Int8Linear` / `Int4Linear` in groups of 32 holding the file's codes, and the weights they multiply by are exactly
 those of transformers' own GGUF loader (which dequantizes everything) on the same file: for Llama (whose q / k rows
-the converter interleaves), Qwen2 (biases, no interleaving) and Qwen3 (q / k norms), all-Q8_0, all-Q4_0 and mixed files (another type per
-layer, an untied Q8_0 output layer, an F16 embedding). Logits agree within the kernels' activation rounding, the
-model generates with hf_accel's caches, saves as an hf_accel checkpoint and reloads bit for bit; bad files get a
-`ValueError` naming the problem."""
+the converter interleaves), Qwen2 (biases, no interleaving) and Qwen3 (q / k norms), all-Q8_0, all-Q4_0 and mixed
+files (another type per layer, an untied Q8_0 output layer, an F16 embedding). Logits agree within the kernels'
+activation rounding, the model generates with hf_accel's caches, saves as an hf_accel checkpoint and reloads bit for
+bit; bad files get a `ValueError` naming the problem."""
 
 import pytest
 import torch

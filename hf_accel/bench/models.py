@@ -6,13 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers import (
-    AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerBase,
-)
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
 from .. import reference
-from ..quant.gguf_file import load_gguf
-from ..quant.presets import load_tokenizer
+from ..quant.presets import load_model, load_tokenizer
 from ..speculative.eagle_head import EagleHead
 from ..speculative.medusa_heads import MedusaHeads
 
@@ -68,7 +65,7 @@ class BenchModel:
 
 
 def load_bench_model(name: str | None, draft: str | None = None, dtype: torch.dtype = torch.float32) -> BenchModel:
-    """`name` (local path, hub id or GGUF file) and `draft` loaded with `from_pretrained`; by default hf_accel's reference
+    """`name` (local path, hub id or GGUF file) and `draft` loaded with `load_model`; by default hf_accel's reference
     target and draft (or, when their assets are missing, a random-weight Llama and no draft)."""
     if name is None:
         if not reference.has_assets():
@@ -89,10 +86,8 @@ def load_bench_model(name: str | None, draft: str | None = None, dtype: torch.dt
 
 
 def _pretrained(name: str, dtype: torch.dtype) -> PreTrainedModel:
-    """`from_pretrained(name)` in eval mode; a GGUF file through `load_gguf` (its Q8_0 / Q4_0 weights kept packed)."""
-    if name.endswith(".gguf"):
-        return load_gguf(name, dtype=dtype)
-    return AutoModelForCausalLM.from_pretrained(name, dtype=dtype).eval()
+    """`name` in eval mode through `load_model` (`from_pretrained`, or a GGUF file with its weights kept packed)."""
+    return load_model(name, dtype=dtype).eval()
 
 
 def describe_model(model: PreTrainedModel) -> str:

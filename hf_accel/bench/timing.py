@@ -85,8 +85,9 @@ def compare_strategies(
 ) -> list[StrategyResult]:
     """Time decode of every strategy, interleaved, and compare with `strategies[0]`; `on_step` after each run pair,
     a `tqdm.auto` bar over the runs unless `progress=False`. A strategy with a `model_variant` runs on that variant of
-    `model`, built once at its first run, untimed. With `on_error`, a strategy other than the baseline whose variant or run
-    raises is left out of the results and `on_error(name, error)` told why (without it, the error propagates)."""
+    `model`, built once at its first run, untimed. With `on_error`, a strategy other than the baseline whose variant
+    or run raises is left out of the results and `on_error(name, error)` told why (without it, the error
+    propagates)."""
     if new_tokens < 2:
         raise ValueError(f"`new_tokens` must be at least 2 to measure decode, got {new_tokens}")
     runs = _Runs(model, inputs, new_tokens, strategies, on_step, on_error)

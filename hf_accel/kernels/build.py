@@ -4,9 +4,9 @@ at first use, registering its ops under `torch.ops.hf_accel` (`custom_ops.py` na
 Building needs a C++ compiler, the Python headers and `ninja` (all on the machines this project runs on); the first
 build takes about half a minute on two cores (each source includes ATen and the op registry only, not
 `torch/extension.h`, whose Python and nn headers tripled the compile) and is cached (`build_directory()`, under
-`~/.cache/torch_extensions` or `$TORCH_EXTENSIONS_DIR`). Processes build one at a time under an OS file lock, which dies with its process: torch's
-own lock file, left behind by a process killed mid-build, would otherwise make every later process wait for it
-forever.
+`~/.cache/torch_extensions` or `$TORCH_EXTENSIONS_DIR`). Processes build one at a time under an OS file lock, which
+dies with its process: torch's own lock file, left behind by a process killed mid-build, would otherwise make every
+later process wait for it forever.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ codes and run on hf_accel's quantized kernels (transformers' own `gguf_file=` lo
 float, which reads 4-8x the bytes per token).
 
     model = hf_accel.load_model("model-Q4_0.gguf")          # or load_gguf(path, dtype=torch.bfloat16)
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file="model-Q4_0.gguf")
+    tokenizer = hf_accel.load_tokenizer("model-Q4_0.gguf")  # the one the file holds, read by transformers
 
 The mapping is exact, block for block (32 inputs per GGUF block):
 - Q8_0 (fp16 `d`, 32 int8 `q`; `w = q * d`) -> `Int8Linear(group_size=32)`: codes `q`, scale `d`.
@@ -29,6 +29,7 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
+from . import weights
 from .quantizer import WeightOnlyConfig
 
 BLOCK = 32  # inputs per Q8_0 / Q4_0 block
@@ -42,12 +43,12 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, **kwargs: An
     """The causal LM in the GGUF file `path`, its Q8_0 / Q4_0 Linears kept packed (see the module docstring); other
     tensors in `dtype`. `kwargs` go to `from_pretrained` (e.g. `attn_implementation`). `ValueError` for a file that
     is not GGUF, an architecture outside `ARCHITECTURES`, or a tensor the model does not have or lacks."""
-    reader = _reader(Path(path))
+    path = Path(path)
+    reader = _reader(path)
     architecture = str(reader.fields["general.architecture"].contents())
     if architecture not in ARCHITECTURES:
         raise ValueError(f"GGUF architecture {architecture!r} is not supported; supported: {', '.join(ARCHITECTURES)}")
     tensors = {tensor.name: tensor for tensor in reader.tensors}
-    path = Path(path)
     config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
     config.tie_word_embeddings = "output.weight" not in tensors
     with torch.device("meta"):
@@ -83,6 +84,11 @@ def _quantization_config(main: str, linears: dict[str, str]) -> WeightOnlyConfig
                             module_formats=named or None)
 
 
+def names_gguf(path_or_id: str | Path) -> bool:
+    """Whether `path_or_id` names a GGUF file (by its suffix): what `load_model` / `load_tokenizer` route here."""
+    return str(path_or_id).endswith(".gguf")
+
+
 def is_gguf(path: str | Path) -> bool:
     """Whether `path` names a GGUF file (by its magic bytes)."""
     path = Path(path)
@@ -111,7 +117,7 @@ def _tensor_names(skeleton: PreTrainedModel, architecture: str, tensors: dict[st
     name_map = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
     names, missing = {}, []
     for key in skeleton.state_dict():
-        if config.tie_word_embeddings and key == "lm_head.weight":
+        if config.tie_word_embeddings and key == f"{OUTPUT}.weight":
             continue
         name = name_map.get_name(key, try_suffixes=(".weight", ".bias"))
         if name is None or name not in tensors:
@@ -172,7 +178,8 @@ def _dequantized(tensor: Any, rows: torch.Tensor | None, dtype: torch.dtype) -> 
 def _blocks(tensor: Any, rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """A Q8_0 / Q4_0 tensor -> (codes `[out, in]`: int8 for Q8_0, uint8 0..15 for Q4_0; fp16 `d` `[out, in / 32]`)."""
     out_features, in_features = _shape(tensor)
-    raw = torch.from_numpy(np.array(tensor.data)).view(out_features, in_features // BLOCK, -1)  # a copy: the file is read-only
+    raw = torch.from_numpy(np.array(tensor.data))  # a copy: the file is read-only
+    raw = raw.view(out_features, in_features // BLOCK, -1)  # [out, blocks, 2 + block bytes]
     d = raw[..., :2].contiguous().view(torch.float16).squeeze(-1)  # [out, blocks]
     packed = raw[..., 2:]
     if tensor.tensor_type.name == "Q8_0":
@@ -186,8 +193,6 @@ def _blocks(tensor: Any, rows: torch.Tensor | None) -> tuple[torch.Tensor, torch
 
 def _packed_state(module_name: str, tensor: Any, rows: torch.Tensor | None) -> dict[str, torch.Tensor]:
     """The checkpoint-format parameters (`hf_accel.quant.weights`) of the Linear holding GGUF `tensor`."""
-    from . import weights
-
     codes, d = _blocks(tensor, rows)
     if tensor.tensor_type.name == "Q8_0":
         return {f"{module_name}.weight": weights.pack_words(codes, 8), f"{module_name}.weight_scale": d.float()}

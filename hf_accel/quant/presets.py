@@ -16,12 +16,12 @@ from typing import Any
 
 import torch
 from transformers import (
-    AutoModelForCausalLM, AutoTokenizer, AwqConfig, BitsAndBytesConfig, FineGrainedFP8Config, GPTQConfig, PreTrainedModel,
-    PreTrainedTokenizerBase, QuantoConfig,
+    AutoModelForCausalLM, AutoTokenizer, AwqConfig, BitsAndBytesConfig, FineGrainedFP8Config, GPTQConfig,
+    PreTrainedModel, PreTrainedTokenizerBase, QuantoConfig,
 )
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from .gguf_file import load_gguf
+from .gguf_file import load_gguf, names_gguf
 from .quantizer import WeightOnlyConfig
 
 
@@ -151,7 +151,7 @@ def list_quantization_presets() -> list[PresetStatus]:
 def load_tokenizer(path_or_id: str) -> PreTrainedTokenizerBase:
     """The tokenizer beside `load_model(path_or_id)`: `AutoTokenizer.from_pretrained(path_or_id)`, or for a GGUF file
     the one it holds (transformers reads it: `from_pretrained(folder, gguf_file=name)`)."""
-    if str(path_or_id).endswith(".gguf"):
+    if names_gguf(path_or_id):
         path = Path(path_or_id)
         return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     return AutoTokenizer.from_pretrained(path_or_id)
@@ -163,7 +163,7 @@ def load_model(path_or_id: str, quant: str | QuantizationConfigMixin | None = No
 
     A GGUF file (`path_or_id` ending in `.gguf`) loads with `load_gguf`: its Q8_0 / Q4_0 weights stay packed
     (`quant` must be None; `kwargs` may hold `dtype`)."""
-    if str(path_or_id).endswith(".gguf"):
+    if names_gguf(path_or_id):
         if quant is not None:
             raise ValueError(f"quant must be None for a GGUF file (its weights are quantized already), got {quant!r}")
         return load_gguf(path_or_id, **kwargs)

@@ -45,8 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-accel serve", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, metavar="PATH",
-                        help="local path or hub id of a causal LM, or a GGUF file (Q8_0 / Q4_0 kept packed) "
-                             "(default: hf_accel's reference target)")
+                        help="causal LM folder, hub id or GGUF file (default: hf_accel's reference target)")
     parser.add_argument("--quant", default=None, metavar="PRESET",
                         choices=[preset.name for preset in list_quantization_presets()],
                         help="weight quantization preset, one of %(choices)s (default: the model folder's "

@@ -341,11 +341,6 @@ inline __m512i broadcast4(const int8_t* p) {  // 4 activation bytes into every l
 
 // out[r, :16] = sum_g scale_g * (sum_{b in g} dx_b sum_{k in b} q_k (code_k + 128) - 128 * sum_{b in g} dx_b
 // sum_{k in b} q_k), `group` inputs per scale (K for one per column).
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const at::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-
 template <int R, typename Scale>
 void int8_vnni_panel(const int8_t* q, const float* dx, const float* xsum, int64_t k, const uint8_t* panel,
                      const Scale* scale, int64_t group, float* out, int64_t n) {
@@ -374,7 +369,7 @@ void int8_vnni_panel(const int8_t* q, const float* dx, const float* xsum, int64_
         offset[r] += xsum[r * (k / kXBlock) + b];
       }
     }
-    const __m512 columns = load16(scale + g * kPanel);
+    const __m512 columns = load(scale + g * kPanel).v;
     for (int r = 0; r < R; ++r) {
       const __m512 centered = _mm512_sub_ps(acc[r], _mm512_set1_ps(128.0f * offset[r]));
       total[r] = _mm512_fmadd_ps(centered, columns, total[r]);
@@ -423,8 +418,7 @@ void int4_vnni_panel(const int8_t* q, const float* dx, const float* xsum, int64_
       }
     }
     const at::Half* params = qpanel + g * 2 * kPanel;
-    const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(params)));
-    const __m512 minimum = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(params + kPanel)));
+    const __m512 scale = load_half(params).v, minimum = load_half(params + kPanel).v;
     for (int r = 0; r < R; ++r)
       total[r] = _mm512_fmadd_ps(minimum, _mm512_set1_ps(group_sum[r]), _mm512_fmadd_ps(acc[r], scale, total[r]));
   }
