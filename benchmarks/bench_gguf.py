@@ -6,7 +6,7 @@ benchmark stops with a message where no llama.cpp build is found: `--build-llama
 - agreement, on the reference target (trained, so most greedy choices have margins): for held-out prompts, the text
   of 32 greedy tokens from `llama-simple`, from hf_accel and from transformers' own GGUF loader on the same file,
   compared character for character (F32, Q8_0, Q4_0 files);
-- speed, on the 755M random-weight Llama of bench_size.py: compiled paged decode (batch 1, 1 and 2 threads) of the
+- speed, on the reference target and the 755M random-weight Llama of bench_size.py: compiled paged decode (batch 1, 1 and 2 threads) of the
   GGUF Q8_0 / Q4_0 files loaded by `load_gguf`, of hf_accel's own int8 and int4 (group 32, the files' granularity)
   quantized from the same float weights, and llama.cpp's `llama-bench` on the same files; interleaved repeats after a
   warm-up round, medians of per-repeat ratios. A Q8_0 file quantizes the untied output layer too (hf_accel's own
@@ -50,8 +50,9 @@ COMMAND = ".venv/bin/python benchmarks/bench_gguf.py"
 KINDS = {"Q8_0": "int8 g32", "Q4_0": "int4 g32"}  # GGUF type -> hf_accel's own format of the same granularity
 OWN = {"int8 g32": hf_accel.WeightOnlyConfig(bits=8, group_size=32),
        "int4 g32": hf_accel.WeightOnlyConfig(bits=4, group_size=32)}
-FULL = {"size": bench_size.FULL.sizes[-1], "threads": (1, 2), "new_tokens": 17, "repeats": 3, "prompts": 16}
-QUICK = {"size": bench_size.QUICK.sizes[-1], "threads": (1,), "new_tokens": 5, "repeats": 1, "prompts": 2}
+FULL = {"sizes": (bench_size.FULL.sizes[0], bench_size.FULL.sizes[-1]), "threads": (1, 2), "new_tokens": 17,
+        "repeats": 3, "prompts": 16}  # the reference target and the 755M Llama
+QUICK = {"sizes": bench_size.QUICK.sizes, "threads": (1,), "new_tokens": 5, "repeats": 1, "prompts": 2}
 
 
 def gguf_files(llama: llama_cpp_peer.LlamaCpp, folder: Path, scratch: Path) -> dict[str, Path]:
@@ -88,9 +89,11 @@ def agreement(llama: llama_cpp_peer.LlamaCpp, plan: dict[str, Any], scratch: Pat
     return found
 
 
-def speed(llama: llama_cpp_peer.LlamaCpp, plan: dict[str, Any], scratch: Path) -> dict[str, Any]:
-    """Decode tokens/s of the GGUF files through `load_gguf`, hf_accel's own formats and llama.cpp, per thread count."""
-    folder = bench_size.model_folder(plan["size"], scratch / "model")
+def speed(llama: llama_cpp_peer.LlamaCpp, plan: dict[str, Any], size: bench_size.Size,
+          scratch: Path) -> dict[str, Any]:
+    """Decode tokens/s of `size`'s GGUF files through `load_gguf`, hf_accel's own formats and llama.cpp, per thread
+    count."""
+    folder = bench_size.model_folder(size, scratch / "model")
     files = gguf_files(llama, folder, scratch / "gguf")
     models = {f"GGUF {kind}": hf_accel.load_gguf(path) for kind, path in files.items()}
     models |= {name: hf_accel.load_model(str(folder), quant=config, dtype=torch.float32)
@@ -117,7 +120,7 @@ def speed(llama: llama_cpp_peer.LlamaCpp, plan: dict[str, Any], scratch: Path) -
         parameters = sum(p.numel() for p in AutoModelForCausalLM.from_config(models["int4 g32"].config).parameters())
     del models
     gc.collect()
-    return {"size": plan["size"].name, "rows": rows, "parameters": parameters}
+    return {"size": size.name, "rows": rows, "parameters": parameters}
 
 
 def _ratio(ours: list[float], theirs: list[float] | None) -> float | None:
@@ -152,7 +155,7 @@ def measure(quick: bool, build_llama_cpp: bool) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as scratch_name:
         scratch = Path(scratch_name)
         agree = agreement(llama, plan, scratch)
-        timed = speed(llama, plan, scratch)
+        timed = [speed(llama, plan, size, scratch / size.name) for size in plan["sizes"]]
     return {"command": COMMAND + (" --quick" if quick else ""), "hardware": hardware(), "llama_cpp": llama.version,
             "new_tokens": plan["new_tokens"], "repeats": plan["repeats"], "agreement": agree, "speed": timed,
             "total_seconds": time.perf_counter() - started}
@@ -175,18 +178,23 @@ def render(report: dict[str, Any]) -> str:
         counts = [sum(row[key] for row in rows) for key in
                   ("hf_accel_equals_llama_cpp", "hf_accel_equals_transformers", "transformers_equals_llama_cpp")]
         lines.append(f"| {kind} | {len(rows)} | " + " | ".join(map(str, counts)) + " |")
-    timed = report["speed"]
-    lines += ["", f"## Decode speed, {timed['size']} ({timed['parameters'] / 1e6:.0f}M parameters), compiled paged, "
-              f"batch 1, {report['new_tokens'] - 1} steps, median of {report['repeats']} interleaved repeats", "",
-              "| weights | tool | threads | tok/s | bytes / token | vs hf_accel's own format | vs llama.cpp |",
-              "| --- | --- | --- | --- | --- | --- | --- |"]
+    for timed in report["speed"]:
+        lines += _speed_table(timed, report)
+    return "\n".join(lines) + f"\n\nFrom `{report['command']}` ({report['total_seconds'] / 60:.1f} min in all).\n"
+
+
+def _speed_table(timed: dict[str, Any], report: dict[str, Any]) -> list[str]:
+    lines = ["", f"## Decode speed, {timed['size']} ({timed['parameters'] / 1e6:.1f}M parameters), compiled paged, "
+             f"batch 1, {report['new_tokens'] - 1} steps, median of {report['repeats']} interleaved repeats", "",
+             "| weights | tool | threads | tok/s | bytes / token | vs hf_accel's own format | vs llama.cpp |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
     for row in timed["rows"]:
         own = "-" if row["vs_own"] is None else f"{row['vs_own']:.2f}x"
         theirs = "-" if row["vs_llama_cpp"] is None else f"{row['vs_llama_cpp']:.2f}x"
         size = "-" if row["bytes_per_token"] is None else format_bytes(row["bytes_per_token"])
         lines.append(f"| {row['weights']} | {row['tool']} | {row['threads']} | {row['tokens_per_s']:.2f} | {size} | "
                      f"{own} | {theirs} |")
-    return "\n".join(lines) + f"\n\nFrom `{report['command']}` ({report['total_seconds'] / 60:.1f} min in all).\n"
+    return lines
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
