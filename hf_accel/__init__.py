@@ -25,7 +25,7 @@ from .generate_router import route
 from .quant.linear import Int4Linear, Int8Linear
 from .quant.quantizer import METHODS as _WEIGHT_METHODS, WeightOnlyConfig, WeightOnlyQuantizer, quantize_model
 from .runtime import attention as _attention
-from .structured.constraint import StructuredOutput
+from .structured.constraint import StructuredOutput, StructuredOutputsParams
 
 if TYPE_CHECKING:  # the lazy names for type checkers and the API docs; `_LAZY` must name the same ones
     from .engine.config import EngineConfig
@@ -169,6 +169,7 @@ __all__ = [
     "SpeculativeConfig",
     "SpeculativeStats",
     "StructuredOutput",
+    "StructuredOutputsParams",
     "SuffixCache",
     "WeightOnlyConfig",
     "draft_generate",

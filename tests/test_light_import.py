@@ -15,7 +15,7 @@ import hf_accel
 DEFERRED = ("hf_accel.engine", "hf_accel.server", "hf_accel.training", "hf_accel.speculative", "hf_accel.bench",
             "hf_accel.export", "hf_accel.reference", "hf_accel.compiled.decode_loop",
             "hf_accel.compiled.speculative_entry", "hf_accel.structured.grammars", "hf_accel.structured.logits",
-            "xgrammar")  # structured outputs' engine: loaded by the first constrained generate call
+            "hf_accel.structured.matcher", "xgrammar")  # structured outputs: loaded by the first constrained call
 
 
 def _modules_after(code: str) -> list[str]:

@@ -15,6 +15,7 @@ from .outputs import RequestOutputKind, RequestTiming
 from .prompts import Prompt, encode_prompt
 from .sampling_params import SamplingParams
 from .sequence import Request
+from .structured_requests import check_structured_outputs
 
 
 class Admission:
@@ -29,7 +30,7 @@ class Admission:
     def request(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None,
                 output_kind: RequestOutputKind) -> Request:
         """A `Request` of `prompt` under `params` (default `SamplingParams()`); raises ValueError / TypeError for a
-        bad prompt, parameters or output kind (`ContextLengthExceededError` when it cannot fit)."""
+        bad prompt, parameters, constraint or output kind (`ContextLengthExceededError` when it cannot fit)."""
         if not isinstance(output_kind, RequestOutputKind):
             raise TypeError(f"`output_kind` must be a RequestOutputKind, got {output_kind!r}")
         params = SamplingParams() if params is None else params
@@ -37,6 +38,8 @@ class Admission:
             raise TypeError(f"`params` must be a SamplingParams, got {type(params).__name__}")
         text, ids = encode_prompt(self.tokenizer, prompt)
         check_request(ids, params, self.limits)
+        if params.structured_outputs is not None:
+            check_structured_outputs(self.tokenizer, params.structured_outputs)
         request_id = f"req-{next(self._ids)}" if request_id is None else request_id
         return Request(request_id, text, ids, params, next(self._arrivals), RequestTiming(time.perf_counter()),
                        output_kind=output_kind)

@@ -5,8 +5,9 @@ For every sequence whose last token the step computed (`StepOutput.sampling`):
   generator otherwise);
 - a speculating one (its last token and `k` candidates in one packed row; `k` may differ per row) keeps what the
   target's logits at those `1 + k` positions decide, exactly what plain decoding gives (`speculative.verify`):
-  plain-greedy rows take `greedy_accept` on the logits' argmax, batched by candidate count; rows with logits
-  processors (penalties, temperature, top-k/p, min-p) get their processors at each position (history: their tokens
+  plain-greedy rows take `greedy_accept` on the logits' argmax, batched by candidate count; rows with a grammar
+  (`structured_outputs`, masked at each position by what it allows there) or logits processors (penalties,
+  temperature, top-k/p, min-p) get their processors at each position (history: their tokens
   and the candidates before it, `sampler.candidate_scores`), then `greedy_accept` on those scores (greedy) or
   `speculative_sample` with one-hot draft distributions (the candidates are deterministic) drawn with the request's
   generator: lossless sampling. It emits its accepted candidates, then the target's token (its correction, or the
@@ -48,14 +49,16 @@ class Finish:
 
 def check_stop(seq: Sequence, stop_string: str | None, eos_token_ids: set[int], max_model_len: int) -> Finish | None:
     """Whether `seq` stops after its last token (`stop_string`: the stop string its text just completed, if any), by
-    the first rule that holds: that stop string, a stop token id, EOS (unless `ignore_eos`), `max_tokens` or
-    `max_model_len` reached; None while it goes on."""
+    the first rule that holds: that stop string, a stop token id, EOS (unless `ignore_eos`), its grammar complete
+    (`structured_outputs`: a stop token accepted), `max_tokens` or `max_model_len` reached; None while it goes on."""
     token, params = seq.token_ids[-1], seq.params
     if stop_string is not None:
         return Finish("stop", stop_string)
     if token in params.stop_token_ids:
         return Finish("stop", token)
     if token in eos_token_ids and not params.ignore_eos:
+        return Finish("stop")
+    if seq.grammar is not None and seq.grammar.is_terminated:  # its constraint is complete: even with ignore_eos
         return Finish("stop")
     if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= max_model_len:
         return Finish("length")
@@ -70,6 +73,11 @@ def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | N
     if eos is None:
         return set()
     return {eos} if isinstance(eos, int) else set(eos)
+
+
+def _needs_scores(seq: Sequence) -> bool:
+    """Whether verifying `seq`'s candidates needs its processed (or grammar-masked) scores, not the raw argmax."""
+    return seq.params.needs_processing or seq.grammar is not None
 
 
 class Committer:
@@ -113,7 +121,7 @@ class Committer:
         speculating = [i for i, s in enumerate(out.sampling) if s.num_drafts]
         if not speculating:
             return {}
-        emitted = self._verify_greedy(out, [i for i in speculating if not out.sampling[i].seq.params.needs_processing])
+        emitted = self._verify_greedy(out, [i for i in speculating if not _needs_scores(out.sampling[i].seq)])
         for i in speculating:
             if i not in emitted:
                 try:
@@ -139,7 +147,7 @@ class Committer:
     def _verify_processed(self, out: StepOutput, i: int) -> list[int]:
         scheduled = out.sampling[i]
         seq, drafts = scheduled.seq, scheduled.draft_token_ids
-        scores = candidate_scores(out.logits[out.rows(i)].cpu(), seq, drafts)  # [k + 1, vocab]
+        scores = candidate_scores(out.logits[out.rows(i)].to("cpu", copy=True), seq, drafts)  # [k + 1, vocab]
         candidates = torch.tensor([drafts])
         if seq.params.is_greedy:
             verdict = greedy_accept(candidates, scores.argmax(dim=-1)[None])

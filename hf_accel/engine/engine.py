@@ -162,6 +162,7 @@ class Engine(RichDisplay, EngineClient):
             self._drain_inbox()
             for request_id in list(self.core.requests):
                 self._deliver_abort(request_id)
+            self.core.grammars.shutdown()
 
     def _loop(self) -> None:
         with self._drive_lock:

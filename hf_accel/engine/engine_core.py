@@ -26,6 +26,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ..cache.kv_shape import KVShape
 from ..runtime.kv_pool import KVPool
+from ..structured.matcher import TokenMatcher
 from .block_manager import BlockManager
 from .commit import Committer, eos_token_ids
 from .config import EngineConfig
@@ -38,11 +39,13 @@ from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, ScheduledSeq, Scheduler
 from .sequence import Request, make_sequences
 from .spec_decode import SpeculativeConfig, make_proposer
+from .structured_requests import GrammarCompiles
 
 
 logger = logging.getLogger(__name__)
 # faults no single request owns: they stop the loop even when raised while handling one request
 FATAL_ERRORS = (MemoryError, torch.OutOfMemoryError)
+GRAMMAR_WAIT = 0.005  # seconds a step with nothing to run waits for a compiling grammar (new requests wait as long)
 
 
 class EngineCore:
@@ -71,9 +74,11 @@ class EngineCore:
         # an EAGLE head's or a draft model's pool, beside the target's (nothing for the other proposers)
         self.proposer.allocate(num_blocks, config.block_size, dtype, device, self.runner.attend,
                                compile=self.runner.forward.compiled)
-        self.committer = Committer(eos_token_ids(model, tokenizer), self.max_model_len, self.fail)
+        eos = eos_token_ids(model, tokenizer)
+        self.committer = Committer(eos, self.max_model_len, self.fail)
         self.requests: dict[str, Request] = {}
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.grammars = GrammarCompiles(tokenizer, self.vocab_size, sorted(eos))
         self.prompt_tokens = self.num_steps = self.num_failed_requests = 0
         self._failed: list[Request] = []  # failed since the last step returned, still to be reported
 
@@ -89,8 +94,8 @@ class EngineCore:
 
     @property
     def has_unfinished(self) -> bool:
-        """Whether a step has work: sequences to run, or failed requests not reported yet."""
-        return self.scheduler.has_unfinished or bool(self._failed)
+        """Whether a step has work: sequences to run, grammars compiling, or failed requests not reported yet."""
+        return self.scheduler.has_unfinished or self.grammars.has_pending or bool(self._failed)
 
     @property
     def limits(self) -> EngineLimits:
@@ -99,8 +104,9 @@ class EngineCore:
                             self.blocks.num_blocks * self.blocks.block_size)
 
     def add(self, request: Request) -> None:
-        """Queue a checked request (its ids unique among unfinished requests); if creating its samples raises, the
-        request fails alone and the next step reports it."""
+        """Queue a checked request (its ids unique among unfinished requests; one with `structured_outputs` waits
+        for its grammar first); if creating its samples raises, the request fails alone and the next step reports
+        it."""
         self.requests[request.request_id] = request
         try:
             make_sequences(request, self._detokenizer_for)
@@ -108,6 +114,9 @@ class EngineCore:
             self.fail(request, error)
             return
         self.prompt_tokens += len(request.prompt_token_ids)
+        if request.params.structured_outputs is not None:
+            self.grammars.submit(request)
+            return
         for seq in request.sequences:
             self.scheduler.add(seq)
 
@@ -118,6 +127,7 @@ class EngineCore:
             raise error
         if request.request_id not in self.requests:
             return
+        self.grammars.cancel(request)
         logger.warning("request %s failed: %s: %s", request.request_id, type(error).__name__, error,
                        exc_info=(type(error), error, error.__traceback__))
         for seq in request.sequences:
@@ -133,6 +143,7 @@ class EngineCore:
         request = self.requests.get(request_id)
         if request is None:
             return None
+        self.grammars.cancel(request)
         for seq in request.sequences:
             if not seq.is_finished:
                 self.scheduler.remove(seq)
@@ -143,10 +154,13 @@ class EngineCore:
     def step(self) -> list[Request]:
         """Run one step; returns the requests whose output changed, failed ones included (finished ones are
         forgotten)."""
+        self._start_constrained()
         batch = self.scheduler.schedule()
         self._mark_scheduled(batch, time.perf_counter())
         self._propose(batch)
         if not batch.scheduled:  # nothing to run, or every speculating sequence's proposer failed
+            if not batch.preempted and not self._failed:  # only grammars compiling: wait for one, briefly
+                self.grammars.wait(GRAMMAR_WAIT)
             return self._take_failed()
         started = time.perf_counter()
         out = self.runner.execute(batch)
@@ -167,6 +181,22 @@ class EngineCore:
             spec.num_draft_tokens, spec.num_accepted_tokens, self.compile_seconds,
             list(spec.accepted_per_position), self.compiling,
         )
+
+    def _start_constrained(self) -> None:
+        """Requests whose grammar compiled join the queue, each sample with its own matcher; those whose compile
+        failed fail alone."""
+        for request, compiled in self.grammars.take_ready():
+            if isinstance(compiled, BaseException):
+                self.fail(request, compiled)
+                continue
+            try:
+                for seq in request.sequences:
+                    seq.grammar = TokenMatcher(compiled)
+            except Exception as error:
+                self.fail(request, error)
+                continue
+            for seq in request.sequences:
+                self.scheduler.add(seq)
 
     def _mark_scheduled(self, batch: ScheduledBatch, now: float) -> None:
         """A request scheduled for the first time: its queue time ends, its prefix-cache hits (every sample's) count

@@ -1,6 +1,7 @@
 """Next tokens of one step's sequences, each with its own `SamplingParams`, through transformers' logits processors.
 
-Plain greedy rows take one batched argmax. Other rows are grouped by their parameters: each group runs one
+Rows with a grammar (`structured_outputs`) are masked first, in one bitmask for the batch. Plain greedy rows then
+take one batched argmax. Other rows are grouped by their parameters: each group runs one
 `LogitsProcessorList` (repetition penalty, temperature, top-k, top-p, min-p: transformers' own classes, in the
 order `generate` applies them) over its rows, then draws per row with the row's seeded generator, so a seeded
 request samples the same tokens whatever it is batched with. What one group's processors or draw raise fails
@@ -21,6 +22,7 @@ from transformers import (
     TopPLogitsWarper,
 )
 
+from ..structured.matcher import apply_bitmask, token_bitmask, mask_rows
 from .outputs import TokenLogprob
 from .sampling_params import SamplingParams
 from .sequence import Sequence
@@ -55,7 +57,10 @@ class Sampled:
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> Sampled:
-    """`logits` `[len(seqs), vocab]` (fp32) -> one token id per sequence."""
+    """`logits` `[len(seqs), vocab]` (fp32, the caller's copy: constrained rows are masked in place) -> one token id
+    per sequence."""
+    if any(seq.grammar is not None for seq in seqs):  # before any processor, as vLLM applies its grammar bitmask
+        mask_rows(logits, [seq.grammar for seq in seqs])
     result = Sampled(logits.argmax(dim=-1).tolist())
     groups: dict[int, list[int]] = {}
     for i, seq in enumerate(seqs):
@@ -100,7 +105,12 @@ def _process(logits: torch.Tensor, seqs: list[Sequence], params: SamplingParams)
 
 def candidate_scores(logits: torch.Tensor, seq: Sequence, draft_token_ids: list[int]) -> torch.Tensor:
     """`seq`'s processed scores `[k + 1, vocab]` at its last token and each of its `k` candidates: position j is
-    processed as if the first j candidates had been appended (the history a plain step there would see)."""
+    processed (and masked by its grammar, if any) as if the first j candidates had been appended (the history a
+    plain step there would see). `logits` is the caller's copy: a grammar masks it in place."""
+    if seq.grammar is not None:
+        bitmask = token_bitmask(len(draft_token_ids) + 1, logits.shape[-1])
+        seq.grammar.fill_drafts(draft_token_ids, bitmask, 0)
+        apply_bitmask(logits, bitmask)
     processors = logits_processors(seq.params)
     if seq.params.repetition_penalty == 1.0:
         return processors(None, logits)

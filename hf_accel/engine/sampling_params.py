@@ -8,10 +8,12 @@ must be finite and in range, `seed` fits in 63 bits, and the lists have caps (`M
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
 from ..cache.settings import check_int
+from ..structured.constraint import StructuredOutput
 
 MAX_SEED = 2**63  # exclusive: a seed is a non-negative int64
 MAX_STOP_STRINGS = 16
@@ -55,6 +57,19 @@ def _check_stop(value: object) -> list[str]:
     return list(stops)
 
 
+def _check_structured_outputs(value: object) -> StructuredOutput | None:
+    """The constraint, a Pydantic model class replaced by its JSON schema (so the params pickle to the engine-core
+    process as plain data)."""
+    if value is None:
+        return None
+    if not isinstance(value, StructuredOutput):
+        raise TypeError(f"`structured_outputs` must be a StructuredOutputsParams (hf_accel.StructuredOutput) or "
+                        f"None, got {type(value).__name__}")
+    if value.kind == "json" and not isinstance(value.json, (dict, str)):
+        return dataclasses.replace(value, json=value.schema())
+    return value
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """Decoding settings of one request; rows of one engine step may each have their own.
@@ -77,6 +92,9 @@ class SamplingParams:
         logprobs: when set, return the chosen token's log-probability and the top `logprobs` alternatives (at most
             20).
         priority: lower runs first (vLLM's convention); ties go by arrival.
+        structured_outputs: a `StructuredOutputsParams` (`hf_accel.StructuredOutput`): the output matches its JSON
+            schema, JSON object, regex, choice or grammar, and ends where the constraint is complete (needs the
+            `structured` extra and the engine's tokenizer; docs/structured_outputs.md).
     """
 
     max_tokens: int = 16
@@ -92,6 +110,7 @@ class SamplingParams:
     n: int = 1
     logprobs: int | None = None
     priority: int = 0
+    structured_outputs: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         check_int("max_tokens", self.max_tokens, 1, "a positive int")
@@ -116,6 +135,7 @@ class SamplingParams:
         if self.logprobs is not None:
             _check_below("logprobs", self.logprobs, 0, MAX_LOGPROBS + 1, f"an int in [0, {MAX_LOGPROBS}] or None")
         _check_below("priority", self.priority, -MAX_SEED, MAX_SEED, "an int in [-2**63, 2**63)")
+        self.structured_outputs = _check_structured_outputs(self.structured_outputs)
 
     @property
     def is_greedy(self) -> bool:

@@ -13,12 +13,16 @@ import copy
 import enum
 import itertools
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from .detokenizer import Detokenizer
 from .outputs import CompletionOutput, RequestError, RequestOutput, RequestOutputKind, RequestTiming, TokenLogprob
 from .sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from ..structured.matcher import TokenMatcher
 
 _sequence_ids = itertools.count()
 
@@ -48,6 +52,7 @@ class Sequence:
     num_reported_tokens: int = 0  # output tokens (and their text) handed out in DELTA reports
     num_reported_chars: int = 0
     is_finish_reported: bool = False
+    grammar: TokenMatcher | None = None  # with `structured_outputs`: where the sample is in its grammar
 
     def __post_init__(self) -> None:
         logprobs = [] if self.request.params.logprobs is not None else None
@@ -90,7 +95,10 @@ class Sequence:
         return self.request.params.priority, self.request.arrival_seq, self.index
 
     def append_token(self, token_id: int, logprob: TokenLogprob | None, now: float) -> str | None:
-        """Record a sampled token; returns the stop string it completed, if any."""
+        """Record a sampled token (its grammar, if any, advances over it first: ValueError if it does not fit);
+        returns the stop string it completed, if any."""
+        if self.grammar is not None:
+            self.grammar.accept(token_id)
         self.token_ids.append(token_id)
         self.output.token_ids.append(token_id)
         self.output.token_times.append(now)

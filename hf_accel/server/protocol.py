@@ -3,9 +3,12 @@ a number belongs is a 400, not a coercion; NaN and infinities are refused). An e
 default". Sampling ranges are checked
 once, by `SamplingParams`, whose errors name the field; only the server's own bounds live here (at most 20
 logprobs, `max_completion_tokens` >= 1). Fields this server cannot honour (`presence_penalty`, `frequency_penalty`,
-`logit_bias`, `echo`, `suffix`, `tools`, `tool_choice`, `best_of` != `n`, and constrained output: `response_format`
-other than text, vLLM's `structured_outputs` and `guided_*`) get a 400 when set to anything but their no-op value,
-never a 200 that ignored them; other unknown fields are ignored.
+`logit_bias`, `echo`, `suffix`, `tools`, `tool_choice`, `best_of` != `n`, vLLM's older `guided_*`) get a 400 when
+set to anything but their no-op value, never a 200 that ignored them; other unknown fields are ignored.
+
+Constrained output (`structured_fields.py`): OpenAI's `response_format` (`text`, `json_object`, `json_schema`) and
+vLLM's `structured_outputs` (`json`, `json_object`, `regex`, `choice`, `grammar`); a constraint the grammar backend
+refuses is a 400 naming `structured_outputs`.
 
 Extras beyond OpenAI's fields (vLLM's names): `top_k`, `min_p`, `repetition_penalty`, `stop_token_ids`,
 `ignore_eos`, `priority` (lower runs first), `return_token_ids` (choices carry their `token_ids`).
@@ -15,22 +18,11 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from ..engine.sampling_params import MAX_LOGPROBS, SamplingParams
-
-
-class RequestModel(BaseModel):
-    """Strict types; unknown fields ignored (as OpenAI-compatible servers do); `null` falls back to the default."""
-
-    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _drop_nulls(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            return {key: value for key, value in data.items() if value is not None}
-        return data
+from .request_model import RequestModel
+from .structured_fields import ResponseFormat, StructuredOutputsField, request_constraint
 
 
 class StreamOptions(RequestModel):
@@ -59,26 +51,18 @@ class SamplingRequest(RequestModel):
     ignore_eos: bool = False
     priority: int = 0
     return_token_ids: bool = False
-    response_format: dict[str, Any] | None = None
-    structured_outputs: dict[str, Any] | None = None  # vLLM's
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None  # vLLM's
     guided_json: Any = None  # vLLM's older names for structured_outputs' fields
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
 
-    @field_validator("response_format")
+    @field_validator("guided_json", "guided_regex", "guided_choice", "guided_grammar")
     @classmethod
-    def _text_only(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        if value and value != {"type": "text"}:
-            raise ValueError('only {"type": "text"}: constrained output (json_schema, json_object) is not supported '
-                             "by this server")
-        return value
-
-    @field_validator("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
-    @classmethod
-    def _no_constraints(cls, value: object) -> object:
+    def _use_structured_outputs(cls, value: object) -> object:
         if value:
-            raise ValueError("constrained output is not supported by this server")
+            raise ValueError("not supported by this server: use `structured_outputs` (vLLM's current name)")
         return value
 
     @field_validator("presence_penalty", "frequency_penalty")
@@ -106,6 +90,7 @@ class SamplingRequest(RequestModel):
             min_p=self.min_p, repetition_penalty=self.repetition_penalty, stop=self.stop,
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, seed=self.seed, n=self.n,
             logprobs=logprobs, priority=self.priority,
+            structured_outputs=request_constraint(self.response_format, self.structured_outputs),
         )
 
 

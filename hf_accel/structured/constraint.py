@@ -83,3 +83,6 @@ class StructuredOutput:
 
 def _is_pydantic_model(value: Any) -> bool:
     return isinstance(value, type) and hasattr(value, "model_json_schema")
+
+
+StructuredOutputsParams = StructuredOutput  # vLLM's name, as `SamplingParams(structured_outputs=...)` takes it

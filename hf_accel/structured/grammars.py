@@ -6,6 +6,7 @@ constraint without it raises ImportError naming the extra."""
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections import OrderedDict
 from typing import Any
@@ -47,20 +48,35 @@ def compiler_for(tokenizer: PreTrainedTokenizerBase, vocab_size: int, stop_token
         return compiler
 
 
-def compile_constraint(constraint: StructuredOutput, compiler: Any) -> Any:
-    """`constraint` compiled by `compiler`; ValueError naming the constraint and what the backend refused (an
-    unsupported schema feature, a bad regex or grammar)."""
-    kind = constraint.kind
+def parse_constraint(constraint: StructuredOutput) -> Any:
+    """`constraint` as an xgrammar `Grammar` (parsed, not yet compiled against a vocabulary: cheap, no tokenizer);
+    ValueError naming the constraint and what the backend refused (an unsupported schema feature, a bad regex or
+    grammar). The engine calls it when a request is added, so a bad constraint is refused there."""
+    xgr, kind = xgrammar(), constraint.kind
     try:
         if kind == "json":
-            return compiler.compile_json_schema(json.dumps(constraint.schema()), any_whitespace=False)
-        if kind == "json_object":  # an object with any members (xgrammar's builtin JSON grammar allows any value)
-            return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
+            return xgr.Grammar.from_json_schema(json.dumps(constraint.schema()), any_whitespace=False)
+        if kind == "json_object":  # an object with any members
+            return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
         if kind == "regex":
-            return compiler.compile_regex(constraint.regex)
+            return xgr.Grammar.from_regex(constraint.regex)
         if kind == "choice":  # one EBNF alternative per string, each a quoted literal
-            return compiler.compile_grammar("root ::= " + " | ".join(json.dumps(c) for c in constraint.choice))
-        return compiler.compile_grammar(constraint.grammar)
+            return xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c) for c in constraint.choice))
+        return xgr.Grammar.from_ebnf(constraint.grammar)
     except (RuntimeError, ValueError, TypeError) as error:
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise ValueError(f"the `{kind}` constraint cannot be compiled: {reason}") from error
+        raise _refused(kind, error) from error
+
+
+def compile_constraint(constraint: StructuredOutput, compiler: Any) -> Any:
+    """`constraint` compiled by `compiler` (an xgrammar `CompiledGrammar`); ValueError as `parse_constraint`."""
+    grammar = parse_constraint(constraint)
+    try:
+        return compiler.compile_grammar(grammar)
+    except (RuntimeError, ValueError, TypeError) as error:
+        raise _refused(constraint.kind, error) from error
+
+
+def _refused(kind: str, error: Exception) -> ValueError:
+    reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    reason = re.sub(r"^\[[0-9:]+\] \S+: ", "", reason)  # xgrammar's "[time] file.cc:line: " prefix
+    return ValueError(f"the `{kind}` constraint cannot be compiled: {reason}")

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from transformers import LogitsProcessor
 
-from .grammars import xgrammar
+from .matcher import TokenMatcher, apply_bitmask, token_bitmask
 
 
 class StructuredLogitsProcessor(LogitsProcessor):
@@ -24,23 +24,20 @@ class StructuredLogitsProcessor(LogitsProcessor):
     first call for as many rows as it sees."""
 
     def __init__(self, compiled: Any):
-        self.compiled, self.xgr = compiled, xgrammar()
-        self.matchers: list[Any] = []
+        self.compiled = compiled
+        self.matchers: list[TokenMatcher] = []
         self.bitmask: torch.Tensor | None = None  # [rows, ceil(vocab / 32)] int32
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        xgr, rows = self.xgr, input_ids.shape[0]
+        rows = input_ids.shape[0]
         if not self.matchers:
-            self.matchers = [xgr.GrammarMatcher(self.compiled) for _ in range(rows)]
-            self.bitmask = xgr.allocate_token_bitmask(rows, self.compiled.tokenizer_info.vocab_size)
+            self.matchers = [TokenMatcher(self.compiled) for _ in range(rows)]
+            self.bitmask = token_bitmask(rows, self.compiled.tokenizer_info.vocab_size)
         else:
             for matcher, token in zip(self.matchers, input_ids[:, -1].tolist()):
-                if not matcher.is_terminated() and not matcher.accept_token(token):
-                    raise RuntimeError(f"the grammar rejected token {token}, which its own mask allowed")
+                if not matcher.is_terminated:  # a stopped row: generate pads it whatever it draws
+                    matcher.accept(token)
         for row, matcher in enumerate(self.matchers):
-            if matcher.is_terminated():  # a stopped row: generate pads it whatever it draws, so nothing is masked
-                self.bitmask[row].fill_(-1)  # (an all-masked row would make sampling's probabilities NaN)
-            else:
-                matcher.fill_next_token_bitmask(self.bitmask, row)
-        xgr.apply_token_bitmask_inplace(scores, self.bitmask.to(scores.device))
+            matcher.fill(self.bitmask, row)
+        apply_bitmask(scores, self.bitmask)
         return scores

@@ -1,0 +1,94 @@
+"""Requests with `SamplingParams(structured_outputs=...)`: their constraint checked when they are added, their grammar
+compiled off the step loop.
+
+- Admission (the caller's thread): the constraint is parsed (xgrammar `Grammar`: no vocabulary, cheap), so a bad
+  schema, regex or grammar is a ValueError naming `structured_outputs` before anything reaches the engine; the
+  engine must have a tokenizer (the grammar is compiled against its vocabulary).
+- The engine core hands each such request to `GrammarCompiles`: one worker thread compiles its grammar against the
+  model's vocabulary (xgrammar caches compiled grammars by their text, so a schema seen before is ready at once).
+  The request waits, unscheduled and holding no blocks, until its grammar is ready; the other requests keep
+  decoding. A compile that fails fails that request alone.
+- Once ready, each of the request's samples gets its own `TokenMatcher`; the sampler masks its logits at every
+  step (and at every candidate when speculating), and the committer advances it over each committed token.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from ..structured.constraint import StructuredOutput
+from .sequence import Request
+
+
+def check_structured_outputs(tokenizer: PreTrainedTokenizerBase | None, constraint: StructuredOutput) -> None:
+    """ValueError naming `structured_outputs` when the engine has no tokenizer or the backend refuses the
+    constraint (ImportError naming the extra when xgrammar is missing)."""
+    if tokenizer is None:
+        raise ValueError("`structured_outputs` needs the engine's tokenizer: create the Engine with `tokenizer=`")
+    from ..structured.grammars import parse_constraint
+
+    try:
+        parse_constraint(constraint)
+    except ValueError as error:
+        raise ValueError(f"`structured_outputs`: {error}") from error
+
+
+class GrammarCompiles:
+    """Compiles constrained requests' grammars on one worker thread against one model's vocabulary (`vocab_size`
+    logits, ending on `stop_token_ids`). Driven by the engine core's thread: `submit`, then `take_ready` each step."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase | None, vocab_size: int, stop_token_ids: list[int]):
+        self.tokenizer, self.vocab_size, self.stop_token_ids = tokenizer, vocab_size, stop_token_ids
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pending: dict[str, tuple[Request, concurrent.futures.Future]] = {}
+
+    @property
+    def has_pending(self) -> bool:
+        return bool(self._pending)
+
+    def submit(self, request: Request) -> None:
+        """Start compiling `request`'s grammar (it must have `structured_outputs`)."""
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hf_accel-grammar")
+        future = self._executor.submit(self._compile, request.params.structured_outputs)
+        self._pending[request.request_id] = (request, future)
+
+    def take_ready(self) -> list[tuple[Request, Any]]:
+        """The requests whose compile ended since the last call, each with its compiled grammar, or with the
+        exception the compile raised."""
+        ready = []
+        for request_id, (request, future) in list(self._pending.items()):
+            if future.done():
+                del self._pending[request_id]
+                error = future.exception()
+                ready.append((request, future.result() if error is None else error))
+        return ready
+
+    def wait(self, timeout: float) -> None:
+        """Block until a pending compile ends or `timeout` seconds pass (for a step with nothing else to run)."""
+        futures = [future for _, future in self._pending.values()]
+        if futures:
+            concurrent.futures.wait(futures, timeout, return_when=concurrent.futures.FIRST_COMPLETED)
+
+    def cancel(self, request: Request) -> None:
+        """Forget `request`'s compile (aborted or failed while waiting); a compile already running ends unused."""
+        entry = self._pending.pop(request.request_id, None)
+        if entry is not None:
+            entry[1].cancel()
+
+    def shutdown(self) -> None:
+        """Stop the worker after its current compile; pending requests are the caller's to abort first."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None
+
+    def _compile(self, constraint: StructuredOutput) -> Any:
+        from ..structured.grammars import compile_constraint, compiler_for
+
+        try:
+            return compile_constraint(constraint, compiler_for(self.tokenizer, self.vocab_size, self.stop_token_ids))
+        except ValueError as error:
+            raise ValueError(f"`structured_outputs`: {error}") from error

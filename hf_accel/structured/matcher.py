@@ -1,0 +1,82 @@
+"""`TokenMatcher`: one generated sequence's place in its grammar, and the masks that keep the sequence inside it.
+
+A matcher follows the tokens a sequence commits (`accept`) and says which tokens may come next (`fill`: one row of
+an xgrammar bitmask, `[rows, ceil(vocab / 32)]` int32, bit set = allowed). For speculative decoding, `fill_drafts`
+fills the masks at the sequence's last token and at each of its `k` candidates, as if the candidates before each
+position had been committed, and leaves the matcher where it was: the target's logits at every verified position
+are masked by what the grammar allows there, so verification keeps exactly what constrained plain decoding would.
+A candidate the grammar refuses ends the candidates that follow it: their masks allow everything, harmlessly, since
+the mask before the refused candidate gives it no probability, so verification never gets past it.
+
+A matcher whose grammar is complete and has accepted a stop token is terminated: its mask allows everything (the
+sequence ends on that stop token; a mask allowing nothing would make sampling's probabilities NaN).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from .grammars import xgrammar
+
+
+class TokenMatcher:
+    """The grammar state of one sequence, over a compiled grammar (xgrammar `CompiledGrammar`)."""
+
+    def __init__(self, compiled: Any):
+        self._matcher = xgrammar().GrammarMatcher(compiled)
+
+    @property
+    def is_terminated(self) -> bool:
+        """Whether the grammar is complete and a stop token was accepted: nothing may follow."""
+        return self._matcher.is_terminated()
+
+    def accept(self, token: int) -> None:
+        """Advance over a committed token; ValueError if the grammar does not allow it (the mask did not hold)."""
+        if not self._matcher.accept_token(token):
+            raise ValueError(f"token {token} does not fit the request's `structured_outputs` constraint")
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        """Row `row` of `bitmask`: the tokens allowed next."""
+        if self._matcher.is_terminated():
+            bitmask[row].fill_(-1)
+        else:
+            self._matcher.fill_next_token_bitmask(bitmask, row)
+
+    def fill_drafts(self, drafts: Sequence[int], bitmask: torch.Tensor, row: int) -> None:
+        """Rows `row` .. `row + len(drafts)` of `bitmask`: the tokens allowed after the committed tokens and after
+        each prefix of `drafts`; the matcher is left as it was."""
+        accepted = 0
+        self.fill(bitmask, row)
+        for j, token in enumerate(drafts, start=1):
+            if accepted == j - 1 and not self._matcher.is_terminated() and self._matcher.accept_token(token):
+                accepted = j
+                self.fill(bitmask, row + j)
+            else:  # past a refused candidate: never reached by verification
+                bitmask[row + j].fill_(-1)
+        if accepted:
+            self._matcher.rollback(accepted)
+
+
+def token_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
+    """An all-allowed bitmask for `rows` rows over `vocab_size` tokens (`[rows, ceil(vocab / 32)]` int32)."""
+    return xgrammar().allocate_token_bitmask(rows, vocab_size)
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int] | None = None) -> None:
+    """Set the logits of forbidden tokens to -inf in place (only `rows` of `logits`, when given)."""
+    xgrammar().apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)
+
+
+def mask_rows(logits: torch.Tensor, matchers: Sequence[TokenMatcher | None]) -> None:
+    """Mask row `i` of `logits` `[rows, vocab]` to what `matchers[i]` allows next, in place (None: unconstrained);
+    one bitmask for the whole batch."""
+    rows = [i for i, matcher in enumerate(matchers) if matcher is not None]
+    if not rows:
+        return
+    bitmask = token_bitmask(len(matchers), logits.shape[-1])
+    for i in rows:
+        matchers[i].fill(bitmask, i)
+    apply_bitmask(logits, bitmask, rows)

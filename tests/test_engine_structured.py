@@ -1,0 +1,249 @@
+"""`SamplingParams(structured_outputs=...)` in the Engine, on the reference target: greedy outputs equal constrained
+`generate`'s (every constraint kind, mixed with unconstrained requests in one batch), every speculative method equals
+constrained plain decoding, sampled outputs validate, verifying a candidate under a grammar is lossless, the grammar
+compiles off the step loop (other requests finish while one waits; abort while waiting frees everything), a bad
+constraint is refused when added and a failed compile fails its request alone."""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+import threading
+
+import jsonschema
+import pydantic
+import pytest
+import torch
+
+from hf_accel import (Engine, EngineConfig, SamplingParams, SpeculativeConfig, StructuredOutput,
+                      StructuredOutputsParams, reference)
+from hf_accel.engine.commit import Committer
+from hf_accel.engine.model_runner import StepOutput
+from hf_accel.engine.outputs import RequestTiming
+from hf_accel.engine.scheduler import ScheduledSeq
+from hf_accel.engine.sequence import Request, make_sequences
+from hf_accel.engine.structured_requests import GrammarCompiles
+from hf_accel.structured.grammars import compile_constraint, compiler_for
+from hf_accel.structured.matcher import TokenMatcher, mask_rows
+
+pytest.importorskip("xgrammar")
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                           "color": {"enum": ["red", "green", "blue"]},
+                                           "done": {"type": "boolean"}},
+          "required": ["name", "color", "done"], "additionalProperties": False}
+PROMPTS = ["# a config record\nrecord = ", "data = ", "x = 1\n", 'config = {"name": "x"}\nother = ']
+CONSTRAINTS = [StructuredOutput(json=SCHEMA), StructuredOutput(regex=r"[a-z]{3}-[0-9]{2}"),
+               StructuredOutput(choice=["import os", "pass"]), StructuredOutput(json_object=True),
+               StructuredOutput(grammar='root ::= "(" [1-9] [0-9]* ("," [1-9] [0-9]*)* ")"')]
+MAX_TOKENS = 40
+
+
+class Pet(pydantic.BaseModel):
+    kind: str = pydantic.Field(max_length=10)
+    legs: int = pydantic.Field(ge=0, le=8)
+
+
+@functools.lru_cache(maxsize=None)
+def target():
+    return reference.load("target")
+
+
+def engine(speculative: SpeculativeConfig | None = None, **config) -> Engine:
+    model, tokenizer = target()
+    return Engine(model, tokenizer, config=EngineConfig(enforce_eager=True, **config), speculative=speculative)
+
+
+def greedy(constraint: StructuredOutput | None, **kwargs) -> SamplingParams:
+    return SamplingParams(max_tokens=MAX_TOKENS, temperature=0, structured_outputs=constraint, **kwargs)
+
+
+def constrained_generate(prompt: str, constraint: StructuredOutput) -> list[int]:
+    model, tokenizer = target()
+    inputs = tokenizer([prompt], return_tensors="pt", add_special_tokens=False)
+    out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, structured_output=constraint, tokenizer=tokenizer,
+                         do_sample=False)
+    return out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+def apply_bitmask_of(matcher: TokenMatcher, logits: torch.Tensor) -> None:
+    mask_rows(logits, [matcher])
+
+
+def assert_nothing_kept(eng: Engine) -> None:
+    blocks = eng.core.blocks
+    assert blocks.num_free_blocks == blocks.num_blocks and not eng.core.requests
+    assert not eng.core.grammars.has_pending
+
+
+def test_greedy_equals_constrained_generate_beside_unconstrained_requests():
+    eng = engine()
+    plain = [out.outputs[0].token_ids for out in eng.generate(PROMPTS, greedy(None))]
+    for constraint in CONSTRAINTS:
+        # each prompt constrained, batched with the same prompts unconstrained
+        outs = eng.generate(PROMPTS + PROMPTS, [greedy(constraint)] * len(PROMPTS) + [greedy(None)] * len(PROMPTS))
+        for prompt, out in zip(PROMPTS, outs):
+            assert out.outputs[0].token_ids == constrained_generate(prompt, constraint), (constraint.kind, prompt)
+        assert [out.outputs[0].token_ids for out in outs[len(PROMPTS):]] == plain
+    assert_nothing_kept(eng)
+
+
+def test_outputs_match_their_constraint_and_stop_when_complete():
+    eng = engine()
+    params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True,
+                            structured_outputs=StructuredOutput(json=SCHEMA))
+    outs = eng.generate(PROMPTS, params)  # a complete constraint ends the output, even with ignore_eos
+    for out in outs:
+        sample = out.outputs[0]
+        assert sample.finish_reason == "stop", sample
+        jsonschema.validate(json.loads(sample.text), SCHEMA)
+    [code] = eng.generate(["code = '"], greedy(StructuredOutput(regex=r"[a-z]{3}-[0-9]{2}")))
+    assert re.fullmatch(r"[a-z]{3}-[0-9]{2}", code.outputs[0].text)
+
+
+def speculative_configs() -> dict[str, SpeculativeConfig]:
+    model, _ = target()
+    return {"ngram": SpeculativeConfig("ngram", num_speculative_tokens=4, prompt_lookup_min=1),
+            "suffix": SpeculativeConfig("suffix", num_speculative_tokens=4),
+            "medusa": SpeculativeConfig("medusa", model=reference.load_head("medusa")),
+            "eagle3": SpeculativeConfig("eagle3", model=reference.load_head("eagle", model)),
+            "draft": SpeculativeConfig("draft", model=reference.load("draft")[0], num_speculative_tokens=4)}
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix", "medusa", "eagle3", "draft"])
+def test_every_speculative_method_equals_constrained_plain_decoding(method):
+    plain = engine()
+    expected = [[out.outputs[0].token_ids for out in plain.generate(PROMPTS, greedy(c))] for c in CONSTRAINTS]
+    spec = engine(speculative_configs()[method])
+    got = [[out.outputs[0].token_ids for out in spec.generate(PROMPTS, greedy(c))] for c in CONSTRAINTS]
+    assert got == expected
+    assert spec.stats().spec_decode_num_draft_tokens > 0  # candidates were verified under the grammars
+    assert_nothing_kept(spec)
+
+
+@pytest.mark.parametrize("method", [None, "suffix"])
+def test_sampled_outputs_validate_and_are_seeded(method):
+    eng = engine(None if method is None else speculative_configs()[method])
+    params = SamplingParams(max_tokens=48, temperature=1.0, seed=7, n=3, structured_outputs=StructuredOutput(json=Pet))
+    outs = eng.generate(["pet = ", "# the data of one animal\nanimal = "], params)
+    for out in outs:
+        for sample in out.outputs:
+            if sample.finish_reason == "stop":
+                Pet.model_validate_json(sample.text)
+            else:  # max_tokens first: a valid prefix, unfinished
+                assert sample.finish_reason == "length"
+    assert sum(s.finish_reason == "stop" for out in outs for s in out.outputs) >= 4
+    if method is not None:  # the suffix cache learned from these outputs: other candidates, other draws
+        return
+    again = eng.generate(["pet = ", "# the data of one animal\nanimal = "], params)
+    assert [[s.token_ids for s in o.outputs] for o in again] == [[s.token_ids for s in o.outputs] for o in outs]
+
+
+def test_verifying_a_sampled_candidate_under_a_grammar_is_lossless():
+    """The first token emitted after verifying one candidate is distributed as the target's distribution masked by
+    the grammar, whether the candidate is allowed or not."""
+    model, tokenizer = target()
+    vocab = model.get_output_embeddings().weight.shape[0]
+    choices = ["ab", "cd", "ef", "gh"]
+    compiled = compile_constraint(StructuredOutput(choice=choices), compiler_for(tokenizer, vocab, None))
+    request = Request("r", None, [5, 6, 7], SamplingParams(max_tokens=8, temperature=1.0, seed=0), 0,
+                      RequestTiming(0.0))
+    make_sequences(request, lambda params: None)
+    seq = request.sequences[0]
+    seq.grammar, seq.num_computed_tokens = TokenMatcher(compiled), 2
+    logits = torch.randn(2, vocab, generator=torch.Generator().manual_seed(0))
+    masked = logits[0].clone()[None]
+    apply_bitmask_of(TokenMatcher(compiled), masked)
+    firsts = set(torch.isfinite(masked[0]).nonzero().flatten().tolist())  # tokens that start a choice
+    assert 4 <= len(firsts) < 20
+    target_probs = torch.softmax(logits[0][sorted(firsts)], dim=-1)
+    committer = Committer(set(), 64, lambda request, error: pytest.fail(str(error)))
+    allowed, forbidden = min(firsts), int(logits[0].argmax())
+    assert forbidden not in firsts
+    for candidate in (allowed, forbidden):
+        out = StepOutput(logits, None, [ScheduledSeq(seq, 2, 1, [candidate])], [0])
+        counts = dict.fromkeys(sorted(firsts), 0)
+        for _ in range(2000):
+            counts[committer._verify(out)[0][0]] += 1  # a KeyError would be a token the grammar forbids
+        frequencies = torch.tensor(list(counts.values()), dtype=torch.float) / 2000
+        assert torch.allclose(frequencies, target_probs, atol=0.05), (candidate, frequencies, target_probs)
+
+
+def test_the_grammar_compiles_off_the_loop_and_a_waiting_request_can_be_aborted(monkeypatch):
+    release = threading.Event()
+    compile_grammar = GrammarCompiles._compile
+
+    def slow(self, constraint):
+        release.wait(30)
+        return compile_grammar(self, constraint)
+
+    monkeypatch.setattr(GrammarCompiles, "_compile", slow)
+    eng = engine()
+    eng.add_request(PROMPTS[0], greedy(StructuredOutput(json=SCHEMA)), request_id="waits")
+    eng.add_request(PROMPTS[1], greedy(StructuredOutput(regex="[a-z]+")), request_id="aborted")
+    eng.add_request(PROMPTS[2], greedy(None), request_id="free")
+    finished = {}
+    for _ in range(200):
+        for out in eng.step():
+            if out.finished:
+                finished[out.request_id] = out
+        if "free" in finished:
+            break
+    assert set(finished) == {"free"}  # decoded to its end while both grammars were compiling
+    eng.abort("aborted")
+    eng.step()
+    assert "aborted" not in eng.core.requests and "waits" in eng.core.requests
+    release.set()
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            finished[out.request_id] = out
+    assert "aborted" not in finished
+    assert finished["waits"].outputs[0].token_ids == constrained_generate(PROMPTS[0], StructuredOutput(json=SCHEMA))
+    assert_nothing_kept(eng)
+
+
+def test_a_failed_compile_fails_its_request_alone(monkeypatch):
+    def broken(self, constraint):
+        raise ValueError("`structured_outputs`: the backend broke")
+
+    monkeypatch.setattr(GrammarCompiles, "_compile", broken)
+    eng = engine()
+    bad, good = eng.generate(PROMPTS[:2], [greedy(StructuredOutput(regex="[a-z]+")), greedy(None)])
+    assert bad.error is not None and "the backend broke" in str(bad.error)
+    assert bad.outputs[0].finish_reason == "error" and good.outputs[0].finish_reason == "length"
+    assert_nothing_kept(eng)
+
+
+def test_bad_constraints_are_refused_when_added():
+    eng = engine()
+    with pytest.raises(ValueError, match=r"`structured_outputs`: the `regex` constraint cannot be compiled"):
+        eng.add_request("x", greedy(StructuredOutput(regex="a(b")))
+    with pytest.raises(ValueError, match=r"`structured_outputs`: the `json` constraint .*strin"):
+        eng.add_request("x", greedy(StructuredOutput(json={"type": "strin"})))
+    with pytest.raises(TypeError, match="`structured_outputs` must be a StructuredOutputsParams"):
+        SamplingParams(structured_outputs={"json": SCHEMA})
+    model, tokenizer = target()
+    without_tokenizer = Engine(model, config=EngineConfig(enforce_eager=True))
+    with pytest.raises(ValueError, match="needs the engine's tokenizer"):
+        without_tokenizer.add_request([5, 6], greedy(StructuredOutput(regex="a")))
+    assert not eng.core.requests and not without_tokenizer.core.requests
+
+
+def test_pydantic_constraint_becomes_plain_data():
+    """A Pydantic class is kept as its schema, so the parameters pickle to the engine-core process."""
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(json=Pet))
+    assert params.structured_outputs.json == Pet.model_json_schema()
+    assert StructuredOutputsParams is StructuredOutput
+
+
+@pytest.mark.compiled
+def test_compiled_engine_equals_the_eager_one():
+    """The mask is applied to the compiled step's logits on the host: nothing in the graph changes."""
+    model, tokenizer = target()
+    compiled = Engine(model, tokenizer, config=EngineConfig(max_num_seqs=4))
+    assert compiled.core.runner.forward.compiled
+    eager = engine(max_num_seqs=4)
+    for constraint in CONSTRAINTS[:3]:
+        got = [out.outputs[0].token_ids for out in compiled.generate(PROMPTS, greedy(constraint))]
+        assert got == [out.outputs[0].token_ids for out in eager.generate(PROMPTS, greedy(constraint))]
