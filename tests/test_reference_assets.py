@@ -13,7 +13,7 @@ from hf_accel import reference
 from hf_accel.reference import corpus
 from hf_accel.reference.evaluate import perplexity
 from hf_accel.reference.held_out import read_provenance
-from hf_accel.training.reference_tokenizer import CHAT_TEMPLATE
+from hf_accel.training.reference_tokenizer import CHAT_TEMPLATE, RESPONSE_TEMPLATE
 
 ROOT = Path(__file__).resolve().parents[1]
 # Held-out perplexity on the first 16 rows of 512 tokens: measured 66.2 for the v2 target and 170.0 for its draft (all
@@ -52,10 +52,27 @@ def test_tokenizer_round_trips_held_out_text_and_has_the_chat_template(models):
         assert tokenizer.decode(tokenizer(text, add_special_tokens=False)["input_ids"]) == text
     for name in ("target", "draft", "tokenizer"):
         saved = AutoTokenizer.from_pretrained(reference.ASSETS_DIR / name, local_files_only=True)
-        assert saved.chat_template == CHAT_TEMPLATE, name
+        assert saved.chat_template == CHAT_TEMPLATE and saved.response_template == RESPONSE_TEMPLATE, name
     messages = [{"role": "user", "content": "def add(a, b):"}]
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
     assert tokenizer.decode(ids) == "<|user|>\ndef add(a, b):<|endoftext|>\n<|assistant|>\n"
+
+
+def test_chat_template_renders_tools_and_calls_that_the_response_template_parses_back(models):
+    tokenizer = models["target"][1]
+    city = {"type": "object", "properties": {"city": {"type": "string"}}}
+    tool = {"type": "function", "function": {"name": "weather", "description": "Weather in a city", "parameters": city}}
+    call = {"type": "function", "function": {"name": "weather", "arguments": {"city": "Oslo"}}}
+    messages = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "content": "sunny"}]
+    prompt = tokenizer.apply_chat_template(messages, tools=[tool], tokenize=False, add_generation_prompt=True)
+    assert prompt.startswith("<|system|>\nYou can call these functions.") and '"name": "weather"' in prompt
+    assert '<|assistant|>\n<tool_call>{"name": "weather", "arguments": {"city": "Oslo"}}</tool_call><|endoftext|>' \
+        in prompt
+    reply = 'Checking. <tool_call>{"name": "weather", "arguments": {"city": "Rome"}}</tool_call>'
+    parsed = tokenizer.parse_response(reply, prefix=prompt, tools=[tool])
+    assert parsed == {"content": "Checking.", "tool_calls": [{"type": "function", "function": {
+        "name": "weather", "arguments": {"city": "Rome"}}}]}
 
 
 @pytest.mark.parametrize("name", reference.MODEL_NAMES)

@@ -71,7 +71,7 @@ def assert_error(response: httpx.Response, status: int, param: str | None, code:
     ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 50}, "top_logprobs"),
     ("/v1/chat/completions", {"messages": CHAT, "max_tokens": -3}, "max_tokens"),
     ("/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": 0}, "max_completion_tokens"),
-    ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function"}]}, "tools"),
+    ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function"}]}, "tools.0.function"),
     ("/v1/chat/completions", {"messages": CHAT, "tool_choice": "required"}, "tool_choice"),
     ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "xml"}}, "response_format.type"),
     ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_schema"}}, "response_format"),

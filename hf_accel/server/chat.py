@@ -13,6 +13,7 @@ from .generation import ChoiceDelta, unless_disconnected
 from .protocol import ChatCompletionRequest
 from .responses import (
     AssistantMessage,
+    CalledFunction,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -20,11 +21,13 @@ from .responses import (
     ChatLogprobs,
     DeltaMessage,
     TokenLogprobEntry,
+    ToolCallEntry,
     TopLogprob,
     Usage,
 )
 from .state import ServerState, server_state
 from .streaming import sse_response, stream_choices
+from .tool_replies import ReplyDeltas, reply_finish
 
 router = APIRouter()
 
@@ -33,15 +36,21 @@ router = APIRouter()
 async def create_chat_completion(body: ChatCompletionRequest, request: Request,
                                  server: ServerState = Depends(server_state)
                                  ) -> ChatCompletionResponse | StreamingResponse:
-    """A reply per sample; with `stream`, a role chunk per choice, then content chunks of one choice each."""
+    """A reply per sample; with `stream`, a role chunk per choice, then content (or tool call) chunks of one choice
+    each."""
     server.check_model(body.model)
-    prompt = server.chat_prompt([m.template_dict() for m in body.messages], body.add_generation_prompt)
+    try:
+        tools = body.tool_plan(server.tokenizer)
+    except ValueError as error:
+        raise bad_request(error) from error
+    prompt = server.chat_prompt([m.template_dict() for m in body.messages], body.add_generation_prompt,
+                                tools.template_tools)
     prompt_ids = server.encode(prompt)
     max_tokens = body.requested_max_tokens
     if max_tokens is None:  # the rest of the context (at least one token: a full prompt then fails the length check)
         max_tokens = max(server.engine.max_model_len - len(prompt_ids), 1)
     try:
-        params = body.sampling_params(max_tokens, body.num_logprobs)
+        params = body.sampling_params(max_tokens, body.num_logprobs, tools.constraint())
         response_id, requests = server.new_requests("chatcmpl", body.n)
         requests.submit([prompt_ids], params)
     except (ValueError, TypeError) as error:
@@ -61,11 +70,22 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
         first = [chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
                  for i in range(body.n)]
         usage_chunk = (lambda counts: chunk([], counts)) if body.include_usage else None
-        return sse_response(stream_choices(
-            requests, lambda d: chunk([ChatChunkChoice(delta=DeltaMessage(content=d.text), **fields(d))]),
-            usage_chunk, first))
+        deltas = ReplyDeltas(tools, prompt, server.tokenizer, requests.choices.whole)
+
+        def delta_chunk(d: ChoiceDelta) -> ChatCompletionChunk | None:
+            message = deltas.message(d)
+            if message is None:
+                return None
+            return chunk([ChatChunkChoice(delta=message, **{**fields(d), "finish_reason": deltas.finish_reason(d)})])
+
+        return sse_response(stream_choices(requests, delta_chunk, usage_chunk, first))
     whole = await unless_disconnected(request, requests.complete())
-    choices = [ChatChoice(message=AssistantMessage(content=d.text), **fields(d)) for d in whole]
+    choices = []
+    for d in whole:
+        content, calls = tools.parse(d.text, prompt, server.tokenizer)
+        message = AssistantMessage(content=content, tool_calls=[ToolCallEntry(
+            id=call.id, function=CalledFunction(name=call.name, arguments=call.arguments)) for call in calls])
+        choices.append(ChatChoice(message=message, **{**fields(d), "finish_reason": reply_finish(tools, d, calls)}))
     return ChatCompletionResponse(id=response_id, created=created, model=server.model_name, choices=choices,
                                   usage=requests.choices.usage())
 

@@ -3,12 +3,12 @@ a number belongs is a 400, not a coercion; NaN and infinities are refused). An e
 default". Sampling ranges are checked
 once, by `SamplingParams`, whose errors name the field; only the server's own bounds live here (at most 20
 logprobs, `max_completion_tokens` >= 1). Fields this server cannot honour (`presence_penalty`, `frequency_penalty`,
-`logit_bias`, `echo`, `suffix`, `tools`, `tool_choice`, `best_of` != `n`, vLLM's older `guided_*`) get a 400 when
+`logit_bias`, `echo`, `suffix`, `best_of` != `n`, vLLM's older `guided_*`) get a 400 when
 set to anything but their no-op value, never a 200 that ignored them; other unknown fields are ignored.
 
 Constrained output (`structured_fields.py`): OpenAI's `response_format` (`text`, `json_object`, `json_schema`) and
 vLLM's `structured_outputs` (`json`, `json_object`, `regex`, `choice`, `grammar`); a constraint the grammar backend
-refuses is a 400 naming `structured_outputs`.
+refuses is a 400 naming `structured_outputs`. Tool calls (`tools`, `tool_choice`): `tool_calls.py`.
 
 Extras beyond OpenAI's fields (vLLM's names): `top_k`, `min_p`, `repetition_penalty`, `stop_token_ids`,
 `ignore_eos`, `priority` (lower runs first), `return_token_ids` (choices carry their `token_ids`).
@@ -16,13 +16,17 @@ Extras beyond OpenAI's fields (vLLM's names): `top_k`, `min_p`, `repetition_pena
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
+from transformers import PreTrainedTokenizerBase
 
 from ..engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from ..structured.constraint import StructuredOutput
 from .request_model import RequestModel
 from .structured_fields import ResponseFormat, StructuredOutputsField, request_constraint
+from .tool_calls import NamedToolChoice, Tool, ToolPlan, plan_tools
 
 
 class StreamOptions(RequestModel):
@@ -83,14 +87,18 @@ class SamplingRequest(RequestModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        """The engine's parameters; raises SamplingParams' ValueError / TypeError naming a field out of range."""
+    def sampling_params(self, max_tokens: int, logprobs: int | None,
+                        constraint: StructuredOutput | None = None) -> SamplingParams:
+        """The engine's parameters (`constraint`: one that replaces the request's own, a tool choice's); raises
+        SamplingParams' ValueError / TypeError naming a field out of range."""
+        if constraint is None:
+            constraint = request_constraint(self.response_format, self.structured_outputs)
         return SamplingParams(
             max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
             min_p=self.min_p, repetition_penalty=self.repetition_penalty, stop=self.stop,
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, seed=self.seed, n=self.n,
             logprobs=logprobs, priority=self.priority,
-            structured_outputs=request_constraint(self.response_format, self.structured_outputs),
+            structured_outputs=constraint,
         )
 
 
@@ -131,15 +139,43 @@ class TextPart(RequestModel):
     text: str
 
 
+class FunctionCall(RequestModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class AssistantToolCall(RequestModel):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChatMessage(RequestModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[TextPart] = ""
     name: str | None = None
+    tool_calls: list[AssistantToolCall] | None = None  # an earlier assistant turn's calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
-    def template_dict(self) -> dict[str, str]:
-        """The message as chat templates read it: text parts joined into one string."""
+    def template_dict(self) -> dict[str, Any]:
+        """The message as chat templates read it: text parts joined into one string; calls with their arguments as
+        a dict where they are JSON (transformers' convention), the answered call's id on a tool message."""
         text = self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
-        return {"role": self.role, "content": text}
+        message: dict[str, Any] = {"role": self.role, "content": text}
+        if self.tool_calls:
+            message["tool_calls"] = [{"id": call.id, "type": "function", "function": {
+                "name": call.function.name, "arguments": _json_or_text(call.function.arguments)}}
+                for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -152,22 +188,17 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True  # vLLM's: end the prompt with the assistant turn's opening
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
 
-    @field_validator("tools")
-    @classmethod
-    def _no_tools(cls, value: list | None) -> list | None:
-        if value:
-            raise ValueError("tool calls are not supported by this server")
-        return value
-
-    @field_validator("tool_choice")
-    @classmethod
-    def _no_tool_choice(cls, value: str | dict | None) -> str | dict | None:
-        if value not in (None, "none", "auto"):  # without tools, "none" and "auto" ask for nothing
-            raise ValueError('only "none" or "auto": tool calls are not supported by this server')
-        return value
+    def tool_plan(self, tokenizer: PreTrainedTokenizerBase) -> ToolPlan:
+        """How the reply uses `tools` (`tool_calls.py`); ValueError naming the field when it cannot be honoured."""
+        plan = plan_tools(self.tools, self.tool_choice, tokenizer)
+        if plan.constraint() is not None and (self.structured_outputs is not None or (
+                self.response_format is not None and self.response_format.constraint() is not None)):
+            raise ValueError(f"`tool_choice` {plan.mode!r} constrains the reply to calls: it cannot be combined "
+                             "with `response_format` or `structured_outputs`")
+        return plan
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import Any
 
 from fastapi import Request
 from jinja2 import TemplateError
@@ -37,14 +38,16 @@ class ServerState:
         response_id = f"{prefix}-{uuid.uuid4().hex}"
         return response_id, EngineRequests(self.engine, self.waiting, response_id, n)
 
-    def chat_prompt(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
-        """The chat template applied to `messages`; 400 when the tokenizer has none or the template refuses them."""
+    def chat_prompt(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                    tools: list[dict[str, Any]] | None = None) -> str:
+        """The chat template applied to `messages` (and `tools`, which the template renders); 400 when the tokenizer
+        has none or the template refuses them."""
         if not self.tokenizer.chat_template:
             raise APIError(400, f"The tokenizer of `{self.model_name}` has no chat template, so `messages` cannot be "
                                 "turned into a prompt; use /v1/completions instead.", param="messages",
                            code="no_chat_template")
         try:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False,
+            return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
                                                       add_generation_prompt=add_generation_prompt)
         except (TemplateError, ValueError) as error:  # the template refuses these messages (roles must alternate...)
             raise APIError(400, f"The chat template rejected `messages`: {error}", param="messages",

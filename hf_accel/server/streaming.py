@@ -29,16 +29,19 @@ def sse_response(events: AsyncIterator[str]) -> StreamingResponse:
     return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
-async def stream_choices(requests: EngineRequests, chunk: Callable[[ChoiceDelta], BaseModel],
+async def stream_choices(requests: EngineRequests, chunk: Callable[[ChoiceDelta], BaseModel | None],
                          usage_chunk: Callable[[Usage], BaseModel] | None,
                          first: Sequence[BaseModel] = ()) -> AsyncIterator[str]:
     """Events of one streamed request: `first` chunks, then one chunk per choice delta as the engine produces
-    them, then (with `usage_chunk`) the usage, then `[DONE]`. Closing the stream early aborts the engine requests."""
+    them (none where `chunk` gives None: a delta it holds back), then (with `usage_chunk`) the usage, then `[DONE]`.
+    Closing the stream early aborts the engine requests."""
     try:
         for payload in first:
             yield event(payload)
         async for delta in requests.deltas():
-            yield event(chunk(delta))
+            payload = chunk(delta)
+            if payload is not None:
+                yield event(payload)
         if usage_chunk is not None:
             yield event(usage_chunk(requests.choices.usage()))
     except EngineDeadError as error:

@@ -26,7 +26,8 @@ from ..reference.evaluate import greedy_agreement, perplexity, token_forward_sec
 from ..reference.sources import MAX_FILE_BYTES
 from .depth_growth import grow_depth
 from .reference_presets import MODEL_PRESETS, TrainRecipe
-from .reference_tokenizer import CHAT_TEMPLATE, DEFAULT_VOCAB_SIZE, save_tokenizer, train_tokenizer
+from .reference_tokenizer import (CHAT_TEMPLATE, DEFAULT_VOCAB_SIZE, RESPONSE_TEMPLATE, save_tokenizer,
+                                  train_tokenizer)
 from .reference_trainer import Checkpointing, build_model, num_parameters, save_model, train_model
 
 EVAL_SEQ_LEN = 512
@@ -43,8 +44,9 @@ def prepare_tokenizer(
     folder = out / "tokenizer"
     if (folder / "tokenizer.json").is_file() and not retrain:
         tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-        if tokenizer.chat_template != CHAT_TEMPLATE:  # a tokenizer saved before the template existed
-            tokenizer.chat_template = CHAT_TEMPLATE
+        if tokenizer.chat_template != CHAT_TEMPLATE or tokenizer.response_template != RESPONSE_TEMPLATE:
+            tokenizer.chat_template = CHAT_TEMPLATE  # a tokenizer saved before the templates changed
+            tokenizer.response_template = RESPONSE_TEMPLATE
             save_tokenizer(tokenizer, folder)
         return tokenizer, None
     start = time.perf_counter()

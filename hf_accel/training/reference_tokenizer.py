@@ -11,6 +11,10 @@ generation stops there), then a newline; ``add_generation_prompt`` appends ``<|a
 tags are plain text, so the template adds no tokens to the vocabulary::
 
     <|system|>\nYou write Python.<|endoftext|>\n<|user|>\nSort a list.<|endoftext|>\n<|assistant|>\n
+
+Tools (``apply_chat_template(tools=...)``) are listed, one JSON object per line, in a first system turn that says how
+to call them; an assistant message's ``tool_calls`` follow its content as ``<tool_call>{"name", "arguments"}
+</tool_call>`` (Hermes' form), which ``RESPONSE_TEMPLATE`` (the tokenizer's ``response_template``) parses back.
 """
 
 from __future__ import annotations
@@ -25,9 +29,23 @@ END_OF_TEXT = "<|endoftext|>"
 DEFAULT_VOCAB_SIZE = 4096
 MIN_VOCAB_SIZE = 256 + 1  # every byte plus the special token
 CHAT_TEMPLATE = (
-    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}" + END_OF_TEXT + "\n"
+    "{%- if tools %}<|system|>\nYou can call these functions. To call one, write <tool_call>{\"name\": NAME, "
+    "\"arguments\": {...}}</tool_call>.\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}" + END_OF_TEXT + "\n"
+    "{% endif %}{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] or '' }}"
+    "{% for call in message['tool_calls'] or [] %}<tool_call>{{ {'name': call['function']['name'], "
+    "'arguments': call['function']['arguments']} | tojson }}</tool_call>{% endfor %}" + END_OF_TEXT + "\n"
     "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
+# transformers' declarative reply parser (`tokenizer.parse_response`): text, then `<tool_call>{json}</tool_call>`s
+RESPONSE_TEMPLATE = {
+    "start_anchor": "<|assistant|>\n",
+    "fields": {
+        "content": {"content": "text"},
+        "tool_calls": {"open": "<tool_call>", "close": "</tool_call>", "content": "json", "repeats": True,
+                       "transform": {"type": "function", "function": {"name": "{content.name}",
+                                                                      "arguments": "{content.arguments}"}}},
+    },
+}
 
 
 def train_tokenizer(
@@ -64,6 +82,7 @@ def wrap_tokenizer(backend: Tokenizer) -> PreTrainedTokenizerFast:
         clean_up_tokenization_spaces=False,
         model_max_length=1_000_000,
         chat_template=CHAT_TEMPLATE,
+        response_template=RESPONSE_TEMPLATE,
     )
 
 
