@@ -15,6 +15,7 @@ import pytest
 import torch
 from transformers import CompileConfig
 
+import hf_accel
 from hf_accel import StructuredOutput, reference
 from hf_accel.structured.grammars import xgrammar
 
@@ -93,6 +94,57 @@ def test_paged_cache_compiled_equals_eager(pair):
         jsonschema.validate(json.loads(text), SCHEMA)
 
 
+SPECULATIVE = ["ngram", "draft", "eagle", "medusa"]
+
+
+def speculative_kwargs(pair, method: str, stats: hf_accel.SpeculativeStats) -> dict:
+    model, _ = pair
+    if method == "ngram":
+        return {"custom_generate": hf_accel.ngram_generate, "ngram_stats": stats}
+    if method == "draft":
+        return {"custom_generate": hf_accel.draft_generate, "draft_model": reference.load("draft")[0],
+                "draft_stats": stats}
+    if method == "eagle":
+        return {"custom_generate": hf_accel.eagle_generate, "eagle_head": reference.load_head("eagle", model),
+                "eagle_stats": stats}
+    return {"custom_generate": hf_accel.medusa_generate, "medusa_heads": reference.load_head("medusa"),
+            "medusa_stats": stats}
+
+
+@pytest.mark.parametrize("method", SPECULATIVE)
+def test_speculative_decoding_under_a_grammar_equals_constrained_plain_decoding(pair, method):
+    """Candidates are scored with the grammar's mask at every position (the processor follows each row's tokens and
+    rolls back rejected ones), so greedy output is constrained plain decoding's, batched and ragged."""
+    prompts = ["# a config record\nrecord = ", 'config = {"name": "x"}\nother = ']
+    for constraint in (StructuredOutput(json=SCHEMA), StructuredOutput(regex=r"[a-z]{3}-[0-9]{2}"),
+                       StructuredOutput(choice=["import os", "pass"])):
+        stats = hf_accel.SpeculativeStats()
+        plain = generate(pair, prompts, constraint, do_sample=False)
+        assert generate(pair, prompts, constraint, do_sample=False, **speculative_kwargs(pair, method, stats)) == plain
+        assert stats.num_target_forwards > 0 and sum(stats.proposed) > 0
+
+
+@pytest.mark.parametrize("assistance", [{"prompt_lookup_num_tokens": 3}, "assistant_model"])
+def test_transformers_assisted_decoding_under_a_grammar(pair, assistance):
+    if assistance == "assistant_model":
+        assistance = {"assistant_model": reference.load("draft")[0]}
+    for prompt in ["# a config record\nrecord = ", "pet = "]:
+        for constraint in (StructuredOutput(json=SCHEMA), StructuredOutput(json=Pet)):
+            plain = generate(pair, [prompt], constraint, do_sample=False)
+            assert generate(pair, [prompt], constraint, do_sample=False, **assistance) == plain
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_sampled_speculative_outputs_validate(pair, method):
+    torch.manual_seed(0)
+    stats = hf_accel.SpeculativeStats()
+    texts = generate(pair, ["pet = ", "# the data of one animal\nanimal = "], StructuredOutput(json=Pet),
+                     do_sample=True, temperature=1.0, **speculative_kwargs(pair, method, stats))
+    for text, stopped in texts:
+        assert stopped, text
+        Pet.model_validate_json(text)
+
+
 def test_bad_calls_name_what_is_wrong(pair):
     model, tokenizer = pair
     ids = tokenizer("x = ", return_tensors="pt")["input_ids"]
@@ -101,9 +153,6 @@ def test_bad_calls_name_what_is_wrong(pair):
         model.generate(ids, max_new_tokens=4, structured_output=constraint)
     with pytest.raises(ValueError, match="not beam search"):
         model.generate(ids, max_new_tokens=4, structured_output=constraint, tokenizer=tokenizer, num_beams=2)
-    with pytest.raises(ValueError, match="does not combine with `prompt_lookup_num_tokens`"):
-        model.generate(ids, max_new_tokens=4, structured_output=constraint, tokenizer=tokenizer,
-                       prompt_lookup_num_tokens=3)
     with pytest.raises(TypeError, match="must be a hf_accel.StructuredOutput"):
         model.generate(ids, max_new_tokens=4, structured_output={"choice": ["a"]}, tokenizer=tokenizer)
     with pytest.raises(ValueError, match="the `regex` constraint cannot be compiled"):

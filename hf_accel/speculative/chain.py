@@ -36,7 +36,7 @@ def prefill(decoding: Decoding, model: PreTrainedModel, cache: Cache) -> None:
 def first_token(decoding: Decoding, cache: Cache, logits: torch.Tensor) -> None:
     """Decide and commit each row's first token from the prompt forward's last raw `logits` `[batch, vocab]`."""
     batch, rules = decoding.batch, decoding.rules
-    scores = rules.process(batch.view(batch.tokens, batch.history_lengths), logits.clone())
+    scores = rules.process(batch.view(batch.tokens, batch.history_lengths), logits.clone(), batch.history_lengths)
     first = rules.choose(scores)
     verdict = Verdict(torch.zeros_like(first), first[:, None])
     keep(decoding, cache, verdict, scores[:, None], logits[:, None], k=0, record=False)
@@ -73,7 +73,8 @@ def decide(decoding: Decoding, logits: torch.Tensor, candidates: torch.Tensor, h
     """`verify` after its forward: raw fp32 `logits` `[batch, k + 1, vocab]` of the verified positions."""
     batch, rules = decoding.batch, decoding.rules
     k = candidates.shape[1]
-    scores = torch.stack([rules.process(batch.view(history, batch.history_lengths + j), logits[:, j].clone())
+    lengths = [batch.history_lengths + j for j in range(k + 1)]
+    scores = torch.stack([rules.process(batch.view(history, lengths[j]), logits[:, j].clone(), lengths[j])
                           for j in range(k + 1)], dim=1)  # [batch, k + 1, vocab]
     if k == 0:  # a plain round
         chosen = rules.choose(scores[:, 0])

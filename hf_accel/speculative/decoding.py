@@ -60,11 +60,14 @@ class TokenRules:
     def has_stops(self) -> bool:
         return self.eos_token_ids is not None or len(self.criteria) > 0
 
-    def process(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        """Processed `scores` `[batch, vocab]` after `input_ids` `[batch, length]` (`LogitsProcessorList.__call__`
-        without its per-call signature inspection: generate passes processors no extra kwargs)."""
+    def process(self, input_ids: torch.Tensor, scores: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """Processed `scores` `[batch, vocab]` after `input_ids` `[batch, width]` (each row's `lengths[r]` tokens,
+        right-aligned: `RaggedBatch.view`). A processor with a `ragged_call(input_ids, scores, lengths)` method
+        (hf_accel's structured-output one, which follows each row's tokens) is given the lengths through it; the
+        others are called as generate calls them."""
         for processor in self.processors:
-            scores = processor(input_ids, scores)
+            ragged = getattr(processor, "ragged_call", None)
+            scores = processor(input_ids, scores) if ragged is None else ragged(input_ids, scores, lengths)
         return scores
 
     def choose(self, scores: torch.Tensor) -> torch.Tensor:

@@ -144,7 +144,7 @@ def _draft(run: DraftRun, k: int) -> RoundCandidates:
     ids, mask, positions = batch.columns[:, start:], batch.mask, batch.positions[:, start:]
     for j in range(k):
         logits = chain.forward(run.draft, run.draft_cache, batch, ids, mask, positions, 1)[:, 0]
-        scores = rules.process(batch.view(tokens, batch.history_lengths + j), logits)
+        scores = rules.process(batch.view(tokens, batch.history_lengths + j), logits, batch.history_lengths + j)
         if rules.do_sample:
             probs.append(torch.softmax(scores, dim=-1))
             token = torch.multinomial(probs[-1], 1).squeeze(1)

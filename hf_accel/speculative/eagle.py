@@ -189,7 +189,8 @@ def _draft(run: _Run, k: int) -> RoundCandidates:
         return RoundCandidates(candidates, None, history)
     hidden = state.catch_up(run.model, batch)
     for j in range(k):
-        scores = rules.process(batch.view(history, batch.history_lengths + j), state.head.logits(run.model, hidden))
+        lengths = batch.history_lengths + j
+        scores = rules.process(batch.view(history, lengths), state.head.logits(run.model, hidden), lengths)
         probs.append(torch.softmax(scores, dim=-1))
         token = torch.multinomial(probs[-1], 1).squeeze(1) if rules.do_sample else scores.argmax(dim=-1)
         candidates[:, j] = token

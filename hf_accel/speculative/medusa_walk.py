@@ -92,7 +92,8 @@ def _process(rules: TokenRules, batch: RaggedBatch, decided: torch.Tensor, depth
     scores = raw.clone()
     for length in lengths[walkers].unique().tolist():
         group = walkers[lengths[walkers] == length]
-        group_scores = rules.process(batch.view(history, torch.full_like(lengths, length)), raw.clone())
+        cut = torch.full_like(lengths, length)
+        group_scores = rules.process(batch.view(history, cut), raw.clone(), cut)
         scores[group] = group_scores[group]
     return scores
 

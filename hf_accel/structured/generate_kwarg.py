@@ -33,17 +33,13 @@ def take_structured_output(model: Any, kwargs: dict[str, Any]) -> None:
 
 
 def _check_decoding(model: Any, kwargs: dict[str, Any]) -> None:
-    """ValueError for decoding modes the processor cannot follow: beams (rows reordered), speculative decoding
-    (candidate rows scored at once)."""
+    """ValueError for beam search, whose reordered rows the processor cannot follow (greedy, sampling and every
+    speculative method can: the processor follows each row's tokens, rolling back rejected candidates)."""
     config = kwargs.get("generation_config") or model.generation_config
     beams = kwargs.get("num_beams", getattr(config, "num_beams", 1)) or 1
     if beams > 1:
-        raise ValueError(f"`structured_output` supports greedy decoding and sampling, not beam search "
-                         f"(num_beams={beams})")
-    for name in ("custom_generate", "assistant_model", "prompt_lookup_num_tokens"):
-        if kwargs.get(name) is not None:
-            raise ValueError(f"`structured_output` does not combine with `{name}` yet: speculative decoding under "
-                             "a grammar is not supported in this release")
+        raise ValueError(f"`structured_output` supports greedy decoding, sampling and speculative decoding, not "
+                         f"beam search (num_beams={beams})")
 
 
 def _stop_tokens(model: Any, kwargs: dict[str, Any]) -> list[int] | None:

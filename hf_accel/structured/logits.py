@@ -1,12 +1,17 @@
 """`StructuredLogitsProcessor`: generate's next-token scores masked to what each row's grammar allows.
 
-One xgrammar `GrammarMatcher` per row. At each call, every row's matcher first accepts the token the row chose last
-(the last column of `input_ids`; none at the first call, which sees the prompt), then fills the row's bit of one
-`[rows, vocab]` bitmask, which is applied to the scores in place: tokens the grammar forbids get -inf, so greedy and
-sampling both choose among the allowed ones (sampling from the target's distribution renormalised over them).
-A row whose grammar is complete allows only its stop tokens; a row that stopped (generate pads it from then on)
-accepts nothing more. Rows are generate's rows in order, so beam search (which reorders them) is refused by the
-caller.
+One xgrammar `GrammarMatcher` per row (`TokenMatcher`). At each call, every row's matcher follows the row's output so
+far (the tokens after its prompt, which the first call sees), then fills the row's bit of one `[rows, vocab]`
+bitmask, which is applied to the scores in place: tokens the grammar forbids get -inf, so greedy and sampling both
+choose among the allowed ones (sampling from the target's distribution renormalised over them).
+
+Following the row's tokens rather than one new token per call is what lets speculative decoding use the processor:
+its loops score each candidate position with the candidates before it appended, and the next round starts from the
+accepted ones, so the matcher rolls back what was rejected and advances over what was kept. hf_accel's speculative
+loops call `ragged_call` with each row's length (their batches are ragged: each row right-aligned, left-padded);
+transformers' loops keep rows the same length. A row whose grammar is complete allows only its stop tokens; past a stop (generate pads a finished
+row) or a candidate the grammar refuses, the row's mask allows everything: those scores are never used. Rows are
+generate's rows in order, so beam search (which reorders them) is refused by the caller.
 """
 
 from __future__ import annotations
@@ -21,23 +26,33 @@ from .matcher import TokenMatcher, apply_bitmask, token_bitmask
 
 class StructuredLogitsProcessor(LogitsProcessor):
     """Masks generate's scores to `compiled` (an xgrammar `CompiledGrammar`), one matcher per row, created at the
-    first call for as many rows as it sees."""
+    first call (which sees the prompts) for as many rows as it sees."""
 
     def __init__(self, compiled: Any):
         self.compiled = compiled
         self.matchers: list[TokenMatcher] = []
+        self.prompt_lengths: list[int] = []
         self.bitmask: torch.Tensor | None = None  # [rows, ceil(vocab / 32)] int32
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        rows = input_ids.shape[0]
+        """`input_ids` `[rows, width]`: each row's tokens so far (generate's rows: all the same length)."""
+        return self.ragged_call(input_ids, scores, None)
+
+    def ragged_call(self, input_ids: torch.LongTensor, scores: torch.FloatTensor,
+                    lengths: torch.Tensor | None) -> torch.FloatTensor:
+        """As `__call__` for a ragged batch: row r's last `lengths[r]` columns are its tokens, the rest left padding
+        (None: all columns). hf_accel's speculative loops call this (`TokenRules.process`)."""
+        rows, width = input_ids.shape
+        lengths = [width] * rows if lengths is None else lengths.tolist()
         if not self.matchers:
             self.matchers = [TokenMatcher(self.compiled) for _ in range(rows)]
+            self.prompt_lengths = lengths
             self.bitmask = token_bitmask(rows, self.compiled.tokenizer_info.vocab_size)
-        else:
-            for matcher, token in zip(self.matchers, input_ids[:, -1].tolist()):
-                if not matcher.is_terminated:  # a stopped row: generate pads it whatever it draws
-                    matcher.accept(token)
-        for row, matcher in enumerate(self.matchers):
-            matcher.fill(self.bitmask, row)
+        for row, (matcher, tokens) in enumerate(zip(self.matchers, input_ids.tolist())):
+            output = tokens[width - lengths[row] + self.prompt_lengths[row]:]
+            if matcher.follow(output):
+                matcher.fill(self.bitmask, row)
+            else:  # after a stop (generate pads a finished row) or a refused candidate (never verified past)
+                self.bitmask[row].fill_(-1)
         apply_bitmask(scores, self.bitmask)
         return scores

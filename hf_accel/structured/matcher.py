@@ -27,6 +27,8 @@ class TokenMatcher:
 
     def __init__(self, compiled: Any):
         self._matcher = xgrammar().GrammarMatcher(compiled)
+        self._accepted: list[int] = []  # the tokens it has advanced over, in order
+
 
     @property
     def is_terminated(self) -> bool:
@@ -37,6 +39,24 @@ class TokenMatcher:
         """Advance over a committed token; ValueError if the grammar does not allow it (the mask did not hold)."""
         if not self._matcher.accept_token(token):
             raise ValueError(f"token {token} does not fit the request's `structured_outputs` constraint")
+        self._accepted.append(token)
+
+    def follow(self, tokens: Sequence[int]) -> bool:
+        """Move to the place after `tokens` (the sequence's output so far, which may have dropped rejected
+        candidates or gained new ones since the last call): roll back to the longest prefix shared with the tokens
+        accepted before, then accept the rest. False when the grammar refuses one of them (or one follows a stop
+        token): the matcher then stays after the longest prefix that fits."""
+        accepted, common = self._accepted, 0
+        while common < min(len(accepted), len(tokens)) and accepted[common] == tokens[common]:
+            common += 1
+        if common < len(accepted):
+            self._matcher.rollback(len(accepted) - common)
+            del accepted[common:]
+        for token in tokens[common:]:
+            if self._matcher.is_terminated() or not self._matcher.accept_token(token):
+                return False
+            accepted.append(token)
+        return True
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Row `row` of `bitmask`: the tokens allowed next."""
