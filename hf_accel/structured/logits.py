@@ -9,9 +9,10 @@ Following the row's tokens rather than one new token per call is what lets specu
 its loops score each candidate position with the candidates before it appended, and the next round starts from the
 accepted ones, so the matcher rolls back what was rejected and advances over what was kept. hf_accel's speculative
 loops call `ragged_call` with each row's length (their batches are ragged: each row right-aligned, left-padded);
-transformers' loops keep rows the same length. A row whose grammar is complete allows only its stop tokens; past a stop (generate pads a finished
-row) or a candidate the grammar refuses, the row's mask allows everything: those scores are never used. Rows are
-generate's rows in order, so beam search (which reorders them) is refused by the caller.
+transformers' loops keep rows the same length. A row whose grammar is complete allows only its stop tokens; past a
+stop (generate pads a finished row) or a candidate the grammar refuses, the row's mask allows everything: those
+scores are never used. Rows are generate's rows in order, so beam search (which reorders them) is refused by the
+caller.
 """
 
 from __future__ import annotations
