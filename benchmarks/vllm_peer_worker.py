@@ -5,10 +5,13 @@
 
 JOB: {"side": "hf_accel" | "vllm", "model": folder, "max_model_len", "max_num_seqs", "max_num_batched_tokens"
 (null: the engine's default), "requests": [[prompt token ids, max_tokens], ...], "warmup": n, "sequential": bool,
-optional "speculative": a vLLM `speculative_config` dict (vLLM only)}.
-Each request is greedy and generates exactly its max_tokens (EOS ignored). The first `warmup` requests run once
-untimed, then all requests are timed as one batch call. RESULT: {"side", "seconds" (the timed call), "load_seconds",
-"outputs" (generated token ids per request), "threads", "versions"} and, with "sequential" (hf_accel only),
+optional "speculative": a vLLM `speculative_config` dict (vLLM only), optional "json_schemas": one JSON schema per
+request (both sides)}.
+Each request is greedy and generates exactly its max_tokens (EOS ignored); with "json_schemas", its output is
+constrained to its schema (xgrammar, no free whitespace) and ends at EOS once the schema is complete. The first
+`warmup` requests run once untimed, then all requests are timed as one batch call. RESULT: {"side", "seconds" (the
+timed call), "load_seconds", "outputs" (generated token ids per request), "threads", "versions"} and, with
+"sequential" (hf_accel only),
 "sequential_outputs" (one greedy `generate` per request: the reference) and "sequential_seconds"; with
 "speculative", "spec_decode": vLLM's counters over the timed call (drafts, draft tokens, accepted tokens, accepted
 per draft position).
@@ -37,6 +40,9 @@ def run_hf_accel(job: dict[str, Any]) -> dict[str, Any]:
     import hf_accel
     from hf_accel.bench.workload import Request, engine_outputs, sequential_outputs
 
+    if job.get("json_schemas"):
+        return run_hf_accel_structured(job)
+
     torch.set_num_threads(1)
     started = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(job["model"], dtype=torch.float32).eval()
@@ -58,6 +64,29 @@ def run_hf_accel(job: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
+def run_hf_accel_structured(job: dict[str, Any]) -> dict[str, Any]:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import hf_accel
+
+    torch.set_num_threads(1)
+    started = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(job["model"], dtype=torch.float32).eval()
+    config = hf_accel.EngineConfig(max_model_len=job["max_model_len"], **engine_limits(job))
+    engine = hf_accel.Engine(model, AutoTokenizer.from_pretrained(job["model"]), config=config)
+    prompts = [prompt for prompt, _ in job["requests"]]
+    params = [hf_accel.SamplingParams(max_tokens=n, temperature=0,
+                                      structured_outputs=hf_accel.StructuredOutputsParams(json=schema))
+              for (_, n), schema in zip(job["requests"], job["json_schemas"])]
+    load_seconds = time.perf_counter() - started
+    engine.generate(prompts[: job["warmup"]], params[: job["warmup"]])
+    started = time.perf_counter()
+    outputs = [out.outputs[0].token_ids for out in engine.generate(prompts, params)]
+    return {"seconds": time.perf_counter() - started, "load_seconds": load_seconds, "outputs": outputs,
+            "threads": torch.get_num_threads(), "versions": {"hf_accel": hf_accel.__version__}}
+
+
 def run_vllm(job: dict[str, Any]) -> dict[str, Any]:
     import torch
     import transformers
@@ -66,10 +95,19 @@ def run_vllm(job: dict[str, Any]) -> dict[str, Any]:
 
     started = time.perf_counter()
     speculative = job.get("speculative")
+    structured = {"structured_outputs_config": {"backend": "xgrammar", "disable_any_whitespace": True}} \
+        if job.get("json_schemas") else {}  # the engine-wide setting (the request's own was not applied)
     llm = vllm.LLM(model=job["model"], dtype="float32", max_model_len=job["max_model_len"], seed=0,
-                   speculative_config=speculative, disable_log_stats=speculative is None, **engine_limits(job))
+                   speculative_config=speculative, disable_log_stats=speculative is None, **engine_limits(job),
+                   **structured)
     prompts = [TokensPrompt(prompt_token_ids=prompt) for prompt, _ in job["requests"]]
-    params = [vllm.SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for _, n in job["requests"]]
+    if job.get("json_schemas"):
+        from vllm.sampling_params import StructuredOutputsParams
+
+        params = [vllm.SamplingParams(max_tokens=n, temperature=0, structured_outputs=StructuredOutputsParams(
+            json=schema, disable_any_whitespace=True)) for (_, n), schema in zip(job["requests"], job["json_schemas"])]
+    else:
+        params = [vllm.SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for _, n in job["requests"]]
     load_seconds = time.perf_counter() - started
     llm.generate(prompts[: job["warmup"]], params[: job["warmup"]], use_tqdm=False)
     before = spec_decode_counters(llm) if speculative else None

@@ -18,6 +18,7 @@ import torch
 
 from hf_accel import (Engine, EngineConfig, SamplingParams, SpeculativeConfig, StructuredOutput,
                       StructuredOutputsParams, reference)
+from hf_accel.cache.kv_shape import KVShape
 from hf_accel.engine.commit import Committer
 from hf_accel.engine.model_runner import StepOutput
 from hf_accel.engine.outputs import RequestTiming
@@ -89,6 +90,23 @@ def test_greedy_equals_constrained_generate_beside_unconstrained_requests():
     assert_nothing_kept(eng)
 
 
+def test_chunked_prefill_preemption_and_prefix_hits_keep_constrained_outputs():
+    """Prompts computed in chunks, sequences preempted for blocks and recomputed, prompts found in the prefix cache:
+    the matcher keeps its place (the tokens are the same), so outputs equal constrained `generate`'s."""
+    model, _ = target()
+    per_token = KVShape.from_config(model.config).bytes_per_token(torch.float32)
+    eng = engine(kv_cache_memory=per_token * 96, max_model_len=96, block_size=4, max_num_batched_tokens=8,
+                 max_num_seqs=4)
+    constraint = StructuredOutput(json=SCHEMA)
+    expected = [constrained_generate(prompt, constraint) for prompt in PROMPTS]
+    for _ in range(2):  # the second round finds the prompts' blocks in the prefix cache
+        outs = eng.generate(PROMPTS, greedy(constraint))
+        assert [out.outputs[0].token_ids for out in outs] == expected
+    stats = eng.stats()
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+    assert_nothing_kept(eng)
+
+
 def test_outputs_match_their_constraint_and_stop_when_complete():
     eng = engine()
     params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True,
@@ -100,6 +118,25 @@ def test_outputs_match_their_constraint_and_stop_when_complete():
         jsonschema.validate(json.loads(sample.text), SCHEMA)
     [code] = eng.generate(["code = '"], greedy(StructuredOutput(regex=r"[a-z]{3}-[0-9]{2}")))
     assert re.fullmatch(r"[a-z]{3}-[0-9]{2}", code.outputs[0].text)
+
+
+def test_jump_forward_verifies_forced_tokens_and_changes_no_output():
+    """Keys, punctuation and closing brackets the schema forces are verified as candidates: fewer steps, the same
+    tokens, greedy and seeded sampling alike (the forced candidates are deterministic: lossless)."""
+    outputs, steps = {}, {}
+    for enabled in (False, True):
+        eng = engine(structured_jump_forward=enabled)
+        greedy_outs = eng.generate(PROMPTS, greedy(StructuredOutput(json=SCHEMA)))
+        outputs[enabled] = [out.outputs[0].token_ids for out in greedy_outs]
+        steps[enabled] = eng.stats().num_steps
+        assert (eng.stats().jump_forward_tokens > 0) == enabled
+        sampled = eng.generate(["pet = "], SamplingParams(max_tokens=48, seed=3, structured_outputs=StructuredOutput(
+            json=Pet)))
+        if sampled[0].outputs[0].finish_reason == "stop":
+            Pet.model_validate_json(sampled[0].outputs[0].text)
+        assert_nothing_kept(eng)
+    assert outputs[True] == outputs[False]
+    assert steps[True] < steps[False]
 
 
 def speculative_configs() -> dict[str, SpeculativeConfig]:

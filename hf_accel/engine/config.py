@@ -36,6 +36,9 @@ class EngineConfig:
             the graphs at the first step after they are ready (`Engine.compiling`): requests never wait for a
             compile, at the price of slower eager steps (and a slower compile) meanwhile. Not with a proposer that
             compiles graphs of its own (EAGLE, draft model): those engines compile at start.
+        structured_jump_forward: where a constrained request's grammar forces its next tokens (a JSON key, closing
+            brackets), verify them as candidates in the step's forward (jump-forward decoding; outputs unchanged,
+            `spec_decode/jump_forward.py`).
     """
 
     max_num_seqs: int = 32
@@ -46,6 +49,7 @@ class EngineConfig:
     max_model_len: int | None = None
     enforce_eager: bool = False
     compile_in_background: bool = False
+    structured_jump_forward: bool = True
 
     def __post_init__(self) -> None:
         check_int("max_num_seqs", self.max_num_seqs, 1, "a positive int")
@@ -55,7 +59,7 @@ class EngineConfig:
             self.kv_cache_memory = parse_bytes(self.kv_cache_memory, "kv_cache_memory")
         if self.max_model_len is not None:
             check_int("max_model_len", self.max_model_len, 1, "a positive int or None")
-        for name in ("enable_prefix_caching", "enforce_eager", "compile_in_background"):
+        for name in ("enable_prefix_caching", "enforce_eager", "compile_in_background", "structured_jump_forward"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"`{name}` must be a bool, got {getattr(self, name)!r}")
 

@@ -1,14 +1,18 @@
-"""The engine's step, single-threaded: schedule -> propose -> run -> commit -> postprocess.
+"""The engine's step, single-threaded: start constrained requests -> schedule -> propose -> run -> commit ->
+postprocess.
 
+- start: requests with `structured_outputs` whose grammar is compiled (`structured_requests.py`) join the queue;
 - schedule: which sequences run and how many tokens each computes (`scheduler.py`), room for candidates included;
-- propose: the proposer fills the candidates of the sequences given room (`spec_decode/`; without speculation the
-  `NullProposer`, which no sequence is given room for);
+- propose: a constrained sequence's grammar-forced tokens (`spec_decode/jump_forward.py`), else the proposer's
+  candidates, for the sequences given room (`spec_decode/`; without speculation the `NullProposer`, which no
+  sequence is given room for);
 - run: one model forward over every scheduled token (`model_runner.py`);
 - commit: each sampling sequence's draw or verified candidates appended under the stop rules (`commit.py`);
 - postprocess: the proposer learns what was committed, computed tokens move on and full blocks join the prefix cache
   (`Scheduler.postprocess`), finished requests leave.
 
-`EngineCore` is driven by one thread at a time (`Engine` owns the threading); it never blocks and never sleeps.
+`EngineCore` is driven by one thread at a time (`Engine` owns the threading); it never blocks, except that a step
+with nothing to run while grammars compile waits for one of them at most `GRAMMAR_WAIT` seconds.
 
 Fault isolation: whatever raises while handling one request (creating its samples and generators, proposing its
 candidates, its logits processors and draw, its logprobs, detokenization or stop rules) fails that request alone:
@@ -21,6 +25,8 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
+
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -39,6 +45,7 @@ from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, ScheduledSeq, Scheduler
 from .sequence import Request, make_sequences
 from .spec_decode import SpeculativeConfig, make_proposer
+from .spec_decode.jump_forward import JumpForward
 from .structured_requests import GrammarCompiles
 
 
@@ -56,12 +63,13 @@ class EngineCore:
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.max_model_len = config.max_model_len or context_length(model)
         self.proposer = make_proposer(speculative, model)
+        self.candidates = JumpForward(self.proposer, config.structured_jump_forward)  # forced tokens first
         shape = KVShape.from_config(model.config, caller="the engine", argument="model")
         dtype, device = model.dtype, next(model.parameters()).device
         bytes_per_token = shape.bytes_per_token(dtype) + self.proposer.kv_bytes_per_token(dtype)  # its pool's too
         num_blocks = config.num_blocks(bytes_per_token, self.max_model_len)
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler_config(speculative), self.blocks, self.proposer.can_propose)
+        self.scheduler = Scheduler(config.scheduler_config(speculative), self.blocks, self.candidates.room)
         keep_hidden = self.proposer.needs_hidden
         # a proposer with a pool of its own (EAGLE, draft model) compiles its graphs at start: so does the step
         background = config.compile_in_background and not config.enforce_eager \
@@ -115,7 +123,11 @@ class EngineCore:
             return
         self.prompt_tokens += len(request.prompt_token_ids)
         if request.params.structured_outputs is not None:
-            self.grammars.submit(request)
+            compiled = self.grammars.compiled(request)
+            if compiled is None:
+                self.grammars.submit(request)
+            else:  # compiled for an earlier request: it starts now
+                self._start(request, compiled)
             return
         for seq in request.sequences:
             self.scheduler.add(seq)
@@ -179,7 +191,7 @@ class EngineCore:
             self.blocks.stats.queries, self.blocks.stats.hits, self.prompt_tokens, self.committer.generation_tokens,
             self.num_steps, self.blocks.num_free_blocks, self.blocks.num_blocks, spec.num_drafts,
             spec.num_draft_tokens, spec.num_accepted_tokens, self.compile_seconds,
-            list(spec.accepted_per_position), self.compiling,
+            list(spec.accepted_per_position), self.compiling, self.candidates.num_forced_tokens,
         )
 
     def _start_constrained(self) -> None:
@@ -188,15 +200,19 @@ class EngineCore:
         for request, compiled in self.grammars.take_ready():
             if isinstance(compiled, BaseException):
                 self.fail(request, compiled)
-                continue
-            try:
-                for seq in request.sequences:
-                    seq.grammar = TokenMatcher(compiled)
-            except Exception as error:
-                self.fail(request, error)
-                continue
+            else:
+                self._start(request, compiled)
+
+    def _start(self, request: Request, compiled: Any) -> None:
+        """Queue a constrained request's samples, each with its own matcher over `compiled`."""
+        try:
             for seq in request.sequences:
-                self.scheduler.add(seq)
+                seq.grammar = TokenMatcher(compiled)
+        except Exception as error:
+            self.fail(request, error)
+            return
+        for seq in request.sequences:
+            self.scheduler.add(seq)
 
     def _mark_scheduled(self, batch: ScheduledBatch, now: float) -> None:
         """A request scheduled for the first time: its queue time ends, its prefix-cache hits (every sample's) count
@@ -222,7 +238,7 @@ class EngineCore:
         each_alone_on_error(self._propose_for, speculating, failed)
 
     def _propose_for(self, speculating: list[ScheduledSeq]) -> None:
-        proposals = self.proposer.propose([s.seq for s in speculating], [s.num_drafts for s in speculating])
+        proposals = self.candidates.propose([s.seq for s in speculating], [s.num_drafts for s in speculating])
         for scheduled, proposal in zip(speculating, proposals):
             scheduled.keep_drafts(proposal)
 

@@ -26,3 +26,4 @@ class EngineStats:
     compile_seconds: float = 0.0  # compiling the model step at start; 0 when eager
     spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)  # [j]: candidate j accepted
     compiling: bool = False  # the model step's graphs compile in the background; steps run eagerly meanwhile
+    jump_forward_tokens: int = 0  # candidates constrained sequences' grammars forced (counted in the spec_decode ones)

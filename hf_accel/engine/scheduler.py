@@ -8,8 +8,9 @@ Rules:
   hits) are free, and only in order: the head of the queue is never overtaken;
 - when a running sequence cannot get a block, the last running sequence in order is preempted by recompute: its
   blocks are freed and it waits again with its tokens so far, to be prefilled anew (outputs are unchanged);
-- speculation: a decode the proposer `can_propose` for gets room for `k` candidates, `k` from `draft_width`
-  (decodes x (1 + k) within `max_speculative_batch_tokens`), capped by its tokens left and the step's budget; the
+- speculation: a decode gets room for the candidates `room(seq, width, num_decodes)` wants (`width` from
+  `draft_width`: decodes x (1 + width) within `max_speculative_batch_tokens`; the proposer's sequences take `width`,
+  a constrained sequence its grammar's forced tokens), capped by its tokens left and the step's budget; the
   candidates count in the budget and get blocks, but never preempt: without free blocks it decodes plainly. The
   proposer may then propose fewer (`ScheduledSeq.keep_drafts`): the step computes only those, and the blocks
   reserved past them stay with the sequence for its next tokens.
@@ -89,14 +90,14 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    """Waiting and running queues over a `BlockManager`; `can_propose` says which decodes a proposer has candidates
-    for (none without one)."""
+    """Waiting and running queues over a `BlockManager`; `room(seq, width, num_decodes)` says how many candidates a
+    decode wants this step, given the step's `draft_width` and number of decodes (none by default)."""
 
     def __init__(self, config: SchedulerConfig, blocks: BlockManager,
-                 can_propose: Callable[[Sequence], bool] = lambda seq: False):
+                 room: Callable[[Sequence, int, int], int] = lambda seq, width, num_decodes: 0):
         self.config = config
         self.blocks = blocks
-        self.can_propose = can_propose
+        self.room = room
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -142,7 +143,8 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            drafts = min(width, seq.num_tokens_left - 1, budget - 1) if width and self.can_propose(seq) else 0
+            wanted = self.room(seq, width, len(decodes)) if seq.can_speculate else 0
+            drafts = min(wanted, seq.num_tokens_left - 1, budget - 1)
             if drafts > 0 and self.blocks.allocate(seq, 1 + drafts):  # candidates never preempt anyone
                 batch.add(seq, 1 + drafts, drafts)
                 budget -= 1 + drafts

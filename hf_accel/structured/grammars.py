@@ -17,7 +17,7 @@ from .constraint import StructuredOutput
 
 MAX_COMPILERS = 8  # tokenizers (with a vocabulary size) whose compiler is kept
 CACHE_LIMIT_BYTES = 256 * 1024 * 1024  # compiled grammars each compiler keeps
-_compilers: OrderedDict[tuple[int, int], tuple[PreTrainedTokenizerBase, Any]] = OrderedDict()
+_compilers: OrderedDict[tuple, tuple[PreTrainedTokenizerBase, Any]] = OrderedDict()
 _lock = threading.Lock()
 
 
@@ -30,18 +30,21 @@ def xgrammar() -> Any:
     return xgr
 
 
-def compiler_for(tokenizer: PreTrainedTokenizerBase, vocab_size: int, stop_token_ids: list[int] | None) -> Any:
+def compiler_for(tokenizer: PreTrainedTokenizerBase, vocab_size: int, stop_token_ids: list[int] | None,
+                 max_threads: int = 8) -> Any:
     """The `GrammarCompiler` of `tokenizer` over a model vocabulary of `vocab_size` (its logits' width, which may
-    exceed the tokenizer's), whose grammars end on `stop_token_ids` (None: the tokenizer's EOS)."""
+    exceed the tokenizer's), whose grammars end on `stop_token_ids` (None: the tokenizer's EOS), compiling on up to
+    `max_threads` threads (xgrammar's default 8 for a caller that waits; 1 beside a decoding engine)."""
     xgr = xgrammar()
-    key = (id(tokenizer), vocab_size, tuple(stop_token_ids or ()))
+    key = (id(tokenizer), vocab_size, tuple(stop_token_ids or ()), max_threads)
     with _lock:
         found = _compilers.get(key)
         if found is not None and found[0] is tokenizer:  # an id reused by a new tokenizer is a miss
             _compilers.move_to_end(key)
             return found[1]
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
-        compiler = xgr.GrammarCompiler(info, cache_enabled=True, cache_limit_bytes=CACHE_LIMIT_BYTES)
+        compiler = xgr.GrammarCompiler(info, max_threads=max_threads, cache_enabled=True,
+                                       cache_limit_bytes=CACHE_LIMIT_BYTES)
         _compilers[key] = (tokenizer, compiler)
         while len(_compilers) > MAX_COMPILERS:
             _compilers.popitem(last=False)

@@ -64,9 +64,11 @@ class SuffixProposer(Proposer):
     def observe_step(self, batch: ScheduledBatch, out: StepOutput, num_accepted: dict[int, int],
                      seconds: float) -> None:
         """Learn from the step that ran: the candidates its sequences kept against what their drafts expected
-        (finished and failed sequences left out: a stop rule may have cut their tokens), and, for a step of decodes
-        only, its forward's seconds against the tokens it forwarded."""
-        verified = [s for s in batch.scheduled if s.num_drafts and not s.seq.is_finished]
+        (finished and failed sequences left out: a stop rule may have cut their tokens; so are rounds it did not
+        propose, `JumpForward`'s), and, for a step of decodes only, its forward's seconds against the tokens it
+        forwarded."""
+        verified = [s for s in batch.scheduled  # its own rounds (not a grammar's forced tokens)
+                    if s.num_drafts and s.seq.seq_id in self._verifying and not s.seq.is_finished]
         self.budget.learn([self._verifying[s.seq.seq_id] for s in verified], [s.num_drafts for s in verified],
                           [num_accepted[s.seq.seq_id] for s in verified])
         self._verifying = {}
