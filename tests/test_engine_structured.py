@@ -107,6 +107,16 @@ def test_chunked_prefill_preemption_and_prefix_hits_keep_constrained_outputs():
     assert_nothing_kept(eng)
 
 
+def test_schemas_differing_in_property_order_get_their_own_grammars():
+    """The grammar writes properties in the schema's order, so a schema with its keys reordered is another grammar
+    (not the cached one of the first)."""
+    reordered = {**SCHEMA, "properties": dict(reversed(list(SCHEMA["properties"].items())))}
+    eng = engine()
+    first, second = (eng.generate([PROMPTS[0]], greedy(StructuredOutput(json=schema)))[0].outputs[0].text
+                     for schema in (SCHEMA, reordered))
+    assert first.startswith('{"name"') and second.startswith('{"done"')
+
+
 def test_outputs_match_their_constraint_and_stop_when_complete():
     eng = engine()
     params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True,
@@ -211,9 +221,9 @@ def test_the_grammar_compiles_off_the_loop_and_a_waiting_request_can_be_aborted(
     release = threading.Event()
     compile_grammar = GrammarCompiles._compile
 
-    def slow(self, constraint):
+    def slow(self, constraint, compiler):
         release.wait(30)
-        return compile_grammar(self, constraint)
+        return compile_grammar(self, constraint, compiler)
 
     monkeypatch.setattr(GrammarCompiles, "_compile", slow)
     eng = engine()
@@ -241,7 +251,7 @@ def test_the_grammar_compiles_off_the_loop_and_a_waiting_request_can_be_aborted(
 
 
 def test_a_failed_compile_fails_its_request_alone(monkeypatch):
-    def broken(self, constraint):
+    def broken(self, constraint, compiler):
         raise ValueError("`structured_outputs`: the backend broke")
 
     monkeypatch.setattr(GrammarCompiles, "_compile", broken)

@@ -76,7 +76,7 @@ def assert_error(response: httpx.Response, status: int, param: str | None, code:
     ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "xml"}}, "response_format.type"),
     ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_schema"}}, "response_format"),
     ("/v1/chat/completions", {"messages": CHAT, "response_format": {
-        "type": "json_schema", "json_schema": {"name": "a"}}}, "response_format.json_schema.schema"),
+        "type": "json_schema", "json_schema": {"name": "a", "schema": []}}}, "response_format.json_schema.schema"),
     ("/v1/completions", {"prompt": "x", "structured_outputs": {"choice": "a"}}, "structured_outputs.choice"),
     ("/v1/completions", {"prompt": "x", "structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
     ("/v1/completions", {"prompt": "x", "structured_outputs": {"whitespace_pattern": " "}},

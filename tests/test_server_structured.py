@@ -82,6 +82,10 @@ def test_json_object_and_streamed_structured_outputs(client):
         assert isinstance(json.loads(text), dict)
     else:  # cut by max_tokens: an object still open
         assert text.startswith("{")
+    no_schema = client.chat.completions.create(  # a json_schema format without `schema` (optional): any object
+        model=MODEL_NAME, messages=[{"role": "user", "content": "JSON?"}], max_tokens=96, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "anything"}})
+    assert no_schema.choices[0].message.content == text
     pattern = r"[a-z]{3}-[0-9]{2}"
     chunks = client.completions.create(model=MODEL_NAME, prompt="code = '", max_tokens=20, temperature=0,
                                        stream=True, extra_body={"structured_outputs": {"regex": pattern}})

@@ -92,6 +92,12 @@ def test_required_calls_name_a_tool_and_fit_its_schema(client):
     assert finish == "tool_calls"
     assert [(c["name"], c["arguments"]) for c in calls.values()] == [
         (call.function.name, call.function.arguments) for call in choice.message.tool_calls]
+    # a reply held back until it finished still carries all its token ids and logprobs
+    extras = {"logprobs": True, "extra_body": {"return_token_ids": True}}
+    whole = client.chat.completions.create(**request, **extras).choices[0]
+    chunks = [c.choices[0] for c in client.chat.completions.create(stream=True, **request, **extras) if c.choices]
+    assert sum((c.token_ids or [] for c in chunks), []) == whole.token_ids
+    assert sum(len(c.logprobs.content) for c in chunks if c.logprobs) == len(whole.logprobs.content)
     sampled = client.chat.completions.create(**{**request, "temperature": 1.0, "seed": 1, "n": 4})
     for choice in sampled.choices:
         if choice.finish_reason == "tool_calls":  # else cut by max_tokens

@@ -173,8 +173,10 @@ def test_constraint_arguments_are_checked():
         StructuredOutput(json=3)
     with pytest.raises(ValueError, match="`json` is not valid JSON"):
         StructuredOutput(json="{not json").key()
-    assert StructuredOutput(json=Pet).key() == ("json", json.dumps(Pet.model_json_schema(), sort_keys=True))
+    assert StructuredOutput(json=Pet).key() == ("json", json.dumps(Pet.model_json_schema()))
     assert StructuredOutput(json=json.dumps(SCHEMA)).key() == StructuredOutput(json=SCHEMA).key()
+    reordered = {**SCHEMA, "properties": dict(reversed(list(SCHEMA["properties"].items())))}
+    assert StructuredOutput(json=reordered).key() != StructuredOutput(json=SCHEMA).key()  # another grammar
 
 
 def test_without_xgrammar_the_error_names_the_extra(monkeypatch):

@@ -81,7 +81,7 @@ class GrammarCompiles:
         if self._executor is None:
             self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hf_accel-grammar",
                                                                    initializer=_lower_priority)
-        future = self._executor.submit(self._compile, request.params.structured_outputs)
+        future = self._executor.submit(self._compile, request.params.structured_outputs, self._compiler())
         self._pending[request.request_id] = (request, future)
 
     def take_ready(self) -> list[tuple[Request, Any]]:
@@ -121,11 +121,18 @@ class GrammarCompiles:
             self._executor.shutdown(wait=False, cancel_futures=True)
             self._executor = None
 
-    def _compile(self, constraint: StructuredOutput) -> Any:
-        from ..structured.grammars import compile_constraint, compiler_for
+    def _compiler(self) -> Any:
+        """The model vocabulary's grammar compiler, made here, on the engine's thread, the first time: reading the
+        vocabulary uses the tokenizer, which the engine's detokenizer uses on this thread too (a fast tokenizer
+        used from two threads at once can raise)."""
+        from ..structured.grammars import compiler_for
+
+        return compiler_for(self.tokenizer, self.vocab_size, self.stop_token_ids, COMPILE_THREADS)
+
+    def _compile(self, constraint: StructuredOutput, compiler: Any) -> Any:
+        from ..structured.grammars import compile_constraint
 
         try:
-            compiler = compiler_for(self.tokenizer, self.vocab_size, self.stop_token_ids, COMPILE_THREADS)
             return compile_constraint(constraint, compiler)
         except ValueError as error:
             raise ValueError(f"`structured_outputs`: {error}") from error

@@ -76,7 +76,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
             message = deltas.message(d)
             if message is None:
                 return None
-            return chunk([ChatChunkChoice(delta=message, **{**fields(d), "finish_reason": deltas.finish_reason(d)})])
+            return chunk([ChatChunkChoice(delta=message, **{**fields(deltas.covered(d)),
+                                                            "finish_reason": deltas.finish_reason(d)})])
 
         return sse_response(stream_choices(requests, delta_chunk, usage_chunk, first))
     whole = await unless_disconnected(request, requests.complete())

@@ -2,7 +2,7 @@
 
 - OpenAI's `response_format`: `{"type": "text"}` (no constraint), `{"type": "json_object"}` (any JSON object),
   `{"type": "json_schema", "json_schema": {"name", "schema", "description", "strict"}}` (JSON valid under `schema`;
-  strict or not, the output is constrained);
+  strict or not, the output is constrained; without `schema`, any JSON object);
 - vLLM's `structured_outputs`: exactly one of `json` (a schema), `json_object`, `regex`, `choice`, `grammar`.
 
 Keys this server does not honour (vLLM's `whitespace_pattern`, `structural_tag`, ...) are a 400 naming them, never
@@ -26,7 +26,7 @@ class JsonSchemaFormat(RequestModel):
 
     name: str
     description: str | None = None
-    json_schema: dict[str, Any] = Field(alias="schema")
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")  # optional in OpenAI's API
     strict: bool | None = None
 
 
@@ -47,8 +47,9 @@ class ResponseFormat(RequestModel):
     def constraint(self) -> StructuredOutput | None:
         if self.type == "json_object":
             return StructuredOutput(json_object=True)
-        if self.type == "json_schema":
-            return StructuredOutput(json=self.json_schema.json_schema)
+        if self.type == "json_schema":  # without a schema: any JSON object
+            schema = self.json_schema.json_schema
+            return StructuredOutput(json_object=True) if schema is None else StructuredOutput(json=schema)
         return None
 
 

@@ -47,6 +47,11 @@ class ReplyDeltas:
                   for i, call in enumerate(calls)]
         return DeltaMessage(content=content, tool_calls=pieces or None)
 
+    def covered(self, delta: ChoiceDelta) -> ChoiceDelta:
+        """What the chunk of `delta` stands for: the whole choice for a held-back one (its token ids and logprobs
+        go out in that one chunk), else `delta` itself."""
+        return self.whole[delta.index] if self.plan.mode in ("auto", "required") else delta
+
     def finish_reason(self, delta: ChoiceDelta) -> str | None:
         return reply_finish(self.plan, delta, self._calls.get(delta.index, []))
 

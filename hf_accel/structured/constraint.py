@@ -58,10 +58,11 @@ class StructuredOutput:
         return next(kind for kind in KINDS if getattr(self, kind) not in (None, False))
 
     def key(self) -> tuple[str, str]:
-        """(kind, canonical text): what a compiled grammar is cached under."""
+        """(kind, text): what a compiled grammar is cached under. A schema's text keeps its keys' order, which the
+        grammar follows (properties come out in the order the schema declares them)."""
         kind = self.kind
         if kind == "json":
-            return kind, json.dumps(self.schema(), sort_keys=True)
+            return kind, json.dumps(self.schema())
         if kind == "json_object":
             return kind, ""
         if kind == "choice":

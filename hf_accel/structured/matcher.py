@@ -14,6 +14,7 @@ sequence ends on that stop token; a mask allowing nothing would make sampling's 
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -117,12 +118,13 @@ def mask_rows(logits: torch.Tensor, matchers: Sequence[TokenMatcher | None]) -> 
     apply_bitmask(logits, bitmask, rows)
 
 
-_filler: Any = None
+_fillers = threading.local()
 
 
 def _batch_filler() -> Any:
-    """One xgrammar `BatchGrammarMatcher`, on one thread (more took the decoding step's cores on 2 of them)."""
-    global _filler
-    if _filler is None:
-        _filler = xgrammar().BatchGrammarMatcher(max_threads=1)
-    return _filler
+    """This thread's xgrammar `BatchGrammarMatcher` (one per engine loop: they may fill at the same time), filling
+    on one thread (more took the decoding step's cores on 2 of them)."""
+    filler = getattr(_fillers, "filler", None)
+    if filler is None:
+        filler = _fillers.filler = xgrammar().BatchGrammarMatcher(max_threads=1)
+    return filler
