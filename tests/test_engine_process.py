@@ -15,7 +15,7 @@ import openai
 import pytest
 import torch
 
-from hf_accel import Engine, EngineConfig, SamplingParams, reference
+from hf_accel import Engine, EngineConfig, SamplingParams, StructuredOutputsParams, reference
 from hf_accel.engine.engine_process import EngineProcess, EngineProcessError
 from hf_accel.engine.errors import ContextLengthExceededError, EngineDeadError
 from hf_accel.engine.outputs import RequestOutputKind
@@ -56,6 +56,24 @@ def test_greedy_outputs_equal_the_in_process_engine(engine, in_process):
     assert [[o.text for o in out.outputs] for out in got] == [[o.text for o in out.outputs] for out in expected]
     assert [out.prompt for out in got] == PROMPTS
     assert engine.stats().num_requests_running == 0 and engine.stats().num_free_blocks == engine.stats().num_blocks
+
+
+def test_constrained_requests_cross_the_process_boundary(engine, in_process):
+    """`structured_outputs` (a Pydantic class, kept as its schema) pickles to the engine-core process, which
+    compiles it; a bad one raises in the caller's process."""
+    pytest.importorskip("xgrammar")
+    import pydantic
+
+    class Pet(pydantic.BaseModel):
+        kind: str = pydantic.Field(max_length=10)
+        legs: int = pydantic.Field(ge=0, le=8)
+
+    params = SamplingParams(max_tokens=48, temperature=0, structured_outputs=StructuredOutputsParams(json=Pet))
+    got, expected = engine.generate(["pet = "], params), in_process.generate(["pet = "], params)
+    assert got[0].outputs[0].token_ids == expected[0].outputs[0].token_ids
+    Pet.model_validate_json(got[0].outputs[0].text)
+    with pytest.raises(ValueError, match="`structured_outputs`: the `regex` constraint cannot be compiled"):
+        engine.add_request("x", SamplingParams(structured_outputs=StructuredOutputsParams(regex="a(b")))
 
 
 def test_stream_deltas_add_up_to_the_final_output(engine, in_process):
