@@ -183,3 +183,48 @@ def test_without_xgrammar_the_error_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "xgrammar", None)  # an import of it raises ImportError
     with pytest.raises(ImportError, match=r"pip install 'hf_accel\[structured\]'"):
         xgrammar()
+
+
+CHI2_CRITICAL_P001 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52}  # chi-square quantiles at p = 0.001
+
+
+def homogeneity_chi2(a: dict[str, int], b: dict[str, int]) -> tuple[float, int]:
+    """Pearson's statistic that two samples over the same categories come from one distribution, and its degrees of
+    freedom (categories seen at all, minus one)."""
+    keys = [k for k in set(a) | set(b) if a.get(k, 0) + b.get(k, 0)]
+    n_a, n_b = sum(a.values()), sum(b.values())
+    statistic = 0.0
+    for k in keys:
+        total = a.get(k, 0) + b.get(k, 0)
+        for count, n in ((a.get(k, 0), n_a), (b.get(k, 0), n_b)):
+            expected = total * n / (n_a + n_b)
+            statistic += (count - expected) ** 2 / expected
+    return statistic, len(keys) - 1
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_sampled_speculative_decoding_under_a_grammar_is_lossless(pair, method):
+    """Sampling with speculation under a grammar draws from the same distribution as constrained plain sampling:
+    the choice each output makes, over 400 samples each way, passes a chi-square homogeneity test (p = 0.001)."""
+    model, tokenizer = pair
+    choices = ["import os", "import sys", "import re", "import json"]  # decided after the shared, drafted prefix
+    prompt = "# one of: import os, import sys, import re, import json\nline = import re\nline = "
+    inputs = tokenizer([prompt], return_tensors="pt", add_special_tokens=False)
+    counts = {}
+    for name, kwargs in (("plain", {}), (method, speculative_kwargs(pair, method, hf_accel.SpeculativeStats()))):
+        torch.manual_seed(7)
+        tally: dict[str, int] = {}
+        for _ in range(8):
+            out = model.generate(**inputs, max_new_tokens=16, do_sample=True, temperature=1.5, num_return_sequences=50,
+                                 structured_output=StructuredOutput(choice=choices), tokenizer=tokenizer,
+                                 pad_token_id=tokenizer.pad_token_id, **kwargs)
+            for row in out[:, inputs["input_ids"].shape[1]:]:
+                text = tokenizer.decode(row, skip_special_tokens=True)
+                if text not in choices:  # max_new_tokens first (sampled one character a token): a valid prefix
+                    assert any(choice.startswith(text) for choice in choices), text
+                    text = "(cut)"
+                tally[text] = tally.get(text, 0) + 1
+        counts[name] = tally
+    statistic, dof = homogeneity_chi2(counts["plain"], counts[method])
+    assert dof >= 2, counts  # the choice is not a foregone conclusion
+    assert statistic < CHI2_CRITICAL_P001[dof], (statistic, counts)
