@@ -8,7 +8,7 @@ On the reference target (7.3M parameters), one thread, greedy unless said otherw
   and validate (jsonschema); outputs cut by max_tokens are counted apart;
 - mask cost: the Engine's tok/s with the constraint against the same requests unconstrained, each request held to
   the length its constrained output had (so both sides decode the same tokens), at batch 1 / 8 / 64, jump-forward
-  off (the mask's cost alone) and on; compiled `generate` (paged cache + compile_config) likewise at batch 1 / 8;
+  off (the mask's cost alone) and on; compiled `generate` (paged cache + compile_config) likewise at batch 1 / 8 / 64;
   the host time per masked row;
 - jump-forward + speculation: the extraction workload at batch 1 and 8, constrained plain decoding against
   jump-forward, jump-forward + suffix and jump-forward + ngram (outputs identical);
@@ -50,7 +50,7 @@ ROOT = Path(__file__).resolve().parents[1]
 NAME = "bench_structured"
 COMMAND = ".venv/bin/python benchmarks/bench_structured.py"
 MAX_TOKENS = 160
-FULL = {"batches": (1, 8, 64), "generate_batches": (1, 8), "repeats": 3, "samples": 2, "peer": True}
+FULL = {"batches": (1, 8, 64), "generate_batches": (1, 8, 64), "repeats": 3, "samples": 2, "peer": True}
 QUICK = {"batches": (1, 8), "generate_batches": (1,), "repeats": 1, "samples": 1, "peer": False}
 
 
