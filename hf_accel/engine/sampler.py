@@ -22,7 +22,7 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from ..structured.matcher import apply_bitmask, token_bitmask, mask_rows
+from ..structured.matcher import apply_bitmask, mask_rows, token_bitmask
 from .outputs import TokenLogprob
 from .sampling_params import SamplingParams
 from .sequence import Sequence

@@ -6,8 +6,7 @@ compiled off the step loop.
   engine must have a tokenizer (the grammar is compiled against its vocabulary).
 - The engine core hands each such request to `GrammarCompiles`: one worker thread compiles its grammar against the
   model's vocabulary, on one core (xgrammar's default of 8 threads took the decoding step's cores: steps ran 2x
-  slower during a compile on 2 cores); xgrammar caches compiled grammars by their text, so a schema seen before is
-  ready at once.
+  slower during a compile on 2 cores); grammars compiled before (`MAX_COMPILED`, by constraint) start at once.
   The request waits, unscheduled and holding no blocks, until its grammar is ready; the other requests keep
   decoding. A compile that fails fails that request alone.
 - Once ready, each of the request's samples gets its own `TokenMatcher`; the sampler masks its logits at every
@@ -33,6 +32,7 @@ MAX_CHECKED = 256  # constraints remembered as parsed
 MAX_COMPILED = 64  # compiled grammars kept by constraint, for requests that need no wait
 COMPILE_THREADS = 1  # xgrammar threads per compile: the step's threads keep their cores (bench_structured)
 COMPILE_NICENESS = 10  # the compile thread's nice value (Linux): the step's thread runs first when they contend
+
 
 def check_structured_outputs(tokenizer: PreTrainedTokenizerBase | None, constraint: StructuredOutput) -> None:
     """ValueError naming `structured_outputs` when the engine has no tokenizer or the backend refuses the
@@ -67,9 +67,10 @@ class GrammarCompiles:
 
     def compiled(self, request: Request) -> Any | None:
         """`request`'s grammar if one with its constraint was compiled before (no wait, no worker), else None."""
-        found = self._compiled.get(request.params.structured_outputs.key())
+        key = request.params.structured_outputs.key()
+        found = self._compiled.get(key)
         if found is not None:
-            self._compiled.move_to_end(request.params.structured_outputs.key())
+            self._compiled.move_to_end(key)
         return found
 
     @property

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
 
 from ..engine.outputs import TokenLogprob
 from .errors import bad_request
-from .generation import ChoiceDelta, unless_disconnected
+from .generation import ChoiceDelta, EngineRequests, unless_disconnected
 from .protocol import ChatCompletionRequest
 from .responses import (
     AssistantMessage,
@@ -27,6 +28,7 @@ from .responses import (
 )
 from .state import ServerState, server_state
 from .streaming import sse_response, stream_choices
+from .tool_calls import ToolPlan
 from .tool_replies import ReplyDeltas, reply_finish
 
 router = APIRouter()
@@ -39,56 +41,78 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
     """A reply per sample; with `stream`, a role chunk per choice, then content (or tool call) chunks of one choice
     each."""
     server.check_model(body.model)
-    try:
-        tools = body.tool_plan(server.tokenizer)
-    except ValueError as error:
-        raise bad_request(error) from error
-    prompt = server.chat_prompt([m.template_dict() for m in body.messages], body.add_generation_prompt,
-                                tools.template_tools)
-    prompt_ids = server.encode(prompt)
-    max_tokens = body.requested_max_tokens
-    if max_tokens is None:  # the rest of the context (at least one token: a full prompt then fails the length check)
-        max_tokens = max(server.engine.max_model_len - len(prompt_ids), 1)
-    try:
-        params = body.sampling_params(max_tokens, body.num_logprobs, tools.constraint())
-        response_id, requests = server.new_requests("chatcmpl", body.n)
-        requests.submit([prompt_ids], params)
-    except (ValueError, TypeError) as error:
-        raise bad_request(error) from error
-    created = int(time.time())
-
-    def fields(delta: ChoiceDelta) -> dict:
-        return {"index": delta.index, "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason,
-                "logprobs": None if delta.logprobs is None else chat_logprobs(server, delta.logprobs),
-                "token_ids": delta.token_ids if body.return_token_ids else None}
-
+    reply = ChatReply.submit(server, body)
     if body.stream:
-        def chunk(choices: list[ChatChunkChoice], counts: Usage | None = None) -> ChatCompletionChunk:
-            return ChatCompletionChunk(id=response_id, created=created, model=server.model_name, choices=choices,
-                                       usage=counts)
+        return reply.stream()
+    return reply.whole(await unless_disconnected(request, reply.requests.complete()))
 
-        first = [chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
-                 for i in range(body.n)]
-        usage_chunk = (lambda counts: chunk([], counts)) if body.include_usage else None
-        deltas = ReplyDeltas(tools, prompt, server.tokenizer, requests.choices.whole)
+
+@dataclass(slots=True)
+class ChatReply:
+    """One chat request in the engine: its prompt (tools rendered), how it uses its tools, and its engine requests."""
+
+    server: ServerState
+    body: ChatCompletionRequest
+    tools: ToolPlan
+    prompt: str
+    response_id: str
+    requests: EngineRequests
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @classmethod
+    def submit(cls, server: ServerState, body: ChatCompletionRequest) -> ChatReply:
+        """Render the prompt and queue its samples; 400 for what the request's fields cannot do."""
+        try:
+            tools = body.tool_plan(server.tokenizer)
+        except ValueError as error:
+            raise bad_request(error) from error
+        prompt = server.chat_prompt([m.template_dict() for m in body.messages], body.add_generation_prompt,
+                                    tools.template_tools)
+        prompt_ids = server.encode(prompt)
+        max_tokens = body.requested_max_tokens
+        if max_tokens is None:  # the rest of the context (at least one token: a full prompt fails the length check)
+            max_tokens = max(server.engine.max_model_len - len(prompt_ids), 1)
+        try:
+            params = body.sampling_params(max_tokens, body.num_logprobs, tools.constraint())
+            response_id, requests = server.new_requests("chatcmpl", body.n)
+            requests.submit([prompt_ids], params)
+        except (ValueError, TypeError) as error:
+            raise bad_request(error) from error
+        return cls(server, body, tools, prompt, response_id, requests)
+
+    def fields(self, delta: ChoiceDelta, finish_reason: str | None) -> dict:
+        return {"index": delta.index, "finish_reason": finish_reason, "stop_reason": delta.stop_reason,
+                "logprobs": None if delta.logprobs is None else chat_logprobs(self.server, delta.logprobs),
+                "token_ids": delta.token_ids if self.body.return_token_ids else None}
+
+    def chunk(self, choices: list[ChatChunkChoice], counts: Usage | None = None) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=self.response_id, created=self.created, model=self.server.model_name,
+                                   choices=choices, usage=counts)
+
+    def stream(self) -> StreamingResponse:
+        first = [self.chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
+                 for i in range(self.body.n)]
+        usage_chunk = (lambda counts: self.chunk([], counts)) if self.body.include_usage else None
+        deltas = ReplyDeltas(self.tools, self.prompt, self.server.tokenizer, self.requests.choices.whole)
 
         def delta_chunk(d: ChoiceDelta) -> ChatCompletionChunk | None:
             message = deltas.message(d)
             if message is None:
                 return None
-            return chunk([ChatChunkChoice(delta=message, **{**fields(deltas.covered(d)),
-                                                            "finish_reason": deltas.finish_reason(d)})])
+            return self.chunk([ChatChunkChoice(delta=message,
+                                               **self.fields(deltas.covered(d), deltas.finish_reason(d)))])
 
-        return sse_response(stream_choices(requests, delta_chunk, usage_chunk, first))
-    whole = await unless_disconnected(request, requests.complete())
-    choices = []
-    for d in whole:
-        content, calls = tools.parse(d.text, prompt, server.tokenizer)
-        message = AssistantMessage(content=content, tool_calls=[ToolCallEntry(
-            id=call.id, function=CalledFunction(name=call.name, arguments=call.arguments)) for call in calls])
-        choices.append(ChatChoice(message=message, **{**fields(d), "finish_reason": reply_finish(tools, d, calls)}))
-    return ChatCompletionResponse(id=response_id, created=created, model=server.model_name, choices=choices,
-                                  usage=requests.choices.usage())
+        return sse_response(stream_choices(self.requests, delta_chunk, usage_chunk, first))
+
+    def whole(self, choices: list[ChoiceDelta]) -> ChatCompletionResponse:
+        replies = []
+        for d in choices:
+            content, calls = self.tools.parse(d.text, self.prompt, self.server.tokenizer)
+            message = AssistantMessage(content=content, tool_calls=[ToolCallEntry(
+                id=call.id, function=CalledFunction(name=call.name, arguments=call.arguments)) for call in calls])
+            replies.append(ChatChoice(message=message, **self.fields(d, reply_finish(self.tools, d, calls))))
+        return ChatCompletionResponse(id=self.response_id, created=self.created, model=self.server.model_name,
+                                      choices=replies, usage=self.requests.choices.usage())
 
 
 def chat_logprobs(server: ServerState, logprobs: list[TokenLogprob]) -> ChatLogprobs:

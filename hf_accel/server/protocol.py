@@ -194,8 +194,8 @@ class ChatCompletionRequest(SamplingRequest):
     def tool_plan(self, tokenizer: PreTrainedTokenizerBase) -> ToolPlan:
         """How the reply uses `tools` (`tool_calls.py`); ValueError naming the field when it cannot be honoured."""
         plan = plan_tools(self.tools, self.tool_choice, tokenizer)
-        if plan.constraint() is not None and (self.structured_outputs is not None or (
-                self.response_format is not None and self.response_format.constraint() is not None)):
+        if plan.mode in ("named", "required") and \
+                request_constraint(self.response_format, self.structured_outputs) is not None:
             raise ValueError(f"`tool_choice` {plan.mode!r} constrains the reply to calls: it cannot be combined "
                              "with `response_format` or `structured_outputs`")
         return plan

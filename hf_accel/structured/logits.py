@@ -49,8 +49,10 @@ class StructuredLogitsProcessor(LogitsProcessor):
             self.matchers = [TokenMatcher(self.compiled) for _ in range(rows)]
             self.prompt_lengths = lengths
             self.bitmask = token_bitmask(rows, self.compiled.tokenizer_info.vocab_size)
-        for row, (matcher, tokens) in enumerate(zip(self.matchers, input_ids.tolist())):
-            output = tokens[width - lengths[row] + self.prompt_lengths[row]:]
+        starts = [width - length + prompt for length, prompt in zip(lengths, self.prompt_lengths)]
+        first = max(min(starts), 0)  # only the columns after the prompts go to Python
+        for row, (matcher, tokens) in enumerate(zip(self.matchers, input_ids[:, first:].tolist())):
+            output = tokens[max(starts[row] - first, 0):]
             if matcher.follow(output):
                 matcher.fill(self.bitmask, row)
             else:  # after a stop (generate pads a finished row) or a refused candidate (never verified past)

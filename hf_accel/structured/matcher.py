@@ -31,7 +31,6 @@ class TokenMatcher:
         self._accepted: list[int] = []  # the tokens it has advanced over, in order
         self._forced: list[int] | None = None  # jump-forward tokens at its place, once asked
 
-
     @property
     def is_terminated(self) -> bool:
         """Whether the grammar is complete and a stop token was accepted: nothing may follow."""
@@ -56,9 +55,13 @@ class TokenMatcher:
         candidates or gained new ones since the last call): roll back to the longest prefix shared with the tokens
         accepted before, then accept the rest. False when the grammar refuses one of them (or one follows a stop
         token): the matcher then stays after the longest prefix that fits."""
-        accepted, common = self._accepted, 0
-        while common < min(len(accepted), len(tokens)) and accepted[common] == tokens[common]:
-            common += 1
+        accepted = self._accepted
+        if tokens[: len(accepted)] == accepted:  # the usual case, new tokens after the old ones (compared in C)
+            common = len(accepted)
+        else:
+            common = 0
+            while common < min(len(accepted), len(tokens)) and accepted[common] == tokens[common]:
+                common += 1
         if common < len(accepted) or common < len(tokens):
             self._forced = None
         if common < len(accepted):
@@ -104,8 +107,7 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int] |
 
 def mask_rows(logits: torch.Tensor, matchers: Sequence[TokenMatcher | None]) -> None:
     """Mask row `i` of `logits` `[rows, vocab]` to what `matchers[i]` allows next, in place (None: unconstrained);
-    one bitmask for the whole batch, filled by xgrammar's batch matcher in one call (per row in Python, ~25 us a
-    row, was most of the mask's cost)."""
+    one bitmask for the whole batch, its live rows filled by xgrammar's batch matcher in one call."""
     rows = [i for i, matcher in enumerate(matchers) if matcher is not None]
     if not rows:
         return
