@@ -14,7 +14,8 @@ On the reference target (7.3M parameters), one thread, greedy unless said otherw
   jump-forward, jump-forward + suffix and jump-forward + ngram (outputs identical);
 - a large schema compiling while other requests decode: their step time with and without the compile;
 - vLLM's CPU build (its venv, as bench_vllm_peer.py) with the same schemas on the same requests (xgrammar, no free
-  whitespace): tok/s, validity, identical greedy outputs; skipped with a message without the venv.
+  whitespace), on the reference target and the 185M random-weight Llama of bench_size.py: tok/s, validity, identical
+  greedy outputs; skipped with a message without the venv.
 
 Regenerate benchmarks/results/bench_structured.json and docs/bench_structured.md:
     .venv/bin/python benchmarks/bench_structured.py
@@ -304,28 +305,55 @@ def compile_beside_decoding(model, tokenizer, plan: dict[str, Any]) -> dict[str,
 
 
 def vllm_side_by_side(model, tokenizer, plan: dict[str, Any]) -> dict[str, Any]:
-    """The engine and vLLM's CPU build on the same constrained requests, each side in its own process."""
-    from bench_vllm_peer import DEFAULT_VENV
-    from hf_accel.bench.peer import run_job, venv_python
-
-    peer = venv_python(DEFAULT_VENV, "vllm")
-    if peer is None or not plan["peer"]:
-        return {"skipped": f"no vLLM venv at {DEFAULT_VENV} (bench_vllm_peer.py --setup creates it)"
-                if peer is None else "--quick"}
-    jobs = prompts_for(tokenizer, 16)
-    requests = [[tokenizer(prompt, add_special_tokens=False)["input_ids"], MAX_TOKENS] for _, prompt in jobs]
-    schemas = [SCHEMAS[name]["schema"] for name, _ in jobs]
-    results = {}
+    """The engine and vLLM's CPU build on the same constrained requests, on the reference target."""
+    peer = _peer(plan)
+    if isinstance(peer, str):
+        return {"skipped": peer}
     with tempfile.TemporaryDirectory() as scratch:
         folder = Path(scratch) / "model"
         model.save_pretrained(folder)
         tokenizer.save_pretrained(folder)
-        for side, python in (("hf_accel", Path(sys.executable)), ("vllm", peer)):
-            job = {"side": side, "model": str(folder), "max_model_len": 512, "max_num_seqs": 16,
-                   "max_num_batched_tokens": None, "requests": requests, "warmup": 2, "sequential": False,
-                   "json_schemas": schemas}
-            worker = [str(python), str(Path(__file__).resolve().parent / "vllm_peer_worker.py")]
-            results[side] = run_job(worker, job, side_env(side), Path(scratch) / side, timeout=1200)
+        return side_by_side(folder, tokenizer, peer, Path(scratch))
+
+
+def vllm_side_by_side_185m(model, tokenizer, plan: dict[str, Any]) -> dict[str, Any]:
+    """The same at a real size: bench_size.py's 185M-parameter random-weight Llama (the reference tokenizer)."""
+    import bench_size
+
+    peer = _peer(plan)
+    if isinstance(peer, str):
+        return {"skipped": peer}
+    size = next(size for size in bench_size.FULL.sizes if size.name == "185M")
+    with tempfile.TemporaryDirectory() as scratch:
+        folder = bench_size.model_folder(size, Path(scratch) / "model")
+        return side_by_side(folder, tokenizer, peer, Path(scratch))
+
+
+def _peer(plan: dict[str, Any]) -> Path | str:
+    """vLLM's python, or why its rows are skipped."""
+    from bench_vllm_peer import DEFAULT_VENV
+    from hf_accel.bench.peer import venv_python
+
+    peer = venv_python(DEFAULT_VENV, "vllm")
+    if peer is None:
+        return f"no vLLM venv at {DEFAULT_VENV} (bench_vllm_peer.py --setup creates it)"
+    return peer if plan["peer"] else "--quick"
+
+
+def side_by_side(folder: Path, tokenizer, peer: Path, scratch: Path) -> dict[str, Any]:
+    """16 constrained requests (two per schema) answered by each side in its own process from `folder`."""
+    from hf_accel.bench.peer import run_job
+
+    jobs = prompts_for(tokenizer, 16)
+    requests = [[tokenizer(prompt, add_special_tokens=False)["input_ids"], MAX_TOKENS] for _, prompt in jobs]
+    schemas = [SCHEMAS[name]["schema"] for name, _ in jobs]
+    results = {}
+    for side, python in (("hf_accel", Path(sys.executable)), ("vllm", peer)):
+        job = {"side": side, "model": str(folder), "max_model_len": 512, "max_num_seqs": 16,
+               "max_num_batched_tokens": None, "requests": requests, "warmup": 2, "sequential": False,
+               "json_schemas": schemas}
+        worker = [str(python), str(Path(__file__).resolve().parent / "vllm_peer_worker.py")]
+        results[side] = run_job(worker, job, side_env(side), scratch / side, timeout=1800)
     summary = {}
     for side, result in results.items():
         texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids in result["outputs"]]
@@ -355,7 +383,7 @@ def measure(quick: bool) -> dict[str, Any]:
     steps: list[tuple[str, Callable[..., Any]]] = [
         ("validity", validity), ("engine_overhead", engine_overhead), ("generate_overhead", generate_overhead),
         ("jump_forward", jump_forward), ("compile_beside_decoding", compile_beside_decoding),
-        ("vllm", vllm_side_by_side)]
+        ("vllm", vllm_side_by_side), ("vllm_185M", vllm_side_by_side_185m)]
     for key, step in steps:
         print(f"[{NAME}] {key} ...", flush=True)
         report[key] = step(model, tokenizer, plan)
@@ -381,9 +409,10 @@ def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
             found.append({"name": f"jump-forward + suffix / constrained plain, batch {row['batch']}",
                           "goal": ">= 1.5", "value": row["vs_constrained_plain"],
                           "met": row["vs_constrained_plain"] >= 1.5})
-    peer = report["vllm"]
-    found.append({"name": "engine json_schema / vLLM CPU build tok/s", "goal": ">= 1.0",
-                  "value": peer.get("ratio"), "met": None if "ratio" not in peer else peer["ratio"] >= 1.0})
+    for key, where in (("vllm", "reference target"), ("vllm_185M", "185M Llama")):
+        peer = report.get(key, {})
+        found.append({"name": f"engine json_schema / vLLM CPU build tok/s, {where}", "goal": ">= 1.0",
+                      "value": peer.get("ratio"), "met": None if "ratio" not in peer else peer["ratio"] >= 1.0})
     return found
 
 
@@ -411,20 +440,23 @@ def render(report: dict[str, Any]) -> str:
     lines += ["", f"A large schema (200 nested properties) compiling beside 4 decoding requests: their step "
                   f"{c['step_ms_while_compiling']:.2f} ms during the compile ({c['steps']:.0f} steps), "
                   f"{c['step_ms']:.2f} ms without ({c['ratio']:.2f}x).", ""]
-    peer = report["vllm"]
-    if "skipped" in peer:
-        lines += [f"vLLM side by side: skipped ({peer['skipped']}).", ""]
-    else:
-        lines += [f"## Against vLLM's CPU build ({peer['requests']} constrained requests, greedy)", "",
-                  "| side | tok/s | valid | invalid | cut by max_tokens |", "| --- | --- | --- | --- | --- |"]
-        lines += [f"| {side} | {s['tok_s']:.0f} | {s['valid']} | {s['invalid']} | {s['unfinished']} |"
-                  for side, s in peer["sides"].items()]
-        lines += ["", f"hf_accel / vLLM: {peer['ratio']:.2f}x; identical greedy outputs: {peer['identical']} of "
-                      f"{peer['requests']}. Both on xgrammar without free whitespace, but vLLM's grammar writes "
-                      "compact separators (`,` `:`) where hf_accel's writes `, ` and `: ` (as `json.dumps` and the "
-                      "prompts' examples do), so greedy outputs part at the first separator.", ""]
+    for key, where in (("vllm", "the reference target"), ("vllm_185M", "the 185M random-weight Llama")):
+        lines += _peer_lines(report.get(key, {"skipped": "not run"}), where)
     lines += target_table(report["targets"])
     return "\n".join(lines) + f"\n\nFrom `{report['command']}` ({report['total_seconds'] / 60:.1f} min in all).\n"
+
+
+def _peer_lines(peer: dict[str, Any], where: str) -> list[str]:
+    if "skipped" in peer:
+        return [f"vLLM side by side on {where}: skipped ({peer['skipped']}).", ""]
+    lines = [f"## Against vLLM's CPU build, {where} ({peer['requests']} constrained requests, greedy)", "",
+             "| side | tok/s | valid | invalid | cut by max_tokens |", "| --- | --- | --- | --- | --- |"]
+    lines += [f"| {side} | {s['tok_s']:.0f} | {s['valid']} | {s['invalid']} | {s['unfinished']} |"
+              for side, s in peer["sides"].items()]
+    return lines + ["", f"hf_accel / vLLM: {peer['ratio']:.2f}x; identical greedy outputs: {peer['identical']} of "
+                        f"{peer['requests']}. Both on xgrammar without free whitespace, but vLLM's grammar writes "
+                        "compact separators (`,` `:`) where hf_accel's writes `, ` and `: ` (as `json.dumps` and the "
+                        "prompts' examples do), so greedy outputs part at the first separator.", ""]
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

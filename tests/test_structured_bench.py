@@ -66,9 +66,9 @@ def test_targets_and_page(script):
         assert found["engine constrained / unconstrained tok/s, batch 1"] is True
         assert found["step time while a large schema compiles / without"] is False
         assert found["jump-forward + suffix / constrained plain, batch 1"] is True
-        assert found["engine json_schema / vLLM CPU build tok/s"] is (True if with_peer else None)
+        assert found["engine json_schema / vLLM CPU build tok/s, reference target"] is (True if with_peer else None)
         page = script.render(data)
-        assert ("vLLM side by side: skipped (no venv)" in page) != with_peer
+        assert ("vLLM side by side on the reference target: skipped (no venv)" in page) != with_peer
         assert "| engine | 1 | off | 95 | 100 | 1.01x | - |" in page
 
 
