@@ -13,7 +13,7 @@ import jsonschema
 import pydantic
 import pytest
 import torch
-from transformers import CompileConfig
+from transformers import CompileConfig, LogitsProcessor, LogitsProcessorList
 
 import hf_accel
 from hf_accel import StructuredOutput, reference
@@ -67,6 +67,34 @@ def test_pydantic_model_and_sampled_batches_validate(pair):
         for text, stopped in generate(pair, prompts, StructuredOutput(json=Pet), do_sample=True, temperature=1.0):
             assert stopped, text
             Pet.model_validate_json(text)
+
+
+class _Favour(LogitsProcessor):
+    """Adds `bias` to the logits of `token_ids`: a model that wants to write them."""
+
+    def __init__(self, token_ids: list[int], bias: float) -> None:
+        self.token_ids, self.bias = token_ids, bias
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        scores[:, self.token_ids] += self.bias
+        return scores
+
+
+def test_length_limited_json_strings_hold_no_raw_control_characters(pair):
+    # xgrammar's own rule for a string with minLength / maxLength admits U+0000-U+001F; a model that favours those
+    # tokens (as the random-weight 185M Llama of bench_structured.py did) must still write JSON that parses
+    model, tokenizer = pair
+    controls = [i for i in range(len(tokenizer)) if any(ord(c) < 0x20 for c in tokenizer.decode([i]))]
+    assert controls
+    schema = {"type": "object", "properties": {"title": {"type": "string", "minLength": 2, "maxLength": 6},
+                                                "tags": {"type": "array", "maxItems": 2,
+                                                         "items": {"type": "string", "maxLength": 3}}},
+              "required": ["title", "tags"], "additionalProperties": False}
+    for bias in (2.0, 50.0):  # xgrammar's rule alone: the output does not parse
+        [(text, stopped)] = generate(pair, ["# a note\nnote = "], StructuredOutput(json=schema), do_sample=False,
+                                     logits_processor=LogitsProcessorList([_Favour(controls, bias)]))
+        assert stopped, text
+        jsonschema.validate(json.loads(text), schema)  # parses: no raw control character
 
 
 def test_regex_choice_grammar_and_json_object(pair):

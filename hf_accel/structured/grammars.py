@@ -58,7 +58,8 @@ def parse_constraint(constraint: StructuredOutput) -> Any:
     xgr, kind = xgrammar(), constraint.kind
     try:
         if kind == "json":
-            return xgr.Grammar.from_json_schema(json.dumps(constraint.schema()), any_whitespace=False)
+            return _exact_json_strings(xgr.Grammar.from_json_schema(json.dumps(constraint.schema()),
+                                                                    any_whitespace=False))
         if kind == "json_object":  # an object with any members
             return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
         if kind == "regex":
@@ -68,6 +69,22 @@ def parse_constraint(constraint: StructuredOutput) -> Any:
         return xgr.Grammar.from_ebnf(constraint.grammar)
     except (RuntimeError, ValueError, TypeError) as error:
         raise _refused(kind, error) from error
+
+
+# xgrammar (0.2.9) writes one character of a string with minLength / maxLength as this class, which admits the raw
+# control characters U+0000-U+001F that JSON forbids unescaped (and no escapes). Replaced by one JSON string
+# character: anything but a control character, quote or backslash, or an escape (one character of the length).
+_LENGTH_CHARACTER = r'[^\"\\\r\n]'
+_JSON_CHARACTER = r'([^\0-\x1f\"\\] | "\\" basic_escape)'
+
+
+def _exact_json_strings(grammar: Any) -> Any:
+    """`grammar` (xgrammar's JSON-schema grammar) with every length-limited string character a JSON one: without
+    this a model can write a raw control character inside such a string, and `json.loads` refuses the output."""
+    text = str(grammar)
+    if _LENGTH_CHARACTER not in text or "basic_escape ::=" not in text:
+        return grammar
+    return xgrammar().Grammar.from_ebnf(text.replace(_LENGTH_CHARACTER, _JSON_CHARACTER))
 
 
 def compile_constraint(constraint: StructuredOutput, compiler: Any) -> Any:
