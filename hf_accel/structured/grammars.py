@@ -72,17 +72,17 @@ def parse_constraint(constraint: StructuredOutput) -> Any:
 
 
 # xgrammar (0.2.9) writes one character of a string with minLength / maxLength as this class, which admits the raw
-# control characters U+0000-U+001F that JSON forbids unescaped (and no escapes). Replaced by one JSON string
-# character: anything but a control character, quote or backslash, or an escape (one character of the length).
+# control characters U+0000-U+001F that JSON forbids unescaped (and, as here, no quote or backslash: no escapes).
+# An escape as an alternative under the length's repetition made each mask cost ~1.8 ms instead of ~5 us.
 _LENGTH_CHARACTER = r'[^\"\\\r\n]'
-_JSON_CHARACTER = r'([^\0-\x1f\"\\] | "\\" basic_escape)'
+_JSON_CHARACTER = r'[^\0-\x1f\"\\\r\n]'
 
 
 def _exact_json_strings(grammar: Any) -> Any:
-    """`grammar` (xgrammar's JSON-schema grammar) with every length-limited string character a JSON one: without
-    this a model can write a raw control character inside such a string, and `json.loads` refuses the output."""
+    """`grammar` (xgrammar's JSON-schema grammar) with no raw control character in a length-limited string: without
+    this a model can write one there, and `json.loads` refuses the output."""
     text = str(grammar)
-    if _LENGTH_CHARACTER not in text or "basic_escape ::=" not in text:
+    if _LENGTH_CHARACTER not in text:
         return grammar
     return xgrammar().Grammar.from_ebnf(text.replace(_LENGTH_CHARACTER, _JSON_CHARACTER))
 
