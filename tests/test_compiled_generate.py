@@ -280,3 +280,25 @@ def test_pool_sizes_fixed_by_the_model_are_static_in_a_dynamic_graph():
     ((heads, blocks, block_size, head_dim),) = seen
     assert (heads, block_size, head_dim) == (2, 4, 8) and all(type(s) is int for s in (heads, block_size, head_dim))
     assert isinstance(blocks, torch.SymInt)
+
+
+def test_host_processing_calls_the_processors_in_order_as_the_list_does():
+    from transformers import LogitsProcessor, LogitsProcessorList, RepetitionPenaltyLogitsProcessor
+
+    from hf_accel.compiled.token_choice import host_processing
+
+    class Shift(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            return scores * 2 + input_ids.shape[1]
+
+    class WantsMore(LogitsProcessor):
+        def __call__(self, input_ids, scores, cur_len):
+            return scores
+
+    processors = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(1.3), Shift()])
+    input_ids, scores = torch.tensor([[1, 2, 3]]), torch.randn(1, 8)
+    assert torch.equal(host_processing(processors)(input_ids, scores.clone()), processors(input_ids, scores.clone()))
+    odd = LogitsProcessorList([Shift(), WantsMore()])
+    assert host_processing(odd) is odd  # the list's own call, which names the missing argument
+    with pytest.raises(ValueError, match="cur_len"):
+        host_processing(odd)(input_ids, scores)

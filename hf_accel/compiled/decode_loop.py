@@ -38,7 +38,7 @@ from .captured_step import CapturedStep, captures
 from .paged_rows import PagedRows, unpadded_prompts
 from .sink_rows import SinkRows
 from .step import compiled_decode_step, generate_context, model_uncovered
-from .token_choice import choose_tokens, needs_host_processors
+from .token_choice import choose_tokens, host_processing, needs_host_processors
 
 SINK_BLOCK_SIZE = 16  # the sink cache's ring of blocks (its settings have no block size)
 
@@ -106,6 +106,7 @@ class Decode:
         self.prompts = unpadded_prompts(input_ids, attention_mask)
         self.host_processors = needs_host_processors(processors, self.do_sample) or config.output_scores or \
             config.output_logits
+        self.process = host_processing(processors)  # the list's call without its per-step signature reads
         self.has_eos = any(hasattr(criterion, "eos_token_id") for criterion in criteria)
         self.scores: list[torch.Tensor] = []
         self.logits: list[torch.Tensor] = []
@@ -192,7 +193,7 @@ class Decode:
 
     def _choose(self, logits: torch.Tensor) -> torch.Tensor:
         """The host path: generate's processors on the tokens so far, then argmax or a draw (as `_sample`)."""
-        scores = self.processors(self.sequences[:, : self.length], logits)
+        scores = self.process(self.sequences[:, : self.length], logits)
         if self.config.output_scores:
             self.scores.append(scores)
         if self.config.output_logits:

@@ -8,11 +8,13 @@
 - `torch.ops.hf_accel.packed_linear` (`csrc/packed_linear.cpp`): a Linear of a few rows over a weight packed in
   column panels (`packed_linear.py`);
 - `torch.ops.hf_accel.int8_linear` / `int4_linear` (`csrc/quantized_linear.cpp`): Linears over weight-only quantized
-  codes re-laid in column panels (`quant/panels.py`), dequantized in registers.
-Each mutates only what it writes and has a fake implementation, so a compiled step traces around it as one opaque
-node. Where the extension cannot be built, or with `HF_ACCEL_PAGED_KERNEL=0`, every accessor returns None and callers
-take their fallback (the engine's `runtime.attention.gathered_attention`: the same rule over blocks copied out of the
-pool, sdpa on them; the same results up to float rounding).
+  codes re-laid in column panels (`quant/panels.py`), dequantized in registers;
+- `torch.ops.hf_accel.apply_token_bitmask` (`csrc/token_bitmask.cpp`): structured outputs' grammar mask on the
+  host's logits, in place (no fake: it runs between compiled steps, never inside one).
+The ops of a step each mutate only what they write and have a fake implementation, so a compiled step traces
+around each as one opaque node. Where the extension cannot be built, or with `HF_ACCEL_PAGED_KERNEL=0`, every
+accessor returns None and callers take their fallback (the engine's `runtime.attention.gathered_attention`: the
+same rule over blocks copied out of the pool, sdpa on them; the same results up to float rounding).
 """
 
 from __future__ import annotations
@@ -83,6 +85,13 @@ def quantized_linear_kernels() -> tuple[Callable[..., torch.Tensor], Callable[..
     if paged_attention_kernel() is None:
         return None
     return torch.ops.hf_accel.int8_linear, torch.ops.hf_accel.int4_linear
+
+
+def token_bitmask_kernel() -> Callable[..., None] | None:
+    """`torch.ops.hf_accel.apply_token_bitmask` (csrc/token_bitmask.cpp: `(logits [rows, V], bitmask [rows, W]
+    int32, indices [n] int64)`, forbidden tokens of the indexed rows set to -inf in place), built with the paged
+    kernel; None where that is switched off or not buildable."""
+    return None if paged_attention_kernel() is None else torch.ops.hf_accel.apply_token_bitmask
 
 
 def _fake(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_pool: torch.Tensor,
