@@ -36,6 +36,7 @@ if TYPE_CHECKING:  # the lazy names for type checkers and the API docs; `_LAZY` 
     from .engine.outputs import CompletionOutput, RequestOutput, RequestOutputKind
     from .engine.sampling_params import SamplingParams
     from .engine.spec_decode.speculative_config import SpeculativeConfig
+    from .lora.config import LoRAConfig, LoRARequest
     from .quant.gguf_file import load_gguf
     from .quant.presets import list_quantization_presets, load_model, load_tokenizer, quantization_config
     from .speculative.medusa import medusa_generate
@@ -66,6 +67,8 @@ _LAZY = {
     "RequestOutputKind": "engine.outputs",
     "SamplingParams": "engine.sampling_params",
     "SpeculativeConfig": "engine.spec_decode.speculative_config",
+    "LoRAConfig": "lora.config",
+    "LoRARequest": "lora.config",
     "load_gguf": "quant.gguf_file",
     "list_quantization_presets": "quant.presets",
     "load_model": "quant.presets",
@@ -151,6 +154,8 @@ __all__ = [
     "EngineStats",
     "Int4Linear",
     "Int8Linear",
+    "LoRAConfig",
+    "LoRARequest",
     "MedusaConfig",
     "MedusaHeads",
     "NgramSettings",

@@ -8,6 +8,8 @@ from __future__ import annotations
 import itertools
 import time
 
+from typing import TYPE_CHECKING
+
 from transformers import PreTrainedTokenizerBase
 
 from .limits import EngineLimits, check_request
@@ -17,20 +19,27 @@ from .sampling_params import SamplingParams
 from .sequence import Request
 from .structured_requests import check_structured_outputs
 
+if TYPE_CHECKING:
+    from ..lora.config import LoRARequest
+    from .lora_requests import EngineAdapters
+
 
 class Admission:
-    """Builds checked requests against one engine's `limits`, encoding string prompts with `tokenizer`; ids it
-    makes up are `req-0`, `req-1`, ..., arrival order is the order of `request` calls."""
+    """Builds checked requests against one engine's `limits`, encoding string prompts with `tokenizer` and reading
+    LoRA adapters with `adapters` (None: the engine serves none); ids it makes up are `req-0`, `req-1`, ...,
+    arrival order is the order of `request` calls."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase | None, limits: EngineLimits):
-        self.tokenizer, self.limits = tokenizer, limits
+    def __init__(self, tokenizer: PreTrainedTokenizerBase | None, limits: EngineLimits,
+                 adapters: EngineAdapters | None = None):
+        self.tokenizer, self.limits, self.adapters = tokenizer, limits, adapters
         self._ids = itertools.count()
         self._arrivals = itertools.count()
 
     def request(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None,
-                output_kind: RequestOutputKind) -> Request:
-        """A `Request` of `prompt` under `params` (default `SamplingParams()`); raises ValueError / TypeError for a
-        bad prompt, parameters, constraint or output kind (`ContextLengthExceededError` when it cannot fit)."""
+                output_kind: RequestOutputKind, lora_request: LoRARequest | None = None) -> Request:
+        """A `Request` of `prompt` under `params` (default `SamplingParams()`), with `lora_request`'s adapter;
+        raises ValueError / TypeError for a bad prompt, parameters, constraint, output kind or adapter
+        (`ContextLengthExceededError` when it cannot fit)."""
         if not isinstance(output_kind, RequestOutputKind):
             raise TypeError(f"`output_kind` must be a RequestOutputKind, got {output_kind!r}")
         params = SamplingParams() if params is None else params
@@ -40,6 +49,11 @@ class Admission:
         check_request(ids, params, self.limits)
         if params.structured_outputs is not None:
             check_structured_outputs(self.tokenizer, params.structured_outputs)
+        if lora_request is not None:
+            if self.adapters is None:
+                raise ValueError("`lora_request` needs an Engine built with `lora=hf_accel.LoRAConfig(...)` (the "
+                                 "engine-core process serves no adapters yet)")
+            self.adapters.check(lora_request)
         request_id = f"req-{next(self._ids)}" if request_id is None else request_id
         return Request(request_id, text, ids, params, next(self._arrivals), RequestTiming(time.perf_counter()),
-                       output_kind=output_kind)
+                       output_kind=output_kind, lora_request=lora_request)

@@ -73,7 +73,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         blocks = []
-        for key in block_keys(seq.token_ids[: seq.num_tokens - 1], self.block_size):
+        for key in block_keys(seq.token_ids[: seq.num_tokens - 1], self.block_size, seq.request.prefix_root):
             block = self.pool.cached_block(key)
             if block is None:
                 break
@@ -112,7 +112,8 @@ class BlockManager:
             return
         keys = self._seq_keys.setdefault(seq.seq_id, [])
         new_tokens = seq.token_ids[len(keys) * self.block_size : seq.num_computed_tokens]
-        for j, key in enumerate(block_keys(new_tokens, self.block_size, keys[-1] if keys else None), len(keys)):
+        parent = keys[-1] if keys else seq.request.prefix_root
+        for j, key in enumerate(block_keys(new_tokens, self.block_size, parent), len(keys)):
             keys.append(key)
             self.pool.cache_block(seq.block_ids[j], key)
 

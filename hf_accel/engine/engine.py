@@ -7,8 +7,8 @@
 Threads: the core (scheduler, blocks, model) is driven by one thread at a time. `generate` drives it in the calling
 thread, unless the background loop is running (`start`, or the first `stream`), which then owns it (and the model:
 while it steps, and while its graphs compile in the background, the model's attention implementation is the
-engine's, so do not call `model.generate` from another thread then); requests and aborts from other threads go through a queue the stepping thread drains
-before each step, so callers never wait for a model forward.
+engine's, so do not call `model.generate` from another thread then); requests and aborts from other threads go
+through a queue the stepping thread drains before each step, so callers never wait for a model forward.
 
 Faults: what one request's handling raises fails that request alone (its output ends with finish_reason "error" and
 `RequestOutput.error`; see `engine_core`); a listener that raises has its request aborted. Only a fault that
@@ -28,6 +28,7 @@ from typing import Any
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ..display import RichDisplay, format_bytes
+from ..lora.config import LoRAConfig
 from ..registry import attention_implementation
 from ..runtime.attention import ATTENTION_NAME
 from .admission import Admission
@@ -55,6 +56,10 @@ class Engine(RichDisplay, EngineClient):
         speculative: a `SpeculativeConfig`: decoding sequences verify candidates ("ngram", "suffix", "medusa",
             "eagle3", "draft") while the decoding batch is small; greedy outputs are plain greedy's, sampling stays
             lossless (docs/serving.md, "Speculative decoding").
+        lora: a `LoRAConfig`: serve peft LoRA adapters unmerged, chosen per request
+            (`add_request(..., lora_request=hf_accel.LoRARequest(name, id, path))`, `generate(..., lora_request=)`),
+            requests of several adapters and of the base batched in one step (docs/lora.md). Its steps run eagerly,
+            and it works with the "ngram" and "suffix" speculative methods.
 
     The keywords of the release before (`max_num_seqs=...` and the other `EngineConfig` fields, `medusa_heads=` with
     `num_speculative_tokens` and `max_speculative_batch_tokens`) still work, with a DeprecationWarning that says what
@@ -63,12 +68,12 @@ class Engine(RichDisplay, EngineClient):
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None = None, *,
                  config: EngineConfig | None = None, speculative: SpeculativeConfig | None = None,
-                 **deprecated_keywords: Any):
+                 lora: LoRAConfig | None = None, **deprecated_keywords: Any):
         self.config, self.speculative = engine_configs(config, speculative, deprecated_keywords)
         self.tokenizer = tokenizer
-        self.core = EngineCore(model, tokenizer, self.config, self.speculative)
+        self.core = EngineCore(model, tokenizer, self.config, self.speculative, lora)
         self.limits = self.core.limits
-        self._admission = Admission(tokenizer, self.limits)
+        self._admission = Admission(tokenizer, self.limits, self.core.adapters)
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._listeners = Listeners()
         self._wakeup = threading.Event()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable, Sequence
+from typing import TYPE_CHECKING
 
 from .admission import Admission
 from .generate_all import generate_all
@@ -16,6 +17,9 @@ from .output_stream import stream_request
 from .outputs import RequestOutput, RequestOutputKind
 from .sampling_params import SamplingParams
 from .sequence import Request
+
+if TYPE_CHECKING:
+    from ..lora.config import LoRARequest
 
 
 class EngineClient(ABC):
@@ -44,13 +48,15 @@ class EngineClient(ABC):
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, listener: Listener | None = None,
-                    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> str:
+                    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+                    lora_request: LoRARequest | None = None) -> str:
         """Queue a request (thread-safe); returns its id. `listener` gets a `RequestOutput` after every step that
         changes it, of `output_kind` (in the thread that delivers the engine's reports), or the error that killed the
-        engine. Raises ValueError / TypeError for bad prompts or parameters (`ContextLengthExceededError` when it
-        cannot fit), EngineDeadError once the engine has died."""
+        engine; `lora_request` runs it with that LoRA adapter (an engine built with `lora=`). Raises ValueError /
+        TypeError for bad prompts, parameters or adapters (`ContextLengthExceededError` when it cannot fit),
+        EngineDeadError once the engine has died."""
         self._check_alive()
-        request = self._admission.request(prompt, params, request_id, output_kind)
+        request = self._admission.request(prompt, params, request_id, output_kind, lora_request)
         self.submit(request, listener)
         return request.request_id
 
@@ -68,11 +74,12 @@ class EngineClient(ABC):
         """Make sure the stepping side runs; EngineDeadError once the engine has died."""
 
     def generate(self, prompts: str | list[int] | Sequence[str | list[int]],
-                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Generate for every prompt (strings or token-id lists); `params` is one for all or one per prompt.
-        Returns the finished outputs in prompt order; a request that failed alone has finish_reason "error" and its
-        `error` set, the others are unaffected."""
-        return generate_all(self, prompts, params, self._run_until)
+                 params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
+        """Generate for every prompt (strings or token-id lists); `params` is one for all or one per prompt, and so
+        is `lora_request` (None: the base model). Returns the finished outputs in prompt order; a request that
+        failed alone has finish_reason "error" and its `error` set, the others are unaffected."""
+        return generate_all(self, prompts, params, self._run_until, lora_request)
 
     async def stream(self, prompt: str | list[int], params: SamplingParams | None = None,
                      request_id: str | None = None,

@@ -23,6 +23,7 @@ step goes on for the others. Only what concerns every request (scheduling, the m
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from typing import Any
@@ -31,6 +32,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ..cache.kv_shape import KVShape
+from ..lora.config import LoRAConfig
 from ..runtime.kv_pool import KVPool
 from ..structured.matcher import TokenMatcher
 from .block_manager import BlockManager
@@ -40,6 +42,7 @@ from .detokenizer import Detokenizer
 from .engine_stats import EngineStats
 from .errors import each_alone_on_error
 from .limits import EngineLimits, context_length
+from .lora_requests import served_adapters
 from .model_runner import ModelRunner, StepOutput, uses_cuda_graphs
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, ScheduledSeq, Scheduler
@@ -59,9 +62,12 @@ class EngineCore:
     """Scheduler, block manager, model runner, proposer and committer of one model."""
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, config: EngineConfig,
-                 speculative: SpeculativeConfig | None = None):
+                 speculative: SpeculativeConfig | None = None, lora: LoRAConfig | None = None):
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.max_model_len = config.max_model_len or context_length(model)
+        self.adapters = None if lora is None else served_adapters(model, lora, speculative)
+        # LoRA steps run eagerly: the compiled step freezes the weights, the adapters' slots change
+        eager = config.enforce_eager or self.adapters is not None
         self.proposer = make_proposer(speculative, model)
         self.candidates = JumpForward(self.proposer, config.structured_jump_forward)  # forced tokens first
         shape = KVShape.from_config(model.config, caller="the engine", argument="model")
@@ -69,14 +75,14 @@ class EngineCore:
         bytes_per_token = shape.bytes_per_token(dtype) + self.proposer.kv_bytes_per_token(dtype)  # its pool's too
         num_blocks = config.num_blocks(bytes_per_token, self.max_model_len)
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler_config(speculative), self.blocks, self.candidates.room)
+        self.scheduler = Scheduler(config.scheduler_config(speculative), self.blocks, self.candidates.room,
+                                   self.adapters)
         keep_hidden = self.proposer.needs_hidden
         # a proposer with a pool of its own (EAGLE, draft model) compiles its graphs at start: so does the step
-        background = config.compile_in_background and not config.enforce_eager \
-            and not self.proposer.kv_bytes_per_token(dtype)
+        background = config.compile_in_background and not eager and not self.proposer.kv_bytes_per_token(dtype)
         self.kv = KVPool(shape, num_blocks, config.block_size, dtype, device,
-                         spare_block=background or uses_cuda_graphs(device, config.enforce_eager, keep_hidden))
-        self.runner = ModelRunner(model, self.kv, keep_hidden=keep_hidden, enforce_eager=config.enforce_eager,
+                         spare_block=background or uses_cuda_graphs(device, eager, keep_hidden))
+        self.runner = ModelRunner(model, self.kv, keep_hidden=keep_hidden, enforce_eager=eager,
                                   max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
                                   feature_layers=self.proposer.feature_layers, compile_in_background=background)
         # an EAGLE head's or a draft model's pool, beside the target's (nothing for the other proposers)
@@ -175,7 +181,8 @@ class EngineCore:
                 self.grammars.wait(GRAMMAR_WAIT)
             return self._take_failed()
         started = time.perf_counter()
-        out = self.runner.execute(batch)
+        with contextlib.nullcontext() if self.adapters is None else self.adapters.running(batch):
+            out = self.runner.execute(batch)
         now = time.perf_counter()
         num_accepted = self.committer.commit(out, now)
         changed = self._postprocess(batch, out, num_accepted, now - started)

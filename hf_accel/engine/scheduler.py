@@ -13,7 +13,9 @@ Rules:
   a constrained sequence its grammar's forced tokens), capped by its tokens left and the step's budget; the
   candidates count in the budget and get blocks, but never preempt: without free blocks it decodes plainly. The
   proposer may then propose fewer (`ScheduledSeq.keep_drafts`): the step computes only those, and the blocks
-  reserved past them stay with the sequence for its next tokens.
+  reserved past them stay with the sequence for its next tokens;
+- residency (LoRA adapters): a sequence is admitted only once `residency.acquire(seq)` holds what it needs beside
+  its blocks (its adapter's slot), in order like blocks; it lets go when preempted, finished or aborted.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from .block_manager import BlockManager
 from .sequence import Sequence, SequenceStatus
@@ -89,15 +92,28 @@ class ScheduledBatch:
         self.scheduled = [s for s in self.scheduled if s.seq is not seq]
 
 
+class Residency(Protocol):
+    """What a running sequence holds beside its blocks (an engine's LoRA slots)."""
+
+    def acquire(self, seq: Sequence) -> bool:
+        """Take it for `seq` (idempotent); False, changing nothing, when it is not to be had now."""
+
+    def release(self, seq: Sequence) -> None:
+        """Let go of what `seq` holds, if anything."""
+
+
 class Scheduler:
     """Waiting and running queues over a `BlockManager`; `room(seq, width, num_decodes)` says how many candidates a
-    decode wants this step, given the step's `draft_width` and number of decodes (none by default)."""
+    decode wants this step, given the step's `draft_width` and number of decodes (none by default); `residency`,
+    what a sequence needs beside blocks to run (None: nothing)."""
 
     def __init__(self, config: SchedulerConfig, blocks: BlockManager,
-                 room: Callable[[Sequence, int, int], int] = lambda seq, width, num_decodes: 0):
+                 room: Callable[[Sequence, int, int], int] = lambda seq, width, num_decodes: 0,
+                 residency: Residency | None = None):
         self.config = config
         self.blocks = blocks
         self.room = room
+        self.residency = residency
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -130,6 +146,8 @@ class Scheduler:
             if seq in queue:
                 queue.remove(seq)
         self.blocks.free(seq)
+        if self.residency is not None:
+            self.residency.release(seq)
 
     def schedule(self) -> ScheduledBatch:
         """Plan the next step (empty when nothing can run)."""
@@ -170,6 +188,8 @@ class Scheduler:
         self.running.remove(seq)
         batch.drop(seq)  # if scheduled earlier in this step: undo that
         self.blocks.free(seq)
+        if self.residency is not None:
+            self.residency.release(seq)
         seq.num_preemptions += 1
         self.num_preemptions += 1
         batch.preempted.append(seq)
@@ -178,8 +198,12 @@ class Scheduler:
     def _admit(self, batch: ScheduledBatch, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            if self.residency is not None and not self.residency.acquire(seq):
+                break
             # keep a block per running sequence free, so admitting does not force the next decodes to preempt
             if not self.blocks.allocate_with_prefix(seq, budget, reserve=len(self.running)):
+                if self.residency is not None:
+                    self.residency.release(seq)
                 break
             num = min(seq.num_uncomputed_tokens, budget)
             self.waiting.pop(0)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import enum
+import hashlib
 import itertools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -22,6 +23,7 @@ from .outputs import CompletionOutput, RequestError, RequestOutput, RequestOutpu
 from .sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from ..lora.config import LoRARequest
     from ..structured.matcher import TokenMatcher
 
 _sequence_ids = itertools.count()
@@ -148,10 +150,19 @@ class Request:
     num_cached_tokens: int = 0
     error: RequestError | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    lora_request: LoRARequest | None = None  # the adapter it runs with (None: the base model)
 
     @property
     def is_finished(self) -> bool:
         return all(seq.is_finished for seq in self.sequences)
+
+    @property
+    def prefix_root(self) -> bytes | None:
+        """The parent key of its first block in the prefix cache: None for the base model, its adapter's own (id
+        and folder) for a LoRA request, so blocks are shared only between requests of the same adapter."""
+        if self.lora_request is None:
+            return None
+        return hashlib.sha256(f"lora:{self.lora_request.lora_int_id}:{self.lora_request.lora_path}".encode()).digest()
 
     def fail(self, error: BaseException) -> None:
         """End every sample with finish_reason "error" and keep why (`RequestError.from_exception`); samples not

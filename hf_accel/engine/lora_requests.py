@@ -1,0 +1,92 @@
+"""`EngineAdapters`: an engine's LoRA adapters (`EngineConfig`-side `lora=hf_accel.LoRAConfig(...)`): the hooks on
+the model's projections, the adapters read in CPU memory, the resident slots, and what each step needs of them.
+
+- Added: a request's `lora_request` is read (or found in memory) in the caller's thread (`check`), so a folder that
+  cannot be served is the caller's ValueError.
+- Scheduled: a sequence enters the running queue only with a pin on its adapter's slot (`acquire`, which places the
+  adapter when it is not resident); preempted, finished or aborted, it lets go (`release`). The scheduler admits
+  in order, so a request whose adapter finds every slot pinned waits, and so do those behind it.
+- Run: `running(batch)` tells the projections' hooks each packed token's slot for the forward.
+- Prefix cache: an adapter request's blocks are keyed under its adapter (`Request.prefix_root`): never shared with
+  the base or with another adapter.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+from torch import nn
+
+from ..lora.adapter_set import AdapterSet
+from ..lora.config import LoRAConfig, LoRARequest
+from ..lora.layers import LoRAProjection, StepAdapters, adaptable_projections
+from ..lora.slots import AdapterSlots
+from .scheduler import ScheduledBatch
+from .sequence import Sequence
+from .spec_decode import SpeculativeConfig
+
+MODEL_FREE_METHODS = ("ngram", "suffix")
+
+
+class EngineAdapters:
+    """LoRA adapters served over `model` under `config`'s limits."""
+
+    def __init__(self, model: nn.Module, config: LoRAConfig):
+        if not isinstance(config, LoRAConfig):
+            raise TypeError(f"`lora` must be a hf_accel.LoRAConfig, got {type(config).__name__}")
+        self.config = config
+        self.dtype, self.device = model.dtype, next(model.parameters()).device
+        self.step = StepAdapters()
+        linears = adaptable_projections(model)
+        self.projections = {name: LoRAProjection(linear, config.max_loras, config.max_lora_rank, self.step)
+                            for name, linear in linears.items()}
+        shapes = {name: (linear.in_features, linear.out_features) for name, linear in linears.items()}
+        self.adapters = AdapterSet(config, shapes, self.dtype)
+        self.slots = AdapterSlots(self.projections, config.max_loras)
+        self._held: dict[int, int] = {}  # seq_id -> lora_int_id it holds a pin on
+
+    def check(self, request: LoRARequest) -> None:
+        """Read `request`'s adapter (kept in memory for the engine); ValueError / TypeError if it cannot be
+        served."""
+        self.adapters.get(request)
+
+    def acquire(self, seq: Sequence) -> bool:
+        """Pin `seq`'s adapter in a slot (True for a base request); False, changing nothing, when no slot is
+        free."""
+        request = seq.request.lora_request
+        if request is None or seq.seq_id in self._held:
+            return True
+        if self.slots.acquire(request.lora_int_id, self.adapters.get(request)) is None:
+            return False
+        self._held[seq.seq_id] = request.lora_int_id
+        return True
+
+    def release(self, seq: Sequence) -> None:
+        """Let go of `seq`'s pin, if it holds one."""
+        lora_id = self._held.pop(seq.seq_id, None)
+        if lora_id is not None:
+            self.slots.release(lora_id)
+
+    @contextlib.contextmanager
+    def running(self, batch: ScheduledBatch) -> Iterator[None]:
+        """The hooks know each packed token's slot while the step's forward runs (tokens in `batch.scheduled`
+        order, `num_new` per sequence)."""
+        token_slots: list[int] = []
+        for scheduled in batch.scheduled:
+            lora_id = self._held.get(scheduled.seq.seq_id)
+            token_slots += [-1 if lora_id is None else self.slots.slot_of(lora_id)] * scheduled.num_new
+        self.step.set(token_slots, self.slots.ranks, self.dtype, self.device)
+        try:
+            yield
+        finally:
+            self.step.clear()
+
+
+def served_adapters(model: nn.Module, config: LoRAConfig, speculative: SpeculativeConfig | None) -> EngineAdapters:
+    """The engine's adapters over `model`; ValueError for a speculative method this release does not run with
+    adapters (the model-free ones, "ngram" and "suffix", verify with each request's own adapter)."""
+    if speculative is not None and speculative.method not in MODEL_FREE_METHODS:
+        raise ValueError(f"`lora` works with the model-free speculative methods {MODEL_FREE_METHODS}, not "
+                         f"{speculative.method!r} yet")
+    return EngineAdapters(model, config)

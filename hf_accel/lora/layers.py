@@ -1,0 +1,96 @@
+"""The batched LoRA update of a step that mixes adapters, added to each adapted projection's output by a forward hook
+(the base model's modules, names and `state_dict` stay as they are).
+
+Each adaptable projection (every `nn.Linear` of the model but its output layer) holds the resident adapters stacked:
+`a` `[max_loras, max_rank, in]` and `b` `[max_loras, max_rank, out]` (an adapter's `b` transposed, scaling folded
+in; ranks below `max_rank` and projections an adapter leaves alone are zeros). Before a forward the engine says which
+slot each packed token uses (`StepAdapters.set`): the `used` slots `[U]`, each token's one-hot row over them
+`[T, U]` (all zeros for a base token) and the largest rank among them `R`. The update of the whole batch is then one
+shrink and one expand, with no loop over adapters:
+
+    h     = x @ a[used, :R].reshape(U * R, in).T            # [T, U * R]: every token through every used adapter
+    h     = h.view(T, U, R) * one_hot[:, :, None]           # keep each token's own adapter's R columns
+    delta = h.reshape(T, U * R) @ b[used, :R].reshape(U * R, out)
+
+A step without adapter tokens skips the hook's work entirely. Rows of `x` are the step's packed tokens in order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass
+class ActiveAdapters:
+    """One step's adapters: `used` `[U]` slot ids, `one_hot` `[T, U]` (the model's dtype), `rank` R."""
+
+    used: torch.Tensor
+    one_hot: torch.Tensor
+    rank: int
+
+
+class StepAdapters:
+    """Which adapters the step being run uses; None between steps and in steps without adapter tokens."""
+
+    def __init__(self) -> None:
+        self.active: ActiveAdapters | None = None
+
+    def set(self, token_slots: list[int], ranks: list[int], dtype: torch.dtype, device: torch.device) -> None:
+        """The step's packed tokens use slots `token_slots` (-1: the base alone); `ranks[slot]` is each slot's
+        adapter's rank."""
+        used = sorted({slot for slot in token_slots if slot >= 0})
+        if not used:
+            self.active = None
+            return
+        column = {slot: i for i, slot in enumerate(used)}
+        one_hot = torch.zeros(len(token_slots), len(used), dtype=dtype)
+        rows = [t for t, slot in enumerate(token_slots) if slot >= 0]
+        one_hot[rows, [column[token_slots[t]] for t in rows]] = 1
+        self.active = ActiveAdapters(torch.tensor(used, device=device), one_hot.to(device),
+                                     max(ranks[slot] for slot in used))
+
+    def clear(self) -> None:
+        self.active = None
+
+
+class LoRAProjection:
+    """The stacked adapters of one `nn.Linear` and the forward hook that adds their update to its output."""
+
+    def __init__(self, linear: nn.Linear, max_loras: int, max_rank: int, step: StepAdapters):
+        weight = linear.weight
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.a = weight.new_zeros(max_loras, max_rank, self.in_features)
+        self.b = weight.new_zeros(max_loras, max_rank, self.out_features)
+        self.step = step
+        linear.register_forward_hook(self._add_update)  # inert outside an adapter step: the model stays usable
+
+    def place(self, slot: int, update: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        """Put one adapter's `(a [r, in], b [out, r])` in `slot` (None: it leaves this projection alone)."""
+        self.a[slot].zero_()
+        self.b[slot].zero_()
+        if update is not None:
+            a, b = update
+            self.a[slot, : a.shape[0]].copy_(a)
+            self.b[slot, : a.shape[0]].copy_(b.T)
+
+    def _add_update(self, module: nn.Module, inputs: tuple[torch.Tensor, ...],
+                    output: torch.Tensor) -> torch.Tensor | None:
+        active = self.step.active
+        if active is None:
+            return None
+        x = inputs[0].reshape(-1, self.in_features)  # [T, in]
+        count, rank = active.used.numel(), active.rank
+        a = self.a[active.used, :rank].reshape(count * rank, self.in_features)
+        b = self.b[active.used, :rank].reshape(count * rank, self.out_features)
+        h = (x @ a.T).view(-1, count, rank) * active.one_hot[:, :, None]
+        return output + (h.reshape(-1, count * rank) @ b).view(output.shape)
+
+
+def adaptable_projections(model: nn.Module) -> dict[str, nn.Linear]:
+    """Every `nn.Linear` of `model` by module name, but its output layer (LoRA there is not served unmerged)."""
+    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return {name: module for name, module in model.named_modules()
+            if isinstance(module, nn.Linear) and module is not output}
