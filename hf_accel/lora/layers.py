@@ -25,9 +25,11 @@ from torch import nn
 
 @dataclass
 class ActiveAdapters:
-    """One step's adapters: `used` `[U]` slot ids, `one_hot` `[T, U]` (the model's dtype), `rank` R."""
+    """One step's adapters: `used` `[U]` slot ids (also as the tuple `slots`), `one_hot` `[T, U]` (the model's
+    dtype), `rank` R."""
 
     used: torch.Tensor
+    slots: tuple[int, ...]
     one_hot: torch.Tensor
     rank: int
 
@@ -49,7 +51,7 @@ class StepAdapters:
         one_hot = torch.zeros(len(token_slots), len(used), dtype=dtype)
         rows = [t for t, slot in enumerate(token_slots) if slot >= 0]
         one_hot[rows, [column[token_slots[t]] for t in rows]] = 1
-        self.active = ActiveAdapters(torch.tensor(used, device=device), one_hot.to(device),
+        self.active = ActiveAdapters(torch.tensor(used, device=device), tuple(used), one_hot.to(device),
                                      max(ranks[slot] for slot in used))
 
     def clear(self) -> None:
@@ -65,10 +67,14 @@ class LoRAProjection:
         self.a = weight.new_zeros(max_loras, max_rank, self.in_features)
         self.b = weight.new_zeros(max_loras, max_rank, self.out_features)
         self.step = step
+        # the used slots' `a` / `b` side by side ([U * R, in], [U * R, out]), kept while the step's slots, ranks and
+        # contents stay the same (every decode step of a steady batch)
+        self._stacked: tuple[tuple[tuple[int, ...], int], torch.Tensor, torch.Tensor] | None = None
         linear.register_forward_hook(self._add_update)  # inert outside an adapter step: the model stays usable
 
     def place(self, slot: int, update: tuple[torch.Tensor, torch.Tensor] | None) -> None:
         """Put one adapter's `(a [r, in], b [out, r])` in `slot` (None: it leaves this projection alone)."""
+        self._stacked = None
         self.a[slot].zero_()
         self.b[slot].zero_()
         if update is not None:
@@ -82,11 +88,19 @@ class LoRAProjection:
         if active is None:
             return None
         x = inputs[0].reshape(-1, self.in_features)  # [T, in]
+        a, b = self._stacked_weights(active)
         count, rank = active.used.numel(), active.rank
-        a = self.a[active.used, :rank].reshape(count * rank, self.in_features)
-        b = self.b[active.used, :rank].reshape(count * rank, self.out_features)
         h = (x @ a.T).view(-1, count, rank) * active.one_hot[:, :, None]
         return output + (h.reshape(-1, count * rank) @ b).view(output.shape)
+
+    def _stacked_weights(self, active: ActiveAdapters) -> tuple[torch.Tensor, torch.Tensor]:
+        """`a[used, :R]` as `[U * R, in]` and `b[used, :R]` as `[U * R, out]`."""
+        key = (active.slots, active.rank)
+        if self._stacked is None or self._stacked[0] != key:
+            count, rank = len(key[0]), active.rank
+            self._stacked = (key, self.a[active.used, :rank].reshape(count * rank, self.in_features),
+                             self.b[active.used, :rank].reshape(count * rank, self.out_features))
+        return self._stacked[1], self._stacked[2]
 
 
 def adaptable_projections(model: nn.Module) -> dict[str, nn.Linear]:
