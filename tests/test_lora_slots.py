@@ -1,10 +1,14 @@
 """The LoRA slots (`hf_accel.lora.slots.AdapterSlots`): an adapter is placed once and stays resident while unused,
 pinned slots are never taken, the least recently released idle adapter is evicted first, and `acquire` changes
-nothing when every slot is pinned; the stacked update of a mixed batch equals each token's own adapter's update."""
+nothing when every slot is pinned; the update of a mixed batch (the C++ kernel, and the torch path) equals each token's
+own adapter's update."""
 
+import pytest
 import torch
 from torch import nn
 
+from hf_accel.kernels.custom_ops import lora_kernel
+from hf_accel.lora import layers
 from hf_accel.lora.adapter_files import AdapterWeights
 from hf_accel.lora.layers import LoRAProjection, StepAdapters
 from hf_accel.lora.slots import AdapterSlots
@@ -34,7 +38,12 @@ def test_slots_pin_keep_and_evict_least_recently_released():
     assert torch.equal(projection.a[slot, :3], three.modules["proj"][0]) and not projection.a[slot, 3:].any()
 
 
-def test_the_stacked_update_is_each_tokens_own_adapters():
+@pytest.mark.parametrize("path", ["kernel", "torch"])
+def test_the_update_is_each_tokens_own_adapters(path, monkeypatch):
+    if path == "torch":
+        monkeypatch.setattr(layers, "_lora_kernel", lambda: None)
+    elif lora_kernel() is None:
+        pytest.skip("hf_accel's C++ extension is not built")
     step = StepAdapters()
     linear = nn.Linear(6, 5)
     projection = LoRAProjection(linear, max_loras=3, max_rank=4, step=step)
@@ -43,9 +52,10 @@ def test_the_stacked_update_is_each_tokens_own_adapters():
     token_slots = [slots.acquire(1, weights[1]), -1, slots.acquire(2, weights[2]), slots.acquire(1, weights[1])]
     x = torch.randn(1, 4, 6)
     step.set(token_slots, slots.ranks, torch.float32, torch.device("cpu"))
-    out = linear(x)
-    step.clear()
-    base = linear(x)
+    with torch.no_grad():  # the engine's steps: the kernel adds in place
+        out = linear(x)
+        step.clear()
+        base = linear(x)
     for t, lora_id in enumerate([1, None, 2, 1]):
         want = base[0, t] if lora_id is None else \
             base[0, t] + x[0, t] @ weights[lora_id].modules["proj"][0].T @ weights[lora_id].modules["proj"][1].T

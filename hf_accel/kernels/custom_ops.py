@@ -10,7 +10,9 @@
 - `torch.ops.hf_accel.int8_linear` / `int4_linear` (`csrc/quantized_linear.cpp`): Linears over weight-only quantized
   codes re-laid in column panels (`quant/panels.py`), dequantized in registers;
 - `torch.ops.hf_accel.apply_token_bitmask` (`csrc/token_bitmask.cpp`): structured outputs' grammar mask on the
-  host's logits, in place (no fake: it runs between compiled steps, never inside one).
+  host's logits, in place (no fake: it runs between compiled steps, never inside one);
+- `torch.ops.hf_accel.lora_add` (`csrc/lora.cpp`): the LoRA update of a step mixing adapters, each token through its
+  own adapter, added in place to a projection's output (eager engine steps: no fake yet).
 The ops of a step each mutate only what they write and have a fake implementation, so a compiled step traces
 around each as one opaque node. Where the extension cannot be built, or with `HF_ACCEL_PAGED_KERNEL=0`, every
 accessor returns None and callers take their fallback (the engine's `runtime.attention.gathered_attention`: the
@@ -92,6 +94,13 @@ def token_bitmask_kernel() -> Callable[..., None] | None:
     int32, indices [n] int64)`, forbidden tokens of the indexed rows set to -inf in place), built with the paged
     kernel; None where that is switched off or not buildable."""
     return None if paged_attention_kernel() is None else torch.ops.hf_accel.apply_token_bitmask
+
+
+def lora_kernel() -> Callable[..., None] | None:
+    """`torch.ops.hf_accel.lora_add` (csrc/lora.cpp: `(y [T, out], x [T, in], a [S, R, in], b [S, R, out],
+    slots [T] int64, rank)`, each token's adapter update added to `y` in place), built with the paged kernel; None
+    where that is switched off or not buildable."""
+    return None if paged_attention_kernel() is None else torch.ops.hf_accel.lora_add
 
 
 def _fake(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_pool: torch.Tensor,

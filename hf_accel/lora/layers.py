@@ -4,34 +4,42 @@
 Each adaptable projection (every `nn.Linear` of the model but its output layer) holds the resident adapters stacked:
 `a` `[max_loras, max_rank, in]` and `b` `[max_loras, max_rank, out]` (an adapter's `b` transposed, scaling folded
 in; ranks below `max_rank` and projections an adapter leaves alone are zeros). Before a forward the engine says which
-slot each packed token uses (`StepAdapters.set`): the `used` slots `[U]`, each token's one-hot row over them
-`[T, U]` (all zeros for a base token) and the largest rank among them `R`. The update of the whole batch is then one
-shrink and one expand, with no loop over adapters:
+slot each packed token uses (`StepAdapters.set`): `token_slots` `[T]` (-1 for a base token), the `used` slots `[U]`,
+each token's one-hot row over them `[T, U]` and the largest rank among them `R`. Rows of `x` are the step's packed
+tokens in order. The update, with no loop over adapters:
+- fp32 on the CPU, outside autograd (the engine's steps): hf_accel's kernel (`torch.ops.hf_accel.lora_add`,
+  csrc/lora.cpp) adds each token's own adapter's `x a.T b` to the output in place (R x (in + out) per token);
+- otherwise one shrink and one expand over every used adapter, each token keeping its own adapter's columns:
 
-    h     = x @ a[used, :R].reshape(U * R, in).T            # [T, U * R]: every token through every used adapter
-    h     = h.view(T, U, R) * one_hot[:, :, None]           # keep each token's own adapter's R columns
+    h     = x @ a[used, :R].reshape(U * R, in).T            # [T, U * R]
+    h     = h.view(T, U, R) * one_hot[:, :, None]
     delta = h.reshape(T, U * R) @ b[used, :R].reshape(U * R, out)
 
-A step without adapter tokens skips the hook's work entirely. Rows of `x` are the step's packed tokens in order.
+A step without adapter tokens skips the hook's work entirely.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from ..kernels.custom_ops import lora_kernel
+
 
 @dataclass
 class ActiveAdapters:
     """One step's adapters: `used` `[U]` slot ids (also as the tuple `slots`), `one_hot` `[T, U]` (the model's
-    dtype), `rank` R."""
+    dtype), `rank` R, and `token_slots` `[T]` int64 (each token's slot, -1 for the base)."""
 
     used: torch.Tensor
     slots: tuple[int, ...]
     one_hot: torch.Tensor
     rank: int
+    token_slots: torch.Tensor
 
 
 class StepAdapters:
@@ -52,7 +60,7 @@ class StepAdapters:
         rows = [t for t, slot in enumerate(token_slots) if slot >= 0]
         one_hot[rows, [column[token_slots[t]] for t in rows]] = 1
         self.active = ActiveAdapters(torch.tensor(used, device=device), tuple(used), one_hot.to(device),
-                                     max(ranks[slot] for slot in used))
+                                     max(ranks[slot] for slot in used), torch.tensor(token_slots, device=device))
 
     def clear(self) -> None:
         self.active = None
@@ -88,6 +96,11 @@ class LoRAProjection:
         if active is None:
             return None
         x = inputs[0].reshape(-1, self.in_features)  # [T, in]
+        kernel = _lora_kernel() if _kernel_takes(x, output) else None
+        if kernel is not None:  # each token through its own adapter only, in place
+            kernel(output.view(-1, self.out_features), x.contiguous(), self.a, self.b, active.token_slots,
+                   active.rank)
+            return output
         a, b = self._stacked_weights(active)
         count, rank = active.used.numel(), active.rank
         h = (x @ a.T).view(-1, count, rank) * active.one_hot[:, :, None]
@@ -108,3 +121,14 @@ def adaptable_projections(model: nn.Module) -> dict[str, nn.Linear]:
     output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     return {name: module for name, module in model.named_modules()
             if isinstance(module, nn.Linear) and module is not output}
+
+
+@functools.cache
+def _lora_kernel() -> Callable[..., None] | None:
+    return lora_kernel()
+
+
+def _kernel_takes(x: torch.Tensor, output: torch.Tensor) -> bool:
+    """Whether `lora_add` can update `output` in place: fp32 on the CPU, contiguous, outside autograd."""
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and output.dtype == torch.float32
+            and output.is_contiguous() and not (torch.is_grad_enabled() and output.requires_grad))

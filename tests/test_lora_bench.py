@@ -1,0 +1,61 @@
+"""benchmarks/bench_lora.py: the request-to-adapter assignments, its adapters are peft folders the engine serves,
+the engine and peft sides give the same greedy tokens on a tiny model, and the page renders its rows and targets."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("peft")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+from tiny_llama import tiny_llama  # noqa: E402
+
+from hf_accel import Engine, EngineConfig, LoRAConfig  # noqa: E402
+from hf_accel.bench.workload import Request  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def script():
+    import bench_lora
+
+    return bench_lora
+
+
+def test_assignments(script):
+    assert script.assignments("base", 3) == [None] * 3 and script.assignments("one", 2) == [0, 0]
+    assert script.assignments("uniform", 10) == [0, 1, 2, 3, 4, 5, 6, 7, 0, 1]
+    skewed = script.assignments("skewed", 400)
+    assert skewed.count(0) > skewed.count(7) > 0 and skewed == script.assignments("skewed", 400)
+
+
+def test_engine_and_peft_sides_agree_on_a_tiny_model(script, tmp_path):
+    from peft import PeftModel
+
+    model = tiny_llama(seed=5)
+    adapters = script.make_adapters(model, tmp_path)
+    assert len(adapters) == script.NUM_ADAPTERS and adapters[0].lora_int_id == 1
+    work = [Request([5, 6, 7, 8], 6), Request([9, 10], 4), Request([11, 12, 13], 5)]
+    chosen = [3, None, 7]
+    engine = Engine(model, config=EngineConfig(), lora=LoRAConfig(max_lora_rank=script.RANK))
+    _, served = script.engine_run(engine, work, adapters, chosen)
+    peft_model = PeftModel.from_pretrained(tiny_llama(seed=5), adapters[0].lora_path, adapter_name="adapter0")
+    for request in adapters[1:]:
+        peft_model.load_adapter(request.lora_path, adapter_name=request.lora_name)
+    _, reference = script.peft_run(peft_model.eval(), work, chosen, batch=2)
+    assert [len(tokens) for tokens in served] == [6, 4, 5] and served == reference
+
+
+def test_targets_and_page(script):
+    rows = [{"run": run, "tok_s": tok_s, "vs_base_compiled": ratio, "vs_base_eager": ratio, "identical_to_peft": same}
+            for run, tok_s, ratio, same in [("base, compiled", 100.0, 1.0, None),
+                                            ("LoRA engine, 8 adapters uniform", 90.0, 0.9, 63),
+                                            (script.PEFT_ROW, 10.0, 0.1, None)]]
+    found = script.targets(rows)
+    assert [t["met"] for t in found] == [True, True] and found[1]["value"] == pytest.approx(9.0)
+    report = {"hardware": {"cpu": "a CPU"}, "requests": 64, "tokens": 2000, "adapters": 8, "rank": 16,
+              "targets": ["q_proj"], "rows": rows, "targets_met": found, "command": "x", "total_seconds": 60}
+    page = script.render(report)
+    assert "| LoRA engine, 8 adapters uniform | 90 | 0.90x | 0.90x | 63 of 64 |" in page and "| yes |" in page
