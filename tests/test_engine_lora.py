@@ -162,3 +162,21 @@ def _wider_llama():
     config = LlamaConfig(hidden_size=96, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, vocab_size=128, pad_token_id=0)
     return LlamaForCausalLM(config).eval()
+
+
+def test_an_adapter_gone_before_its_request_starts_fails_that_request_alone(base, adapters, tmp_path):
+    import shutil
+
+    copy_folder = tmp_path / "copy"
+    shutil.copytree(adapters["attn"][0].lora_path, copy_folder)
+    engine = Engine(copy.deepcopy(base), lora=LoRAConfig(max_loras=1, max_cpu_loras=1))
+    failed = []
+    engine.add_request([4, 5, 6], GREEDY, lora_request=LoRARequest("copy", 9, str(copy_folder)),
+                       listener=lambda out: failed.append(out))
+    mlp = adapters["mlp"][0]
+    engine.add_request([1, 2], GREEDY, lora_request=mlp)  # read now: memory drops "copy" (max_cpu_loras=1)
+    shutil.rmtree(copy_folder)  # so the engine must read it again when the request arrives, and cannot
+    [out] = engine.generate([[7, 8, 9]], GREEDY, lora_request=mlp)
+    assert out.outputs[0].token_ids == greedy(adapters["mlp"][1], [7, 8, 9])
+    assert failed and failed[-1].outputs[0].finish_reason == "error" and "adapter 'copy'" in failed[-1].error.message
+    assert engine.core.blocks.pool.num_used_blocks == 0 and engine.core.adapters.slots.num_pinned == 0

@@ -124,7 +124,9 @@ class EngineCore:
         self.requests[request.request_id] = request
         try:
             make_sequences(request, self._detokenizer_for)
-        except Exception as error:  # e.g. its generator's seed: this request's own fault
+            if self.adapters is not None:
+                self.adapters.hold(request)
+        except Exception as error:  # e.g. its generator's seed, its adapter's folder: this request's own fault
             self.fail(request, error)
             return
         self.prompt_tokens += len(request.prompt_token_ids)
@@ -271,6 +273,8 @@ class EngineCore:
         """A finished request (done, aborted or failed) leaves: its end time, and no state kept for its samples."""
         request.timing.finished = time.perf_counter()
         del self.requests[request.request_id]
+        if self.adapters is not None:
+            self.adapters.forget(request)
         for seq in request.sequences:
             self.proposer.forget(seq)
 

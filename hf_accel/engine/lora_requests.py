@@ -2,7 +2,9 @@
 the model's projections, the adapters read in CPU memory, the resident slots, and what each step needs of them.
 
 - Added: a request's `lora_request` is read (or found in memory) in the caller's thread (`check`), so a folder that
-  cannot be served is the caller's ValueError.
+  cannot be served is the caller's ValueError; the engine's thread takes the weights when the request arrives
+  (`hold`: read again if memory dropped them meanwhile, the request failing alone if that fails) and keeps them
+  until it leaves (`forget`), so scheduling never reads a file.
 - Scheduled: a sequence enters the running queue only with a pin on its adapter's slot (`acquire`, which places the
   adapter when it is not resident); preempted, finished or aborted, it lets go (`release`). The scheduler admits
   in order, so a request whose adapter finds every slot pinned waits, and so do those behind it.
@@ -18,12 +20,13 @@ from collections.abc import Iterator
 
 from torch import nn
 
+from ..lora.adapter_files import AdapterWeights
 from ..lora.adapter_set import AdapterSet
 from ..lora.config import LoRAConfig, LoRARequest
 from ..lora.layers import LoRAProjection, StepAdapters, adaptable_projections
 from ..lora.slots import AdapterSlots
 from .scheduler import ScheduledBatch
-from .sequence import Sequence
+from .sequence import Request, Sequence
 from .spec_decode import SpeculativeConfig
 
 MODEL_FREE_METHODS = ("ngram", "suffix")
@@ -45,11 +48,21 @@ class EngineAdapters:
         self.adapters = AdapterSet(config, shapes, self.dtype)
         self.slots = AdapterSlots(self.projections, config.max_loras)
         self._held: dict[int, int] = {}  # seq_id -> lora_int_id it holds a pin on
+        self._weights: dict[str, AdapterWeights] = {}  # request_id -> its adapter, while the request is here
 
     def check(self, request: LoRARequest) -> None:
         """Read `request`'s adapter (kept in memory for the engine); ValueError / TypeError if it cannot be
         served."""
         self.adapters.get(request)
+
+    def hold(self, request: Request) -> None:
+        """Keep `request`'s adapter weights until `forget` (nothing for a base request); ValueError if its folder
+        can no longer be read."""
+        if request.lora_request is not None:
+            self._weights[request.request_id] = self.adapters.get(request.lora_request)
+
+    def forget(self, request: Request) -> None:
+        self._weights.pop(request.request_id, None)
 
     def acquire(self, seq: Sequence) -> bool:
         """Pin `seq`'s adapter in a slot (True for a base request); False, changing nothing, when no slot is
@@ -57,7 +70,7 @@ class EngineAdapters:
         request = seq.request.lora_request
         if request is None or seq.seq_id in self._held:
             return True
-        if self.slots.acquire(request.lora_int_id, self.adapters.get(request)) is None:
+        if self.slots.acquire(request.lora_int_id, self._weights[seq.request.request_id]) is None:
             return False
         self._held[seq.seq_id] = request.lora_int_id
         return True
