@@ -122,7 +122,7 @@ def test_adapters_that_cannot_be_served_are_refused_by_name(base, adapters, tmp_
     with pytest.raises(ValueError, match="no adapter_config.json"):
         engine.add_request([1, 2], GREEDY, lora_request=LoRARequest("gone", 9, str(tmp_path / "missing")))
     engine.add_request([1, 2], GREEDY, lora_request=attn)
-    with pytest.raises(ValueError, match="`lora_int_id` 1 is adapter 'attn'"):
+    with pytest.raises(ValueError, match="`lora_int_id` 1 is the adapter from"):
         engine.add_request([1, 2], GREEDY, lora_request=LoRARequest("other", 1, str(tmp_path)))
     with pytest.raises(TypeError, match="lora_request"):
         engine.add_request([1, 2], GREEDY, lora_request="attn")
@@ -180,3 +180,52 @@ def test_an_adapter_gone_before_its_request_starts_fails_that_request_alone(base
     assert out.outputs[0].token_ids == greedy(adapters["mlp"][1], [7, 8, 9])
     assert failed and failed[-1].outputs[0].finish_reason == "error" and "adapter 'copy'" in failed[-1].error.message
     assert engine.core.blocks.pool.num_used_blocks == 0 and engine.core.adapters.slots.num_pinned == 0
+
+
+def test_an_id_never_names_a_second_folder_even_after_memory_dropped_the_first(base, adapters):
+    engine = Engine(copy.deepcopy(base), lora=LoRAConfig(max_loras=1, max_cpu_loras=1))
+    attn, mlp = adapters["attn"][0], adapters["mlp"][0]
+    engine.generate([[1, 2, 3]], GREEDY, lora_request=attn)  # resident in the slot, in memory
+    engine.generate([[1, 2, 3]], GREEDY, lora_request=mlp)  # memory and the slot now hold "mlp"
+    with pytest.raises(ValueError, match="`lora_int_id` 1 is the adapter from"):
+        engine.add_request([1, 2], GREEDY, lora_request=LoRARequest("mlp again", 1, mlp.lora_path))
+
+
+def test_a_request_failing_as_one_of_its_samples_finishes_lets_go_of_everything(base, adapters, monkeypatch):
+    engine = Engine(copy.deepcopy(base), lora=LoRAConfig(max_loras=1))
+    attn, mlp = adapters["attn"][0], adapters["mlp"][0]
+    real = engine.core.committer._commit_one
+    calls = []
+
+    def second_sample_fails(*args, **kwargs):  # sample 1 raises in the step where sample 0 finishes
+        calls.append(args)
+        if len(calls) == 2 * GREEDY.max_tokens:
+            raise RuntimeError("a fault of sample 1")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine.core.committer, "_commit_one", second_sample_fails)
+    params = SamplingParams(n=2, max_tokens=GREEDY.max_tokens, temperature=0, ignore_eos=True)
+    [failed] = engine.generate([[4, 5, 6]], params, lora_request=attn)
+    assert failed.error is not None
+    assert engine.core.blocks.pool.num_used_blocks == 0 and engine.core.adapters.slots.num_pinned == 0
+    monkeypatch.setattr(engine.core.committer, "_commit_one", real)
+    [out] = engine.generate([[7, 8, 9]], GREEDY, lora_request=mlp)  # the only slot is free again
+    assert out.outputs[0].token_ids == greedy(adapters["mlp"][1], [7, 8, 9])
+
+
+def test_a_streamed_request_runs_with_its_adapter(base, adapters):
+    import asyncio
+
+    engine = Engine(copy.deepcopy(base), lora=LoRAConfig())
+    attn = adapters["attn"][0]
+
+    async def last_output():
+        async for out in engine.stream([4, 9, 2, 11], GREEDY, lora_request=attn):
+            final = out
+        return final
+
+    try:
+        final = asyncio.run(last_output())
+    finally:
+        engine.shutdown()
+    assert final.finished and final.outputs[0].token_ids == greedy(adapters["attn"][1], [4, 9, 2, 11])

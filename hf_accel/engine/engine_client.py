@@ -83,12 +83,14 @@ class EngineClient(ABC):
 
     async def stream(self, prompt: str | list[int], params: SamplingParams | None = None,
                      request_id: str | None = None,
-                     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> AsyncIterator[RequestOutput]:
+                     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+                     lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         """Yield the request's output after every step that changes it (`output_kind`: the whole output so far by
-        default, or only what is new with `RequestOutputKind.DELTA`), the last one finished. Leaving the loop early
-        (or cancelling the task) aborts the request and frees its blocks."""
+        default, or only what is new with `RequestOutputKind.DELTA`), the last one finished; `lora_request` runs it
+        with that adapter. Leaving the loop early (or cancelling the task) aborts the request and frees its
+        blocks."""
         self.start()
-        async for out in stream_request(self, prompt, params, request_id, output_kind):
+        async for out in stream_request(self, prompt, params, request_id, output_kind, lora_request):
             yield out
 
     def add_finish_observer(self, observer: Callable[[RequestOutput], None]) -> None:

@@ -150,9 +150,8 @@ class EngineCore:
         self.grammars.cancel(request)
         logger.warning("request %s failed: %s: %s", request.request_id, type(error).__name__, error,
                        exc_info=(type(error), error, error.__traceback__))
-        for seq in request.sequences:
-            if not seq.is_finished:
-                self.scheduler.remove(seq)
+        for seq in request.sequences:  # finished ones too: one may have finished in the step that failed
+            self.scheduler.remove(seq)
         request.fail(error)
         self._retire(request)
         self.num_failed_requests += 1

@@ -15,11 +15,14 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable, Hashable
 from functools import partial
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from .errors import EngineDeadError
 from .outputs import RequestOutput, RequestOutputKind
 from .sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from ..lora.config import LoRARequest
 
 
 class RequestSink(Protocol):
@@ -46,10 +49,12 @@ class OutputStream:
         return len(self._open)
 
     def add(self, key: Hashable, prompt: str | list[int], params: SamplingParams | None,
-            request_id: str | None = None) -> str:
-        """Add a request reporting under `key`; returns its id (the engine's ValueError / TypeError pass through)."""
+            request_id: str | None = None, lora_request: LoRARequest | None = None) -> str:
+        """Add a request reporting under `key` (with `lora_request`'s adapter, if given); returns its id (the
+        engine's ValueError / TypeError pass through)."""
+        adapter = {} if lora_request is None else {"lora_request": lora_request}
         request_id = self.engine.add_request(prompt, params, request_id, listener=partial(self._post, key),
-                                             output_kind=self.output_kind)
+                                             output_kind=self.output_kind, **adapter)
         self._open[key] = request_id
         return request_id
 
@@ -81,9 +86,10 @@ class OutputStream:
 
 
 async def stream_request(engine: RequestSink, prompt: str | list[int], params: SamplingParams | None,
-                         request_id: str | None, output_kind: RequestOutputKind) -> AsyncIterator[RequestOutput]:
+                         request_id: str | None, output_kind: RequestOutputKind,
+                         lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
     """One request's reports as they come (`Engine.stream`, `EngineProcess.stream`); leaving early aborts it."""
     stream = OutputStream(engine, output_kind)
-    stream.add(0, prompt, params, request_id)
+    stream.add(0, prompt, params, request_id, lora_request)
     async for _, out in stream.updates():
         yield out

@@ -110,8 +110,8 @@ def _projection(name: str, module: str, pair: dict[str, torch.Tensor], config: d
         raise ValueError(f"adapter {name!r}: {module!r} has lora_{''.join(pair)} without its other half")
     a, b = pair["A"], pair["B"]
     in_features, out_features = projections[module]
-    rank = a.shape[0]
-    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != in_features or b.shape != (out_features, rank):
+    rank = a.shape[0] if a.dim() == 2 else 0
+    if rank < 1 or b.dim() != 2 or a.shape[1] != in_features or b.shape != (out_features, rank):
         raise ValueError(f"adapter {name!r}: {module!r} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}, "
                          f"which do not fit the base's Linear ({in_features} -> {out_features})")
     if rank > max_rank:

@@ -22,6 +22,9 @@ class AdapterSet:
     def __init__(self, config: LoRAConfig, projections: dict[str, tuple[int, int]], dtype: torch.dtype):
         self.config, self.projections, self.dtype = config, projections, dtype
         self._adapters: OrderedDict[int, AdapterWeights] = OrderedDict()
+        # lora_int_id -> its folder, for good: the engine's slots and prefix cache know an adapter by its id, so an
+        # id never names a second folder, even after memory dropped the first one's weights
+        self._paths: dict[int, str] = {}
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -34,18 +37,24 @@ class AdapterSet:
             raise TypeError(f"`lora_request` must be a hf_accel.LoRARequest, got {type(request).__name__}")
         path = str(Path(request.lora_path))
         with self._lock:
+            self._check_path(request, path)
             found = self._adapters.get(request.lora_int_id)
             if found is not None:
-                if found.path != path:
-                    raise ValueError(f"`lora_int_id` {request.lora_int_id} is adapter {found.name!r} from "
-                                     f"{found.path}, not {path}: give each adapter folder its own id")
                 self._adapters.move_to_end(request.lora_int_id)
                 return found
         # read outside the lock (disk and safetensors): two threads may read the same folder once each
         weights = read_adapter(request.lora_name, path, self.projections, self.config.max_lora_rank, self.dtype)
         with self._lock:
+            self._check_path(request, path)  # another thread may have bound the id meanwhile
+            self._paths[request.lora_int_id] = path
             self._adapters[request.lora_int_id] = weights
             self._adapters.move_to_end(request.lora_int_id)
             while len(self._adapters) > self.config.max_cpu_loras:
                 self._adapters.popitem(last=False)
         return weights
+
+    def _check_path(self, request: LoRARequest, path: str) -> None:
+        known = self._paths.get(request.lora_int_id)
+        if known is not None and known != path:
+            raise ValueError(f"`lora_int_id` {request.lora_int_id} is the adapter from {known}, not {path}: give "
+                             "each adapter folder its own id")

@@ -78,13 +78,17 @@ class LoRAProjection:
         # the used slots' `a` / `b` side by side ([U * R, in], [U * R, out]), kept while the step's slots, ranks and
         # contents stay the same (every decode step of a steady batch)
         self._stacked: tuple[tuple[tuple[int, ...], int], torch.Tensor, torch.Tensor] | None = None
-        linear.register_forward_hook(self._add_update)  # inert outside an adapter step: the model stays usable
+        self._linear: nn.Linear | None = linear  # hooked when an adapter first updates it (then None)
 
     def place(self, slot: int, update: tuple[torch.Tensor, torch.Tensor] | None) -> None:
         """Put one adapter's `(a [r, in], b [out, r])` in `slot` (None: it leaves this projection alone)."""
         self._stacked = None
         self.a[slot].zero_()
         self.b[slot].zero_()
+        if update is not None and self._linear is not None:
+            # only projections an adapter updates carry the hook (inert outside an adapter step)
+            self._linear.register_forward_hook(self._add_update)
+            self._linear = None
         if update is not None:
             a, b = update
             self.a[slot, : a.shape[0]].copy_(a)
@@ -96,6 +100,9 @@ class LoRAProjection:
         if active is None:
             return None
         x = inputs[0].reshape(-1, self.in_features)  # [T, in]
+        if x.shape[0] != active.token_slots.shape[0]:
+            raise ValueError(f"a LoRA adapter updates a Linear whose {x.shape[0]} input rows are not the step's "
+                             f"{active.token_slots.shape[0]} tokens (e.g. a mixture-of-experts expert): not supported")
         kernel = _lora_kernel() if _kernel_takes(x, output) else None
         if kernel is not None:  # each token through its own adapter only, in place
             kernel(output.view(-1, self.out_features), x.contiguous(), self.a, self.b, active.token_slots,
