@@ -81,7 +81,7 @@ def engine_run(engine: Engine, work: list[Request], adapters: list[LoRARequest],
     params = [SamplingParams(max_tokens=r.max_tokens, temperature=0, ignore_eos=True) for r in work]
     lora = [None if k is None else adapters[k] for k in chosen]
     start = time.perf_counter()
-    outs = engine.generate([r.prompt for r in work], params, **({"lora_request": lora} if any(lora) else {}))
+    outs = engine.generate([r.prompt for r in work], params, lora_request=lora)
     return time.perf_counter() - start, [o.outputs[0].token_ids for o in outs]
 
 

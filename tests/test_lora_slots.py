@@ -41,7 +41,7 @@ def test_slots_pin_keep_and_evict_least_recently_released():
 @pytest.mark.parametrize("path", ["kernel", "torch"])
 def test_the_update_is_each_tokens_own_adapters(path, monkeypatch):
     if path == "torch":
-        monkeypatch.setattr(layers, "_lora_kernel", lambda: None)
+        monkeypatch.setattr(layers, "lora_kernel", lambda: None)
     elif lora_kernel() is None:
         pytest.skip("hf_accel's C++ extension is not built")
     step = StepAdapters()
@@ -51,7 +51,7 @@ def test_the_update_is_each_tokens_own_adapters(path, monkeypatch):
     weights = {1: adapter("one", 2, 1), 2: adapter("two", 4, 2)}
     token_slots = [slots.acquire(1, weights[1]), -1, slots.acquire(2, weights[2]), slots.acquire(1, weights[1])]
     x = torch.randn(1, 4, 6)
-    step.set(token_slots, slots.ranks, torch.float32, torch.device("cpu"))
+    step.set(token_slots, slots.ranks, torch.device("cpu"))
     with torch.no_grad():  # the engine's steps: the kernel adds in place
         out = linear(x)
         step.clear()

@@ -63,11 +63,11 @@ def test_apply_bitmask_uses_the_kernel_and_falls_back_to_xgrammar(monkeypatch):
     xgr.apply_token_bitmask_inplace(expected, bitmask, indices=[1])
     calls = []
     kernel = token_bitmask_kernel()
-    monkeypatch.setattr(matcher, "_mask_kernel", lambda: lambda *args: calls.append(kernel(*args)))
+    monkeypatch.setattr(matcher, "token_bitmask_kernel", lambda: lambda *args: calls.append(kernel(*args)))
     ours = logits.clone()
     matcher.apply_bitmask(ours, bitmask, [1])
     assert calls and torch.equal(ours, expected)
-    monkeypatch.setattr(matcher, "_mask_kernel", lambda: None)  # not built: xgrammar's kernel
+    monkeypatch.setattr(matcher, "token_bitmask_kernel", lambda: None)  # not built: xgrammar's kernel
     theirs = logits.clone()
     matcher.apply_bitmask(theirs, bitmask, [1])
     assert torch.equal(theirs, expected)

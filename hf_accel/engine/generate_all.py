@@ -45,7 +45,7 @@ def generate_all(engine: RequestSink, prompts: Prompt | Sequence[Prompt],
     try:
         for prompt, prompt_params, adapter in zip(prompts, per_prompt, adapters):
             ids.append(engine.add_request(prompt, prompt_params, None, collect, RequestOutputKind.FINAL_ONLY,
-                                          **({} if adapter is None else {"lora_request": adapter})))
+                                          adapter))
     except BaseException:
         for request_id in ids:
             engine.abort(request_id)

@@ -89,7 +89,7 @@ class EngineAdapters:
         for scheduled in batch.scheduled:
             lora_id = self._held.get(scheduled.seq.seq_id)
             token_slots += [-1 if lora_id is None else self.slots.slot_of(lora_id)] * scheduled.num_new
-        self.step.set(token_slots, self.slots.ranks, self.dtype, self.device)
+        self.step.set(token_slots, self.slots.ranks, self.device)
         try:
             yield
         finally:

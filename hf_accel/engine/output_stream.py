@@ -30,7 +30,7 @@ class RequestSink(Protocol):
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None, request_id: str | None,
                     listener: Callable[[RequestOutput | BaseException], None],
-                    output_kind: RequestOutputKind) -> str: ...
+                    output_kind: RequestOutputKind, lora_request: LoRARequest | None = None) -> str: ...
 
     def abort(self, request_id: str) -> None: ...
 
@@ -52,9 +52,8 @@ class OutputStream:
             request_id: str | None = None, lora_request: LoRARequest | None = None) -> str:
         """Add a request reporting under `key` (with `lora_request`'s adapter, if given); returns its id (the
         engine's ValueError / TypeError pass through)."""
-        adapter = {} if lora_request is None else {"lora_request": lora_request}
         request_id = self.engine.add_request(prompt, params, request_id, listener=partial(self._post, key),
-                                             output_kind=self.output_kind, **adapter)
+                                             output_kind=self.output_kind, lora_request=lora_request)
         self._open[key] = request_id
         return request_id
 

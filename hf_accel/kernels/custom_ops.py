@@ -89,6 +89,9 @@ def quantized_linear_kernels() -> tuple[Callable[..., torch.Tensor], Callable[..
     return torch.ops.hf_accel.int8_linear, torch.ops.hf_accel.int4_linear
 
 
+# The two host-side ops below are looked up once per process (`HF_ACCEL_PAGED_KERNEL` read then): their callers run
+# between decode steps, where the accessor's lock and environment read cost ~10 us each on a cold cache.
+@functools.cache
 def token_bitmask_kernel() -> Callable[..., None] | None:
     """`torch.ops.hf_accel.apply_token_bitmask` (csrc/token_bitmask.cpp: `(logits [rows, V], bitmask [rows, W]
     int32, indices [n] int64)`, forbidden tokens of the indexed rows set to -inf in place), built with the paged
@@ -96,6 +99,7 @@ def token_bitmask_kernel() -> Callable[..., None] | None:
     return None if paged_attention_kernel() is None else torch.ops.hf_accel.apply_token_bitmask
 
 
+@functools.cache
 def lora_kernel() -> Callable[..., None] | None:
     """`torch.ops.hf_accel.lora_add` (csrc/lora.cpp: `(y [T, out], x [T, in], a [S, R, in], b [S, R, out],
     slots [T] int64, rank)`, each token's adapter update added to `y` in place), built with the paged kernel; None

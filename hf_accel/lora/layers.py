@@ -4,15 +4,15 @@
 Each adaptable projection (every `nn.Linear` of the model but its output layer) holds the resident adapters stacked:
 `a` `[max_loras, max_rank, in]` and `b` `[max_loras, max_rank, out]` (an adapter's `b` transposed, scaling folded
 in; ranks below `max_rank` and projections an adapter leaves alone are zeros). Before a forward the engine says which
-slot each packed token uses (`StepAdapters.set`): `token_slots` `[T]` (-1 for a base token), the `used` slots `[U]`,
-each token's one-hot row over them `[T, U]` and the largest rank among them `R`. Rows of `x` are the step's packed
-tokens in order. The update, with no loop over adapters:
+slot each packed token uses (`StepAdapters.set`): `token_slots` `[T]` (-1 for a base token), the `used` slots `[U]`
+and the largest rank among them `R`. Rows of `x` are the step's packed tokens in order. The update, with no loop
+over adapters:
 - fp32 on the CPU, outside autograd (the engine's steps): hf_accel's kernel (`torch.ops.hf_accel.lora_add`,
   csrc/lora.cpp) adds each token's own adapter's `x a.T b` to the output in place (R x (in + out) per token);
 - otherwise one shrink and one expand over every used adapter, each token keeping its own adapter's columns:
 
     h     = x @ a[used, :R].reshape(U * R, in).T            # [T, U * R]
-    h     = h.view(T, U, R) * one_hot[:, :, None]
+    h     = h.view(T, U, R) * one_hot[:, :, None]              # one_hot [T, U]: token_slots[:, None] == used
     delta = h.reshape(T, U * R) @ b[used, :R].reshape(U * R, out)
 
 A step without adapter tokens skips the hook's work entirely.
@@ -20,8 +20,6 @@ A step without adapter tokens skips the hook's work entirely.
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -32,14 +30,12 @@ from ..kernels.custom_ops import lora_kernel
 
 @dataclass
 class ActiveAdapters:
-    """One step's adapters: `used` `[U]` slot ids (also as the tuple `slots`), `one_hot` `[T, U]` (the model's
-    dtype), `rank` R, and `token_slots` `[T]` int64 (each token's slot, -1 for the base)."""
+    """One step's adapters: `token_slots` `[T]` int64 (each token's slot, -1 for the base), the `used` slots in
+    order, and `rank`, the largest rank among them."""
 
-    used: torch.Tensor
-    slots: tuple[int, ...]
-    one_hot: torch.Tensor
-    rank: int
     token_slots: torch.Tensor
+    used: tuple[int, ...]
+    rank: int
 
 
 class StepAdapters:
@@ -48,19 +44,12 @@ class StepAdapters:
     def __init__(self) -> None:
         self.active: ActiveAdapters | None = None
 
-    def set(self, token_slots: list[int], ranks: list[int], dtype: torch.dtype, device: torch.device) -> None:
+    def set(self, token_slots: list[int], ranks: list[int], device: torch.device) -> None:
         """The step's packed tokens use slots `token_slots` (-1: the base alone); `ranks[slot]` is each slot's
         adapter's rank."""
-        used = sorted({slot for slot in token_slots if slot >= 0})
-        if not used:
-            self.active = None
-            return
-        column = {slot: i for i, slot in enumerate(used)}
-        one_hot = torch.zeros(len(token_slots), len(used), dtype=dtype)
-        rows = [t for t, slot in enumerate(token_slots) if slot >= 0]
-        one_hot[rows, [column[token_slots[t]] for t in rows]] = 1
-        self.active = ActiveAdapters(torch.tensor(used, device=device), tuple(used), one_hot.to(device),
-                                     max(ranks[slot] for slot in used), torch.tensor(token_slots, device=device))
+        used = tuple(sorted({slot for slot in token_slots if slot >= 0}))
+        self.active = None if not used else ActiveAdapters(torch.tensor(token_slots, device=device), used,
+                                                           max(ranks[slot] for slot in used))
 
     def clear(self) -> None:
         self.active = None
@@ -75,14 +64,10 @@ class LoRAProjection:
         self.a = weight.new_zeros(max_loras, max_rank, self.in_features)
         self.b = weight.new_zeros(max_loras, max_rank, self.out_features)
         self.step = step
-        # the used slots' `a` / `b` side by side ([U * R, in], [U * R, out]), kept while the step's slots, ranks and
-        # contents stay the same (every decode step of a steady batch)
-        self._stacked: tuple[tuple[tuple[int, ...], int], torch.Tensor, torch.Tensor] | None = None
         self._linear: nn.Linear | None = linear  # hooked when an adapter first updates it (then None)
 
     def place(self, slot: int, update: tuple[torch.Tensor, torch.Tensor] | None) -> None:
         """Put one adapter's `(a [r, in], b [out, r])` in `slot` (None: it leaves this projection alone)."""
-        self._stacked = None
         self.a[slot].zero_()
         self.b[slot].zero_()
         if update is not None and self._linear is not None:
@@ -103,24 +88,17 @@ class LoRAProjection:
         if x.shape[0] != active.token_slots.shape[0]:
             raise ValueError(f"a LoRA adapter updates a Linear whose {x.shape[0]} input rows are not the step's "
                              f"{active.token_slots.shape[0]} tokens (e.g. a mixture-of-experts expert): not supported")
-        kernel = _lora_kernel() if _kernel_takes(x, output) else None
+        kernel = lora_kernel() if _kernel_takes(x, output) else None
         if kernel is not None:  # each token through its own adapter only, in place
             kernel(output.view(-1, self.out_features), x.contiguous(), self.a, self.b, active.token_slots,
                    active.rank)
             return output
-        a, b = self._stacked_weights(active)
-        count, rank = active.used.numel(), active.rank
-        h = (x @ a.T).view(-1, count, rank) * active.one_hot[:, :, None]
-        return output + (h.reshape(-1, count * rank) @ b).view(output.shape)
-
-    def _stacked_weights(self, active: ActiveAdapters) -> tuple[torch.Tensor, torch.Tensor]:
-        """`a[used, :R]` as `[U * R, in]` and `b[used, :R]` as `[U * R, out]`."""
-        key = (active.slots, active.rank)
-        if self._stacked is None or self._stacked[0] != key:
-            count, rank = len(key[0]), active.rank
-            self._stacked = (key, self.a[active.used, :rank].reshape(count * rank, self.in_features),
-                             self.b[active.used, :rank].reshape(count * rank, self.out_features))
-        return self._stacked[1], self._stacked[2]
+        used, rank = torch.tensor(active.used, device=x.device), active.rank
+        one_hot = (active.token_slots[:, None] == used).to(x.dtype)  # [T, U]
+        a = self.a[used, :rank].reshape(-1, self.in_features)  # [U * R, in]
+        b = self.b[used, :rank].reshape(-1, self.out_features)  # [U * R, out]
+        h = (x @ a.T).view(-1, len(active.used), rank) * one_hot[:, :, None]
+        return output + (h.flatten(1) @ b).view(output.shape)
 
 
 def adaptable_projections(model: nn.Module) -> dict[str, nn.Linear]:
@@ -128,11 +106,6 @@ def adaptable_projections(model: nn.Module) -> dict[str, nn.Linear]:
     output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     return {name: module for name, module in model.named_modules()
             if isinstance(module, nn.Linear) and module is not output}
-
-
-@functools.cache
-def _lora_kernel() -> Callable[..., None] | None:
-    return lora_kernel()
 
 
 def _kernel_takes(x: torch.Tensor, output: torch.Tensor) -> bool:

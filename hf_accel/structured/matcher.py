@@ -106,20 +106,14 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int] |
     """Set the logits `[rows, vocab]` of forbidden tokens to -inf in place (only `rows` of `logits`, when given).
     On the CPU hf_accel's kernel (csrc/token_bitmask.cpp: a word of 32 forbidden tokens is one vector store, where
     xgrammar's writes one token at a time: 5 ms a step at batch 8 over a 128k vocabulary); else xgrammar's."""
-    kernel = _mask_kernel() if logits.device.type == "cpu" and logits.stride(-1) == 1 else None
+    kernel = token_bitmask_kernel() if logits.device.type == "cpu" and logits.stride(-1) == 1 else None
     if kernel is None:
         xgrammar().apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)
         return
     kernel(logits, bitmask, _row_indices(tuple(range(logits.shape[0])) if rows is None else tuple(rows)))
 
 
-# Looked up once: between two decode steps every call is a cache miss (the step's weights evicted Python's data), and
-# the kernel's accessor (a lock, the environment) plus a new index tensor cost ~25 us a step there.
-@functools.cache
-def _mask_kernel() -> Any:
-    return token_bitmask_kernel()
-
-
+# one index tensor per row set, made once: a new tensor a step costs ~10 us between decode steps (a cold cache)
 @functools.lru_cache(maxsize=256)
 def _row_indices(rows: tuple[int, ...]) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.long)
