@@ -144,7 +144,7 @@ def test_adapters_that_cannot_be_served_are_refused_by_name(base, adapters, tmp_
 
 
 def test_engine_and_config_arguments_are_checked(base, adapters):
-    with pytest.raises(ValueError, match="`lora_request` needs an Engine built with `lora="):
+    with pytest.raises(ValueError, match="`lora_request` needs an engine built with `lora="):
         Engine(copy.deepcopy(base)).add_request([1, 2], GREEDY, lora_request=adapters["attn"][0])
     with pytest.raises(ValueError, match="max_cpu_loras"):
         LoRAConfig(max_loras=4, max_cpu_loras=2)
@@ -229,3 +229,27 @@ def test_a_streamed_request_runs_with_its_adapter(base, adapters):
     finally:
         engine.shutdown()
     assert final.finished and final.outputs[0].token_ids == greedy(adapters["attn"][1], [4, 9, 2, 11])
+
+
+def test_add_and_remove_lora_read_ahead_and_free_an_adapter(base, adapters):
+    """vLLM's `add_lora` reads an adapter before its first request; `remove_lora` drops it from memory and from its
+    slot (at the next step), and a later request with its id reads the folder again, with the same outputs."""
+    engine = Engine(copy.deepcopy(base), lora=LoRAConfig(max_loras=2))
+    (attn, _), (mlp, _) = adapters["attn"], adapters["mlp"]
+    jobs = [(PROMPTS[0], "attn"), (PROMPTS[1], "mlp")]
+    want = expected(base, adapters, jobs)
+    engine.add_lora(attn)
+    assert len(engine.core.adapters.adapters) == 1
+    assert served(engine, adapters, jobs) == want
+    engine.remove_lora(attn.lora_int_id)
+    engine.step()  # applied at the start of a step
+    lora = engine.core.adapters
+    assert len(lora.adapters) == 1 and lora.slots.slot_of(attn.lora_int_id) is None
+    assert lora.slots.slot_of(mlp.lora_int_id) is not None  # the other one stays
+    assert served(engine, adapters, jobs) == want
+    with pytest.raises(ValueError, match="lora_int_id"):
+        engine.remove_lora(0)
+    with pytest.raises(ValueError, match="serves no LoRA adapters"):
+        Engine(copy.deepcopy(base)).remove_lora(1)
+    with pytest.raises(ValueError, match="needs an engine built with `lora="):
+        Engine(copy.deepcopy(base)).add_lora(attn)

@@ -20,8 +20,8 @@ from .sequence import Request
 from .structured_requests import check_structured_outputs
 
 if TYPE_CHECKING:
+    from ..lora.adapter_check import AdapterChecker
     from ..lora.config import LoRARequest
-    from .lora_requests import EngineAdapters
 
 
 class Admission:
@@ -30,7 +30,7 @@ class Admission:
     arrival order is the order of `request` calls."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase | None, limits: EngineLimits,
-                 adapters: EngineAdapters | None = None):
+                 adapters: AdapterChecker | None = None):
         self.tokenizer, self.limits, self.adapters = tokenizer, limits, adapters
         self._ids = itertools.count()
         self._arrivals = itertools.count()
@@ -50,10 +50,13 @@ class Admission:
         if params.structured_outputs is not None:
             check_structured_outputs(self.tokenizer, params.structured_outputs)
         if lora_request is not None:
-            if self.adapters is None:
-                raise ValueError("`lora_request` needs an Engine built with `lora=hf_accel.LoRAConfig(...)` (the "
-                                 "engine-core process serves no adapters yet)")
-            self.adapters.check(lora_request)
+            self.check_lora(lora_request)
         request_id = f"req-{next(self._ids)}" if request_id is None else request_id
         return Request(request_id, text, ids, params, next(self._arrivals), RequestTiming(time.perf_counter()),
                        output_kind=output_kind, lora_request=lora_request)
+
+    def check_lora(self, lora_request: LoRARequest) -> None:
+        """ValueError / TypeError unless the engine serves adapters and `lora_request`'s can be served."""
+        if self.adapters is None:
+            raise ValueError("`lora_request` needs an engine built with `lora=hf_accel.LoRAConfig(...)`")
+        self.adapters.check(lora_request)

@@ -1,11 +1,12 @@
 """The engine-core process's side of `EngineProcess` (engine_process.py): build the engine, report ready, then loop:
 take the commands waiting on the pipe (block only when idle), run one step, send that step's reports, the whole
 output of every request that finished, and the engine's stats, in one message. Messages to it: `("add", Request)`,
-`("abort", request_id)`, `("shutdown",)`; from it: `("ready", Ready)` or `("failed", reason)`, then
+`("abort", request_id)`, `("add_lora", LoRARequest)`, `("remove_lora", lora_int_id)`, `("shutdown",)`; from it: `("ready", Ready)` or `("failed", reason)`, then
 `("step", StepReport)`, and last `("dead", reason)` or `("closed", None)`."""
 
 from __future__ import annotations
 
+import logging
 import signal
 import time
 import traceback
@@ -19,9 +20,12 @@ from .engine_stats import EngineStats
 from .errors import describe
 from .limits import EngineLimits
 from .outputs import RequestOutput
+from ..lora.adapter_check import AdapterShapes
 from ..registry import attention_implementation
 from ..runtime.attention import ATTENTION_NAME
 from ..runtime.dynamo import skip_warm_guards
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +35,7 @@ class Ready:
     limits: EngineLimits
     config: EngineConfig
     stats: EngineStats
+    adapters: AdapterShapes | None  # what a LoRA adapter must fit (None: the engine serves none)
 
 
 @dataclass(slots=True)
@@ -59,7 +64,8 @@ def run_engine_core(conn: Connection, factory: Callable[[], Engine]) -> None:
         traceback.print_exc()
         conn.send(("failed", describe(error)))
         return
-    ready = Ready(engine.core.limits, engine.config, engine.stats())
+    adapters = engine.core.adapters
+    ready = Ready(engine.core.limits, engine.config, engine.stats(), None if adapters is None else adapters.shapes)
     conn.send(("ready", ready))
     try:
         _CoreLoop(conn, engine, ready.stats.compiling).run()
@@ -113,9 +119,20 @@ class _CoreLoop:
         return True
 
     def _apply(self, command: tuple) -> None:
-        """An add or an abort; an add the engine refuses (its id still held by a request being aborted) fails alone."""
-        if command[0] == "abort":
+        """An add, an abort, or an adapter to read or drop; an add the engine refuses (its id still held by a
+        request being aborted) fails alone."""
+        kind = command[0]
+        if kind == "abort":
             self.engine.abort(command[1])
+            return
+        if kind == "remove_lora":
+            self.engine.remove_lora(command[1])
+            return
+        if kind == "add_lora":  # checked by the caller; a folder changed since then fails its requests instead
+            try:
+                self.engine.add_lora(command[1])
+            except (ValueError, TypeError, OSError) as error:
+                logger.warning("reading LoRA adapter %r failed: %s", command[1].lora_name, error)
             return
         request = command[1]
         try:

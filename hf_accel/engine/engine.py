@@ -28,7 +28,7 @@ from typing import Any
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ..display import RichDisplay, format_bytes
-from ..lora.config import LoRAConfig
+from ..lora.config import LoRAConfig, check_lora_id
 from ..registry import attention_implementation
 from ..runtime.attention import ATTENTION_NAME
 from .admission import Admission
@@ -103,6 +103,12 @@ class Engine(RichDisplay, EngineClient):
     def abort(self, request_id: str) -> None:
         """Stop a request and free its blocks at the start of the next step (thread-safe; unknown ids ignored)."""
         self._inbox.put(lambda: self._deliver_abort(request_id))
+        self._wakeup.set()
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        """As `EngineClient.remove_lora`, at the start of the next step (thread-safe)."""
+        check_lora_id(lora_int_id, self.core.adapters)
+        self._inbox.put(lambda: self.core.adapters.remove(lora_int_id))
         self._wakeup.set()
 
     def step(self) -> list[RequestOutput]:

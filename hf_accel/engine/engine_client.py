@@ -60,6 +60,18 @@ class EngineClient(ABC):
         self.submit(request, listener)
         return request.request_id
 
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Read and check an adapter ahead of its first request (vLLM's `add_lora`): ValueError / TypeError naming
+        what keeps it from being served (an engine without `lora=`, a folder that does not fit the base, an id
+        bound to another folder)."""
+        self._check_alive()
+        self._admission.check_lora(lora_request)
+
+    @abstractmethod
+    def remove_lora(self, lora_int_id: int) -> None:
+        """Drop an adapter from the engine's memory and slots once no running request uses it (vLLM's
+        `remove_lora`); a later request with its id reads the folder again."""
+
     @abstractmethod
     def submit(self, request: Request, listener: Listener | None = None) -> None:
         """Queue a request already checked by an `Admission` against this engine's limits (thread-safe);

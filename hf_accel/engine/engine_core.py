@@ -26,6 +26,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections import Counter
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -191,8 +193,9 @@ class EngineCore:
         return failed + [request for request in changed if request.error is None]
 
     def stats(self) -> EngineStats:
-        running = {seq.request.request_id for seq in self.scheduler.running}
-        waiting = {seq.request.request_id for seq in self.scheduler.waiting} - running
+        running = {seq.request.request_id: seq.request for seq in self.scheduler.running}
+        waiting = {seq.request.request_id: seq.request for seq in self.scheduler.waiting
+                   if seq.request.request_id not in running}
         spec = self.committer.spec_decode
         return EngineStats(
             len(running), len(waiting), self.blocks.usage, self.scheduler.num_preemptions,
@@ -200,6 +203,8 @@ class EngineCore:
             self.num_steps, self.blocks.num_free_blocks, self.blocks.num_blocks, spec.num_drafts,
             spec.num_draft_tokens, spec.num_accepted_tokens, self.compile_seconds,
             list(spec.accepted_per_position), self.compiling, self.candidates.num_forced_tokens,
+            0 if self.adapters is None else self.adapters.config.max_loras,
+            adapter_counts(running.values()), adapter_counts(waiting.values()),
         )
 
     def _start_constrained(self) -> None:
@@ -283,3 +288,8 @@ class EngineCore:
 
     def _detokenizer_for(self, params: SamplingParams) -> Detokenizer | None:
         return None if self.tokenizer is None else Detokenizer(self.tokenizer, params.stop)
+
+
+def adapter_counts(requests: Iterable[Request]) -> dict[str, int]:
+    """Adapter name -> how many of `requests` run with it (base requests not counted)."""
+    return dict(Counter(r.lora_request.lora_name for r in requests if r.lora_request is not None))

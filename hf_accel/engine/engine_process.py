@@ -30,6 +30,8 @@ from collections.abc import Callable
 
 from transformers import PreTrainedTokenizerBase
 
+from ..lora.adapter_check import AdapterCheck
+from ..lora.config import LoRARequest, check_lora_id
 from .admission import Admission
 from .core_process import Ready, StepReport, run_engine_core
 from .engine import Engine
@@ -75,7 +77,9 @@ class EngineProcess(EngineClient):
             self._conn.close()
             raise
         self.tokenizer, self.config, self.limits = tokenizer, ready.config, ready.limits
-        self._admission = Admission(tokenizer, ready.limits)
+        # adapters are checked here too, so a bad folder raises in the caller's thread; the child reads its own copy
+        self._adapters = None if ready.adapters is None else AdapterCheck(ready.adapters)
+        self._admission = Admission(tokenizer, ready.limits, self._adapters)
         self._stats = ready.stats
         self._listeners = Listeners()  # registered under `_lock`, delivered to in the reader thread
         self._lock = threading.Lock()  # orders registrations against shutdown and death
@@ -117,6 +121,18 @@ class EngineProcess(EngineClient):
         """Stop a request at the child's next step, freeing its blocks (unknown ids ignored)."""
         if self._dead is None and not self._closing:
             self._outbox.put(("abort", request_id))
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """As `EngineClient.add_lora`; the engine-core process then reads the adapter into its memory."""
+        super().add_lora(lora_request)
+        self._outbox.put(("add_lora", lora_request))
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        """As `EngineClient.remove_lora`, at the engine-core process's next step."""
+        check_lora_id(lora_int_id, self._adapters)
+        self._adapters.remove(lora_int_id)
+        if self._dead is None and not self._closing:
+            self._outbox.put(("remove_lora", lora_int_id))
 
     def _run_until(self, done: threading.Event) -> None:
         done.wait()

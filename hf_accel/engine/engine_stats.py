@@ -27,3 +27,6 @@ class EngineStats:
     spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)  # [j]: candidate j accepted
     compiling: bool = False  # the model step's graphs compile in the background; steps run eagerly meanwhile
     jump_forward_tokens: int = 0  # candidates constrained sequences' grammars forced (counted in the spec_decode ones)
+    max_loras: int = 0  # adapters resident at once (0: the engine serves no LoRA adapters)
+    running_lora_adapters: dict[str, int] = field(default_factory=dict)  # adapter name -> its running requests
+    waiting_lora_adapters: dict[str, int] = field(default_factory=dict)  # adapter name -> its waiting requests

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 
 from torch import nn
 
+from ..lora.adapter_check import AdapterShapes
 from ..lora.adapter_files import AdapterWeights
 from ..lora.adapter_set import AdapterSet
 from ..lora.config import LoRAConfig, LoRARequest
@@ -44,8 +45,9 @@ class EngineAdapters:
         linears = adaptable_projections(model)
         self.projections = {name: LoRAProjection(linear, config.max_loras, config.max_lora_rank, self.step)
                             for name, linear in linears.items()}
-        shapes = {name: (linear.in_features, linear.out_features) for name, linear in linears.items()}
-        self.adapters = AdapterSet(config, shapes, self.dtype)
+        projections = {name: (linear.in_features, linear.out_features) for name, linear in linears.items()}
+        self.shapes = AdapterShapes(config, projections, self.dtype)  # what a caller in another process checks
+        self.adapters = AdapterSet(config, projections, self.dtype)
         self.slots = AdapterSlots(self.projections, config.max_loras)
         self._held: dict[int, int] = {}  # seq_id -> lora_int_id it holds a pin on
         self._weights: dict[str, AdapterWeights] = {}  # request_id -> its adapter, while the request is here
@@ -54,6 +56,12 @@ class EngineAdapters:
         """Read `request`'s adapter (kept in memory for the engine); ValueError / TypeError if it cannot be
         served."""
         self.adapters.get(request)
+
+    def remove(self, lora_int_id: int) -> None:
+        """Drop an adapter from memory and from its slot unless a running sequence pins it (in the engine's
+        thread); requests naming its id later read its folder again."""
+        self.adapters.remove(lora_int_id)
+        self.slots.evict(lora_int_id)
 
     def hold(self, request: Request) -> None:
         """Keep `request`'s adapter weights until `forget` (nothing for a base request); ValueError if its folder

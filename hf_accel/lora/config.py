@@ -50,7 +50,19 @@ class LoRARequest:
     def __post_init__(self) -> None:
         if not isinstance(self.lora_name, str) or not self.lora_name:
             raise ValueError(f"`lora_name` must be a non-empty str, got {self.lora_name!r}")
-        if isinstance(self.lora_int_id, bool) or not isinstance(self.lora_int_id, int) or self.lora_int_id < 1:
-            raise ValueError(f"`lora_int_id` must be an int of at least 1, got {self.lora_int_id!r}")
+        _check_id(self.lora_int_id)
         if not isinstance(self.lora_path, (str, Path)):
             raise TypeError(f"`lora_path` must be a str or Path, got {type(self.lora_path).__name__}")
+
+
+def check_lora_id(lora_int_id: int, adapters: object | None) -> None:
+    """ValueError unless `lora_int_id` is an adapter id (an int of at least 1) of an engine serving adapters
+    (`adapters` not None)."""
+    _check_id(lora_int_id)
+    if adapters is None:
+        raise ValueError("this engine serves no LoRA adapters (build it with `lora=hf_accel.LoRAConfig(...)`)")
+
+
+def _check_id(lora_int_id: int) -> None:
+    if isinstance(lora_int_id, bool) or not isinstance(lora_int_id, int) or lora_int_id < 1:
+        raise ValueError(f"`lora_int_id` must be an int of at least 1, got {lora_int_id!r}")

@@ -56,6 +56,14 @@ class AdapterSlots:
         del self._pins[lora_id]
         self._idle[lora_id] = None
 
+    def evict(self, lora_id: int) -> None:
+        """Free `lora_id`'s slot if it is resident and idle (a pinned adapter stays until its last release)."""
+        if lora_id in self._idle:
+            del self._idle[lora_id]
+            slot = self._slot.pop(lora_id)
+            self.ranks[slot] = 0
+            self._free.append(slot)
+
     def _take_slot(self) -> int | None:
         if self._free:
             return self._free.pop()

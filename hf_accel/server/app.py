@@ -1,7 +1,8 @@
 """`create_app`: the OpenAI-compatible HTTP app over one engine (routes in their own files, this one wires them).
 
 Endpoints: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`, `POST /tokenize`,
-`POST /detokenize` (behind the API key when one is set), `GET /health`, `GET /metrics` (always open, as in vLLM).
+`POST /detokenize`, with `allow_runtime_lora` `POST /v1/load_lora_adapter` and `POST /v1/unload_lora_adapter`
+(behind the API key when one is set), `GET /health`, `GET /metrics` (always open, as in vLLM).
 The app starts the engine's loop on startup and shuts the engine down on shutdown.
 """
 
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
 from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -19,7 +20,8 @@ from transformers import PreTrainedTokenizerBase
 
 from ..cache.settings import check_int
 from ..engine.errors import describe
-from . import chat, completions, tokenization
+from . import adapter_routes, chat, completions, tokenization
+from .adapters import ServedAdapters
 from .errors import APIError, engine_dead, install_error_handlers
 from .generation import WaitingRequests
 from .metrics import ServerMetrics
@@ -36,9 +38,13 @@ model_routes = APIRouter()
 
 @model_routes.get("/v1/models")
 async def list_models(server: ServerState = Depends(server_state)) -> ModelList:
-    """The one served model, with its `max_model_len`."""
-    return ModelList(data=[ModelCard(id=server.model_name, created=server.created, root=server.model_name,
-                                     max_model_len=server.engine.max_model_len)])
+    """The served model, with its `max_model_len`, then each LoRA adapter (`parent`: the base, `root`: its
+    folder)."""
+    length = server.engine.max_model_len
+    base = ModelCard(id=server.model_name, created=server.created, root=server.model_name, max_model_len=length)
+    adapters = [ModelCard(id=a.lora_name, created=server.created, root=str(a.lora_path), parent=server.model_name,
+                          max_model_len=length) for a in server.adapters]
+    return ModelList(data=[base, *adapters])
 
 
 @open_routes.get("/health")
@@ -75,7 +81,8 @@ def api_key_check(api_key: str) -> Callable[[Request], Coroutine[None, None, Non
 
 def create_app(engine: ServedEngine | Callable[[], ServedEngine], tokenizer: PreTrainedTokenizerBase, model_name: str,
                api_key: str | None = None, max_queue_len: int = DEFAULT_MAX_QUEUE_LEN,
-               on_load_error: Callable[[BaseException], None] | None = None) -> FastAPI:
+               on_load_error: Callable[[BaseException], None] | None = None,
+               lora_modules: Mapping[str, str] | None = None, allow_runtime_lora: bool = False) -> FastAPI:
     """The HTTP app serving `engine` as model `model_name`.
 
     Args:
@@ -88,13 +95,22 @@ def create_app(engine: ServedEngine | Callable[[], ServedEngine], tokenizer: Pre
         max_queue_len: most requests waiting for their first token; more get 429.
         on_load_error: called (in the loading thread) with what building the engine raised (`hf-accel serve`
             stops there).
+        lora_modules: LoRA adapters served from the start, model name -> peft adapter folder (the engine must be
+            built with `lora=`); a folder that cannot be served fails the start, as a model that cannot be built.
+        allow_runtime_lora: serve `POST /v1/load_lora_adapter` and `/v1/unload_lora_adapter`.
     """
     _check_settings(model_name, api_key, max_queue_len)
 
     def serve(built: ServedEngine) -> None:
         built.start()
+        adapters = ServedAdapters(built, model_name)
+        for name, path in (lora_modules or {}).items():
+            try:
+                adapters.load(name, path)
+            except APIError as error:  # at start: the reason, as a plain error
+                raise ValueError(error.message) from error.__cause__
         app.state.server = ServerState(built, tokenizer, model_name, WaitingRequests(max_queue_len),
-                                       ServerMetrics(built, model_name))
+                                       ServerMetrics(built, model_name), adapters)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -110,14 +126,15 @@ def create_app(engine: ServedEngine | Callable[[], ServedEngine], tokenizer: Pre
     app.state.load = EngineLoad()
     app.state.server = None  # set once the engine is built
     install_error_handlers(app)
-    _include_routes(app, api_key)
+    _include_routes(app, api_key, allow_runtime_lora)
     return app
 
 
-def _include_routes(app: FastAPI, api_key: str | None) -> None:
+def _include_routes(app: FastAPI, api_key: str | None, allow_runtime_lora: bool) -> None:
     """Every route; those of /v1 and /tokenize, /detokenize behind `api_key` when it is set."""
     guarded = [] if api_key is None else [Depends(api_key_check(api_key))]
-    for router in (completions.router, chat.router, tokenization.router, model_routes):
+    routers = [completions.router, chat.router, tokenization.router, model_routes]
+    for router in routers + ([adapter_routes.router] if allow_runtime_lora else []):
         app.include_router(router, dependencies=guarded)
     app.include_router(open_routes)
 

@@ -40,7 +40,6 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
                                  ) -> ChatCompletionResponse | StreamingResponse:
     """A reply per sample; with `stream`, a role chunk per choice, then content (or tool call) chunks of one choice
     each."""
-    server.check_model(body.model)
     reply = ChatReply.submit(server, body)
     if body.stream:
         return reply.stream()
@@ -61,7 +60,9 @@ class ChatReply:
 
     @classmethod
     def submit(cls, server: ServerState, body: ChatCompletionRequest) -> ChatReply:
-        """Render the prompt and queue its samples; 400 for what the request's fields cannot do."""
+        """Render the prompt and queue its samples; 400 for what the request's fields cannot do, 404 for a `model`
+        not served."""
+        server.model_adapter(body.model)  # before the template: an unknown model is the first thing to say
         try:
             tools = body.tool_plan(server.tokenizer)
         except ValueError as error:
@@ -74,7 +75,7 @@ class ChatReply:
             max_tokens = max(server.engine.max_model_len - len(prompt_ids), 1)
         try:
             params = body.sampling_params(max_tokens, body.num_logprobs, tools.constraint())
-            response_id, requests = server.new_requests("chatcmpl", body.n)
+            response_id, requests = server.new_requests("chatcmpl", body.n, body.model)
             requests.submit([prompt_ids], params)
         except (ValueError, TypeError) as error:
             raise bad_request(error) from error
@@ -86,7 +87,7 @@ class ChatReply:
                 "token_ids": delta.token_ids if self.body.return_token_ids else None}
 
     def chunk(self, choices: list[ChatChunkChoice], counts: Usage | None = None) -> ChatCompletionChunk:
-        return ChatCompletionChunk(id=self.response_id, created=self.created, model=self.server.model_name,
+        return ChatCompletionChunk(id=self.response_id, created=self.created, model=self.server.served_model(self.body.model),
                                    choices=choices, usage=counts)
 
     def stream(self) -> StreamingResponse:
@@ -111,7 +112,7 @@ class ChatReply:
             message = AssistantMessage(content=content, tool_calls=[ToolCallEntry(
                 id=call.id, function=CalledFunction(name=call.name, arguments=call.arguments)) for call in calls])
             replies.append(ChatChoice(message=message, **self.fields(d, reply_finish(self.tools, d, calls))))
-        return ChatCompletionResponse(id=self.response_id, created=self.created, model=self.server.model_name,
+        return ChatCompletionResponse(id=self.response_id, created=self.created, model=self.server.served_model(self.body.model),
                                       choices=replies, usage=self.requests.choices.usage())
 
 

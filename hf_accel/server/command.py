@@ -5,6 +5,7 @@
     hf-accel serve --medusa-heads PATH               # greedy requests speculate with Medusa heads from PATH
     hf-accel serve --speculative-config '{"method": "suffix", "num_speculative_tokens": 5}'   # vLLM's flag
     hf-accel serve --model ./docs-model              # a `hf-accel finetune` folder: its hf_accel.json is applied
+    hf-accel serve --model ./base --lora-modules ft1=./adapter1 ft2=./adapter2   # `model: ft1` selects an adapter
 
 The engine steps in a process of its own (`EngineProcess`), so the model step never waits on the server's Python
 work; `--no-engine-process` keeps it in the server's process.
@@ -19,6 +20,7 @@ seconds to finish, then the engine stops.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from functools import partial
 from collections.abc import Sequence
@@ -28,7 +30,9 @@ import torch
 import uvicorn
 
 from ..engine.config import EngineConfig
+from ..engine.lora_requests import MODEL_FREE_METHODS
 from ..engine.spec_decode.speculative_config import SpeculativeConfig
+from ..lora.config import LoRAConfig
 from ..quant.presets import list_quantization_presets
 from ..speculative.medusa_heads import MedusaHeads
 from ..serving_config import ServingConfig, read_serving_config
@@ -66,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--kv-cache-memory", default=None,
                         help="KV pool size, bytes or e.g. 2GiB (default: room for max-num-seqs full sequences)")
     _add_speculative_arguments(parser)
+    _add_lora_arguments(parser)
     parser.add_argument("--enforce-eager", action="store_true", help="run the model step eagerly (default: compiled)")
     parser.add_argument("--compile-in-background", action=argparse.BooleanOptionalAction, default=True,
                         help="serve with eager steps while the model step compiles in the background, then switch "
@@ -99,6 +104,55 @@ def _add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
                              "(model: an EAGLE head's folder), draft (model: a draft LM's folder)")
 
 
+def _add_lora_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--enable-lora", action="store_true",
+                        help="serve LoRA adapters (implied by --lora-modules and --allow-runtime-lora)")
+    parser.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                        help="peft adapter folders served from the start, each as NAME=PATH or a JSON object "
+                             "'{\"name\": NAME, \"path\": PATH}'; a request's `model` NAME selects the adapter")
+    parser.add_argument("--max-loras", type=int, default=None,
+                        help="adapters in one batch (resident at once; default: 8)")
+    parser.add_argument("--max-lora-rank", type=int, default=None, help="largest adapter rank (default: 64)")
+    parser.add_argument("--max-cpu-loras", type=int, default=None,
+                        help="adapters kept read in memory (default: 32, at least --max-loras)")
+    parser.add_argument("--allow-runtime-lora", action="store_true",
+                        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind --api-key)")
+
+
+def parse_lora_modules(parser: argparse.ArgumentParser, values: Sequence[str] | None) -> dict[str, str]:
+    """`--lora-modules` as name -> folder (exits naming the entry that is neither NAME=PATH nor a JSON object with
+    `name` and `path`, or a name given twice)."""
+    modules: dict[str, str] = {}
+    for value in values or []:
+        if value.lstrip().startswith("{"):
+            try:
+                entry = json.loads(value)
+                name, path = entry["name"], entry["path"]
+            except (ValueError, KeyError, TypeError):
+                parser.error(f"--lora-modules entry {value!r} is not a JSON object with `name` and `path`")
+        else:
+            name, _, path = value.partition("=")
+        if not isinstance(name, str) or not isinstance(path, str) or not name or not path:
+            parser.error(f"--lora-modules entry {value!r} must be NAME=PATH")
+        if name in modules:
+            parser.error(f"--lora-modules names {name!r} twice")
+        modules[name] = path
+    return modules
+
+
+def _lora(parser: argparse.ArgumentParser, args: argparse.Namespace) -> LoRAConfig | None:
+    """The engine's `LoRAConfig` (None without adapters; exits when a limit is given without them)."""
+    limits = {name: getattr(args, name) for name in ("max_loras", "max_lora_rank", "max_cpu_loras")
+              if getattr(args, name) is not None}
+    if not (args.enable_lora or args.lora_modules or args.allow_runtime_lora):
+        if limits:
+            parser.error("--max-loras, --max-lora-rank and --max-cpu-loras need --enable-lora (or --lora-modules)")
+        return None
+    if "max_cpu_loras" not in limits:
+        limits["max_cpu_loras"] = max(LoRAConfig.max_cpu_loras, limits.get("max_loras", LoRAConfig.max_loras))
+    return _checked(parser, LoRAConfig, **limits)
+
+
 def resolve_serving(path: str | None, quant: str | None, medusa_heads: str | None) -> tuple[str | None, Path | None]:
     """The weight preset and the Medusa heads folder to serve the model at `path` with: `quant` / `medusa_heads`
     where given, else what the folder's `hf_accel.json` names, else none."""
@@ -122,7 +176,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     # listening from the start: /health says "loading" while the engine is built
     app = create_app(partial(serve_engine, spec, tokenizer, in_process=not args.engine_process), tokenizer,
                      args.served_model_name or args.model or REFERENCE_NAME, api_key=args.api_key or None,
-                     max_queue_len=args.max_queue_len, on_load_error=stop)
+                     max_queue_len=args.max_queue_len, on_load_error=stop,
+                     lora_modules=parse_lora_modules(parser, args.lora_modules),
+                     allow_runtime_lora=args.allow_runtime_lora)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            timeout_graceful_shutdown=args.graceful_timeout))
     try:
@@ -149,7 +205,11 @@ def engine_spec(parser: argparse.ArgumentParser, args: argparse.Namespace) -> En
                       max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
                       max_model_len=args.max_model_len, enforce_eager=args.enforce_eager,
                       compile_in_background=args.compile_in_background)
-    return EngineSpec(args.model, quant, DTYPES[args.dtype], args.threads, config, speculative)
+    lora = _lora(parser, args)
+    if lora is not None and speculative is not None and speculative.method not in MODEL_FREE_METHODS:
+        parser.error(f"LoRA adapters are served with the speculative methods {', '.join(MODEL_FREE_METHODS)}, not "
+                     f"{speculative.method!r}")
+    return EngineSpec(args.model, quant, DTYPES[args.dtype], args.threads, config, speculative, lora)
 
 
 def _checked(parser: argparse.ArgumentParser, config_class: type, *args, **kwargs):

@@ -22,19 +22,19 @@ router = APIRouter()
 async def create_completion(body: CompletionRequest, request: Request,
                             server: ServerState = Depends(server_state)) -> CompletionResponse | StreamingResponse:
     """A completion per prompt and sample; with `stream`, server-sent chunks of one choice each."""
-    server.check_model(body.model)
+    server.model_adapter(body.model)  # 404 for an unknown model before anything else
     if body.best_of is not None and body.best_of != body.n:
         raise bad_request(ValueError("`best_of` other than `n` is not supported by this server"))
     try:
         params = body.sampling_params(body.max_tokens, body.logprobs)
-        response_id, requests = server.new_requests("cmpl", body.n)
+        response_id, requests = server.new_requests("cmpl", body.n, body.model)
         requests.submit(body.prompts, params)
     except (ValueError, TypeError) as error:
         raise bad_request(error) from error
     created = int(time.time())
 
     def response(choices: list[CompletionChoice], counts: Usage | None = None) -> CompletionResponse:
-        return CompletionResponse(id=response_id, created=created, model=server.model_name, choices=choices,
+        return CompletionResponse(id=response_id, created=created, model=server.served_model(body.model), choices=choices,
                                   usage=counts)
 
     def choice(delta: ChoiceDelta) -> CompletionChoice:

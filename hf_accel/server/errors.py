@@ -66,9 +66,11 @@ def request_failed(error: RequestError) -> APIError:
     return APIError(status, f"Generation failed for this request: {error}", code="request_failed")
 
 
-def model_not_found(model: str, served: str) -> APIError:
-    return APIError(404, f"The model `{model}` does not exist: `model` must be `{served}` (or left out).",
-                    param="model", code="model_not_found")
+def model_not_found(model: str, served: list[str]) -> APIError:
+    """404 for a `model` this server does not serve (`served`: the base's name first, then its adapters')."""
+    names = ", ".join(f"`{name}`" for name in served)
+    return APIError(404, f"The model `{model}` does not exist: `model` must be one of {names} (or left out for "
+                         f"`{served[0]}`).", param="model", code="model_not_found")
 
 
 def validation_error(error: RequestValidationError) -> APIError:

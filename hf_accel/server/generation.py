@@ -23,6 +23,8 @@ from fastapi import Request
 from ..engine.output_stream import OutputStream, RequestSink
 from ..engine.outputs import CompletionOutput, RequestOutput, RequestOutputKind, TokenLogprob
 from ..engine.sampling_params import SamplingParams
+from ..lora.config import LoRARequest
+from .adapters import ServedAdapters
 from .errors import APIError, request_failed
 from .responses import Usage
 
@@ -100,22 +102,30 @@ class Choices:
 
 
 class EngineRequests:
-    """The engine requests of one HTTP request, one per prompt, `{base_id}-{prompt index}`, with `n` samples each."""
+    """The engine requests of one HTTP request, one per prompt, `{base_id}-{prompt index}`, with `n` samples each,
+    run by the base or by the LoRA adapter `lora_request` (held in `adapters` from `submit` to `close`, so
+    unloading it waits for them)."""
 
-    def __init__(self, engine: RequestSink, waiting: WaitingRequests, base_id: str, n: int):
+    def __init__(self, engine: RequestSink, waiting: WaitingRequests, base_id: str, n: int,
+                 lora_request: LoRARequest | None = None, adapters: ServedAdapters | None = None):
         self.waiting, self.base_id = waiting, base_id
+        self.lora_request, self.adapters = lora_request, adapters
         self.choices = Choices(n)
         self._stream = OutputStream(engine, RequestOutputKind.DELTA)
         self._waiting: set[int] = set()  # prompts counted in `waiting`
+        self._holding = False  # whether this holds its adapter in `adapters`
 
     def submit(self, prompts: Sequence[str | list[int]], params: SamplingParams) -> None:
         """Admit and add every prompt; on any error nothing stays in the engine (429 when the queue is full,
         the engine's ValueError / TypeError / EngineDeadError otherwise)."""
         self.waiting.admit(len(prompts))
         self._waiting = set(range(len(prompts)))
+        if self.adapters is not None:
+            self.adapters.hold(self.lora_request)
+            self._holding = True
         try:
             for index, prompt in enumerate(prompts):
-                self._stream.add(index, prompt, params, f"{self.base_id}-{index}")
+                self._stream.add(index, prompt, params, f"{self.base_id}-{index}", self.lora_request)
         except BaseException:
             self.close()
             raise
@@ -142,10 +152,13 @@ class EngineRequests:
         return self.choices.in_order()
 
     def close(self) -> None:
-        """Abort what is still running and give back the waiting slots (idempotent)."""
+        """Abort what is still running, give back the waiting slots and the adapter (idempotent)."""
         self._stream.close()
         self.waiting.release(len(self._waiting))
         self._waiting.clear()
+        if self._holding:
+            self._holding = False
+            self.adapters.release(self.lora_request)
 
 
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:

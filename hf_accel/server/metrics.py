@@ -3,7 +3,8 @@
 Gauges and counters are read from `engine.stats()` at scrape time by a custom collector; the latency histograms
 are fed by the engine's finish observer from each finished request's timing. A request that failed alone counts in
 `request_success_total` under `finished_reason="error"`; the loop's own death in `engine_loop_failures_total`. Every
-series has vLLM's `model_name` label. Each app has its own `CollectorRegistry`, so several apps live in one process.
+series has vLLM's `model_name` label. With LoRA adapters, `lora_requests_info` is vLLM's: one series whose labels
+name the adapters of the running and of the waiting requests (comma-separated) and whose value is the scrape time. Each app has its own `CollectorRegistry`, so several apps live in one process.
 
 | hf_accel                                   | vLLM                                   | kind      |
 |--------------------------------------------|----------------------------------------|-----------|
@@ -21,6 +22,7 @@ series has vLLM's `model_name` label. Each app has its own `CollectorRegistry`, 
 | hf_accel:spec_decode_num_accepted_tokens_per_pos_total{position} | vllm:spec_decode_num_accepted_tokens_per_pos_total | counter |
 | hf_accel:request_success_total             | vllm:request_success_total (+ "error") | counter   |
 | hf_accel:engine_loop_failures_total        | (hf_accel's: 1 once the loop has died)  | counter   |
+| hf_accel:lora_requests_info{max_lora, running_lora_adapters, waiting_lora_adapters} | vllm:lora_requests_info | gauge |
 | hf_accel:time_to_first_token_seconds       | vllm:time_to_first_token_seconds       | histogram |
 | hf_accel:inter_token_latency_seconds       | vllm:inter_token_latency_seconds       | histogram |
 | hf_accel:e2e_request_latency_seconds       | vllm:e2e_request_latency_seconds       | histogram |
@@ -29,12 +31,14 @@ series has vLLM's `model_name` label. Each app has its own `CollectorRegistry`, 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from ..engine.engine_stats import EngineStats
 from ..engine.outputs import RequestOutput
 from .served_engine import ServedEngine
 
@@ -91,6 +95,17 @@ class EngineStatsCollector(Collector):
                                        "that concerns every request (the server then answers 503).", labels=LABELS)
         failures.add_metric([self.model_name], 0 if self.engine.is_healthy else 1)
         yield failures
+        if stats.max_loras:
+            yield lora_requests_info(stats)
+
+
+def lora_requests_info(stats: EngineStats) -> Metric:
+    """vLLM's `lora_requests_info`: the adapters running and waiting, as labels of one series valued now."""
+    info = GaugeMetricFamily(PREFIX + "lora_requests_info", "LoRA adapters of the running and the waiting requests.",
+                             labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+    info.add_metric([str(stats.max_loras), ",".join(sorted(stats.running_lora_adapters)),
+                     ",".join(sorted(stats.waiting_lora_adapters))], time.time())
+    return info
 
 
 class ServerMetrics:

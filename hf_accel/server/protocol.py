@@ -232,3 +232,16 @@ class DetokenizeRequest(RequestModel):
 
     model: str | None = None
     tokens: list[int]
+
+
+class LoadLoRAAdapterRequest(RequestModel):
+    """`POST /v1/load_lora_adapter` (vLLM's shape): serve the peft adapter folder `lora_path` as model `lora_name`."""
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoRAAdapterRequest(RequestModel):
+    """`POST /v1/unload_lora_adapter` (vLLM's shape): stop serving `lora_name`."""
+
+    lora_name: str = Field(min_length=1)

@@ -14,6 +14,7 @@ from ..engine.config import EngineConfig
 from ..engine.engine import Engine
 from ..engine.engine_process import EngineProcess
 from ..engine.spec_decode.speculative_config import SpeculativeConfig
+from ..lora.config import LoRAConfig
 from ..quant.presets import load_model, load_tokenizer
 from ..reference import ASSETS_DIR
 from .speculative_option import ModelFolder
@@ -25,8 +26,8 @@ ServedEngine = Engine | EngineProcess
 class EngineSpec:
     """How to build the served engine, picklable (sent to the engine-core process): `model` a local folder or hub id
     (None: the reference target), `quant` a weight preset or None, `dtype`, torch's CPU `threads` (None: torch's
-    default), the engine's `config` and its `speculative` config (Medusa heads travel as objects; an EAGLE head or a
-    draft model as a `ModelFolder`, loaded beside the served model)."""
+    default), the engine's `config`, its `speculative` config (Medusa heads travel as objects; an EAGLE head or a
+    draft model as a `ModelFolder`, loaded beside the served model) and its `lora` limits (None: no adapters)."""
 
     model: str | None
     quant: str | None
@@ -34,6 +35,7 @@ class EngineSpec:
     threads: int | None = None
     config: EngineConfig = field(default_factory=EngineConfig)
     speculative: SpeculativeConfig | ModelFolder | None = None
+    lora: LoRAConfig | None = None
 
     def tokenizer(self) -> PreTrainedTokenizerBase:
         return load_tokenizer(model_source(self.model))
@@ -60,7 +62,7 @@ def build_engine(spec: EngineSpec) -> Engine:
     speculative = spec.speculative
     if isinstance(speculative, ModelFolder):  # a head loads for the model it serves, a draft beside it
         speculative = speculative.config_for(model)
-    return Engine(model, tokenizer, config=spec.config, speculative=speculative)
+    return Engine(model, tokenizer, config=spec.config, speculative=speculative, lora=spec.lora)
 
 
 def serve_engine(spec: EngineSpec, tokenizer: PreTrainedTokenizerBase, in_process: bool = False) -> ServedEngine:

@@ -1,4 +1,5 @@
-"""`ServerState`: what every route of one app shares (engine, tokenizer, served name, waiting bound, metrics)."""
+"""`ServerState`: what every route of one app shares (engine, tokenizer, served name and adapters, waiting bound,
+metrics)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from fastapi import Request
 from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
+from ..lora.config import LoRARequest
+from .adapters import ServedAdapters
 from .served_engine import ServedEngine
 from .errors import APIError, model_not_found
 from .generation import EngineRequests, WaitingRequests
@@ -26,17 +29,29 @@ class ServerState:
     model_name: str
     waiting: WaitingRequests
     metrics: ServerMetrics
+    adapters: ServedAdapters
     created: int = field(default_factory=lambda: int(time.time()))
 
-    def check_model(self, model: str | None) -> None:
-        """404 unless `model` is the served name (a missing `model` means the served one)."""
-        if model is not None and model != self.model_name:
-            raise model_not_found(model, self.model_name)
+    def model_adapter(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter `model` names (None: the base model, also when `model` is missing); 404 for a name
+        that is neither."""
+        if model is None or model == self.model_name:
+            return None
+        adapter = self.adapters.find(model)
+        if adapter is None:
+            raise model_not_found(model, [self.model_name, *(a.lora_name for a in self.adapters)])
+        return adapter
 
-    def new_requests(self, prefix: str, n: int) -> tuple[str, EngineRequests]:
-        """A fresh response id (`{prefix}-<hex>`) and the engine-request group under it (`n` samples a prompt)."""
+    def served_model(self, model: str | None) -> str:
+        """The name responses carry: the requested model, or the base's when the request named none."""
+        return self.model_name if model is None else model
+
+    def new_requests(self, prefix: str, n: int, model: str | None) -> tuple[str, EngineRequests]:
+        """A fresh response id (`{prefix}-<hex>`) and the engine-request group under it (`n` samples a prompt), run
+        by the base or the adapter `model` names (404 for an unknown name)."""
+        adapter = self.model_adapter(model)
         response_id = f"{prefix}-{uuid.uuid4().hex}"
-        return response_id, EngineRequests(self.engine, self.waiting, response_id, n)
+        return response_id, EngineRequests(self.engine, self.waiting, response_id, n, adapter, self.adapters)
 
     def chat_prompt(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
                     tools: list[dict[str, Any]] | None = None) -> str:

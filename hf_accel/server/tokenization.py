@@ -15,7 +15,7 @@ router = APIRouter()
 @router.post("/tokenize")
 async def tokenize(body: TokenizeRequest, server: ServerState = Depends(server_state)) -> TokenizeResponse:
     """`{count, max_model_len, tokens, token_strs}` of a prompt, or of chat messages through the chat template."""
-    server.check_model(body.model)
+    server.model_adapter(body.model)  # adapters share the base's tokenizer
     if body.messages is not None:
         text = server.chat_prompt([m.template_dict() for m in body.messages], body.add_generation_prompt)
     else:
@@ -29,7 +29,7 @@ async def tokenize(body: TokenizeRequest, server: ServerState = Depends(server_s
 @router.post("/detokenize")
 async def detokenize(body: DetokenizeRequest, server: ServerState = Depends(server_state)) -> DetokenizeResponse:
     """`{prompt}`: the text of `tokens`."""
-    server.check_model(body.model)
+    server.model_adapter(body.model)  # adapters share the base's tokenizer
     vocab_size = len(server.tokenizer)
     bad = [t for t in body.tokens if not 0 <= t < vocab_size]
     if bad:
