@@ -6,7 +6,7 @@ projection (attention and MLP), saved as peft folders in a temp folder (never ke
 tokens, each generating 16-64 tokens (EOS ignored; `hf_accel.bench.workload.serving_requests`). Rows, interleaved
 with warm-up, tok/s of generated tokens:
 - the base model in the Engine, compiled (its default) and eager (`enforce_eager=True`);
-- the Engine with `lora=LoRAConfig(max_loras=8)`: every request on one adapter, the 8 adapters uniformly (request i
+- the Engine with `lora=LoRAConfig(max_loras=8)`, compiled (its default): every request on one adapter, the 8 adapters uniformly (request i
   on adapter i % 8), and skewed (adapter k with weight 1 / (k + 1));
 - peft: a `PeftModel` holding the 8 adapters, `generate(adapter_names=...)` over the same requests in batches of 16
   (left-padded, each batch as long as its longest request), the mixed-adapter path peft offers.
@@ -174,7 +174,8 @@ def render(report: dict[str, Any]) -> str:
         same = "-" if row["identical_to_peft"] is None else f"{row['identical_to_peft']} of {report['requests']}"
         lines.append(f"| {row['run']} | {row['tok_s']:.0f} | {row['vs_base_compiled']:.2f}x | "
                      f"{row['vs_base_eager']:.2f}x | {same} |")
-    lines += ["", "An engine with `lora=` runs its steps eagerly (the compiled step freezes the weights); "
+    lines += ["", "An engine with `lora=` compiles its step as the base's does, the LoRA kernel one node per adapted "
+              "projection, the adapters' stacked weights and each token's slot graph inputs (the base weights frozen); "
               "\"identical to peft\" counts requests whose greedy tokens equal peft's `generate` with the same "
               "adapter (fp32; a near-tie can part them).", "", *target_table(report["targets_met"]), "",
               f"From `{report['command']}` ({report['total_seconds'] / 60:.1f} min in all)."]

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from hf_accel import Engine, EngineConfig, LoRAConfig, LoRARequest, SamplingParams, SpeculativeConfig
+from hf_accel.kernels.custom_ops import lora_kernel
 
 peft = pytest.importorskip("peft")
 
@@ -69,12 +70,22 @@ def served(engine, adapters, jobs, params=GREEDY) -> list[list[int]]:
     return [out.outputs[0].token_ids for out in engine.generate([p for p, _ in jobs], params, lora_request=requests)]
 
 
-def test_a_mixed_batch_equals_each_adapters_merged_model(base, adapters):
+@pytest.mark.parametrize("eager", [False, True], ids=["compiled", "eager"])
+def test_a_mixed_batch_equals_each_adapters_merged_model(base, adapters, eager):
+    """Compiled (the hooks in the graphs, the adapters' weights and slots graph inputs) and eager alike."""
     jobs = mixed(adapters)
     want = expected(base, adapters, jobs)
     assert len({tuple(w) for w in want[:4]}) == 4  # the adapters change the outputs: the test can fail
-    engine = Engine(copy.deepcopy(base), config=EngineConfig(max_num_seqs=16), lora=LoRAConfig(max_loras=4))
+    engine = Engine(copy.deepcopy(base), config=EngineConfig(max_num_seqs=16, enforce_eager=eager,
+                                                             compile_in_background=False),
+                    lora=LoRAConfig(max_loras=4))
+    if not eager and lora_kernel() is None:
+        pytest.skip("hf_accel's C++ extension is not built: LoRA steps run eagerly")
+    assert engine.core.runner.forward.compiled == engine.core.adapters.compiled == (not eager)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     assert served(engine, adapters, jobs) == want
+    assert served(engine, adapters, jobs[::-1]) == want[::-1]  # other slots, other batches: no recompile
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
     assert engine.core.blocks.pool.num_used_blocks == 0 and engine.core.adapters.slots.num_pinned == 0
 
 

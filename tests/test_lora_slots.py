@@ -10,7 +10,7 @@ from torch import nn
 from hf_accel.kernels.custom_ops import lora_kernel
 from hf_accel.lora import layers
 from hf_accel.lora.adapter_files import AdapterWeights
-from hf_accel.lora.layers import LoRAProjection, StepAdapters
+from hf_accel.lora.layers import StepAdapters, lora_projections
 from hf_accel.lora.slots import AdapterSlots
 
 
@@ -21,8 +21,9 @@ def adapter(name: str, rank: int, seed: int) -> AdapterWeights:
 
 
 def test_slots_pin_keep_and_evict_least_recently_released():
-    step = StepAdapters()
-    projection = LoRAProjection(nn.Linear(6, 5), max_loras=2, max_rank=4, step=step)
+    step = StepAdapters(8, torch.device("cpu"))
+    _, projections = lora_projections({"proj": nn.Linear(6, 5)}, max_loras=2, max_rank=4, step=step)
+    projection = projections["proj"]
     slots = AdapterSlots({"proj": projection}, max_loras=2)
     one, two, three = adapter("one", 2, 1), adapter("two", 4, 2), adapter("three", 3, 3)
     assert slots.acquire(1, one) == 0 and slots.acquire(2, two) == 1 and slots.acquire(1, one) == 0
@@ -36,22 +37,33 @@ def test_slots_pin_keep_and_evict_least_recently_released():
     assert slots.slot_of(1) is None and slots.slot_of(3) == 1 and slots.ranks == [4, 3]
     slot = slots.slot_of(3)
     assert torch.equal(projection.a[slot, :3], three.modules["proj"][0]) and not projection.a[slot, 3:].any()
+    assert projection.ranks.tolist() == [4, 3]
+    assert slots.acquire(3, three) == 1
+    slots.evict(3)  # pinned: stays
+    assert slots.slot_of(3) == 1
+    slots.release(3)
+    slots.evict(3)  # idle: its slot is free for the next adapter, without evicting "two"
+    assert slots.slot_of(3) is None and slots.acquire(1, one) == 1 and slots.slot_of(2) == 0
 
 
-@pytest.mark.parametrize("path", ["kernel", "torch"])
+@pytest.mark.parametrize("path", ["kernel", "torch", "compiled"])
 def test_the_update_is_each_tokens_own_adapters(path, monkeypatch):
+    """Each token gets its own adapter's update (a base token none), through the kernel, the torch form, and the
+    always-on hooks of a compiled step (the buffer past the step's tokens and between steps is -1)."""
     if path == "torch":
         monkeypatch.setattr(layers, "lora_kernel", lambda: None)
     elif lora_kernel() is None:
         pytest.skip("hf_accel's C++ extension is not built")
-    step = StepAdapters()
+    step = StepAdapters(16, torch.device("cpu"), compiled=path == "compiled")
     linear = nn.Linear(6, 5)
-    projection = LoRAProjection(linear, max_loras=3, max_rank=4, step=step)
+    _, projections = lora_projections({"proj": linear}, max_loras=3, max_rank=4, step=step)
+    projection = projections["proj"]
     slots = AdapterSlots({"proj": projection}, max_loras=3)
     weights = {1: adapter("one", 2, 1), 2: adapter("two", 4, 2)}
     token_slots = [slots.acquire(1, weights[1]), -1, slots.acquire(2, weights[2]), slots.acquire(1, weights[1])]
     x = torch.randn(1, 4, 6)
-    step.set(token_slots, slots.ranks, torch.device("cpu"))
+    step.set(token_slots, slots.ranks)
+    assert step.token_slots[4:].eq(-1).all()
     with torch.no_grad():  # the engine's steps: the kernel adds in place
         out = linear(x)
         step.clear()
@@ -60,3 +72,28 @@ def test_the_update_is_each_tokens_own_adapters(path, monkeypatch):
         want = base[0, t] if lora_id is None else \
             base[0, t] + x[0, t] @ weights[lora_id].modules["proj"][0].T @ weights[lora_id].modules["proj"][1].T
         torch.testing.assert_close(out[0, t], want)
+    assert step.token_slots.eq(-1).all() and step.active is None
+
+
+def test_a_step_with_more_tokens_than_the_buffer_grows_it():
+    step = StepAdapters(2, torch.device("cpu"))
+    step.set([0, -1, 0], [3])
+    assert step.token_slots.tolist() == [0, -1, 0] and step.active.num_tokens == 3 and step.active.rank == 3
+    step.set([-1, -1, -1], [3])  # base tokens only: nothing active
+    assert step.active is None and step.token_slots.eq(-1).all()
+
+
+def test_every_projections_stacks_are_views_of_three_buffers():
+    """Projections of different shapes share the stacks' buffers without overlapping: placing an adapter in one
+    writes its region only (a compiled step takes the three buffers as inputs)."""
+    step = StepAdapters(4, torch.device("cpu"))
+    stacks, projections = lora_projections({"q": nn.Linear(6, 5), "down": nn.Linear(5, 7)}, max_loras=2, max_rank=3,
+                                           step=step)
+    assert stacks.a.numel() == 2 * 3 * (6 + 5) and stacks.b.numel() == 2 * 3 * (5 + 7)
+    q, down = projections["q"], projections["down"]
+    generator = torch.Generator().manual_seed(0)
+    update = (torch.randn(2, 5, generator=generator), torch.randn(7, 2, generator=generator))
+    down.place(1, update)
+    assert not q.a.any() and not q.b.any() and q.ranks.tolist() == [0, 0]
+    assert torch.equal(down.a[1, :2], update[0]) and torch.equal(down.b[1, :2], update[1].T)
+    assert stacks.ranks.tolist() == [[0, 0], [0, 2]] and down.a.data_ptr() == stacks.a[2 * 3 * 6:].data_ptr()

@@ -67,9 +67,12 @@ class EngineCore:
                  speculative: SpeculativeConfig | None = None, lora: LoRAConfig | None = None):
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.max_model_len = config.max_model_len or context_length(model)
-        self.adapters = None if lora is None else served_adapters(model, lora, speculative)
-        # LoRA steps run eagerly: the compiled step freezes the weights, the adapters' slots change
-        eager = config.enforce_eager or self.adapters is not None
+        candidates = 0 if speculative is None else speculative.num_candidates
+        self.adapters = None if lora is None else served_adapters(
+            model, lora, speculative, compile=not config.enforce_eager,
+            max_step_tokens=config.max_num_batched_tokens + config.max_num_seqs * (1 + candidates))
+        # LoRA steps compile where the hooks can be in the graphs (`EngineAdapters.compiled`), else run eagerly
+        eager = config.enforce_eager or (self.adapters is not None and not self.adapters.compiled)
         self.proposer = make_proposer(speculative, model)
         self.candidates = JumpForward(self.proposer, config.structured_jump_forward)  # forced tokens first
         shape = KVShape.from_config(model.config, caller="the engine", argument="model")
@@ -86,7 +89,8 @@ class EngineCore:
                          spare_block=background or uses_cuda_graphs(device, eager, keep_hidden))
         self.runner = ModelRunner(model, self.kv, keep_hidden=keep_hidden, enforce_eager=eager,
                                   max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
-                                  feature_layers=self.proposer.feature_layers, compile_in_background=background)
+                                  feature_layers=self.proposer.feature_layers, compile_in_background=background,
+                                  graph_inputs=None if self.adapters is None else self.adapters.graph_inputs)
         # an EAGLE head's or a draft model's pool, beside the target's (nothing for the other proposers)
         self.proposer.allocate(num_blocks, config.block_size, dtype, device, self.runner.attend,
                                compile=self.runner.forward.compiled)

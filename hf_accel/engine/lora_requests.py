@@ -8,7 +8,9 @@ the model's projections, the adapters read in CPU memory, the resident slots, an
 - Scheduled: a sequence enters the running queue only with a pin on its adapter's slot (`acquire`, which places the
   adapter when it is not resident); preempted, finished or aborted, it lets go (`release`). The scheduler admits
   in order, so a request whose adapter finds every slot pinned waits, and so do those behind it.
-- Run: `running(batch)` tells the projections' hooks each packed token's slot for the forward.
+- Run: `running(batch)` tells the projections' hooks each packed token's slot for the forward. Where the engine
+  compiles its step (fp32 on the CPU, the kernel built, no mixture-of-experts), the hooks are in the graphs
+  (`compiled`): every projection is hooked from the start and the slots and stacked weights are graph inputs.
 - Prefix cache: an adapter request's blocks are keyed under its adapter (`Request.prefix_root`): never shared with
   the base or with another adapter.
 """
@@ -18,13 +20,15 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
+import torch
 from torch import nn
 
+from ..kernels.custom_ops import lora_kernel
 from ..lora.adapter_check import AdapterShapes
 from ..lora.adapter_files import AdapterWeights
 from ..lora.adapter_set import AdapterSet
 from ..lora.config import LoRAConfig, LoRARequest
-from ..lora.layers import LoRAProjection, StepAdapters, adaptable_projections
+from ..lora.layers import StepAdapters, adaptable_projections, lora_projections
 from ..lora.slots import AdapterSlots
 from .scheduler import ScheduledBatch
 from .sequence import Request, Sequence
@@ -34,23 +38,28 @@ MODEL_FREE_METHODS = ("ngram", "suffix")
 
 
 class EngineAdapters:
-    """LoRA adapters served over `model` under `config`'s limits."""
+    """LoRA adapters served over `model` under `config`'s limits; `compile`: the engine compiles its step (the
+    hooks then go into the graphs where they can: `compiled`); `max_step_tokens`: the most tokens a step packs."""
 
-    def __init__(self, model: nn.Module, config: LoRAConfig):
+    def __init__(self, model: nn.Module, config: LoRAConfig, compile: bool = False, max_step_tokens: int = 512):
         if not isinstance(config, LoRAConfig):
             raise TypeError(f"`lora` must be a hf_accel.LoRAConfig, got {type(config).__name__}")
         self.config = config
         self.dtype, self.device = model.dtype, next(model.parameters()).device
-        self.step = StepAdapters()
+        self.compiled = compile and compilable(model)
+        self.step = StepAdapters(max_step_tokens, self.device, self.compiled)
         linears = adaptable_projections(model)
-        self.projections = {name: LoRAProjection(linear, config.max_loras, config.max_lora_rank, self.step)
-                            for name, linear in linears.items()}
+        self.stacks, self.projections = lora_projections(linears, config.max_loras, config.max_lora_rank, self.step)
         projections = {name: (linear.in_features, linear.out_features) for name, linear in linears.items()}
         self.shapes = AdapterShapes(config, projections, self.dtype)  # what a caller in another process checks
         self.adapters = AdapterSet(config, projections, self.dtype)
         self.slots = AdapterSlots(self.projections, config.max_loras)
         self._held: dict[int, int] = {}  # seq_id -> lora_int_id it holds a pin on
         self._weights: dict[str, AdapterWeights] = {}  # request_id -> its adapter, while the request is here
+
+    def graph_inputs(self) -> tuple[torch.Tensor, ...]:
+        """What the hooks read that a compiled step must take as inputs: the slots buffer and the stacks' buffers."""
+        return self.step.token_slots, self.stacks.a, self.stacks.b, self.stacks.ranks
 
     def check(self, request: LoRARequest) -> None:
         """Read `request`'s adapter (kept in memory for the engine); ValueError / TypeError if it cannot be
@@ -97,17 +106,29 @@ class EngineAdapters:
         for scheduled in batch.scheduled:
             lora_id = self._held.get(scheduled.seq.seq_id)
             token_slots += [-1 if lora_id is None else self.slots.slot_of(lora_id)] * scheduled.num_new
-        self.step.set(token_slots, self.slots.ranks, self.device)
+        self.step.set(token_slots, self.slots.ranks)
         try:
             yield
         finally:
             self.step.clear()
 
 
-def served_adapters(model: nn.Module, config: LoRAConfig, speculative: SpeculativeConfig | None) -> EngineAdapters:
+def served_adapters(model: nn.Module, config: LoRAConfig, speculative: SpeculativeConfig | None,
+                    compile: bool = False, max_step_tokens: int = 512) -> EngineAdapters:
     """The engine's adapters over `model`; ValueError for a speculative method this release does not run with
     adapters (the model-free ones, "ngram" and "suffix", verify with each request's own adapter)."""
     if speculative is not None and speculative.method not in MODEL_FREE_METHODS:
         raise ValueError(f"`lora` works with the model-free speculative methods {MODEL_FREE_METHODS}, not "
                          f"{speculative.method!r} yet")
-    return EngineAdapters(model, config)
+    return EngineAdapters(model, config, compile, max_step_tokens)
+
+
+def compilable(model: nn.Module) -> bool:
+    """Whether the LoRA hooks can go into a compiled step over `model`: fp32 on the CPU with the kernel built (the
+    torch form depends on the step's adapters), and no mixture-of-experts (whose experts' rows are not the step's
+    tokens, which only an eager step can check)."""
+    config = getattr(model, "config", None)
+    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+    device = next(model.parameters()).device
+    return (model.dtype == torch.float32 and device.type == "cpu" and not experts
+            and lora_kernel() is not None)

@@ -11,6 +11,7 @@ of its feature layers at every packed token.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -67,11 +68,12 @@ class ModelRunner:
     `enforce_eager`: never compile the forward, which is otherwise compiled where the in-place kernel is built and no
     hidden states are kept, and on CUDA never capture decode steps; `max_num_seqs` and `max_model_len` size the
     CUDA graphs; `compile_in_background`: steps run eagerly while the graphs compile in a thread, `kv` having a
-    spare block)."""
+    spare block; `graph_inputs`: tensors the model's hooks read that stay inputs of the compiled graphs)."""
 
     def __init__(self, model: PreTrainedModel, kv: KVPool, keep_hidden: bool = False, enforce_eager: bool = False,
                  max_num_seqs: int = 1, max_model_len: int = 1, feature_layers: tuple[int, ...] = (),
-                 compile_in_background: bool = False):
+                 compile_in_background: bool = False,
+                 graph_inputs: Callable[[], tuple[torch.Tensor, ...]] | None = None):
         if not getattr(model, "_supports_attention_backend", False):
             raise ValueError(f"`model` ({type(model).__name__}) does not use transformers' AttentionInterface, "
                              "which the engine needs")
@@ -87,7 +89,8 @@ class ModelRunner:
         if uses_cuda_graphs(device, enforce_eager, keep_hidden or bool(feature_layers)):  # decode steps: graphs
             graphs = DecodeGraphs(model, kv, max_num_seqs, max_model_len)
         self.forward = StepForward(model, kv, self.attend, keep_hidden, compile=compile, graphs=graphs,
-                                   feature_layers=feature_layers, max_blocks=-(-max_model_len // kv.block_size))
+                                   feature_layers=feature_layers, max_blocks=-(-max_model_len // kv.block_size),
+                                   graph_inputs=graph_inputs)
         self.forward.warm_up(background=compile_in_background and compile and graphs is None)
 
     def execute(self, batch: ScheduledBatch) -> StepOutput:

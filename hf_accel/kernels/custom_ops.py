@@ -12,7 +12,7 @@
 - `torch.ops.hf_accel.apply_token_bitmask` (`csrc/token_bitmask.cpp`): structured outputs' grammar mask on the
   host's logits, in place (no fake: it runs between compiled steps, never inside one);
 - `torch.ops.hf_accel.lora_add` (`csrc/lora.cpp`): the LoRA update of a step mixing adapters, each token through its
-  own adapter, added in place to a projection's output (eager engine steps: no fake yet).
+  own adapter, added in place to a projection's output (eager and compiled engine steps).
 The ops of a step each mutate only what they write and have a fake implementation, so a compiled step traces
 around each as one opaque node. Where the extension cannot be built, or with `HF_ACCEL_PAGED_KERNEL=0`, every
 accessor returns None and callers take their fallback (the engine's `runtime.attention.gathered_attention`: the
@@ -58,6 +58,7 @@ def _built_kernel() -> Callable[..., torch.Tensor] | None:
     torch.library.register_fake("hf_accel::packed_linear")(_linear_fake)
     torch.library.register_fake("hf_accel::int8_linear")(_quantized_linear_fake)
     torch.library.register_fake("hf_accel::int4_linear")(_quantized_linear_fake)
+    torch.library.register_fake("hf_accel::lora_add")(_lora_fake)
     return torch.ops.hf_accel.paged_attention
 
 
@@ -102,8 +103,8 @@ def token_bitmask_kernel() -> Callable[..., None] | None:
 @functools.cache
 def lora_kernel() -> Callable[..., None] | None:
     """`torch.ops.hf_accel.lora_add` (csrc/lora.cpp: `(y [T, out], x [T, in], a [S, R, in], b [S, R, out],
-    slots [T] int64, rank)`, each token's adapter update added to `y` in place), built with the paged kernel; None
-    where that is switched off or not buildable."""
+    slots [T] int64, ranks [S] int64)`, each token's adapter update added to `y` in place), built with the paged
+    kernel; None where that is switched off or not buildable."""
     return None if paged_attention_kernel() is None else torch.ops.hf_accel.lora_add
 
 
@@ -127,3 +128,8 @@ def _linear_fake(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor,
 def _quantized_linear_fake(x: torch.Tensor, panels: torch.Tensor, params: torch.Tensor,
                            bias: torch.Tensor | None) -> torch.Tensor:
     return x.new_empty(x.shape[0], panels.shape[0] * panels.shape[2])  # [M, N = 16 P]
+
+
+def _lora_fake(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor,
+               ranks: torch.Tensor) -> None:
+    return None  # adds into `y` in place

@@ -3,19 +3,26 @@
 
 Each adaptable projection (every `nn.Linear` of the model but its output layer) holds the resident adapters stacked:
 `a` `[max_loras, max_rank, in]` and `b` `[max_loras, max_rank, out]` (an adapter's `b` transposed, scaling folded
-in; ranks below `max_rank` and projections an adapter leaves alone are zeros). Before a forward the engine says which
-slot each packed token uses (`StepAdapters.set`): `token_slots` `[T]` (-1 for a base token), the `used` slots `[U]`
-and the largest rank among them `R`. Rows of `x` are the step's packed tokens in order. The update, with no loop
-over adapters:
+in; ranks below `max_rank` and projections an adapter leaves alone are zeros), and `ranks` `[max_loras]`, each
+slot's adapter's rank on this projection (0: it leaves it alone). All projections' stacks are views of three buffers
+(`AdapterStacks`), so a compiled step takes three LoRA inputs however many projections the model has. Before a forward the engine writes which slot each
+packed token uses into the step's `token_slots` buffer (`StepAdapters.set`: -1 for a base token; the buffer keeps -1
+past the step's tokens and between steps). Rows of `x` are the step's packed tokens in order. The update, with no
+loop over adapters:
 - fp32 on the CPU, outside autograd (the engine's steps): hf_accel's kernel (`torch.ops.hf_accel.lora_add`,
-  csrc/lora.cpp) adds each token's own adapter's `x a.T b` to the output in place (R x (in + out) per token);
-- otherwise one shrink and one expand over every used adapter, each token keeping its own adapter's columns:
+  csrc/lora.cpp) adds each token's own adapter's `x a.T b` to the output in place (its rank x (in + out) per
+  token). It is a custom op with a fake, so a compiled step holds it as one node: the buffers are graph inputs (never
+  frozen), so placing an adapter or a step's slots needs no recompile;
+- otherwise one shrink and one expand over every used adapter `U` (largest rank `R`), each token keeping its own
+  adapter's columns:
 
     h     = x @ a[used, :R].reshape(U * R, in).T            # [T, U * R]
     h     = h.view(T, U, R) * one_hot[:, :, None]              # one_hot [T, U]: token_slots[:, None] == used
     delta = h.reshape(T, U * R) @ b[used, :R].reshape(U * R, out)
 
-A step without adapter tokens skips the hook's work entirely.
+Eager, a step without adapter tokens skips the hooks' work entirely, and only projections some adapter updates
+carry a hook. Compiled (`StepAdapters.compiled`), every adaptable projection is hooked before the graphs are traced
+and always calls the kernel, whose cost for a base token is one slot read.
 """
 
 from __future__ import annotations
@@ -30,75 +37,134 @@ from ..kernels.custom_ops import lora_kernel
 
 @dataclass
 class ActiveAdapters:
-    """One step's adapters: `token_slots` `[T]` int64 (each token's slot, -1 for the base), the `used` slots in
-    order, and `rank`, the largest rank among them."""
+    """One eager step's adapters: the `used` slots in order, and `rank`, the largest rank among them."""
 
-    token_slots: torch.Tensor
+    num_tokens: int
     used: tuple[int, ...]
     rank: int
 
 
 class StepAdapters:
-    """Which adapters the step being run uses; None between steps and in steps without adapter tokens."""
+    """The step's `token_slots` buffer `[capacity]` int64 (grown when a step packs more tokens) and, in a step with
+    adapter tokens, its `active` adapters; `compiled`: every hook always runs the kernel (fp32 on the CPU only; see
+    the module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, capacity: int, device: torch.device, compiled: bool = False):
+        self.token_slots = torch.full((max(capacity, 1),), -1, dtype=torch.long, device=device)
+        self.compiled = compiled
         self.active: ActiveAdapters | None = None
+        self._num_set = 0  # leading entries of `token_slots` the last `set` wrote
 
-    def set(self, token_slots: list[int], ranks: list[int], device: torch.device) -> None:
+    def set(self, token_slots: list[int], ranks: list[int]) -> None:
         """The step's packed tokens use slots `token_slots` (-1: the base alone); `ranks[slot]` is each slot's
         adapter's rank."""
+        self.clear()
+        if len(token_slots) > self.token_slots.shape[0]:  # a compiled step recompiles for the new size, once
+            self.token_slots = torch.full((len(token_slots),), -1, dtype=torch.long, device=self.token_slots.device)
         used = tuple(sorted({slot for slot in token_slots if slot >= 0}))
-        self.active = None if not used else ActiveAdapters(torch.tensor(token_slots, device=device), used,
-                                                           max(ranks[slot] for slot in used))
+        if not used:
+            return
+        self.token_slots[: len(token_slots)].copy_(torch.tensor(token_slots))
+        self._num_set = len(token_slots)
+        self.active = ActiveAdapters(len(token_slots), used, max(ranks[slot] for slot in used))
 
     def clear(self) -> None:
+        if self._num_set:
+            self.token_slots[: self._num_set].fill_(-1)
+            self._num_set = 0
         self.active = None
 
 
-class LoRAProjection:
-    """The stacked adapters of one `nn.Linear` and the forward hook that adds their update to its output."""
+class AdapterStacks:
+    """Every projection's stacked adapters in three buffers: `a` and `b` flat (projection `i`'s `[S, R, in]` and
+    `[S, R, out]` back to back), `ranks` `[projections, S]` int64; `S` = `max_loras`, `R` = `max_rank`."""
 
-    def __init__(self, linear: nn.Linear, max_loras: int, max_rank: int, step: StepAdapters):
-        weight = linear.weight
+    def __init__(self, shapes: list[tuple[int, int]], max_loras: int, max_rank: int, dtype: torch.dtype,
+                 device: torch.device):
+        self.max_loras, self.max_rank, self.shapes = max_loras, max_rank, shapes
+        a_sizes = [max_loras * max_rank * in_features for in_features, _ in shapes]
+        b_sizes = [max_loras * max_rank * out_features for _, out_features in shapes]
+        self.a_offsets = [sum(a_sizes[:i]) for i in range(len(shapes))]
+        self.b_offsets = [sum(b_sizes[:i]) for i in range(len(shapes))]
+        self.a = torch.zeros(sum(a_sizes), dtype=dtype, device=device)
+        self.b = torch.zeros(sum(b_sizes), dtype=dtype, device=device)
+        self.ranks = torch.zeros(len(shapes), max_loras, dtype=torch.long, device=device)
+
+    def views(self, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Projection `index`'s `a` `[S, R, in]`, `b` `[S, R, out]` and `ranks` `[S]` (views: writes land in the
+        buffers)."""
+        in_features, out_features = self.shapes[index]
+        count, rank = self.max_loras, self.max_rank
+        a = self.a.narrow(0, self.a_offsets[index], count * rank * in_features).view(count, rank, in_features)
+        b = self.b.narrow(0, self.b_offsets[index], count * rank * out_features).view(count, rank, out_features)
+        return a, b, self.ranks[index]
+
+
+class LoRAProjection:
+    """The stacked adapters of one `nn.Linear` (projection `index` of `stacks`) and the forward hook that adds their
+    update to its output."""
+
+    def __init__(self, linear: nn.Linear, stacks: AdapterStacks, index: int, step: StepAdapters):
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.a = weight.new_zeros(max_loras, max_rank, self.in_features)
-        self.b = weight.new_zeros(max_loras, max_rank, self.out_features)
+        self.stacks, self.index = stacks, index
+        self.a, self.b, self.ranks = stacks.views(index)  # for `place` and eager steps
         self.step = step
+        self._kernel = lora_kernel()
         self._linear: nn.Linear | None = linear  # hooked when an adapter first updates it (then None)
+        if step.compiled:  # the graphs are traced with every hook in place
+            self._attach()
 
     def place(self, slot: int, update: tuple[torch.Tensor, torch.Tensor] | None) -> None:
         """Put one adapter's `(a [r, in], b [out, r])` in `slot` (None: it leaves this projection alone)."""
         self.a[slot].zero_()
         self.b[slot].zero_()
-        if update is not None and self._linear is not None:
-            # only projections an adapter updates carry the hook (inert outside an adapter step)
-            self._linear.register_forward_hook(self._add_update)
-            self._linear = None
+        self.ranks[slot] = 0 if update is None else update[0].shape[0]
         if update is not None:
+            self._attach()  # only projections an adapter updates carry the hook (inert outside an adapter step)
             a, b = update
             self.a[slot, : a.shape[0]].copy_(a)
             self.b[slot, : a.shape[0]].copy_(b.T)
 
+    def _attach(self) -> None:
+        if self._linear is not None:
+            self._linear.register_forward_hook(self._add_update)
+            self._linear = None
+
     def _add_update(self, module: nn.Module, inputs: tuple[torch.Tensor, ...],
                     output: torch.Tensor) -> torch.Tensor | None:
-        active = self.step.active
+        step = self.step
+        x = inputs[0].reshape(-1, self.in_features)  # [T, in]
+        if step.compiled:  # traced once: reads nothing of the step but the buffers (no guard on the step's values)
+            a, b, ranks = self.stacks.views(self.index)  # views of the graph's inputs, taken in the graph
+            self._kernel(output.view(-1, self.out_features), x.contiguous(), a, b, step.token_slots[: x.shape[0]],
+                         ranks)
+            return output
+        active = step.active
         if active is None:
             return None
-        x = inputs[0].reshape(-1, self.in_features)  # [T, in]
-        if x.shape[0] != active.token_slots.shape[0]:
+        if x.shape[0] != active.num_tokens:
             raise ValueError(f"a LoRA adapter updates a Linear whose {x.shape[0]} input rows are not the step's "
-                             f"{active.token_slots.shape[0]} tokens (e.g. a mixture-of-experts expert): not supported")
-        kernel = lora_kernel() if _kernel_takes(x, output) else None
-        if kernel is not None:  # each token through its own adapter only, in place
-            kernel(output.view(-1, self.out_features), x.contiguous(), self.a, self.b, active.token_slots,
-                   active.rank)
+                             f"{active.num_tokens} tokens (e.g. a mixture-of-experts expert): not supported")
+        slots = step.token_slots[: x.shape[0]]
+        if self._kernel is not None and _kernel_takes(x, output):  # each token through its own adapter, in place
+            self._kernel(output.view(-1, self.out_features), x.contiguous(), self.a, self.b, slots, self.ranks)
             return output
         used, rank = torch.tensor(active.used, device=x.device), active.rank
-        one_hot = (active.token_slots[:, None] == used).to(x.dtype)  # [T, U]
+        one_hot = (slots[:, None] == used).to(x.dtype)  # [T, U]
         a = self.a[used, :rank].reshape(-1, self.in_features)  # [U * R, in]
         b = self.b[used, :rank].reshape(-1, self.out_features)  # [U * R, out]
         h = (x @ a.T).view(-1, len(active.used), rank) * one_hot[:, :, None]
         return output + (h.flatten(1) @ b).view(output.shape)
+
+
+def lora_projections(linears: dict[str, nn.Linear], max_loras: int, max_rank: int,
+                     step: StepAdapters) -> tuple[AdapterStacks, dict[str, LoRAProjection]]:
+    """One `LoRAProjection` per Linear (by name), their stacks in one `AdapterStacks`."""
+    some = next(iter(linears.values()))
+    stacks = AdapterStacks([(linear.in_features, linear.out_features) for linear in linears.values()], max_loras,
+                           max_rank, some.weight.dtype, some.weight.device)
+    return stacks, {name: LoRAProjection(linear, stacks, index, step)
+                    for index, (name, linear) in enumerate(linears.items())}
 
 
 def adaptable_projections(model: nn.Module) -> dict[str, nn.Linear]:

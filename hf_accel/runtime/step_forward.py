@@ -40,6 +40,7 @@ import functools
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -55,8 +56,13 @@ from .kv_pool import KVPool
 from .step_inputs import StepInputs
 
 
-def call_model(model: PreTrainedModel, **kwargs):
-    """What a compiled engine step traces: the model's own forward (its `__call__`, hooks included)."""
+def call_model(model: PreTrainedModel, graph_inputs: tuple[torch.Tensor, ...] = (), **kwargs):
+    """What a compiled engine step traces: the model's own forward (its `__call__`, hooks included). `graph_inputs`
+    are tensors the model's hooks read whose values change between steps (LoRA adapters' slots): reached through
+    the model's modules, dynamo would make them graph constants, which inductor's freezing then folds; touched here
+    first, they are the graph's inputs (dynamo tracks a tensor once, whichever way it is reached after)."""
+    for tensor in graph_inputs:
+        torch._check(tensor.dim() >= 0)  # realizes the input; no guard, no graph node
     return model(**kwargs)
 
 
@@ -88,12 +94,14 @@ class StepForward:
     hidden states at the kept rows; `feature_layers`: with those `output_hidden_states` entries at every packed token;
     `compile=True` compiles the forward (see the module docstring), with `max_blocks` (the widest block table a
     sequence can have) also a static graph for single-sequence decode steps; `graphs` replays captured CUDA graphs for
-    the steps they cover (`cuda_graphs.DecodeGraphs`)."""
+    the steps they cover (`cuda_graphs.DecodeGraphs`); `graph_inputs` gives the tensors the model's hooks read that
+    must stay inputs of the compiled graphs (`call_model`)."""
 
     def __init__(self, model: PreTrainedModel, kv: KVPool, attend, keep_hidden: bool, compile: bool,
                  graphs: DecodeGraphs | None = None, feature_layers: tuple[int, ...] = (),
-                 max_blocks: int | None = None):
+                 max_blocks: int | None = None, graph_inputs: Callable[[], tuple[torch.Tensor, ...]] | None = None):
         self.model, self.kv, self.attend, self.keep_hidden, self.graphs = model, kv, attend, keep_hidden, graphs
+        self.graph_inputs = graph_inputs
         self.feature_layers = feature_layers
         self.device = next(model.parameters()).device
         self.compiled = compile  # whether steps run the graphs (False while they compile in the background)
@@ -149,12 +157,13 @@ class StepForward:
         keep = self._tensor(inputs.keep)
         # dynamo's config is process-wide: eager steps beside a background compile must not patch it
         traced = symbolic_config.patch(use_duck_shape=False) if graph else contextlib.nullcontext()
+        extra = {"graph_inputs": self.graph_inputs()} if graph and self.graph_inputs is not None else {}
         with torch.inference_mode(), attention_implementation(self.model, ATTENTION_NAME), traced, \
                 warm_guards(self._warm and graph):
             out = forward(
                 input_ids=self._tensor([inputs.tokens]), position_ids=self._tensor([inputs.positions]),
                 use_cache=False, logits_to_keep=keep, hf_accel_step=step,
-                output_hidden_states=self.keep_hidden or bool(self.feature_layers),
+                output_hidden_states=self.keep_hidden or bool(self.feature_layers), **extra,
             )
         hidden = out.hidden_states[-1][0, keep[:kept]] if self.keep_hidden else None
         features = None

@@ -1,6 +1,6 @@
 // The LoRA update of a step whose tokens use different adapters, added in place to a projection's output
 // (hf_accel/lora/layers.py): for each token t with slot s = slots[t] >= 0,
-//     h[r]   = a[s, r, :] . x[t, :]           r < rank        ("shrink")
+//     h[r]   = a[s, r, :] . x[t, :]           r < ranks[s]    ("shrink")
 //     y[t,:] += sum_r h[r] * b[s, r, :]                         ("expand")
 // and nothing for a token of the base model (s = -1). fp32.
 //
@@ -9,22 +9,104 @@
 // a      [S, R, in]          the resident adapters' A, stacked by slot (ranks below R zero-padded)
 // b      [S, R, out]         their B transposed, scaling folded in
 // slots  [T] int64           each token's slot, or -1
-// rank   the largest rank among the slots the step uses (<= R): rows past it are zeros and are skipped
+// ranks  [S] int64           the rank of each slot's adapter on this projection (<= R; 0: it leaves it alone):
+//                            rows past it are zeros and are skipped
 //
 // Why: the torch path multiplies every token by every adapter the step uses and keeps its own columns (U x R work
-// per token); here each token does its own adapter's R x (in + out) multiply-adds, reading that adapter's A and B
-// (R x (in + out) floats: L1 / L2 resident across the tokens that share it). Tokens are split across threads.
+// per token); here each token does its own adapter's rank x (in + out) multiply-adds. Tokens are grouped by slot
+// (a counting sort) and taken up to 4 at a time, in 16-float vectors: the shrink loads each block of a token's x
+// once for 4 rows of A, the expand keeps 16 columns of the group's y in registers while B's rank rows stream (one
+// load of B per 4 multiply-adds). Groups are split across threads; a token's row of y is written by one group only.
 #include <ATen/ATen.h>  // not torch/extension.h: its Python and nn headers triple the compile time
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace {
 
+constexpr int kGroup = 4;  // tokens of one adapter computed together
+constexpr int kRows = 4;   // rank rows of A reduced together (each x load serves kRows rows)
+constexpr int kWidth = 16;  // floats per vector: GCC lowers it to the target's registers (1 zmm, 2 ymm, ...)
+typedef float vec __attribute__((vector_size(kWidth * sizeof(float))));
+
+inline vec load(const float* p) {
+  vec v;
+  std::memcpy(&v, p, sizeof(vec));  // unaligned: rows start anywhere
+  return v;
+}
+
+inline void store(float* p, vec v) { std::memcpy(p, &v, sizeof(vec)); }
+
+inline float sum(vec v) {
+  float total = 0.f;
+  for (int j = 0; j < kWidth; ++j) total += v[j];
+  return total;
+}
+
+// h[r][k] = A[r, :] . x_k for the group's N tokens, r < rank: kRows rows of A at a time, so each 16-float block of
+// x_k is loaded once for kRows rows (kRows x N vector accumulators).
+template <int N>
+void shrink(const float* a, int64_t in, int64_t rank, const float* const* x, float (*h)[kGroup]) {
+  const int64_t whole = in - in % kWidth;
+  for (int64_t r0 = 0; r0 < rank; r0 += kRows) {
+    const int rows = static_cast<int>(std::min<int64_t>(kRows, rank - r0));
+    vec acc[kRows][N] = {};
+    const float* ar[kRows];
+    for (int q = 0; q < kRows; ++q) ar[q] = a + (r0 + std::min(q, rows - 1)) * in;  // rows past rank: repeats
+    for (int64_t i = 0; i < whole; i += kWidth) {
+      vec xv[N];
+      for (int k = 0; k < N; ++k) xv[k] = load(x[k] + i);
+      for (int q = 0; q < kRows; ++q) {
+        const vec av = load(ar[q] + i);
+        for (int k = 0; k < N; ++k) acc[q][k] += av * xv[k];
+      }
+    }
+    for (int q = 0; q < rows; ++q) {
+      for (int k = 0; k < N; ++k) {
+        float total = sum(acc[q][k]);
+        for (int64_t i = whole; i < in; ++i) total += ar[q][i] * x[k][i];
+        h[r0 + q][k] = total;
+      }
+    }
+  }
+}
+
+// y_k[o] += sum_r h[r][k] * B[r, o] for the group's N tokens: 16 columns of each y_k stay in registers while the
+// rank rows of B stream (one B load per N multiply-adds).
+template <int N>
+void expand(const float* b, int64_t out, int64_t rank, const float (*h)[kGroup], float* const* y) {
+  const int64_t whole = out - out % kWidth;
+  for (int64_t o = 0; o < whole; o += kWidth) {
+    vec acc[N];
+    for (int k = 0; k < N; ++k) acc[k] = load(y[k] + o);
+    for (int64_t r = 0; r < rank; ++r) {
+      const vec bv = load(b + r * out + o);
+      for (int k = 0; k < N; ++k) acc[k] += h[r][k] * bv;
+    }
+    for (int k = 0; k < N; ++k) store(y[k] + o, acc[k]);
+  }
+  for (int64_t r = 0; r < rank && whole < out; ++r) {  // the last out % 16 columns
+    const float* br = b + r * out;
+    for (int k = 0; k < N; ++k) {
+      const float hk = h[r][k];
+      for (int64_t o = whole; o < out; ++o) y[k][o] += hk * br[o];
+    }
+  }
+}
+
+template <int N>
+void group_update(const float* a, const float* b, int64_t in, int64_t out, int64_t rank, const float* const* x,
+                  float* const* y, float (*h)[kGroup]) {
+  shrink<N>(a, in, rank, x, h);
+  expand<N>(b, out, rank, h, y);
+}
+
 void lora_add(at::Tensor y, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b, const at::Tensor& slots,
-              int64_t rank) {
+              const at::Tensor& ranks) {
   TORCH_CHECK(y.scalar_type() == at::kFloat && x.scalar_type() == at::kFloat && a.scalar_type() == at::kFloat &&
                   b.scalar_type() == at::kFloat,
               "lora_add takes fp32 tensors");
@@ -35,37 +117,60 @@ void lora_add(at::Tensor y, const at::Tensor& x, const at::Tensor& a, const at::
               "a and b must be contiguous [S, R, in] and [S, R, out]");
   TORCH_CHECK(slots.dim() == 1 && slots.scalar_type() == at::kLong && slots.size(0) == x.size(0),
               "slots must be a [T] int64 tensor");
-  TORCH_CHECK(rank >= 0 && rank <= a.size(1), "rank must be within the stacked rank");
+  TORCH_CHECK(ranks.dim() == 1 && ranks.scalar_type() == at::kLong && ranks.size(0) == a.size(0),
+              "ranks must be a [S] int64 tensor");
   const at::Tensor token_slots = slots.contiguous();
+  const at::Tensor slot_ranks = ranks.contiguous();
   const int64_t* slot_of = token_slots.data_ptr<int64_t>();
+  const int64_t* rank_of = slot_ranks.data_ptr<int64_t>();
   const int64_t tokens = x.size(0), in = x.size(1), out = y.size(1), stacked = a.size(1), count = a.size(0);
-  for (int64_t t = 0; t < tokens; ++t) {
-    TORCH_CHECK(slot_of[t] >= -1 && slot_of[t] < count, "slots must be -1 or a slot of a and b");
+  for (int64_t s = 0; s < count; ++s) {
+    TORCH_CHECK(rank_of[s] >= 0 && rank_of[s] <= stacked, "ranks must be within the stacked rank");
   }
+  // tokens by slot (counting sort), those of a slot with rank 0 (or of the base) left out
+  std::vector<int64_t> first(count + 1, 0);
+  for (int64_t t = 0; t < tokens; ++t) {
+    const int64_t s = slot_of[t];
+    TORCH_CHECK(s >= -1 && s < count, "slots must be -1 or a slot of a and b");
+    if (s >= 0 && rank_of[s] > 0) ++first[s + 1];
+  }
+  for (int64_t s = 0; s < count; ++s) first[s + 1] += first[s];
+  if (first[count] == 0) return;
+  std::vector<int64_t> order(first[count]);
+  std::vector<int64_t> fill(first.begin(), first.end() - 1);
+  for (int64_t t = 0; t < tokens; ++t) {
+    const int64_t s = slot_of[t];
+    if (s >= 0 && rank_of[s] > 0) order[fill[s]++] = t;
+  }
+  std::vector<int64_t> groups;  // start of each group in `order`: at most kGroup tokens, all of one slot
+  for (int64_t s = 0; s < count; ++s)
+    for (int64_t g = first[s]; g < first[s + 1]; g += kGroup) groups.push_back(g);
+  const int64_t num_groups = static_cast<int64_t>(groups.size());
+
   const float* xs = x.data_ptr<float>();
   const float* as = a.data_ptr<float>();
   const float* bs = b.data_ptr<float>();
   float* ys = y.data_ptr<float>();
   const int64_t x_stride = x.stride(0), y_stride = y.stride(0);
-  at::parallel_for(0, tokens, 8, [&](int64_t begin, int64_t end) {
-    std::vector<float> h(static_cast<size_t>(rank));
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t s = slot_of[t];
-      if (s < 0) continue;
-      const float* xt = xs + t * x_stride;
-      for (int64_t r = 0; r < rank; ++r) {
-        const float* ar = as + (s * stacked + r) * in;
-        float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-        for (int64_t i = 0; i < in; ++i) acc += ar[i] * xt[i];
-        h[r] = acc;
+  at::parallel_for(0, num_groups, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> h_store(static_cast<size_t>(stacked) * kGroup);
+    float (*h)[kGroup] = reinterpret_cast<float (*)[kGroup]>(h_store.data());
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t start = groups[g], s = slot_of[order[start]];
+      const int64_t n = std::min<int64_t>(kGroup, first[s + 1] - start), rank = rank_of[s];
+      const float* xr[kGroup];
+      float* yr[kGroup];
+      for (int64_t k = 0; k < n; ++k) {
+        xr[k] = xs + order[start + k] * x_stride;
+        yr[k] = ys + order[start + k] * y_stride;
       }
-      float* yt = ys + t * y_stride;
-      for (int64_t r = 0; r < rank; ++r) {
-        const float* br = bs + (s * stacked + r) * out;
-        const float hr = h[r];
-#pragma omp simd
-        for (int64_t o = 0; o < out; ++o) yt[o] += hr * br[o];
+      const float* ap = as + s * stacked * in;
+      const float* bp = bs + s * stacked * out;
+      switch (n) {
+        case 1: group_update<1>(ap, bp, in, out, rank, xr, yr, h); break;
+        case 2: group_update<2>(ap, bp, in, out, rank, xr, yr, h); break;
+        case 3: group_update<3>(ap, bp, in, out, rank, xr, yr, h); break;
+        default: group_update<4>(ap, bp, in, out, rank, xr, yr, h); break;
       }
     }
   });
@@ -74,7 +179,7 @@ void lora_add(at::Tensor y, const at::Tensor& x, const at::Tensor& a, const at::
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(hf_accel, m) {
-  m.def("lora_add(Tensor(a!) y, Tensor x, Tensor a, Tensor b, Tensor slots, int rank) -> ()");
+  m.def("lora_add(Tensor(a!) y, Tensor x, Tensor a, Tensor b, Tensor slots, Tensor ranks) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(hf_accel, CPU, m) { m.impl("lora_add", &lora_add); }
