@@ -65,7 +65,8 @@ def test_adapters_are_copied_and_served_with_enable_lora(tiny, adapters, tmp_pat
 def test_heads_speculate_with_adapters_only_when_asked(tiny, adapters, tmp_path):
     heads = MedusaHeads.for_model(AutoModelForCausalLM.from_pretrained(tiny), num_heads=2)
     heads.save_pretrained(tmp_path / "heads")
-    quiet = export_vllm(tmp_path / "quiet", model=tiny, medusa=tmp_path / "heads", lora_modules={"sql": adapters["sql"]})
+    quiet = export_vllm(tmp_path / "quiet", model=tiny, medusa=tmp_path / "heads",
+                        lora_modules={"sql": adapters["sql"]})
     argv = run_serve_sh(quiet, tmp_path)
     assert (quiet / "medusa" / "config.json").is_file() and "--speculative-config" not in argv
     assert argv[argv.index("--max-lora-rank") + 1] == "8" and argv[argv.index("--max-loras") + 1] == "1"

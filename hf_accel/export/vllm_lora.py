@@ -64,7 +64,8 @@ class LoRAModules:
         """`lora_modules` (name -> peft adapter folder) checked against the base `model`; `ValueError` naming
         `lora_modules`, the adapter and what does not fit."""
         if not isinstance(lora_modules, Mapping) or not lora_modules:
-            raise ValueError(f"lora_modules must be a non-empty mapping of name -> adapter folder, got {lora_modules!r}")
+            raise ValueError(f"lora_modules must be a non-empty mapping of name -> adapter folder, got "
+                             f"{lora_modules!r}")
         projections = {name: (m.in_features, m.out_features) for name, m in adaptable_projections(model).items()}
         adapters = []
         for name, path in lora_modules.items():
