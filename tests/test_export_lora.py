@@ -1,8 +1,10 @@
 """`export_vllm(lora_modules=...)` / `hf-accel export --lora-modules`: peft adapters checked against the base and
 copied under OUT/loras/NAME unchanged, `serve.sh` serving them with vLLM 0.32's `--enable-lora` flags (the rank
-rounded up to a value vLLM accepts), adapters that do not fit the base refused by name before anything is written."""
+rounded up to a value vLLM accepts, a slot per adapter and an empty one for base tokens), adapters that do not fit the base refused by name before anything is written."""
 
+import importlib
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -55,7 +57,7 @@ def test_adapters_are_copied_and_served_with_enable_lora(tiny, adapters, tmp_pat
             assert (out / "loras" / name / file_name).read_bytes() == (source / file_name).read_bytes()
     argv, here = run_serve_sh(out, tmp_path), str(out.resolve())
     assert argv == ["serve", here, "--served-model-name", "base", "--max-model-len", "256", "--enable-lora",
-                    "--max-lora-rank", "32", "--max-loras", "2", "--lora-modules", f"sql={here}/loras/sql",
+                    "--max-lora-rank", "32", "--max-loras", "3", "--lora-modules", f"sql={here}/loras/sql",
                     f"docs={here}/loras/docs", "--port", "8001"]
     readme = (out / "README.md").read_text()
     assert "`loras/docs/`: the peft LoRA adapter `docs` (rank 24)" in readme
@@ -69,7 +71,7 @@ def test_heads_speculate_with_adapters_only_when_asked(tiny, adapters, tmp_path)
                         lora_modules={"sql": adapters["sql"]})
     argv = run_serve_sh(quiet, tmp_path)
     assert (quiet / "medusa" / "config.json").is_file() and "--speculative-config" not in argv
-    assert argv[argv.index("--max-lora-rank") + 1] == "8" and argv[argv.index("--max-loras") + 1] == "1"
+    assert argv[argv.index("--max-lora-rank") + 1] == "8" and argv[argv.index("--max-loras") + 1] == "2"
     asked = export_vllm(tmp_path / "asked", model=tiny, medusa=tmp_path / "heads", speculative="medusa",
                         lora_modules={"sql": adapters["sql"]})
     argv = run_serve_sh(asked, tmp_path)
@@ -133,3 +135,11 @@ def test_quantized_export_with_adapters_is_refused(tiny, adapters, tmp_path):
     with pytest.raises(ValueError, match=r"lora_modules cannot be exported with quant='int4'.*not verified"):
         export_vllm(tmp_path / "q", model=tiny, quant="int4", lora_modules=adapters)
     assert not (tmp_path / "q").exists()
+
+
+def test_the_vllm_check_skips_without_its_venv(tmp_path, capsys, monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    check = importlib.import_module("check_vllm_lora")
+    assert check.main(["--vllm-venv", str(tmp_path / "absent"), "--out", str(tmp_path)]) == 0
+    assert f"skipped: no vLLM venv at {tmp_path / 'absent'}" in capsys.readouterr().out
+    assert not (tmp_path / "docs").exists() and not (tmp_path / "benchmarks").exists()

@@ -5,11 +5,15 @@ Each adapter folder is read and checked against the exported base by hf_accel's 
 them, no DoRA, trained biases or `modules_to_save`, a rank vLLM accepts), then its two files
 (`adapter_config.json`, `adapter_model.safetensors`) are copied unchanged to `OUT/loras/NAME/`. The serve line gains
 
-    --enable-lora --max-lora-rank R --max-loras N --lora-modules NAME=OUT/loras/NAME ...
+    --enable-lora --max-lora-rank R --max-loras N+1 --lora-modules NAME=OUT/loras/NAME ...
 
 with R the largest adapter rank rounded up to a value of vLLM's `LoRAConfig.max_lora_rank` (`VLLM_LORA_RANKS`) and N
-the number of adapters, so that all of them can be resident at once. The request's `model` NAME selects the adapter,
-as in `hf-accel serve --lora-modules`.
+the number of adapters, so that all of them are resident at once, plus one slot kept empty: vLLM 0.32's CPU LoRA ops
+(`vllm/lora/ops/torch_ops/lora_ops.py`, `lora_b_weights[lora_indices_tensor]`) index the stacked weights with a base
+token's -1, that is the last slot, so in a step mixing base and adapter requests the base requests would run with
+the last slot's adapter (benchmarks/check_vllm_lora.py measures it). vLLM fills the first free slot, so with N
+adapters the last one stays zero. The request's `model` NAME selects the adapter, as in `hf-accel serve
+--lora-modules`.
 """
 
 from __future__ import annotations
@@ -78,6 +82,11 @@ class LoRAModules:
         return cls(tuple(adapters))
 
     @property
+    def max_loras(self) -> int:
+        """vLLM's `--max-loras`: a slot per adapter and an empty last slot (for base tokens, see the module's doc)."""
+        return len(self.adapters) + 1
+
+    @property
     def max_lora_rank(self) -> int:
         """vLLM's `--max-lora-rank`: the largest adapter rank, rounded up to a value vLLM accepts."""
         return vllm_max_lora_rank(max(adapter.rank for adapter in self.adapters))
@@ -85,7 +94,7 @@ class LoRAModules:
     def argv(self, folder: str) -> list[str]:
         """The `vllm serve` flags for the adapters of the export in `folder` (a path or a shell expression)."""
         modules = [f"{adapter.name}={folder}/{adapter.subdir}" for adapter in self.adapters]
-        return ["--enable-lora", "--max-lora-rank", str(self.max_lora_rank), "--max-loras", str(len(self.adapters)),
+        return ["--enable-lora", "--max-lora-rank", str(self.max_lora_rank), "--max-loras", str(self.max_loras),
                 "--lora-modules", *modules]
 
     def write(self, out: Path) -> list[tuple[str, str]]:
