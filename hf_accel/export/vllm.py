@@ -229,7 +229,8 @@ def export_vllm(out: str | Path, model: str | Path | None = None, quant: str | N
     """
     if quant is not None and lora_modules:
         raise ValueError(f"lora_modules cannot be exported with quant={quant!r}: vLLM serving LoRA over "
-                         "compressed-tensors weights is not verified (export bf16 weights with the adapters)")
+                         "compressed-tensors weights is not verified (vLLM 0.32's CPU build loads no int8 export; "
+                         "see docs/export.md); export bf16 weights with the adapters")
     if quant is not None:  # compressed-tensors (the `export` extra) is needed for quantized exports only
         from .compressed import export_quant, quantization_config, save_compressed
     scheme = None if quant is None else export_quant(quant)
