@@ -3,36 +3,23 @@ symmetric quantization of the weights with its stored scales, matches hf_accel's
 within the quantization error, and carries the config fields vLLM 0.32.0 reads (docs/export.md cites the lines)."""
 
 import json
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
+from export_helpers import run_serve_sh, tiny_folder
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM
 
 pytest.importorskip("compressed_tensors")
 
 from compressed_tensors.quantization import QuantizationArgs  # noqa: E402
 
-from hf_accel import Int4Linear, Int8Linear, MedusaHeads, WeightOnlyConfig, quantize_model, reference  # noqa: E402
+from hf_accel import Int4Linear, Int8Linear, MedusaHeads, WeightOnlyConfig, quantize_model  # noqa: E402
 from hf_accel.export import compressed  # noqa: E402
 from hf_accel.export.vllm import export_vllm  # noqa: E402
 
 MARLIN_GROUP_SIZES = (-1, 32, 64, 128)  # vllm/model_executor/layers/quantization/utils/marlin_utils.py:37
-
-
-def tiny_folder(path: Path, intermediate_size: int = 128) -> Path:
-    """A tiny random Llama (fp32, in_features 64 and `intermediate_size`) saved with the reference tokenizer."""
-    torch.manual_seed(0)
-    tokenizer = AutoTokenizer.from_pretrained(reference.ASSETS_DIR / "tokenizer")
-    config = LlamaConfig(hidden_size=64, intermediate_size=intermediate_size, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, vocab_size=len(tokenizer),
-                         max_position_embeddings=256, eos_token_id=None, pad_token_id=0, initializer_range=0.05)
-    LlamaForCausalLM(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -195,18 +182,3 @@ def test_serve_sh_without_heads_or_quantization(tiny, tmp_path):
     assert run_serve_sh(out, tmp_path)[:6] == ["serve", str(out.resolve()), "--served-model-name", "plain",
                                                "--max-model-len", "256"]
     assert len(run_serve_sh(out, tmp_path)) == 8  # + the passed-through "--port 8001"
-
-
-def run_serve_sh(out: Path, tmp_path: Path) -> list[str]:
-    """Check `serve.sh` parses (`bash -n`), then run it with a stand-in `vllm` on PATH that prints its arguments one
-    a line; the arguments `vllm` would get."""
-    script = out / "serve.sh"
-    subprocess.run(["bash", "-n", str(script)], check=True)
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir(exist_ok=True)
-    (bin_dir / "vllm").write_text('#!/usr/bin/env bash\nprintf "%s\\n" "$@"\n')
-    (bin_dir / "vllm").chmod(0o755)
-    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
-    result = subprocess.run(["bash", str(script), "--port", "8001"], env=env, capture_output=True, text=True,
-                            check=True)
-    return result.stdout.splitlines()

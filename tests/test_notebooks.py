@@ -56,7 +56,11 @@ NOTEBOOKS = {
     "finetune_then_serve.ipynb": NotebookRun(
         480, "assert report['perplexity']['finetuned']['domain'] < report['perplexity']['base']['domain'] "
              "and completion.choices[0].text and stats.spec_decode_num_drafts > 0 and not engine.is_running "
-             "and (out / 'medusa' / 'medusa_heads.safetensors').is_file()"),
+             "and (out / 'medusa' / 'medusa_heads.safetensors').is_file() "
+             "and served_models == ['base', 'markdown', 'rst'] and all(answers.values()) "
+             "and len(set(answers.values())) > 1 and not lora_engine.is_running "
+             "and all(r['perplexity']['finetuned']['domain'] < r['perplexity']['base']['domain'] "
+             "for r in adapters.values())"),
 }
 
 

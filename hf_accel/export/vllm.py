@@ -1,6 +1,7 @@
 """A folder vLLM serves as it is: the model (bf16, or int8 / int4 weight-only compressed-tensors), its tokenizer and
 generation config, optional draft heads in vLLM's layouts (an EAGLE-3 head under `eagle3/`, Medusa heads under
-`medusa/`), and `serve.sh` / `README.md` with the exact `vllm serve` command line (speculating with one of them).
+`medusa/`), optional peft LoRA adapters under `loras/NAME/`, and `serve.sh` / `README.md` with the exact `vllm serve`
+command line (speculating with one of the heads, or serving the adapters with `--enable-lora`).
 
     from hf_accel.export import export_vllm
     export_vllm("out/target-int4", quant="int4")     # the reference target with the reference EAGLE and Medusa heads
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import json
 import shlex
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +28,7 @@ from ..speculative.eagle_head import EagleHead
 from ..speculative.medusa_heads import MedusaHeads
 from .vllm_eagle import check_exportable
 from .vllm_eagle import export_vllm as export_eagle
+from .vllm_lora import LoRAModules
 from .vllm_medusa import export_vllm as export_medusa
 
 VLLM_VERSION = "0.32.0"
@@ -46,6 +49,7 @@ class ServeCommand:
     quantized: bool
     speculative_method: str | None  # "eagle3" or "medusa": the heads `vllm serve` speculates with; None: none
     num_speculative_tokens: int | None = None  # Medusa: one token per head; EAGLE-3: the chain length
+    lora: LoRAModules | None = None  # adapters served with --enable-lora
 
     def argv(self, folder: str) -> list[str]:
         """`vllm serve` arguments for the export in `folder` (a path or a shell expression such as `$HERE`)."""
@@ -53,6 +57,8 @@ class ServeCommand:
                 "--max-model-len", str(self.max_model_len)]
         if self.quantized:  # vLLM also detects it from config.json's quantization_config; stated for clarity
             args += ["--quantization", "compressed-tensors"]
+        if self.lora is not None:
+            args += self.lora.argv(folder)
         if self.speculative_method is not None:
             spec = {"method": self.speculative_method, "model": f"{folder}/{HEAD_SUBDIRS[self.speculative_method]}",
                     "num_speculative_tokens": self.num_speculative_tokens}
@@ -155,14 +161,15 @@ def load_tokenizer(model_path: Path) -> PreTrainedTokenizerBase:
 
 
 def write_readme(out: Path, command: ServeCommand, quant: str | None, source: str,
-                 heads: list[tuple[str, str]]) -> None:
+                 parts: list[tuple[str, str]]) -> None:
+    """`README.md`: what `out` holds (`parts`: (folder, description) of its heads and adapters) and how to serve it."""
     weights_line = {None: "bf16 safetensors (a standard transformers folder)",
                     "int8": "int8 weight-only, compressed-tensors `pack-quantized`, one scale per output channel",
                     "int4": "int4 weight-only, compressed-tensors `pack-quantized`, symmetric, grouped"}[quant]
-    medusa = "".join(f"- `{subdir}/`: {description}\n" for subdir, description in heads)
+    listed = "".join(f"- `{subdir}/`: {description}\n" for subdir, description in parts)
     out.joinpath("README.md").write_text(
         f"# {command.served_model_name}\n\nExported by `hf-accel export --format vllm` from {source}, for vLLM "
-        f"{VLLM_VERSION}.\n\n- weights: {weights_line}\n- tokenizer and generation config\n{medusa}"
+        f"{VLLM_VERSION}.\n\n- weights: {weights_line}\n- tokenizer and generation config\n{listed}"
         "\n## Serve\n\n```bash\nbash serve.sh            # extra arguments go to `vllm serve`\n```\n\n"
         f"which runs, for this folder:\n\n```bash\n{command.command_line(out.resolve())}\n```\n\n"
         "The folder also loads in transformers: `AutoModelForCausalLM.from_pretrained(folder)` (quantized exports "
@@ -205,7 +212,8 @@ class DraftHeads:
 
 def export_vllm(out: str | Path, model: str | Path | None = None, quant: str | None = None,
                 medusa: str | Path | None = None, eagle: str | Path | None = None, speculative: str | None = None,
-                served_model_name: str | None = None, overwrite: bool = False) -> Path:
+                served_model_name: str | None = None, overwrite: bool = False,
+                lora_modules: Mapping[str, str | Path] | None = None) -> Path:
     """Write a vLLM-ready folder to `out` and return it.
 
     `model`: a local model folder (default: hf_accel's reference target). `quant`: None (bf16), "int8" or "int4".
@@ -213,9 +221,16 @@ def export_vllm(out: str | Path, model: str | Path | None = None, quant: str | N
     `medusa`: a Medusa heads folder (`MedusaHeads.save_pretrained`), written under `medusa/`; each defaults to the
     reference heads when exporting the reference target. `speculative`: what `serve.sh` speculates with, "eagle3",
     "medusa" or "none" (default: "eagle3" when an EAGLE head is exported, else "medusa" when heads are).
-    `served_model_name` defaults to `out`'s folder name. Bad input raises `ValueError` naming the argument before
-    anything is written; a `quant` without compressed-tensors installed, `ModuleNotFoundError`.
+    `served_model_name` defaults to `out`'s folder name. `lora_modules`: name -> peft LoRA adapter folder, each
+    checked against the model and copied under `loras/NAME/`, served with `--enable-lora` (then `speculative`
+    defaults to "none"; not with `quant`: vLLM's LoRA over compressed-tensors weights is unverified here). Bad
+    input raises `ValueError` naming the argument before anything is written; a `quant` without compressed-tensors
+    installed, `ModuleNotFoundError`.
     """
+    if quant is not None and lora_modules:
+        raise ValueError(f"lora_modules cannot be exported with quant={quant!r}: vLLM serving LoRA over "
+                         "compressed-tensors weights is not verified (vLLM 0.32's CPU build loads no int8 export; "
+                         "see docs/export.md); export bf16 weights with the adapters")
     if quant is not None:  # compressed-tensors (the `export` extra) is needed for quantized exports only
         from .compressed import export_quant, quantization_config, save_compressed
     scheme = None if quant is None else export_quant(quant)
@@ -228,16 +243,19 @@ def export_vllm(out: str | Path, model: str | Path | None = None, quant: str | N
     loaded = AutoModelForCausalLM.from_pretrained(model_path, dtype=EXPORT_DTYPE, local_files_only=True).eval()
     config = None if scheme is None else quantization_config(loaded, scheme)  # checks the group size first
     drafts = DraftHeads.load(model_path, loaded, eagle, medusa)
-    method = serving_method(speculative, drafts.eagle, drafts.medusa)
-    command = ServeCommand(served_model_name or out.resolve().name, context_length(loaded), scheme is not None,
-                           method, drafts.num_speculative_tokens(method))
+    served_name = served_model_name or out.resolve().name
+    adapters = None if not lora_modules else LoRAModules.check(lora_modules, loaded, served_name)
+    # the heads draft the base's tokens, not an adapter's: with adapters, speculation only when asked for
+    method = serving_method("none" if adapters and speculative is None else speculative, drafts.eagle, drafts.medusa)
+    command = ServeCommand(served_name, context_length(loaded), scheme is not None, method,
+                           drafts.num_speculative_tokens(method), adapters)
     out.mkdir(parents=True, exist_ok=True)
     if config is None:
         loaded.save_pretrained(out)
     else:
         save_compressed(loaded, config, out)
     tokenizer.save_pretrained(out)
-    written = drafts.write(out)
+    written = drafts.write(out) + ([] if adapters is None else adapters.write(out))
     script = out / "serve.sh"
     script.write_text(command.script())
     script.chmod(0o755)

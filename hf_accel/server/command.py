@@ -20,7 +20,6 @@ seconds to finish, then the engine stops.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from functools import partial
 from collections.abc import Sequence
@@ -29,6 +28,7 @@ from pathlib import Path
 import torch
 import uvicorn
 
+from ..arguments import parse_lora_modules
 from ..engine.config import EngineConfig
 from ..engine.lora_requests import MODEL_FREE_METHODS
 from ..engine.spec_decode.speculative_config import SpeculativeConfig
@@ -117,27 +117,6 @@ def _add_lora_arguments(parser: argparse.ArgumentParser) -> None:
                         help="adapters kept read in memory (default: 32, at least --max-loras)")
     parser.add_argument("--allow-runtime-lora", action="store_true",
                         help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind --api-key)")
-
-
-def parse_lora_modules(parser: argparse.ArgumentParser, values: Sequence[str] | None) -> dict[str, str]:
-    """`--lora-modules` as name -> folder (exits naming the entry that is neither NAME=PATH nor a JSON object with
-    `name` and `path`, or a name given twice)."""
-    modules: dict[str, str] = {}
-    for value in values or []:
-        if value.lstrip().startswith("{"):
-            try:
-                entry = json.loads(value)
-                name, path = entry["name"], entry["path"]
-            except (ValueError, KeyError, TypeError):
-                parser.error(f"--lora-modules entry {value!r} is not a JSON object with `name` and `path`")
-        else:
-            name, _, path = value.partition("=")
-        if not isinstance(name, str) or not isinstance(path, str) or not name or not path:
-            parser.error(f"--lora-modules entry {value!r} must be NAME=PATH")
-        if name in modules:
-            parser.error(f"--lora-modules names {name!r} twice")
-        modules[name] = path
-    return modules
 
 
 def _lora(parser: argparse.ArgumentParser, args: argparse.Namespace) -> LoRAConfig | None:

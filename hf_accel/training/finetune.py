@@ -29,7 +29,7 @@ from ..speculative.medusa_heads import MedusaHeads
 from .data import self_distilled_rows
 from .finetune_domain import DomainSplits, text_rows
 from .finetune_quality import Side, compare_speed, held_out_perplexity
-from .lora import LoraSettings, merge_adapter, train_lora
+from .lora import LoraResult, LoraSettings, merge_adapter, train_lora
 from .medusa_trainer import train_medusa
 from .train_loop import final_loss
 
@@ -98,19 +98,13 @@ def run_finetune(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, spl
     `[n, seq]` ids of the base model's own domain, to show what fine-tuning costs there (optional).
     Returns the report also written to `out/report.json`."""
     config, out, clock = config or FinetuneConfig(), Path(out), StageClock()
-    with clock.stage("data"):
-        lora = config.lora
-        train_rows = text_rows(splits.train, tokenizer, config.seq_len, lora.steps * lora.batch_size)
-        held_out = text_rows(splits.held_out, tokenizer, config.seq_len, config.eval_rows)
-    eval_sets = {"domain": held_out} | ({} if original_rows is None else {"original": original_rows})
-    perplexities = {"base": _perplexities(model, eval_sets, clock, "evaluate base")}
-    with clock.stage("lora"), tempfile.TemporaryDirectory() as scratch:
-        trained = train_lora(model, train_rows, lora, scratch, progress)
+    run = train_adapter(model, tokenizer, splits, config, original_rows, clock, progress)
+    train_rows, held_out, eval_sets, perplexities = run.train_rows, run.held_out, run.eval_sets, run.perplexities
     with clock.stage("merge and save"):
-        merged = merge_adapter(trained.model)
+        merged = merge_adapter(run.trained.model)
         merged.save_pretrained(out)
         tokenizer.save_pretrained(out)
-    perplexities["finetuned"] = _perplexities(merged, eval_sets, clock, "evaluate fine-tuned")
+    perplexities["finetuned"] = evaluate(merged, eval_sets, clock, "evaluate fine-tuned")
     with clock.stage("medusa"):
         heads, medusa = _train_heads(merged, train_rows, config, init_heads, description, progress)
         heads.save_pretrained(out / HEADS_DIR)
@@ -118,21 +112,49 @@ def run_finetune(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, spl
     if config.quant is not None:
         with clock.stage("quantize"):
             served = load_model(str(out), quant=config.quant, dtype=torch.float32).eval()
-        perplexities["quantized"] = _perplexities(served, eval_sets, clock, "evaluate quantized")
+        perplexities["quantized"] = evaluate(served, eval_sets, clock, "evaluate quantized")
         agreement = _agreement(served, merged, held_out, clock)
     with clock.stage("speed"):
         speed = _speed(merged, served, heads, held_out, config)
     write_serving_config(out, ServingConfig(config.quant, HEADS_DIR))
-    report = _report(description, splits, train_rows, held_out, config, perplexities, speed, clock)
-    report |= {"top1_agreement_with_float": agreement, "medusa": medusa,
-               "lora": {"trainable_parameters": trained.num_trainable_parameters, "losses": trained.losses,
-                        "train_seconds": round(trained.train_seconds, 1)}}
+    settings = {**asdict(config), "lora": asdict(config.lora)}
+    report = base_report(description, splits, run, settings, clock)
+    report |= {"speed": speed, "speed_rule": SPEED_RULE, "top1_agreement_with_float": agreement, "medusa": medusa}
     (out / REPORT_NAME).write_text(json.dumps(report, indent=2) + "\n")
     return report
 
 
-def _perplexities(model: PreTrainedModel, eval_sets: dict[str, torch.Tensor], clock: StageClock,
-                  stage: str) -> dict[str, float]:
+@dataclass(slots=True)
+class AdapterRun:
+    """What the LoRA stage leaves: the adapted model (`trained`, a peft `PeftModel`), the `[rows, seq_len]` train and
+    held-out ids, the evaluation sets by name and the held-out perplexities so far (stage -> set -> value)."""
+
+    trained: LoraResult
+    train_rows: torch.Tensor
+    held_out: torch.Tensor
+    eval_sets: dict[str, torch.Tensor]
+    perplexities: dict[str, dict[str, float]]
+
+
+def train_adapter(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, splits: DomainSplits,
+                  config: FinetuneConfig, original_rows: torch.Tensor | None, clock: StageClock,
+                  progress: bool = True) -> AdapterRun:
+    """The stages every fine-tune runs: the rows of each split, the base's held-out perplexity, then LoRA training
+    (`model` is wrapped in place by peft)."""
+    with clock.stage("data"):
+        lora = config.lora
+        train_rows = text_rows(splits.train, tokenizer, config.seq_len, lora.steps * lora.batch_size)
+        held_out = text_rows(splits.held_out, tokenizer, config.seq_len, config.eval_rows)
+    eval_sets = {"domain": held_out} | ({} if original_rows is None else {"original": original_rows})
+    perplexities = {"base": evaluate(model, eval_sets, clock, "evaluate base")}
+    with clock.stage("lora"), tempfile.TemporaryDirectory() as scratch:
+        trained = train_lora(model, train_rows, lora, scratch, progress)
+    return AdapterRun(trained, train_rows, held_out, eval_sets, perplexities)
+
+
+def evaluate(model: PreTrainedModel, eval_sets: dict[str, torch.Tensor], clock: StageClock,
+             stage: str) -> dict[str, float]:
+    """Held-out perplexity of `model` on each evaluation set, timed as `stage`."""
     with clock.stage(stage):
         return {name: round(held_out_perplexity(model, rows), 3) for name, rows in eval_sets.items()}
 
@@ -172,23 +194,30 @@ def _speed(merged: PreTrainedModel, served: PreTrainedModel, heads: MedusaHeads,
     return [result.as_row() for result in compare_speed(sides, prompts, config.new_tokens, config.repeats)]
 
 
-def _report(description, splits, train_rows, held_out, config, perplexities, speed, clock) -> dict[str, Any]:
+SPEED_RULE = ("batch 1, greedy, exactly new_tokens tokens after prompt_len held-out tokens, prefill included; "
+              "ratio = median over (repeat, prompt) of the first side's seconds / this side's; agreement = share of "
+              "generated tokens equal to the first side's")
+
+
+def base_report(description: str, splits: DomainSplits, run: AdapterRun, settings: dict[str, Any],
+                clock: StageClock) -> dict[str, Any]:
+    """The report fields every fine-tune writes: model, data, `settings`, perplexities, LoRA training, times."""
+    trained = run.trained
     return {
         "model": description,
         "data": {"source": "long descriptions in the METADATA of installed distributions (English prose about "
                            "software); train and held-out split by distribution",
                  "train_distributions": len(splits.train.sources), "held_out_distributions": splits.held_out.sources,
-                 "train_rows": int(train_rows.shape[0]), "held_out_rows": int(held_out.shape[0]),
-                 "seq_len": config.seq_len},
-        "settings": {**asdict(config), "lora": asdict(config.lora)},
-        "perplexity": perplexities,
-        "speed": speed,
-        "speed_rule": "batch 1, greedy, exactly new_tokens tokens after prompt_len held-out tokens, prefill "
-                      "included; ratio = median over (repeat, prompt) of the first side's seconds / this side's; "
-                      "agreement = share of generated tokens equal to the first side's",
+                 "train_rows": int(run.train_rows.shape[0]), "held_out_rows": int(run.held_out.shape[0]),
+                 "seq_len": int(run.train_rows.shape[1])},
+        "settings": settings,
+        "perplexity": run.perplexities,
+        "lora": {"trainable_parameters": trained.num_trainable_parameters, "losses": trained.losses,
+                 "train_seconds": round(trained.train_seconds, 1)},
         "times_s": clock.seconds | {"total": round(sum(clock.seconds.values()), 1)},
         "hardware": hardware(),
     }
 
 
-__all__ = ["FinetuneConfig", "HEADS_DIR", "REPORT_NAME", "run_finetune"]
+__all__ = ["AdapterRun", "FinetuneConfig", "HEADS_DIR", "REPORT_NAME", "StageClock", "base_report", "evaluate",
+           "run_finetune", "train_adapter"]

@@ -1,4 +1,5 @@
-"""Tables of a fine-tune report (`report.json`): perplexity per stage, speed per side, time per stage.
+"""Tables of a fine-tune report (`report.json`): perplexity per stage, speed per side (not in an adapter-only
+report), time per stage.
 
 `report_tables(report)` gives `display.Table`s (HTML in Jupyter, aligned text in a terminal); `report_markdown`
 the same tables as GitHub markdown, for docs/bench_finetune.md.
@@ -11,20 +12,25 @@ from typing import Any
 from ..display import Table
 
 STAGE_NAMES = {"base": "base model", "finetuned": "fine-tuned (LoRA merged)", "quantized": "fine-tuned, quantized"}
+ADAPTER_STAGE_NAMES = {"base": "base model", "finetuned": "base + LoRA adapter (unmerged)"}
 EVAL_NAMES = {"domain": "held-out domain text", "original": "base model's own held-out domain"}
 SPEED_COLUMNS = ["side", "tokens/s", "speed vs plain float", "tokens equal to plain float", "tokens per forward"]
 AGREEMENT_COLUMN = "top-1 agreement with float (same prefix)"
 
 
 def perplexity_table(report: dict[str, Any]) -> Table:
-    """One row per stage (base, fine-tuned, quantized), one column per evaluation set, and the share of held-out
-    domain positions where the stage's next-token argmax equals the float fine-tuned model's."""
-    stages = report["perplexity"]
+    """One row per stage (base, fine-tuned, quantized), one column per evaluation set, and (for a merged
+    fine-tune) the share of held-out domain positions where the stage's next-token argmax equals the float
+    fine-tuned model's."""
+    stages, adapter_only = report["perplexity"], "top1_agreement_with_float" not in report
     sets = list(next(iter(stages.values())))
-    agreement = {"finetuned": "100%", "quantized": f"{100 * report['top1_agreement_with_float']:.1f}%"}
-    rows = [[STAGE_NAMES.get(stage, stage), *(values[name] for name in sets), agreement.get(stage, "-")]
-            for stage, values in stages.items()]
-    columns = ["stage", *(EVAL_NAMES.get(s, s) for s in sets), AGREEMENT_COLUMN]
+    names = ADAPTER_STAGE_NAMES if adapter_only else STAGE_NAMES
+    rows = [[names.get(stage, stage), *(values[name] for name in sets)] for stage, values in stages.items()]
+    columns = ["stage", *(EVAL_NAMES.get(s, s) for s in sets)]
+    if not adapter_only:
+        agreement = {"finetuned": "100%", "quantized": f"{100 * report['top1_agreement_with_float']:.1f}%"}
+        rows = [[*row, agreement.get(stage, "-")] for row, stage in zip(rows, stages)]
+        columns.append(AGREEMENT_COLUMN)
     return Table("held-out perplexity (lower is better)", columns, rows)
 
 
@@ -44,8 +50,9 @@ def time_table(report: dict[str, Any]) -> Table:
 
 
 def report_tables(report: dict[str, Any]) -> list[Table]:
-    """The perplexity, speed and time tables of `report`."""
-    return [perplexity_table(report), speed_table(report), time_table(report)]
+    """The perplexity, speed (a merged fine-tune's) and time tables of `report`."""
+    speed = [speed_table(report)] if "speed" in report else []
+    return [perplexity_table(report), *speed, time_table(report)]
 
 
 def report_markdown(report: dict[str, Any]) -> str:
