@@ -53,9 +53,11 @@ def prompt_ids(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
 
 
 @contextlib.contextmanager
-def served_app(monkeypatch, argv: Sequence[str], load_timeout: float = 600.0) -> Iterator[FastAPI]:
+def served_client(monkeypatch, argv: Sequence[str],
+                  load_timeout: float = 600.0) -> Iterator[tuple[FastAPI, TestClient]]:
     """`hf-accel serve argv` with uvicorn's server replaced: the app it would serve, started (its engine built, as
-    `/health` leaving "loading" says) until the block ends, then stopped."""
+    `/health` leaving "loading" says) until the block ends, then stopped, and the client that started it (a second
+    `with TestClient(app)` would start the app, and build an engine, again)."""
     apps: list[FastAPI] = []
 
     class Server:  # takes the app instead of serving it
@@ -73,4 +75,11 @@ def served_app(monkeypatch, argv: Sequence[str], load_timeout: float = 600.0) ->
             assert time.monotonic() < deadline, "the engine did not load"
             time.sleep(0.05)
         assert apps[0].state.load.error is None, apps[0].state.load.error
-        yield apps[0]
+        yield apps[0], client
+
+
+@contextlib.contextmanager
+def served_app(monkeypatch, argv: Sequence[str], load_timeout: float = 600.0) -> Iterator[FastAPI]:
+    """`served_client`'s app."""
+    with served_client(monkeypatch, argv, load_timeout) as (app, _):
+        yield app

@@ -119,11 +119,12 @@ void lora_add(at::Tensor y, const at::Tensor& x, const at::Tensor& a, const at::
               "slots must be a [T] int64 tensor");
   TORCH_CHECK(ranks.dim() == 1 && ranks.scalar_type() == at::kLong && ranks.size(0) == a.size(0),
               "ranks must be a [S] int64 tensor");
-  const at::Tensor token_slots = slots.contiguous();
-  const at::Tensor slot_ranks = ranks.contiguous();
-  const int64_t* slot_of = token_slots.data_ptr<int64_t>();
-  const int64_t* rank_of = slot_ranks.data_ptr<int64_t>();
   const int64_t tokens = x.size(0), in = x.size(1), out = y.size(1), stacked = a.size(1), count = a.size(0);
+  // read once: a background compile's warm-up runs this while the stepping thread rewrites the slots and ranks (its
+  // result is thrown away, but the grouping below must see one consistent set of values)
+  const at::Tensor token_slots = slots.contiguous(), slot_ranks = ranks.contiguous();
+  const std::vector<int64_t> slot_of(token_slots.data_ptr<int64_t>(), token_slots.data_ptr<int64_t>() + tokens);
+  const std::vector<int64_t> rank_of(slot_ranks.data_ptr<int64_t>(), slot_ranks.data_ptr<int64_t>() + count);
   for (int64_t s = 0; s < count; ++s) {
     TORCH_CHECK(rank_of[s] >= 0 && rank_of[s] <= stacked, "ranks must be within the stacked rank");
   }
