@@ -12,6 +12,7 @@ import torch
 
 from hf_accel import Engine, EngineConfig, LoRAConfig, LoRARequest, SamplingParams, SpeculativeConfig
 from hf_accel.kernels.custom_ops import lora_kernel
+from hf_accel.speculative.medusa_heads import MedusaConfig, MedusaHeads
 
 peft = pytest.importorskip("peft")
 
@@ -113,6 +114,20 @@ def test_preemption_and_ngram_speculation_change_no_output(base, adapters):
     assert served(speculating, adapters, jobs) == want
 
 
+def test_a_base_draft_model_speculates_for_adapter_requests_losslessly(base, adapters):
+    """The draft model drafts as the base; each request's candidates are verified by its own adapter: outputs equal
+    the merged models', and the base's copy as draft gets candidates accepted for adapter requests too."""
+    jobs = mixed(adapters)
+    want = expected(base, adapters, jobs)
+    draft = SpeculativeConfig("draft", model=copy.deepcopy(base), num_speculative_tokens=3,
+                              max_speculative_batch_tokens=64)
+    engine = Engine(copy.deepcopy(base), config=EngineConfig(max_num_seqs=16), lora=LoRAConfig(), speculative=draft)
+    assert served(engine, adapters, jobs) == want
+    stats = engine.stats()
+    assert stats.spec_decode_num_drafts > 0 and 0 < stats.spec_decode_num_accepted_tokens
+    assert stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens  # adapters reject some
+
+
 def test_the_prefix_cache_is_kept_per_adapter(base, adapters):
     engine = Engine(copy.deepcopy(base), config=EngineConfig(block_size=4), lora=LoRAConfig())
     prompt = list(range(10, 30))
@@ -165,6 +180,9 @@ def test_engine_and_config_arguments_are_checked(base, adapters):
         LoRARequest("a", 0, "/tmp")
     with pytest.raises(TypeError, match="`lora` must be a hf_accel.LoRAConfig"):
         Engine(copy.deepcopy(base), lora={"max_loras": 2})
+    heads = MedusaHeads(MedusaConfig(2, base.config.hidden_size, base.config.vocab_size))
+    with pytest.raises(ValueError, match="not 'medusa': EAGLE and Medusa heads draft from the target's hidden"):
+        Engine(copy.deepcopy(base), lora=LoRAConfig(), speculative=SpeculativeConfig("medusa", model=heads))
 
 
 def _wider_llama():

@@ -34,7 +34,9 @@ from .scheduler import ScheduledBatch
 from .sequence import Request, Sequence
 from .spec_decode import SpeculativeConfig
 
-MODEL_FREE_METHODS = ("ngram", "suffix")
+# methods whose proposals never come from the target's own hidden states: verified by each request's own adapter,
+# they stay lossless (EAGLE and Medusa heads read the target's hidden states, trained on the base's)
+LORA_METHODS = ("ngram", "suffix", "draft")
 
 
 class EngineAdapters:
@@ -115,11 +117,12 @@ class EngineAdapters:
 
 def served_adapters(model: nn.Module, config: LoRAConfig, speculative: SpeculativeConfig | None,
                     compile: bool = False, max_step_tokens: int = 512) -> EngineAdapters:
-    """The engine's adapters over `model`; ValueError for a speculative method this release does not run with
-    adapters (the model-free ones, "ngram" and "suffix", verify with each request's own adapter)."""
-    if speculative is not None and speculative.method not in MODEL_FREE_METHODS:
-        raise ValueError(f"`lora` works with the model-free speculative methods {MODEL_FREE_METHODS}, not "
-                         f"{speculative.method!r} yet")
+    """The engine's adapters over `model`; ValueError for a speculative method that does not run with adapters
+    (`LORA_METHODS` do: each request's candidates are verified by its own adapter's logits, so its output is its
+    adapter's greedy output; a draft model drafts as the base)."""
+    if speculative is not None and speculative.method not in LORA_METHODS:
+        raise ValueError(f"`lora` works with the speculative methods {LORA_METHODS}, not {speculative.method!r}: "
+                         "EAGLE and Medusa heads draft from the target's hidden states, which an adapter changes")
     return EngineAdapters(model, config, compile, max_step_tokens)
 
 

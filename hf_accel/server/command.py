@@ -30,7 +30,7 @@ import uvicorn
 
 from ..arguments import parse_lora_modules
 from ..engine.config import EngineConfig
-from ..engine.lora_requests import MODEL_FREE_METHODS
+from ..engine.lora_requests import LORA_METHODS
 from ..engine.spec_decode.speculative_config import SpeculativeConfig
 from ..lora.config import LoRAConfig
 from ..quant.presets import list_quantization_presets
@@ -185,8 +185,8 @@ def engine_spec(parser: argparse.ArgumentParser, args: argparse.Namespace) -> En
                       max_model_len=args.max_model_len, enforce_eager=args.enforce_eager,
                       compile_in_background=args.compile_in_background)
     lora = _lora(parser, args)
-    if lora is not None and speculative is not None and speculative.method not in MODEL_FREE_METHODS:
-        parser.error(f"LoRA adapters are served with the speculative methods {', '.join(MODEL_FREE_METHODS)}, not "
+    if lora is not None and speculative is not None and speculative.method not in LORA_METHODS:
+        parser.error(f"LoRA adapters are served with the speculative methods {', '.join(LORA_METHODS)}, not "
                      f"{speculative.method!r}")
     return EngineSpec(args.model, quant, DTYPES[args.dtype], args.threads, config, speculative, lora)
 
