@@ -8,10 +8,13 @@ of the graphs; compiled `generate` (`cache_implementation="paged"` + `compile_co
 and transformers' `StaticCache` + `compile_config`: identical tokens, first-call (compile) seconds and milliseconds
 per token at batch 1 and 8; and, in fp32, compiled speculative `generate` against plain greedy (`--speculative`:
 `draft_generate` with the reference draft by default; `ngram_generate`, `eagle_generate` with the reference EAGLE head,
-chain or EAGLE-2 tree). Without CUDA it says so and measures nothing, unless `--device cpu` asks for the same
-comparison on the CPU (compiled step against eager: the script's own check, used by its test). `--dtype fp32` or
-`bf16`, `--sections` (engine, generate, speculative) and `--batches` check a part (shorter runs, for a device that
-limits a command's time); each side's first-call seconds are printed as it finishes.
+chain or EAGLE-2 tree); and, in fp32, LoRA adapters in the engine (`--sections lora`, needs peft): 3 random peft
+adapters and the base in one mixed batch, greedy tokens against each adapter's merged model, and decode-step time of
+the LoRA engine (8 sequences over the adapters) against the base engine. Without CUDA it says so and measures
+nothing, unless `--device cpu` asks for the same comparison on the CPU (compiled step against eager: the script's
+own check, used by its test). `--dtype fp32` or `bf16`, `--sections` (engine, generate, speculative, lora) and
+`--batches` check a part (shorter runs, for a device that limits a command's time); each side's first-call seconds
+are printed as it finishes.
 
     .venv/bin/python benchmarks/gpu_check.py            (writes benchmarks/results/gpu_check.json, docs/gpu_check.md)
     .venv/bin/python benchmarks/gpu_check.py --dtype fp32 --sections speculative --speculative ngram,eagle,eagle_tree
@@ -30,8 +33,8 @@ import torch
 
 from transformers import CompileConfig, StaticCache
 
-from hf_accel import (EagleTree, Engine, EngineConfig, SamplingParams, draft_generate, eagle_generate, ngram_generate,
-                      reference)
+from hf_accel import (EagleTree, Engine, EngineConfig, LoRAConfig, LoRARequest, SamplingParams, draft_generate,
+                      eagle_generate, ngram_generate, reference)
 from hf_accel.bench import torch_threads
 from hf_accel.bench.output import benchmark_parser, hardware, output_root, write_results
 
@@ -41,11 +44,16 @@ COMMAND = ".venv/bin/python benchmarks/gpu_check.py"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def decoding_engine(model, prompts: list[list[int]], enforce_eager: bool, steps: int) -> Engine:
-    """An engine with the prompts prefilled and decoding (one request each, `steps` + 8 tokens to go)."""
-    engine = Engine(model, config=EngineConfig(max_num_seqs=max(len(prompts), 2), enforce_eager=enforce_eager))
-    for prompt in prompts:
-        engine.add_request(prompt, SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True))
+def decoding_engine(model, prompts: list[list[int]], enforce_eager: bool, steps: int,
+                    adapters: list[LoRARequest] | None = None) -> Engine:
+    """An engine with the prompts prefilled and decoding (one request each, `steps` + 8 tokens to go); with
+    `adapters`, a LoRA engine whose request `i` runs with adapter `i % len(adapters)`."""
+    lora = None if adapters is None else LoRAConfig(max_loras=len(adapters))
+    engine = Engine(model, config=EngineConfig(max_num_seqs=max(len(prompts), 2), enforce_eager=enforce_eager),
+                    lora=lora)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(prompt, SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True),
+                           lora_request=None if adapters is None else adapters[i % len(adapters)])
     engine.step()
     while engine.core.scheduler.waiting or any(s.num_uncomputed_tokens > 1 for s in engine.core.scheduler.running):
         engine.step()
@@ -192,7 +200,51 @@ def fresh_kwargs(model, kwargs: dict[str, Any], new_tokens: int) -> dict[str, An
     return fresh
 
 
-SECTIONS = ("engine", "generate", "speculative")
+SECTIONS = ("engine", "generate", "speculative", "lora")
+
+
+def check_lora(model, tokenizer, device: torch.device, quick: bool) -> dict[str, Any]:
+    """3 random rank-8 peft adapters on every projection: a batch mixing them with the base against each adapter's
+    merged model's sequential `generate`, and decode-step ms of a LoRA engine (8 sequences over the adapters)
+    against the base engine (the default engine each: CUDA graphs where they apply)."""
+    import copy
+    import tempfile
+
+    from peft import LoraConfig, get_peft_model
+
+    rows = reference.held_out_sequences(tokenizer, 64, max_rows=16)
+    prompts = [row[: 8 + 5 * i].tolist() for i, row in enumerate(rows[:4])]
+    params = SamplingParams(max_tokens=8 if quick else 24, temperature=0, ignore_eos=True)
+    with tempfile.TemporaryDirectory() as scratch:
+        adapters, merged = [], []
+        for i in range(3):
+            torch.manual_seed(i)
+            tuned = get_peft_model(copy.deepcopy(model), LoraConfig(r=8, lora_alpha=16, init_lora_weights=False,
+                                                                      target_modules="all-linear"))
+            with torch.no_grad():
+                for name, param in tuned.named_parameters():
+                    if "lora_B" in name:
+                        param.mul_(0.1)
+            tuned.save_pretrained(f"{scratch}/adapter{i}")
+            adapters.append(LoRARequest(f"adapter{i}", i + 1, f"{scratch}/adapter{i}"))
+            merged.append(tuned.merge_and_unload().eval())
+        jobs = [(prompt, k) for prompt in prompts for k in (None, 0, 1, 2)]
+        engine = Engine(copy.deepcopy(model), config=EngineConfig(max_num_seqs=16), lora=LoRAConfig(max_loras=3))
+        outs = engine.generate([p for p, _ in jobs], params,
+                               lora_request=[None if k is None else adapters[k] for _, k in jobs])
+        expected = [greedy(model if k is None else merged[k], p, params.max_tokens) for p, k in jobs]
+        result: dict[str, Any] = {"identical": sum(o.outputs[0].token_ids == e for o, e in zip(outs, expected)),
+                                  "requests": len(jobs), "compiled": engine.core.runner.forward.compiled}
+        steps, batch = (4 if quick else 32), [row[:48].tolist() for row in rows[:8]]
+        engines = {"base": decoding_engine(model, batch, False, 3 * steps),
+                   "lora": decoding_engine(copy.deepcopy(model), batch, False, 3 * steps, adapters)}
+        times: dict[str, list[float]] = {name: [] for name in engines}
+        for _ in range(3):  # interleaved
+            for name, decoding in engines.items():
+                times[name].append(step_ms(decoding, steps, device))
+    base_ms, lora_ms = statistics.median(times["base"]), statistics.median(times["lora"])
+    result.update(base_ms=round(base_ms, 3), lora_ms=round(lora_ms, 3), lora_vs_base=round(base_ms / lora_ms, 3))
+    return result
 
 
 def measure(device_name: str, quick: bool, dtypes: tuple[str, ...] = tuple(DTYPES),
@@ -214,6 +266,8 @@ def measure(device_name: str, quick: bool, dtypes: tuple[str, ...] = tuple(DTYPE
             result["generate"] = check_generate(model, tokenizer, device, quick, batches)
         if "speculative" in sections and name == "fp32":
             result["speculative"] = check_speculative(model, tokenizer, device, quick, methods)
+        if "lora" in sections and name == "fp32":
+            result["lora"] = check_lora(model, tokenizer, device, quick)
     return report
 
 
@@ -260,6 +314,15 @@ def render(report: dict[str, Any]) -> str:
                              f"{g['first_call_s'].get(side, 'failed')} | {f'{ms:.2f}' if ms else 'failed'} | {ratio} |")
             lines += [f"| {side} failed: {error} | | | | |" for side, error in g["errors"].items()]
             lines.append("")
+    for name, r in results.items():
+        if "lora" in r:
+            g = r["lora"]
+            lines += [f"LoRA adapters in the engine, {name}: 3 random rank-8 adapters and the base in one batch; "
+                      "decode step of 8 sequences over the adapters:", "",
+                      "| identical to merged generate | compiled step | step ms (base / LoRA) | LoRA / base speed |",
+                      "| --- | --- | --- | --- |",
+                      f"| {g['identical']}/{g['requests']} | {g['compiled']} | {g['base_ms']:.2f} / {g['lora_ms']:.2f} "
+                      f"| {g['lora_vs_base']:.2f}x |", ""]
     notes = "".join(f"- {note}\n" for note in report.get("notes", []))  # added by hand to a run's JSON
     return "\n".join(lines) + f"\nFrom `{report['command']}`.\n" + (f"\nNotes:\n\n{notes}" if notes else "")
 

@@ -8,6 +8,9 @@ JOB: {"model": folder, "max_model_len", "max_loras", "max_lora_rank", "adapters"
 exactly its max_tokens (EOS ignored), all in one `LLM.generate` call. RESULT: {"outputs" (generated token ids per
 request), "load_seconds", "seconds", "versions"}. One compute thread: vLLM's worker takes it from
 VLLM_CPU_OMP_THREADS_BIND, which the parent sets.
+With "runs": {label: requests} instead of "requests" (benchmarks/bench_lora.py), after "warmup" untimed calls of
+each run, the runs are timed in turn "repeats" times: RESULT's "runs" is {label: {"seconds": [one per repeat],
+"outputs"}}.
 """
 
 from __future__ import annotations
@@ -30,15 +33,28 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
                    enable_lora=True, max_loras=job["max_loras"], max_lora_rank=job["max_lora_rank"])
     adapters = {name: LoRARequest(name, lora_id, path) for name, (lora_id, path) in job["adapters"].items()}
     load_seconds = time.perf_counter() - started
-    prompts = [TokensPrompt(prompt_token_ids=prompt) for prompt, _, _ in job["requests"]]
-    params = [vllm.SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for _, n, _ in job["requests"]]
-    requests = [None if name is None else adapters[name] for _, _, name in job["requests"]]
-    started = time.perf_counter()
-    answers = llm.generate(prompts, params, lora_request=requests, use_tqdm=False)
-    return {"outputs": [list(answer.outputs[0].token_ids) for answer in answers], "load_seconds": load_seconds,
-            "seconds": time.perf_counter() - started,
-            "versions": {"vllm": vllm.__version__, "torch": torch.__version__,
-                         "transformers": transformers.__version__}}
+    versions = {"vllm": vllm.__version__, "torch": torch.__version__, "transformers": transformers.__version__}
+
+    def generate(requests: list) -> tuple[float, list[list[int]]]:
+        prompts = [TokensPrompt(prompt_token_ids=prompt) for prompt, _, _ in requests]
+        params = [vllm.SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for _, n, _ in requests]
+        loras = [None if name is None else adapters[name] for _, _, name in requests]
+        started = time.perf_counter()
+        answers = llm.generate(prompts, params, lora_request=loras, use_tqdm=False)
+        return time.perf_counter() - started, [list(answer.outputs[0].token_ids) for answer in answers]
+
+    if "runs" not in job:
+        seconds, outputs = generate(job["requests"])
+        return {"outputs": outputs, "load_seconds": load_seconds, "seconds": seconds, "versions": versions}
+    for _ in range(job.get("warmup", 1)):
+        for requests in job["runs"].values():
+            generate(requests)
+    runs: dict[str, dict[str, Any]] = {label: {"seconds": []} for label in job["runs"]}
+    for _ in range(job.get("repeats", 1)):
+        for label, requests in job["runs"].items():
+            seconds, runs[label]["outputs"] = generate(requests)
+            runs[label]["seconds"].append(seconds)
+    return {"runs": runs, "load_seconds": load_seconds, "versions": versions}
 
 
 def main(job_path: str, result_path: str) -> None:

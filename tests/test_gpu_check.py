@@ -1,7 +1,7 @@
 """benchmarks/gpu_check.py: without CUDA it measures nothing and says so; `--device cpu --quick` runs the same
 comparison on the CPU (compiled step against eager; compiled paged generate against DynamicCache and StaticCache +
-compile; compiled draft_generate against plain greedy), finds every output identical to sequential generate, and
-writes its tables."""
+compile; compiled draft_generate against plain greedy; LoRA adapters in the engine against merged models), finds
+every output identical to sequential generate, and writes its tables."""
 
 import json
 
@@ -30,6 +30,9 @@ def test_cpu_run_compares_default_and_eager_engines(load_benchmark, tmp_path):
     speculative = result["speculative"]
     assert speculative["identical"] and not speculative["errors"] and set(speculative["ms_per_token"]) == {
         "plain", "plain + compile", "draft + compile"}
+    lora = result["lora"]  # adapters in the engine: each request its merged adapter's greedy tokens
+    assert lora["identical"] == lora["requests"] == 16 and lora["compiled"] and lora["lora_ms"] > 0
+    assert "LoRA adapters in the engine, fp32" in (tmp_path / "docs/gpu_check.md").read_text()
 
 
 def test_an_unknown_section_or_method_is_refused_by_name(load_benchmark, capsys):

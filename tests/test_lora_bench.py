@@ -53,9 +53,21 @@ def test_targets_and_page(script):
             for run, tok_s, ratio, same in [("base, compiled", 100.0, 1.0, None),
                                             ("LoRA engine, 8 adapters uniform", 90.0, 0.9, 63),
                                             (script.PEFT_ROW, 10.0, 0.1, None)]]
-    found = script.targets(rows)
-    assert [t["met"] for t in found] == [True, True] and found[1]["value"] == pytest.approx(9.0)
+    size_185m = {"rows": [{"run": "base engine, base requests", "tok_s": 50.0, "vs_base_compiled": 1.0},
+                          {"run": "LoRA engine, 8 adapters uniform", "tok_s": 40.0, "vs_base_compiled": 0.8}],
+                 "vllm": {"skipped": "no vLLM venv"}}
+    vllm_reference = {"rows": {"base": {"hf_accel_tok_s": 100.0, "vllm_tok_s": 80.0, "hf_accel_vs_vllm": 1.25,
+                                        "identical": 64},
+                               "uniform": {"hf_accel_tok_s": 90.0, "vllm_tok_s": 60.0, "hf_accel_vs_vllm": 1.5,
+                                           "identical": 60}}}
+    runtime_load = {"seconds_to_first_token": 0.4, "failed": 0, "requests": 33}
+    found = script.targets(rows, vllm_reference, size_185m, runtime_load)
+    assert [t["met"] for t in found] == [True, False, True, True, True]  # 185M at 0.8x misses; its vLLM row skipped
+    assert found[2]["value"] == pytest.approx(9.0) and found[3]["value"] == 1.5
     report = {"hardware": {"cpu": "a CPU"}, "requests": 64, "tokens": 2000, "adapters": 8, "rank": 16,
-              "targets": ["q_proj"], "rows": rows, "targets_met": found, "command": "x", "total_seconds": 60}
+              "targets": ["q_proj"], "rows": rows, "targets_met": found, "command": "x", "total_seconds": 60,
+              "vllm_reference": vllm_reference, "size_185m": size_185m, "runtime_load": runtime_load}
     page = script.render(report)
     assert "| LoRA engine, 8 adapters uniform | 90 | 0.90x | 0.90x | 63 of 64 |" in page and "| yes |" in page
+    assert "| reference target | 8 adapters uniform | 90 | 60 | 1.50x | 60 of 64 |" in page
+    assert "| 185M | skipped: no vLLM venv |" in page and "first token 0.40 s after the call; 0 of 33" in page

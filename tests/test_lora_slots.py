@@ -39,11 +39,13 @@ def test_slots_pin_keep_and_evict_least_recently_released():
     assert torch.equal(projection.a[slot, :3], three.modules["proj"][0]) and not projection.a[slot, 3:].any()
     assert projection.ranks.tolist() == [4, 3]
     assert slots.acquire(3, three) == 1
-    slots.evict(3)  # pinned: stays
+    slots.evict(3)  # pinned: stays while it is used
     assert slots.slot_of(3) == 1
-    slots.release(3)
-    slots.evict(3)  # idle: its slot is free for the next adapter, without evicting "two"
+    slots.release(3)  # its last release frees the slot, for the next adapter, without evicting "two"
     assert slots.slot_of(3) is None and slots.acquire(1, one) == 1 and slots.slot_of(2) == 0
+    slots.release(1)
+    slots.evict(1)  # idle: freed at once
+    assert slots.slot_of(1) is None and slots.acquire(3, three) == 1
 
 
 @pytest.mark.parametrize("path", ["kernel", "torch", "compiled"])

@@ -229,3 +229,28 @@ def test_lora_flags_are_checked():
     for bad in (["a"], ["=/x"], ["a=/x", "a=/y"], ['{"name": "a"}']):
         with pytest.raises(SystemExit):
             command.parse_lora_modules(parser, bad)
+
+
+def test_a_stream_whose_client_left_before_its_first_event_still_lets_go_of_its_adapter():
+    """Starlette cancels a streamed body when the client is gone, possibly before the generator started (whose
+    `finally` then never runs): the response itself closes the engine requests, so the adapter's in-flight count
+    drops and an unload does not wait forever."""
+    from hf_accel.server.streaming import ClosingStreamingResponse
+
+    closed = []
+
+    async def events():
+        yield "data: {}\n\n"
+
+    async def receive():
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        raise OSError("the client is gone")
+
+    response = ClosingStreamingResponse(events(), lambda: closed.append(True), media_type="text/event-stream")
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "method": "POST", "path": "/",
+             "headers": []}
+    with pytest.raises(OSError):
+        asyncio.run(response(scope, receive, send))
+    assert closed == [True]

@@ -1,13 +1,15 @@
 """The engine-core process's side of `EngineProcess` (engine_process.py): build the engine, report ready, then loop:
 take the commands waiting on the pipe (block only when idle), run one step, send that step's reports, the whole
 output of every request that finished, and the engine's stats, in one message. Messages to it: `("add", Request)`,
-`("abort", request_id)`, `("add_lora", LoRARequest)`, `("remove_lora", lora_int_id)`, `("shutdown",)`; from it: `("ready", Ready)` or `("failed", reason)`, then
-`("step", StepReport)`, and last `("dead", reason)` or `("closed", None)`."""
+`("abort", request_id)`, `("add_lora", LoRARequest)`, `("remove_lora", lora_int_id)`, `("shutdown",)`; from it:
+`("ready", Ready)` or `("failed", reason)`, then `("step", StepReport)`, and last `("dead", reason)` or
+`("closed", None)`."""
 
 from __future__ import annotations
 
 import logging
 import signal
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -21,6 +23,7 @@ from .errors import describe
 from .limits import EngineLimits
 from .outputs import RequestOutput
 from ..lora.adapter_check import AdapterShapes
+from ..lora.config import LoRARequest
 from ..registry import attention_implementation
 from ..runtime.attention import ATTENTION_NAME
 from ..runtime.dynamo import skip_warm_guards
@@ -128,11 +131,9 @@ class _CoreLoop:
         if kind == "remove_lora":
             self.engine.remove_lora(command[1])
             return
-        if kind == "add_lora":  # checked by the caller; a folder changed since then fails its requests instead
-            try:
-                self.engine.add_lora(command[1])
-            except (ValueError, TypeError, OSError) as error:
-                logger.warning("reading LoRA adapter %r failed: %s", command[1].lora_name, error)
+        if kind == "add_lora":  # read beside the steps (a folder read would stall every stream)
+            threading.Thread(target=_read_adapter, args=(self.engine, command[1]), name="hf_accel-lora-read",
+                             daemon=True).start()
             return
         request = command[1]
         try:
@@ -150,3 +151,12 @@ class _CoreLoop:
         self.stats_sent, self.compiling_sent = now, step.stats.compiling
         self.reports.clear()
         self.finished.clear()
+
+
+def _read_adapter(engine: Engine, request: LoRARequest) -> None:
+    """`engine.add_lora` (thread-safe: the adapters in memory are locked); checked by the caller already, so a folder
+    changed since then is only logged here: its requests fail alone when they arrive."""
+    try:
+        engine.add_lora(request)
+    except (ValueError, TypeError, OSError) as error:
+        logger.warning("reading LoRA adapter %r failed: %s", request.lora_name, error)

@@ -69,7 +69,7 @@ class EngineClient(ABC):
 
     @abstractmethod
     def remove_lora(self, lora_int_id: int) -> None:
-        """Drop an adapter from the engine's memory and slots once no running request uses it (vLLM's
+        """Drop an adapter from the engine's memory now and from its slot once no running request uses it (vLLM's
         `remove_lora`); a later request with its id reads the folder again."""
 
     @abstractmethod

@@ -5,9 +5,9 @@ Each adaptable projection (every `nn.Linear` of the model but its output layer) 
 `a` `[max_loras, max_rank, in]` and `b` `[max_loras, max_rank, out]` (an adapter's `b` transposed, scaling folded
 in; ranks below `max_rank` and projections an adapter leaves alone are zeros), and `ranks` `[max_loras]`, each
 slot's adapter's rank on this projection (0: it leaves it alone). All projections' stacks are views of three buffers
-(`AdapterStacks`), so a compiled step takes three LoRA inputs however many projections the model has. Before a forward the engine writes which slot each
-packed token uses into the step's `token_slots` buffer (`StepAdapters.set`: -1 for a base token; the buffer keeps -1
-past the step's tokens and between steps). Rows of `x` are the step's packed tokens in order. The update, with no
+(`AdapterStacks`), so a compiled step takes three LoRA inputs however many projections the model has. Before a
+forward the engine writes which slot each packed token uses into the step's `token_slots` buffer (`StepAdapters.set`:
+-1 for a base token; the buffer keeps -1 past the step's tokens and between steps). Rows of `x` are the step's packed tokens in order. The update, with no
 loop over adapters:
 - fp32 on the CPU, outside autograd (the engine's steps): hf_accel's kernel (`torch.ops.hf_accel.lora_add`,
   csrc/lora.cpp) adds each token's own adapter's `x a.T b` to the output in place (its rank x (in + out) per
@@ -135,6 +135,8 @@ class LoRAProjection:
         step = self.step
         x = inputs[0].reshape(-1, self.in_features)  # [T, in]
         if step.compiled:  # traced once: reads nothing of the step but the buffers (no guard on the step's values)
+            if x.shape[0] > step.token_slots.shape[0]:  # not an engine step (a `generate` on the same model)
+                return None
             a, b, ranks = self.stacks.views(self.index)  # views of the graph's inputs, taken in the graph
             self._kernel(output.view(-1, self.out_features), x.contiguous(), a, b, step.token_slots[: x.shape[0]],
                          ranks)

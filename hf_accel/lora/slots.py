@@ -24,6 +24,7 @@ class AdapterSlots:
         self._pins: dict[int, int] = {}  # lora_int_id -> running sequences using it
         self._idle: OrderedDict[int, None] = OrderedDict()  # resident, unpinned ids, least recently released first
         self._free = list(range(max_loras - 1, -1, -1))  # never-used slots, popped from the end
+        self._evicting: set[int] = set()  # pinned ids removed from the engine: their slot goes at the last release
 
     def slot_of(self, lora_id: int) -> int | None:
         return self._slot.get(lora_id)
@@ -54,15 +55,25 @@ class AdapterSlots:
             self._pins[lora_id] = pins
             return
         del self._pins[lora_id]
-        self._idle[lora_id] = None
+        if lora_id in self._evicting:  # removed while in use: its slot goes now
+            self._evicting.discard(lora_id)
+            self._free_slot(lora_id)
+        else:
+            self._idle[lora_id] = None
 
     def evict(self, lora_id: int) -> None:
-        """Free `lora_id`'s slot if it is resident and idle (a pinned adapter stays until its last release)."""
-        if lora_id in self._idle:
+        """Free `lora_id`'s slot: now if it is resident and idle, else at its last release (a pinned adapter stays
+        while sequences use it)."""
+        if lora_id in self._pins:
+            self._evicting.add(lora_id)
+        elif lora_id in self._idle:
             del self._idle[lora_id]
-            slot = self._slot.pop(lora_id)
-            self.ranks[slot] = 0
-            self._free.append(slot)
+            self._free_slot(lora_id)
+
+    def _free_slot(self, lora_id: int) -> None:
+        slot = self._slot.pop(lora_id)
+        self.ranks[slot] = 0
+        self._free.append(slot)
 
     def _take_slot(self) -> int | None:
         if self._free:

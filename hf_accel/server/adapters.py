@@ -57,7 +57,14 @@ class ServedAdapters:
             await asyncio.to_thread(self.engine.add_lora, request)
         except (ValueError, TypeError, OSError) as error:
             raise unservable(name, error) from error
-        self._register(request)  # checks the name again: another load may have taken it meanwhile
+        except BaseException:  # cancelled while reading: the engine may hold it, under no name
+            self.engine.remove_lora(request.lora_int_id)
+            raise
+        try:
+            self._register(request)  # checks the name again: another load may have taken it meanwhile
+        except APIError:
+            self.engine.remove_lora(request.lora_int_id)
+            raise
         return request
 
     async def unload(self, name: str) -> None:
@@ -68,10 +75,13 @@ class ServedAdapters:
             raise APIError(404, f"The LoRA adapter `{name}` is not loaded.", param="lora_name",
                            code="lora_adapter_not_found", error_type="not_found_error")
         lora_id = request.lora_int_id
-        if self._in_flight[lora_id]:
-            drained = self._drained[lora_id] = asyncio.Event()
-            await drained.wait()
-        self.engine.remove_lora(lora_id)
+        try:
+            if self._in_flight[lora_id]:
+                drained = self._drained[lora_id] = asyncio.Event()
+                await drained.wait()
+        finally:  # also when the wait is cancelled (server shutdown): the engine lets go once nothing pins it
+            self._drained.pop(lora_id, None)
+            self.engine.remove_lora(lora_id)
 
     def hold(self, request: LoRARequest | None) -> None:
         """An HTTP request starts using `request`'s adapter (nothing for the base)."""

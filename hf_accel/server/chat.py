@@ -81,14 +81,19 @@ class ChatReply:
             raise bad_request(error) from error
         return cls(server, body, tools, prompt, response_id, requests)
 
+    @property
+    def model(self) -> str:
+        """The name the responses carry: the requested model (an adapter's name, or the base's)."""
+        return self.server.served_model(self.body.model)
+
     def fields(self, delta: ChoiceDelta, finish_reason: str | None) -> dict:
         return {"index": delta.index, "finish_reason": finish_reason, "stop_reason": delta.stop_reason,
                 "logprobs": None if delta.logprobs is None else chat_logprobs(self.server, delta.logprobs),
                 "token_ids": delta.token_ids if self.body.return_token_ids else None}
 
     def chunk(self, choices: list[ChatChunkChoice], counts: Usage | None = None) -> ChatCompletionChunk:
-        return ChatCompletionChunk(id=self.response_id, created=self.created, model=self.server.served_model(self.body.model),
-                                   choices=choices, usage=counts)
+        return ChatCompletionChunk(id=self.response_id, created=self.created, model=self.model, choices=choices,
+                                   usage=counts)
 
     def stream(self) -> StreamingResponse:
         first = [self.chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
@@ -103,7 +108,7 @@ class ChatReply:
             return self.chunk([ChatChunkChoice(delta=message,
                                                **self.fields(deltas.covered(d), deltas.finish_reason(d)))])
 
-        return sse_response(stream_choices(self.requests, delta_chunk, usage_chunk, first))
+        return sse_response(stream_choices(self.requests, delta_chunk, usage_chunk, first), self.requests)
 
     def whole(self, choices: list[ChoiceDelta]) -> ChatCompletionResponse:
         replies = []
@@ -112,8 +117,8 @@ class ChatReply:
             message = AssistantMessage(content=content, tool_calls=[ToolCallEntry(
                 id=call.id, function=CalledFunction(name=call.name, arguments=call.arguments)) for call in calls])
             replies.append(ChatChoice(message=message, **self.fields(d, reply_finish(self.tools, d, calls))))
-        return ChatCompletionResponse(id=self.response_id, created=self.created, model=self.server.served_model(self.body.model),
-                                      choices=replies, usage=self.requests.choices.usage())
+        return ChatCompletionResponse(id=self.response_id, created=self.created, model=self.model, choices=replies,
+                                      usage=self.requests.choices.usage())
 
 
 def chat_logprobs(server: ServerState, logprobs: list[TokenLogprob]) -> ChatLogprobs:

@@ -43,6 +43,7 @@ from .speculative_option import EXAMPLE, parse_speculative_config
 REFERENCE_NAME = "hf_accel-reference-target"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 API_KEY_ENV = "HF_ACCEL_API_KEY"
+RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -116,7 +117,9 @@ def _add_lora_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-cpu-loras", type=int, default=None,
                         help="adapters kept read in memory (default: 32, at least --max-loras)")
     parser.add_argument("--allow-runtime-lora", action="store_true",
-                        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind --api-key)")
+                        default=os.environ.get(RUNTIME_LORA_ENV, "").lower() in ("1", "true"),
+                        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind --api-key; "
+                             f"default: ${RUNTIME_LORA_ENV}, vLLM's switch, when 1 or true)")
 
 
 def _lora(parser: argparse.ArgumentParser, args: argparse.Namespace) -> LoRAConfig | None:

@@ -34,8 +34,8 @@ async def create_completion(body: CompletionRequest, request: Request,
     created = int(time.time())
 
     def response(choices: list[CompletionChoice], counts: Usage | None = None) -> CompletionResponse:
-        return CompletionResponse(id=response_id, created=created, model=server.served_model(body.model), choices=choices,
-                                  usage=counts)
+        return CompletionResponse(id=response_id, created=created, model=server.served_model(body.model),
+                                  choices=choices, usage=counts)
 
     def choice(delta: ChoiceDelta) -> CompletionChoice:
         logprobs = None if delta.logprobs is None else completion_logprobs(server, delta.logprobs, delta.text_offset)
@@ -45,7 +45,7 @@ async def create_completion(body: CompletionRequest, request: Request,
 
     if body.stream:
         usage_chunk = (lambda counts: response([], counts)) if body.include_usage else None
-        return sse_response(stream_choices(requests, lambda d: response([choice(d)]), usage_chunk))
+        return sse_response(stream_choices(requests, lambda d: response([choice(d)]), usage_chunk), requests)
     choices = await unless_disconnected(request, requests.complete())
     return response([choice(d) for d in choices], requests.choices.usage())
 

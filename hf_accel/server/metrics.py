@@ -3,8 +3,9 @@
 Gauges and counters are read from `engine.stats()` at scrape time by a custom collector; the latency histograms
 are fed by the engine's finish observer from each finished request's timing. A request that failed alone counts in
 `request_success_total` under `finished_reason="error"`; the loop's own death in `engine_loop_failures_total`. Every
-series has vLLM's `model_name` label. With LoRA adapters, `lora_requests_info` is vLLM's: one series whose labels
-name the adapters of the running and of the waiting requests (comma-separated) and whose value is the scrape time. Each app has its own `CollectorRegistry`, so several apps live in one process.
+series has vLLM's `model_name` label but, with LoRA adapters, `lora_requests_info`, vLLM's: one series whose labels
+name the adapters of the running and of the waiting requests (comma-separated) and whose value is the scrape time.
+Each app has its own `CollectorRegistry`, so several apps live in one process.
 
 | hf_accel                                   | vLLM                                   | kind      |
 |--------------------------------------------|----------------------------------------|-----------|
@@ -22,7 +23,7 @@ name the adapters of the running and of the waiting requests (comma-separated) a
 | hf_accel:spec_decode_num_accepted_tokens_per_pos_total{position} | vllm:spec_decode_num_accepted_tokens_per_pos_total | counter |
 | hf_accel:request_success_total             | vllm:request_success_total (+ "error") | counter   |
 | hf_accel:engine_loop_failures_total        | (hf_accel's: 1 once the loop has died)  | counter   |
-| hf_accel:lora_requests_info{max_lora, running_lora_adapters, waiting_lora_adapters} | vllm:lora_requests_info | gauge |
+| hf_accel:lora_requests_info (labels above)  | vllm:lora_requests_info                | gauge     |
 | hf_accel:time_to_first_token_seconds       | vllm:time_to_first_token_seconds       | histogram |
 | hf_accel:inter_token_latency_seconds       | vllm:inter_token_latency_seconds       | histogram |
 | hf_accel:e2e_request_latency_seconds       | vllm:e2e_request_latency_seconds       | histogram |
