@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +30,8 @@ from transformers import AutoModelForCausalLM
 
 import hf_accel
 from hf_accel import reference
-from hf_accel.bench.output import hardware, write_results
-from hf_accel.bench.peer import run_job, venv_python
+from hf_accel.bench.output import hardware
+from hf_accel.bench.peer import run_check, run_job
 from hf_accel.export import export_vllm
 from hf_accel.speculative.draft_length import DraftLength
 
@@ -174,16 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tolerance", type=float, default=0.05, help="largest allowed per-position gap")
     parser.add_argument("--out", type=Path, default=None, help="results root (default: the repository)")
     args = parser.parse_args(argv)
-    python = venv_python(args.vllm_venv, "vllm")
-    if python is None:
-        print(f"skipped: no vLLM venv at {args.vllm_venv} (create it with benchmarks/bench_vllm_peer.py --setup)")
-        return 0
-    torch.set_num_threads(1)
-    with tempfile.TemporaryDirectory() as scratch:
-        report = measure(args, python, Path(scratch))
-    write_results(args.out or ROOT, NAME, report, render(report))
-    print(render(report))
-    return 0 if report["passed"] else 1
+    return run_check(args.vllm_venv, NAME, args.out or ROOT, lambda python, scratch: measure(args, python, scratch),
+                     render)
 
 
 if __name__ == "__main__":

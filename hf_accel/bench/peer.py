@@ -18,8 +18,9 @@ import signal
 import socket
 import statistics
 import subprocess
+import tempfile
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,27 @@ def venv_python(venv: Path, module: str) -> Path | None:
         return None
     found = subprocess.run([str(python), "-c", f"import {module}"], capture_output=True, timeout=300)
     return python if found.returncode == 0 else None
+
+
+def run_check(python_venv: Path, name: str, root: Path, measure: Callable[[Path, Path], dict[str, Any]],
+              render: Callable[[dict[str, Any]], str]) -> int:
+    """The main of a check against a peer in its venv: skip (0, with a message) without it; else, with one torch
+    thread, `measure(peer python, scratch folder)`, write its JSON and page under `root`, print the page, and return
+    0 when the report `passed`, else 1."""
+    import torch
+
+    from .output import write_results
+
+    python = venv_python(python_venv, "vllm")
+    if python is None:
+        print(f"skipped: no vLLM venv at {python_venv} (create it with benchmarks/bench_vllm_peer.py --setup)")
+        return 0
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as scratch:
+        report = measure(python, Path(scratch))
+    write_results(root, name, report, render(report))
+    print(render(report))
+    return 0 if report["passed"] else 1
 
 
 def create_venv(venv: Path, install: Sequence[str], uninstall: Sequence[str] = ()) -> Path:

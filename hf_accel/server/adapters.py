@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections import Counter
+from collections.abc import Mapping
 
 from ..lora.config import LoRARequest
 from .errors import APIError
@@ -32,6 +33,18 @@ class ServedAdapters:
         self._ids = itertools.count(1)
         self._in_flight: Counter[int] = Counter()  # lora_int_id -> HTTP requests using it
         self._drained: dict[int, asyncio.Event] = {}  # lora_int_id being unloaded -> set once nothing uses it
+
+    @classmethod
+    def at_start(cls, engine: ServedEngine, base_name: str, modules: Mapping[str, str]) -> ServedAdapters:
+        """The adapters served from the start (name -> folder); ValueError naming the first that cannot be served
+        (the server does not start)."""
+        adapters = cls(engine, base_name)
+        for name, path in modules.items():
+            try:
+                adapters.load(name, path)
+            except APIError as error:  # at start: the reason, as a plain error
+                raise ValueError(error.message) from error.__cause__
+        return adapters
 
     def __iter__(self):
         return iter(self._by_name.values())

@@ -103,12 +103,7 @@ def create_app(engine: ServedEngine | Callable[[], ServedEngine], tokenizer: Pre
 
     def serve(built: ServedEngine) -> None:
         built.start()
-        adapters = ServedAdapters(built, model_name)
-        for name, path in (lora_modules or {}).items():
-            try:
-                adapters.load(name, path)
-            except APIError as error:  # at start: the reason, as a plain error
-                raise ValueError(error.message) from error.__cause__
+        adapters = ServedAdapters.at_start(built, model_name, lora_modules or {})
         app.state.server = ServerState(built, tokenizer, model_name, WaitingRequests(max_queue_len),
                                        ServerMetrics(built, model_name), adapters)
 

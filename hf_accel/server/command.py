@@ -79,6 +79,11 @@ def build_parser() -> argparse.ArgumentParser:
                              "only once compiled)")
     parser.add_argument("--max-queue-len", type=int, default=DEFAULT_MAX_QUEUE_LEN,
                         help="requests waiting for their first token before new ones get 429 (default: %(default)s)")
+    _add_process_arguments(parser)
+    return parser
+
+
+def _add_process_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                         help="step the engine in a process of its own, so the model never waits on the server's "
@@ -86,7 +91,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--graceful-timeout", type=float, default=30.0,
                         help="seconds open requests get to finish on shutdown (default: %(default)s)")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    return parser
 
 
 def _add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
