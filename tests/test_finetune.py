@@ -10,7 +10,7 @@ import pytest
 import torch
 from engine_helpers import assert_greedy_equal, greedy_reference
 from server_helpers import prompt_ids
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoTokenizer, LlamaForCausalLM
 
 from hf_accel import Engine, EngineConfig, Int8Linear, MedusaHeads, SpeculativeConfig
 from hf_accel.reference import ASSETS_DIR
@@ -23,6 +23,7 @@ from hf_accel.training.finetune_domain import domain_splits, text_rows
 from hf_accel.training.finetune_quality import Side, compare_speed
 from hf_accel.training.finetune_report import report_markdown, report_tables
 from hf_accel.training.lora import LoraSettings, merge_adapter, train_lora
+from finetune_helpers import tiny_model
 
 SEQ_LEN = 48
 PROMPT = "Install the package with pip and"
@@ -31,14 +32,6 @@ PROMPT = "Install the package with pip and"
 @pytest.fixture(scope="module")
 def tokenizer():
     return AutoTokenizer.from_pretrained(ASSETS_DIR / "target", local_files_only=True)
-
-
-def tiny_model(vocab_size: int, seed: int = 0) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=vocab_size, max_position_embeddings=256,
-                         bos_token_id=0, eos_token_id=0, pad_token_id=0, tie_word_embeddings=True)
-    return LlamaForCausalLM(config).eval()
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoTokenizer
 
 from hf_accel import Engine, EngineConfig, LoRAConfig, LoRARequest, SamplingParams, cli
 from hf_accel.lora.adapter_files import read_adapter
@@ -20,6 +20,7 @@ from hf_accel.training.finetune_command import options_not_with_adapter_only
 from hf_accel.training.finetune_domain import domain_splits, text_rows
 from hf_accel.training.finetune_report import report_tables
 from hf_accel.training.lora import LoraSettings
+from finetune_helpers import tiny_model
 
 peft = pytest.importorskip("peft")
 
@@ -31,14 +32,6 @@ ADAPTER_FILES = {"adapter_config.json", "adapter_model.safetensors", "README.md"
 @pytest.fixture(scope="module")
 def tokenizer():
     return AutoTokenizer.from_pretrained(ASSETS_DIR / "target", local_files_only=True)
-
-
-def tiny_model(vocab_size: int) -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=vocab_size, max_position_embeddings=256,
-                         bos_token_id=0, eos_token_id=0, pad_token_id=0, tie_word_embeddings=True)
-    return LlamaForCausalLM(config).eval()
 
 
 @pytest.fixture(scope="module")
