@@ -18,6 +18,7 @@ import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
@@ -210,6 +211,22 @@ class DraftHeads:
         return written
 
 
+def _write_folder(out: Path, model: PreTrainedModel, config: Any, tokenizer: PreTrainedTokenizerBase,
+                  command: ServeCommand) -> None:
+    """The model (bf16, or compressed with `config`), its tokenizer and `serve.sh` written to `out`."""
+    out.mkdir(parents=True, exist_ok=True)
+    if config is None:
+        model.save_pretrained(out)
+    else:
+        from .compressed import save_compressed
+
+        save_compressed(model, config, out)
+    tokenizer.save_pretrained(out)
+    script = out / "serve.sh"
+    script.write_text(command.script())
+    script.chmod(0o755)
+
+
 def export_vllm(out: str | Path, model: str | Path | None = None, quant: str | None = None,
                 medusa: str | Path | None = None, eagle: str | Path | None = None, speculative: str | None = None,
                 served_model_name: str | None = None, overwrite: bool = False,
@@ -232,7 +249,7 @@ def export_vllm(out: str | Path, model: str | Path | None = None, quant: str | N
                          "compressed-tensors weights is not verified (vLLM 0.32's CPU build loads no int8 export; "
                          "see docs/export.md); export bf16 weights with the adapters")
     if quant is not None:  # compressed-tensors (the `export` extra) is needed for quantized exports only
-        from .compressed import export_quant, quantization_config, save_compressed
+        from .compressed import export_quant, quantization_config
     scheme = None if quant is None else export_quant(quant)
     check_speculative(speculative)
     model_path = REFERENCE_MODEL_DIR if model is None else Path(model)
@@ -249,15 +266,7 @@ def export_vllm(out: str | Path, model: str | Path | None = None, quant: str | N
     method = serving_method("none" if adapters and speculative is None else speculative, drafts.eagle, drafts.medusa)
     command = ServeCommand(served_name, context_length(loaded), scheme is not None, method,
                            drafts.num_speculative_tokens(method), adapters)
-    out.mkdir(parents=True, exist_ok=True)
-    if config is None:
-        loaded.save_pretrained(out)
-    else:
-        save_compressed(loaded, config, out)
-    tokenizer.save_pretrained(out)
+    _write_folder(out, loaded, config, tokenizer, command)
     written = drafts.write(out) + ([] if adapters is None else adapters.write(out))
-    script = out / "serve.sh"
-    script.write_text(command.script())
-    script.chmod(0o755)
     write_readme(out, command, quant, "the hf_accel reference target" if model is None else str(model_path), written)
     return out
