@@ -1,6 +1,7 @@
 """`export_vllm(lora_modules=...)` / `hf-accel export --lora-modules`: peft adapters checked against the base and
 copied under OUT/loras/NAME unchanged, `serve.sh` serving them with vLLM 0.32's `--enable-lora` flags (the rank
-rounded up to a value vLLM accepts, a slot per adapter and an empty one for base tokens), adapters that do not fit the base refused by name before anything is written."""
+rounded up to a value vLLM accepts, a slot per adapter and an empty one for base tokens), adapters that do not fit
+the base refused by name before anything is written."""
 
 import importlib
 import json

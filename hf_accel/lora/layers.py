@@ -7,8 +7,8 @@ in; ranks below `max_rank` and projections an adapter leaves alone are zeros), a
 slot's adapter's rank on this projection (0: it leaves it alone). All projections' stacks are views of three buffers
 (`AdapterStacks`), so a compiled step takes three LoRA inputs however many projections the model has. Before a
 forward the engine writes which slot each packed token uses into the step's `token_slots` buffer (`StepAdapters.set`:
--1 for a base token; the buffer keeps -1 past the step's tokens and between steps). Rows of `x` are the step's packed tokens in order. The update, with no
-loop over adapters:
+-1 for a base token; the buffer keeps -1 past the step's tokens and between steps). Rows of `x` are the step's
+packed tokens in order. The update, with no loop over adapters:
 - fp32 on the CPU, outside autograd (the engine's steps): hf_accel's kernel (`torch.ops.hf_accel.lora_add`,
   csrc/lora.cpp) adds each token's own adapter's `x a.T b` to the output in place (its rank x (in + out) per
   token). It is a custom op with a fake, so a compiled step holds it as one node: the buffers are graph inputs (never
