@@ -17,9 +17,10 @@ in its own process from the peer venv of bench_vllm_peer.py: benchmarks/vllm_lor
 the runs timed in turn; `max_loras` one over the adapters, see docs/check_vllm_lora.md) on the same requests and
 adapter folders: base requests and the 8 adapters uniform, on the reference target and on bench_size.py's 185M
 random-weight Llama (where the hf_accel rows are the base engine and the LoRA engine, interleaved; peft's
-`generate` is left out there: minutes a run). Last, a runtime load under load: 32 adapter requests running in the
-engine's loop, `add_lora` of a ninth adapter and a request on it: seconds from the call to its first token, and the
-requests that failed (none should).
+`generate` is left out there: minutes a run). On both models, the time of one decode step by batch size (1, 4, 16,
+64 sequences; base, LoRA engine on base requests, and on the batch spread over the 8 adapters: lora_step_times.py).
+Last, a runtime load under load: 32 adapter requests running in the engine's loop, `add_lora` of a ninth adapter
+and a request on it: seconds from the call to its first token, and the requests that failed (none should).
 
 Regenerate benchmarks/results/bench_lora.json and docs/bench_lora.md:
     .venv/bin/python benchmarks/bench_lora.py
@@ -46,6 +47,7 @@ from hf_accel.bench.output import hardware, run_benchmark, target_table
 from hf_accel.bench.peer import run_job, venv_python
 from hf_accel.bench.timing import time_interleaved
 from hf_accel.bench.workload import Request, serving_requests
+from lora_step_times import render_step_times, step_times
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -146,6 +148,7 @@ def measure(quick: bool) -> dict[str, Any]:
                 for key, (engine, kind) in engines.items()}
         runs[PEFT_ROW] = lambda: peft_run(peft_model, work, kinds["uniform"], plan["peft_batch"])
         timings = time_interleaved(list(runs), lambda key: runs[key](), plan["repeats"])
+        steps = step_times(compiled, served, work, adapters, plan["repeats"])
         reference_outputs = {kind: peft_run(peft_model, work, kinds[kind], plan["peft_batch"])[1]
                              for kind in ("one", "uniform", "skewed")}
         runtime_load = measure_runtime_load(served, work, adapters, model, Path(scratch))
@@ -173,6 +176,7 @@ def measure(quick: bool) -> dict[str, Any]:
                      "vs_base_eager": eager_s / seconds, "identical_to_peft": same})
     return {"command": COMMAND + (" --quick" if quick else ""), "hardware": hardware(), "requests": len(work),
             "tokens": tokens, "adapters": NUM_ADAPTERS, "rank": RANK, "targets": TARGETS, "rows": rows,
+            "step_times": steps,
             "vllm_reference": vllm_reference, "size_185m": size_185m, "runtime_load": runtime_load,
             "total_seconds": time.perf_counter() - started,
             "targets_met": targets(rows, vllm_reference, size_185m, runtime_load)}
@@ -220,6 +224,7 @@ def measure_185m(plan: dict[str, Any], work: list[Request], kinds: dict[str, lis
             "LoRA engine, base requests": lambda: engine_run(served, work, adapters, kinds["base"]),
             "LoRA engine, 8 adapters uniform": lambda: engine_run(served, work, adapters, kinds["uniform"])}
     timings = time_interleaved(list(runs), lambda key: runs[key](), plan["size_repeats"])
+    steps = step_times(base, served, work, adapters, plan["size_repeats"])
     base_s = statistics.median(timings.seconds["base engine, base requests"])
     rows = [{"run": key, "tok_s": tokens / statistics.median(timings.seconds[key]),
              "vs_base_compiled": base_s / statistics.median(timings.seconds[key])} for key in runs]
@@ -229,8 +234,8 @@ def measure_185m(plan: dict[str, Any], work: list[Request], kinds: dict[str, lis
     outputs = {"base": timings.outputs["LoRA engine, base requests"],
                "uniform": timings.outputs["LoRA engine, 8 adapters uniform"]}
     del served, model
-    return {"rows": rows, "vllm": vllm_side_by_side(plan, folder, work, adapters, kinds, ours, outputs, tokens,
-                                                    scratch)}
+    return {"rows": rows, "step_times": steps,
+            "vllm": vllm_side_by_side(plan, folder, work, adapters, kinds, ours, outputs, tokens, scratch)}
 
 
 def measure_runtime_load(engine: Engine, work: list[Request], adapters: list[LoRARequest], model,
@@ -315,10 +320,14 @@ def render(report: dict[str, Any]) -> str:
               "projection, the adapters' stacked weights and each token's slot graph inputs (the base weights frozen); "
               "\"identical to peft\" counts requests whose greedy tokens equal peft's `generate` with the same "
               "adapter (fp32; a near-tie can part them).", "",
+              "A decode step of B sequences, by batch size (one token each; `benchmarks/lora_step_times.py`):", "",
+              *render_step_times(report["step_times"], report["adapters"]), "",
               "185M random-weight Llama (bench_size.py's), the same requests and 8 rank-16 adapters of its own:", "",
               "| run | tok/s | vs base engine (compiled) |", "| --- | --- | --- |"]
     lines += [f"| {row['run']} | {row['tok_s']:.0f} | {row['vs_base_compiled']:.2f}x |"
               for row in report["size_185m"]["rows"]]
+    lines += ["", "A decode step of B sequences on the 185M Llama:", "",
+              *render_step_times(report["size_185m"]["step_times"], report["adapters"])]
     lines += ["", "Side by side with vLLM's CPU build (`enable_lora=True`, the same adapter folders and requests):", "",
               "| model | requests | hf_accel tok/s | vLLM tok/s | hf_accel / vLLM | identical outputs |",
               "| --- | --- | --- | --- | --- | --- |"]

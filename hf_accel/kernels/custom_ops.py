@@ -102,9 +102,10 @@ def token_bitmask_kernel() -> Callable[..., None] | None:
 
 @functools.cache
 def lora_kernel() -> Callable[..., None] | None:
-    """`torch.ops.hf_accel.lora_add` (csrc/lora.cpp: `(y [T, out], x [T, in], a [S, R, in], b [S, R, out],
-    slots [T] int64, ranks [S] int64)`, each token's adapter update added to `y` in place), built with the paged
-    kernel; None where that is switched off or not buildable."""
+    """`torch.ops.hf_accel.lora_add` (csrc/lora.cpp: `(y [..., out], x [..., in], a, b, slots [capacity] int64,
+    ranks [P, S] int64, projection, a_offset, b_offset, max_rank)`, `a` / `b` every projection's flat stacks, this
+    one's `[S, R, in]` / `[S, R, out]` from the offsets; each token's adapter update added to `y` in place), built
+    with the paged kernel; None where that is switched off or not buildable."""
     return None if paged_attention_kernel() is None else torch.ops.hf_accel.lora_add
 
 
@@ -131,5 +132,5 @@ def _quantized_linear_fake(x: torch.Tensor, panels: torch.Tensor, params: torch.
 
 
 def _lora_fake(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor,
-               ranks: torch.Tensor) -> None:
+               ranks: torch.Tensor, projection: int, a_offset: int, b_offset: int, max_rank: int) -> None:
     return None  # adds into `y` in place

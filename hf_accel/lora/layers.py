@@ -27,6 +27,7 @@ and always calls the kernel, whose cost for a base token is one slot read.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -127,20 +128,28 @@ class LoRAProjection:
 
     def _attach(self) -> None:
         if self._linear is not None:
-            self._linear.register_forward_hook(self._add_update)
+            self._linear.register_forward_hook(self._compiled_hook() if self.step.compiled else self._add_update)
             self._linear = None
+
+    def _compiled_hook(self) -> Callable[[nn.Module, tuple[torch.Tensor, ...], torch.Tensor], torch.Tensor]:
+        """The hook of a compiled step: traced once, it reads the flat buffers, the step's slots and five ints (few
+        guards each step) and always calls the kernel, which adds nothing to tokens of the base, or to a forward longer
+        than the slots buffer (not an engine step: a `generate` on the same model)."""
+        kernel, step, stacks = self._kernel, self.step, self.stacks
+        a, b, ranks = stacks.a, stacks.b, stacks.ranks  # never replaced (`AdapterStacks` writes into them)
+        projection, a_offset, b_offset, rank = (self.index, stacks.a_offsets[self.index],
+                                                stacks.b_offsets[self.index], stacks.max_rank)
+
+        def hook(module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> torch.Tensor:
+            kernel(output, inputs[0], a, b, step.token_slots, ranks, projection, a_offset, b_offset, rank)
+            return output
+
+        return hook
 
     def _add_update(self, module: nn.Module, inputs: tuple[torch.Tensor, ...],
                     output: torch.Tensor) -> torch.Tensor | None:
         step = self.step
         x = inputs[0].reshape(-1, self.in_features)  # [T, in]
-        if step.compiled:  # traced once: reads nothing of the step but the buffers (no guard on the step's values)
-            if x.shape[0] > step.token_slots.shape[0]:  # not an engine step (a `generate` on the same model)
-                return None
-            a, b, ranks = self.stacks.views(self.index)  # views of the graph's inputs, taken in the graph
-            self._kernel(output.view(-1, self.out_features), x.contiguous(), a, b, step.token_slots[: x.shape[0]],
-                         ranks)
-            return output
         active = step.active
         if active is None:
             return None
@@ -149,7 +158,9 @@ class LoRAProjection:
                              f"{active.num_tokens} tokens (e.g. a mixture-of-experts expert): not supported")
         slots = step.token_slots[: x.shape[0]]
         if self._kernel is not None and _kernel_takes(x, output):  # each token through its own adapter, in place
-            self._kernel(output.view(-1, self.out_features), x.contiguous(), self.a, self.b, slots, self.ranks)
+            stacks = self.stacks
+            self._kernel(output, x, stacks.a, stacks.b, step.token_slots, stacks.ranks, self.index,
+                         stacks.a_offsets[self.index], stacks.b_offsets[self.index], stacks.max_rank)
             return output
         used, rank = torch.tensor(active.used, device=x.device), active.rank
         one_hot = (slots[:, None] == used).to(x.dtype)  # [T, U]

@@ -4,13 +4,17 @@
 //     y[t,:] += sum_r h[r] * b[s, r, :]                         ("expand")
 // and nothing for a token of the base model (s = -1). fp32.
 //
-// y      [T, out]            the projection's output, rows contiguous
-// x      [T, in]             the projection's input, rows contiguous
-// a      [S, R, in]          the resident adapters' A, stacked by slot (ranks below R zero-padded)
-// b      [S, R, out]         their B transposed, scaling folded in
-// slots  [T] int64           each token's slot, or -1
-// ranks  [S] int64           the rank of each slot's adapter on this projection (<= R; 0: it leaves it alone):
-//                            rows past it are zeros and are skipped
+// y      [..., out]          the projection's output, T rows of `out`, contiguous
+// x      [..., in]           the projection's input, T rows of `in` (made contiguous if it is not)
+// a      flat fp32           every projection's stacked A; this one's [S, R, in] from `a_offset`
+// b      flat fp32           every projection's stacked B transposed (scaling folded in); this one's [S, R, out]
+//                            from `b_offset`; rank rows past a slot's rank are zeros
+// slots  [capacity] int64    each packed token's slot, or -1 (entries past T unread); T > capacity: not an
+//                            engine step (a `generate` on the same model), nothing is added
+// ranks  [P, S] int64        each projection's slots' ranks; row `projection` is this one's (<= R = `max_rank`;
+//                            0: the slot's adapter leaves it alone): rows past it are skipped
+// The flat buffers and plain offsets keep a compiled step's call of this op free of view arithmetic (one call per
+// adapted projection, each step).
 //
 // Why: the torch path multiplies every token by every adapter the step uses and keeps its own columns (U x R work
 // per token); here each token does its own adapter's rank x (in + out) multiply-adds. Tokens are grouped by slot
@@ -105,24 +109,30 @@ void group_update(const float* a, const float* b, int64_t in, int64_t out, int64
   expand<N>(b, out, rank, h, y);
 }
 
-void lora_add(at::Tensor y, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b, const at::Tensor& slots,
-              const at::Tensor& ranks) {
-  TORCH_CHECK(y.scalar_type() == at::kFloat && x.scalar_type() == at::kFloat && a.scalar_type() == at::kFloat &&
-                  b.scalar_type() == at::kFloat,
+void lora_add(at::Tensor y, const at::Tensor& x_in, const at::Tensor& a_all, const at::Tensor& b_all,
+              const at::Tensor& slots, const at::Tensor& ranks, int64_t projection, int64_t a_offset,
+              int64_t b_offset, int64_t max_rank) {
+  TORCH_CHECK(y.scalar_type() == at::kFloat && x_in.scalar_type() == at::kFloat && a_all.scalar_type() == at::kFloat &&
+                  b_all.scalar_type() == at::kFloat,
               "lora_add takes fp32 tensors");
-  TORCH_CHECK(y.dim() == 2 && x.dim() == 2 && y.size(0) == x.size(0), "y and x must be [T, out] and [T, in]");
-  TORCH_CHECK(y.stride(1) == 1 && x.stride(1) == 1, "y and x rows must be contiguous");
-  TORCH_CHECK(a.dim() == 3 && b.dim() == 3 && a.is_contiguous() && b.is_contiguous() && a.size(0) == b.size(0) &&
-                  a.size(1) == b.size(1) && a.size(2) == x.size(1) && b.size(2) == y.size(1),
-              "a and b must be contiguous [S, R, in] and [S, R, out]");
-  TORCH_CHECK(slots.dim() == 1 && slots.scalar_type() == at::kLong && slots.size(0) == x.size(0),
-              "slots must be a [T] int64 tensor");
-  TORCH_CHECK(ranks.dim() == 1 && ranks.scalar_type() == at::kLong && ranks.size(0) == a.size(0),
-              "ranks must be a [S] int64 tensor");
-  const int64_t tokens = x.size(0), in = x.size(1), out = y.size(1), stacked = a.size(1), count = a.size(0);
+  TORCH_CHECK(y.dim() >= 1 && x_in.dim() >= 1 && y.is_contiguous(), "y must be contiguous [..., out], x [..., in]");
+  const int64_t in = x_in.size(-1), out = y.size(-1);
+  const int64_t tokens = in ? x_in.numel() / in : 0;
+  TORCH_CHECK(out && y.numel() / out == tokens, "y and x must hold the same number of rows");
+  TORCH_CHECK(a_all.dim() == 1 && b_all.dim() == 1 && a_all.is_contiguous() && b_all.is_contiguous(),
+              "a and b must be the flat stacks");
+  TORCH_CHECK(ranks.dim() == 2 && ranks.scalar_type() == at::kLong && projection >= 0 && projection < ranks.size(0),
+              "ranks must be [P, S] int64 and projection one of its rows");
+  TORCH_CHECK(slots.dim() == 1 && slots.scalar_type() == at::kLong, "slots must be a [capacity] int64 tensor");
+  const int64_t count = ranks.size(1), stacked = max_rank;
+  TORCH_CHECK(stacked >= 0 && a_offset >= 0 && b_offset >= 0 && a_offset + count * stacked * in <= a_all.numel() &&
+                  b_offset + count * stacked * out <= b_all.numel(),
+              "this projection's [S, R, in] and [S, R, out] must lie within a and b");
+  if (tokens == 0 || tokens > slots.size(0)) return;  // not an engine step: its tokens have no slots
+  const at::Tensor x = x_in.contiguous();
   // read once: a background compile's warm-up runs this while the stepping thread rewrites the slots and ranks (its
   // result is thrown away, but the grouping below must see one consistent set of values)
-  const at::Tensor token_slots = slots.contiguous(), slot_ranks = ranks.contiguous();
+  const at::Tensor token_slots = slots.contiguous(), slot_ranks = ranks.select(0, projection).contiguous();
   const std::vector<int64_t> slot_of(token_slots.data_ptr<int64_t>(), token_slots.data_ptr<int64_t>() + tokens);
   const std::vector<int64_t> rank_of(slot_ranks.data_ptr<int64_t>(), slot_ranks.data_ptr<int64_t>() + count);
   for (int64_t s = 0; s < count; ++s) {
@@ -149,10 +159,10 @@ void lora_add(at::Tensor y, const at::Tensor& x, const at::Tensor& a, const at::
   const int64_t num_groups = static_cast<int64_t>(groups.size());
 
   const float* xs = x.data_ptr<float>();
-  const float* as = a.data_ptr<float>();
-  const float* bs = b.data_ptr<float>();
+  const float* as = a_all.data_ptr<float>() + a_offset;
+  const float* bs = b_all.data_ptr<float>() + b_offset;
   float* ys = y.data_ptr<float>();
-  const int64_t x_stride = x.stride(0), y_stride = y.stride(0);
+  const int64_t x_stride = in, y_stride = out;
   at::parallel_for(0, num_groups, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> h_store(static_cast<size_t>(stacked) * kGroup);
     float (*h)[kGroup] = reinterpret_cast<float (*)[kGroup]>(h_store.data());
@@ -180,7 +190,9 @@ void lora_add(at::Tensor y, const at::Tensor& x, const at::Tensor& a, const at::
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(hf_accel, m) {
-  m.def("lora_add(Tensor(a!) y, Tensor x, Tensor a, Tensor b, Tensor slots, Tensor ranks) -> ()");
+  m.def(
+      "lora_add(Tensor(a!) y, Tensor x, Tensor a, Tensor b, Tensor slots, Tensor ranks, int projection, int a_offset, "
+      "int b_offset, int max_rank) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(hf_accel, CPU, m) { m.impl("lora_add", &lora_add); }
