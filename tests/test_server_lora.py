@@ -210,6 +210,57 @@ def test_unload_under_load_waits_for_running_requests_and_none_fails(target, ada
     assert engine.core.adapters.slots.num_pinned == 0 and engine.core.blocks.pool.num_used_blocks == 0
 
 
+def test_load_inplace_serves_the_new_folder_and_lets_running_requests_finish_on_the_old(target, adapters):
+    """vLLM's `load_inplace`: streams on a name run while the name is loaded again from another folder; the load
+    answers at once, new requests get the new adapter, the streams finish whole, and the old adapter then leaves the
+    engine's memory. Without `load_inplace` a served name is a 400 that names the switch."""
+    model, tokenizer = target
+    engine = Engine(copy.deepcopy(model), tokenizer, config=EngineConfig(max_num_seqs=8, enforce_eager=True),
+                    lora=LoRAConfig(max_loras=2))
+    attn_path, attn_tokens = adapters["ft-attn"]
+    mlp_path, mlp_tokens = adapters["ft-mlp"]
+    app = create_app(engine, tokenizer, "base", lora_modules={"ft": attn_path}, allow_runtime_lora=True)
+
+    async def run(url: str) -> None:
+        async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120) as client:
+            async def tokens() -> list[int]:
+                answer = await client.completions.create(model="ft", prompt=PROMPT, max_tokens=MAX_TOKENS,
+                                                         temperature=0, extra_body={"ignore_eos": True,
+                                                                                    "return_token_ids": True})
+                return answer.choices[0].model_extra["token_ids"]
+
+            assert await tokens() == attn_tokens
+            with pytest.raises(openai.BadRequestError, match="load_inplace"):
+                await client.post("/load_lora_adapter", cast_to=str, body={"lora_name": "ft", "lora_path": mlp_path})
+            started = [asyncio.Event() for _ in range(4)]
+
+            async def stream(first: asyncio.Event) -> list[str | None]:
+                chunks = await client.completions.create(model="ft", prompt=PROMPT, max_tokens=64, temperature=0,
+                                                         stream=True, extra_body={"ignore_eos": True})
+                reasons = []
+                async for chunk in chunks:
+                    first.set()
+                    reasons += [choice.finish_reason for choice in chunk.choices]
+                return reasons
+
+            running = [asyncio.ensure_future(stream(first)) for first in started]
+            await asyncio.gather(*(first.wait() for first in started))
+            await client.post("/load_lora_adapter", cast_to=str,
+                              body={"lora_name": "ft", "lora_path": mlp_path, "load_inplace": True})
+            assert not all(task.done() for task in running)  # answered without waiting for them
+            assert await tokens() == mlp_tokens
+            assert all(reasons[-1] == "length" for reasons in await asyncio.gather(*running))
+            for _ in range(100):  # the old adapter leaves once its last request is done (the engine's next step)
+                if len(engine.core.adapters.adapters) == 1:
+                    break
+                await asyncio.sleep(0.05)
+            assert len(engine.core.adapters.adapters) == 1 and await tokens() == mlp_tokens
+
+    with serve_in_thread(app) as url:
+        asyncio.run(run(url))
+    assert engine.core.adapters.slots.num_pinned == 0 and engine.core.blocks.pool.num_used_blocks == 0
+
+
 def test_lora_flags_are_checked():
     parser = command.build_parser()
 

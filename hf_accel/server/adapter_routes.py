@@ -15,9 +15,10 @@ router = APIRouter()
 
 @router.post("/v1/load_lora_adapter", response_class=PlainTextResponse)
 async def load_lora_adapter(body: LoadLoRAAdapterRequest, server: ServerState = Depends(server_state)) -> str:
-    """Serve `lora_path` as `lora_name`; 400 naming what is wrong (a name taken, a folder that cannot be served),
-    and then nothing is loaded."""
-    await server.adapters.load_async(body.lora_name, body.lora_path)
+    """Serve `lora_path` as `lora_name`; 400 naming what is wrong (a name taken without `load_inplace`, a folder
+    that cannot be served), and then nothing is loaded. With `load_inplace`, requests already running on the name
+    finish with the adapter they started with."""
+    await server.adapters.load_async(body.lora_name, body.lora_path, replace=body.load_inplace)
     return f"Success: LoRA adapter '{body.lora_name}' added successfully."
 
 

@@ -9,6 +9,11 @@ Rules:
   problem, and nothing is registered;
 - unloading takes the name away at once (new requests naming it get 404), waits for the HTTP requests still using the
   adapter, then drops it from the engine (`remove_lora`);
+- a load with `replace` (vLLM's `load_inplace`) serves a served name from a new folder (or the same folder read
+  again): new requests get the new adapter as soon as it is read, requests already running finish with the one they
+  started with, which is then dropped as an unload drops it. Unlike vLLM, which reloads under the same id (running
+  requests switch weights mid-answer, prefix-cache blocks of the old weights stay), the new weights are a new
+  adapter to the engine: nothing computed with the old ones is reused;
 - the registry is touched on the event loop only; the folder is read in a worker thread.
 """
 
@@ -33,6 +38,7 @@ class ServedAdapters:
         self._ids = itertools.count(1)
         self._in_flight: Counter[int] = Counter()  # lora_int_id -> HTTP requests using it
         self._drained: dict[int, asyncio.Event] = {}  # lora_int_id being unloaded -> set once nothing uses it
+        self._retiring: set[asyncio.Task] = set()  # adapters replaced in place, dropped once nothing uses them
 
     @classmethod
     def at_start(cls, engine: ServedEngine, base_name: str, modules: Mapping[str, str]) -> ServedAdapters:
@@ -63,9 +69,10 @@ class ServedAdapters:
         self._register(request)
         return request
 
-    async def load_async(self, name: str, path: str) -> LoRARequest:
-        """`load` with the folder read in a worker thread."""
-        request = self._new_request(name, path)
+    async def load_async(self, name: str, path: str, replace: bool = False) -> LoRARequest:
+        """`load` with the folder read in a worker thread; with `replace`, a served `name` is served from `path`
+        from now on (the adapter it named is dropped once the requests using it are done)."""
+        request = self._new_request(name, path, replace)
         try:
             await asyncio.to_thread(self.engine.add_lora, request)
         except (ValueError, TypeError, OSError) as error:
@@ -74,10 +81,14 @@ class ServedAdapters:
             self.engine.remove_lora(request.lora_int_id)
             raise
         try:
-            self._register(request)  # checks the name again: another load may have taken it meanwhile
+            replaced = self._register(request, replace)  # checks the name again: another load may have taken it
         except APIError:
             self.engine.remove_lora(request.lora_int_id)
             raise
+        if replaced is not None:
+            task = asyncio.create_task(self._retire(replaced))
+            self._retiring.add(task)
+            task.add_done_callback(self._retiring.discard)
         return request
 
     async def unload(self, name: str) -> None:
@@ -87,6 +98,10 @@ class ServedAdapters:
         if request is None:
             raise APIError(404, f"The LoRA adapter `{name}` is not loaded.", param="lora_name",
                            code="lora_adapter_not_found", error_type="not_found_error")
+        await self._retire(request)
+
+    async def _retire(self, request: LoRARequest) -> None:
+        """Wait until no request uses `request`'s adapter (served under no name now), then drop it from the engine."""
         lora_id = request.lora_int_id
         try:
             if self._in_flight[lora_id]:
@@ -113,25 +128,31 @@ class ServedAdapters:
             if drained is not None:
                 drained.set()
 
-    def _new_request(self, name: str, path: str) -> LoRARequest:
-        self._check_name(name)
+    def _new_request(self, name: str, path: str, replace: bool = False) -> LoRARequest:
+        self._check_name(name, replace)
         if not isinstance(path, str) or not path:
             raise APIError(400, f"`lora_path` must be a non-empty string, got {path!r}", param="lora_path",
                            code="invalid_value")
         return LoRARequest(name, next(self._ids), path)
 
-    def _register(self, request: LoRARequest) -> None:
-        self._check_name(request.lora_name)
+    def _register(self, request: LoRARequest, replace: bool = False) -> LoRARequest | None:
+        """Serve `request` under its name; returns the adapter it replaces (`replace`), if any."""
+        self._check_name(request.lora_name, replace)
+        replaced = self._by_name.get(request.lora_name)
         self._by_name[request.lora_name] = request
+        return replaced
 
-    def _check_name(self, name: str) -> None:
+    def _check_name(self, name: str, replace: bool = False) -> None:
         if not isinstance(name, str) or not name:
             raise APIError(400, f"`lora_name` must be a non-empty string, got {name!r}", param="lora_name",
                            code="invalid_value")
-        if name == self.base_name or name in self._by_name:
-            raise APIError(400, f"The name `{name}` is already served"
-                                f"{' (the base model)' if name == self.base_name else ''}; unload it first or pick "
-                                "another.", param="lora_name", code="lora_adapter_exists")
+        if name == self.base_name:
+            raise APIError(400, f"The name `{name}` is the base model's; pick another.", param="lora_name",
+                           code="lora_adapter_exists")
+        if name in self._by_name and not replace:
+            raise APIError(400, f"The LoRA adapter `{name}` is already served; unload it first, pick another name, "
+                                "or set `load_inplace` to true to serve the new folder under it.", param="lora_name",
+                           code="lora_adapter_exists")
 
 
 def unservable(name: str, error: BaseException) -> APIError:

@@ -235,10 +235,12 @@ class DetokenizeRequest(RequestModel):
 
 
 class LoadLoRAAdapterRequest(RequestModel):
-    """`POST /v1/load_lora_adapter` (vLLM's shape): serve the peft adapter folder `lora_path` as model `lora_name`."""
+    """`POST /v1/load_lora_adapter` (vLLM's shape): serve the peft adapter folder `lora_path` as model `lora_name`;
+    `load_inplace`: also when `lora_name` is served (from now on by this folder)."""
 
     lora_name: str = Field(min_length=1)
     lora_path: str = Field(min_length=1)
+    load_inplace: bool = False
 
 
 class UnloadLoRAAdapterRequest(RequestModel):
