@@ -102,6 +102,13 @@ def test_choice_and_grammar_on_completions(client):
     out = client.completions.create(model=MODEL_NAME, prompt="point = ", max_tokens=24, temperature=0,
                                     extra_body={"structured_outputs": {"grammar": grammar}})
     assert re.fullmatch(r"\([1-9][0-9]*(,[1-9][0-9]*)*\)", out.choices[0].text)
+    tag = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["("], "tags": [
+        {"begin": "(", "content": {"type": "json_schema", "json_schema": {"type": "integer"}}, "end": ")"}]}}
+    out = client.completions.create(model=MODEL_NAME, prompt="def main():\n    print", max_tokens=24, temperature=0,
+                                    extra_body={"structured_outputs": {"structural_tag": json.dumps(tag)}})
+    text = out.choices[0].text  # free text, but every argument is an integer
+    calls = re.findall(r"\(([^)]*)\)", text)
+    assert calls and all(re.fullmatch(r"-?(0|[1-9][0-9]*)", call) for call in calls), text
 
 
 def test_a_refused_constraint_is_400_and_the_server_goes_on(client):

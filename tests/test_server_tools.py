@@ -146,6 +146,33 @@ def test_auto_reply_calls_are_parsed_by_the_response_template(server):
     assert ToolPlan("none", tools).parse("x", prompt, server.tokenizer) == ("x", [])
 
 
+def test_auto_calls_are_constrained_to_the_tools_once_the_template_opens_one(server):
+    """The reference template writes calls as `<tool_call>{"name": ..., "arguments": ...}</tool_call>`: "auto"
+    replies get a structural tag from it (vLLM's strict tool calling): text is free, a call must name a tool and fit
+    its schema, and close."""
+    from hf_accel.structured.grammars import compile_constraint, compiler_for, xgrammar
+
+    tools = [Tool.model_validate(tool) for tool in TOOLS]
+    plan = plan_tools(tools, "auto", server.tokenizer)
+    assert plan.call_format is not None and plan.call_format.open == "<tool_call>"
+    compiled = compile_constraint(plan.constraint(), compiler_for(server.tokenizer, len(server.tokenizer), None))
+
+    def accepts(text: str) -> bool:
+        return xgrammar().GrammarMatcher(compiled).accept_string(text)
+
+    assert accepts("Let me check. ")
+    assert accepts('Checking. <tool_call>{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}</tool_call>'
+                   ' Done.')
+    assert accepts('<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>')
+    assert not accepts('<tool_call>{"name": "get_time"')  # not a tool
+    assert not accepts('<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo", "days": 9}')  # maximum 7
+    assert not accepts('<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}.')  # not closed
+    other = copy.copy(server.tokenizer)  # a template that does not mark calls as JSON: parsed, not constrained
+    other.response_template = {"fields": {"tool_calls": {"content": "text", "open": "<call>", "close": "</call>"}}}
+    assert plan_tools(tools, "auto", other).constraint() is None
+    assert plan_tools(tools, "required", server.tokenizer).call_format is None
+
+
 def test_a_tool_result_goes_back_through_the_template(server, client):
     call = {"id": "call_1", "type": "function", "function": {"name": "get_weather",
                                                              "arguments": '{"city": "Paris", "days": 1}'}}

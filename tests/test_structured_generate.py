@@ -110,6 +110,23 @@ def test_regex_choice_grammar_and_json_object(pair):
     assert stopped and isinstance(json.loads(obj), dict)  # an object, not any JSON value
 
 
+def test_structural_tag_constrains_only_what_its_triggers_open(pair):
+    """A structural tag (vLLM's `structural_tag`): the text stays free, but each `(` the model writes opens an integer
+    argument closed by `)`; without the tag the same prompt writes other arguments (the test can fail)."""
+    tag = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["("], "tags": [
+        {"begin": "(", "content": {"type": "json_schema", "json_schema": {"type": "integer"}}, "end": ")"}]}}
+    prompts = ["def main():\n    print", "for i in range"]
+    constrained = generate(pair, prompts, StructuredOutput(structural_tag=tag), do_sample=False)
+    free = generate(pair, prompts, StructuredOutput(regex=r"(.|\n)*"), do_sample=False)
+    assert all("(" in text for text, _ in constrained) and constrained != free
+    for text, stopped in constrained:
+        calls = re.findall(r"\(([^)]*)\)?", text)
+        complete = calls if text.rstrip().endswith(")") or stopped else calls[:-1]  # the last may be cut short
+        assert complete and all(re.fullmatch(r"-?(0|[1-9][0-9]*)", call) for call in complete), text
+    with pytest.raises(ValueError, match="structural_tag"):
+        generate(pair, prompts[:1], StructuredOutput(structural_tag={"type": "structural_tag", "format": {}}))
+
+
 def test_paged_cache_compiled_equals_eager(pair):
     constraint = StructuredOutput(json=SCHEMA)
     prompts = ["record = ", "# settings\nconfig = "]
@@ -191,7 +208,8 @@ def test_bad_calls_name_what_is_wrong(pair):
 
 
 def test_constraint_arguments_are_checked():
-    with pytest.raises(ValueError, match="exactly one of json, json_object, regex, choice, grammar; got json, regex"):
+    with pytest.raises(ValueError, match="exactly one of json, json_object, regex, choice, grammar, structural_tag; "
+                                         "got json, regex"):
         StructuredOutput(json=SCHEMA, regex="a")
     with pytest.raises(ValueError, match="got none"):
         StructuredOutput()
@@ -205,6 +223,10 @@ def test_constraint_arguments_are_checked():
     assert StructuredOutput(json=json.dumps(SCHEMA)).key() == StructuredOutput(json=SCHEMA).key()
     reordered = {**SCHEMA, "properties": dict(reversed(list(SCHEMA["properties"].items())))}
     assert StructuredOutput(json=reordered).key() != StructuredOutput(json=SCHEMA).key()  # another grammar
+    with pytest.raises(TypeError, match="`structural_tag` must be a dict or its non-empty JSON text"):
+        StructuredOutput(structural_tag=["<tool_call>"])
+    tag = {"type": "structural_tag", "format": {"type": "const_string", "value": "x"}}
+    assert StructuredOutput(structural_tag=tag).key() == StructuredOutput(structural_tag=json.dumps(tag)).key()
 
 
 def test_without_xgrammar_the_error_names_the_extra(monkeypatch):

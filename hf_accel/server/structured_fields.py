@@ -3,10 +3,10 @@
 - OpenAI's `response_format`: `{"type": "text"}` (no constraint), `{"type": "json_object"}` (any JSON object),
   `{"type": "json_schema", "json_schema": {"name", "schema", "description", "strict"}}` (JSON valid under `schema`;
   strict or not, the output is constrained; without `schema`, any JSON object);
-- vLLM's `structured_outputs`: exactly one of `json` (a schema), `json_object`, `regex`, `choice`, `grammar`.
+- vLLM's `structured_outputs`: exactly one of `json` (a schema), `json_object`, `regex`, `choice`, `grammar`,
+  `structural_tag` (xgrammar's structural tag, a dict or its JSON text).
 
-Keys this server does not honour (vLLM's `whitespace_pattern`, `structural_tag`, ...) are a 400 naming them, never
-dropped. A request may use one of the two fields, not both.
+Keys this server does not honour (vLLM's `whitespace_pattern`, ...) are a 400 naming them, never dropped. A request may use one of the two fields, not both.
 """
 
 from __future__ import annotations
@@ -63,12 +63,13 @@ class StructuredOutputsField(RequestModel):
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    structural_tag: dict[str, Any] | str | None = None
 
     def constraint(self) -> StructuredOutput:
         """ValueError / TypeError naming `structured_outputs` unless exactly one constraint is given."""
         try:
             return StructuredOutput(json=self.json_schema, json_object=bool(self.json_object), regex=self.regex,
-                                    choice=self.choice, grammar=self.grammar)
+                                    choice=self.choice, grammar=self.grammar, structural_tag=self.structural_tag)
         except (ValueError, TypeError) as error:
             raise type(error)(f"`structured_outputs`: {error}") from error
 

@@ -8,8 +8,12 @@
   tool and fitting its schema; every element becomes a call (finish_reason "tool_calls");
 - "auto" (the default with tools): the reply is free; transformers' reply parser (`tokenizer.parse_response`, driven
   by the tokenizer's `response_template`) finds the calls in it. A tokenizer without a `response_template` cannot
-  say where a call is, so "auto" is a 400 for it (use "required" or a named function). A reply whose calls do not
-  parse is returned as text.
+  say where a call is, so "auto" is a 400 for it (use "required" or a named function). Where the template marks a
+  call as JSON between an opening and a closing string (`tool_calls: {"open", "close", "content": "json"}`, its
+  transform naming the keys of the function's name and arguments), the reply is constrained by a structural tag
+  (vLLM's strict tool calling): text stays free, but once the model writes the opening string the call must name
+  one of the tools, its arguments must fit that tool's `parameters`, and it must close. A reply whose calls do not
+  parse (cut short by `max_tokens`) is returned as text.
 
 Arguments are returned as JSON text, as OpenAI's API does; each call gets an id `call_<24 hex digits>`.
 """
@@ -17,6 +21,7 @@ Arguments are returned as JSON text, as OpenAI's API does; each call gets an id 
 from __future__ import annotations
 
 import json
+import re
 import secrets
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -70,12 +75,33 @@ class ToolCall:
 
 
 @dataclass(frozen=True, slots=True)
+class CallFormat:
+    """How the chat template writes a call: `open` + a JSON object whose `name_key` is the function's name and
+    `arguments_key` its arguments (the name first, as the template's `tojson` writes them) + `close`."""
+
+    open: str
+    close: str
+    name_key: str
+    arguments_key: str
+
+    def structural_tag(self, tools: list[Tool]) -> dict[str, Any]:
+        """xgrammar's structural tag: free text in which `open` starts a call of one of `tools`, fitting its schema."""
+        tags = [{"begin": f"{self.open}{{{json.dumps(self.name_key)}: {json.dumps(tool.function.name)}, "
+                          f"{json.dumps(self.arguments_key)}: ",
+                 "content": {"type": "json_schema", "json_schema": tool.function.schema},
+                 "end": f"}}{self.close}"} for tool in tools]
+        return {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": [self.open],
+                                                     "tags": tags, "at_least_one": False, "stop_after_first": False}}
+
+
+@dataclass(frozen=True, slots=True)
 class ToolPlan:
     """How one chat request uses its tools: what the template renders, what constrains the reply, how it is read."""
 
     mode: ToolMode
     tools: list[Tool]
     name: str | None = None  # the function a named choice forces
+    call_format: CallFormat | None = None  # how "auto" replies write calls, where the template says
 
     @property
     def template_tools(self) -> list[dict[str, Any]] | None:
@@ -83,7 +109,8 @@ class ToolPlan:
         return [tool.model_dump(exclude_none=True) for tool in self.tools] or None
 
     def constraint(self) -> StructuredOutput | None:
-        """The reply's constraint: the named function's arguments, or a non-empty array of calls (required)."""
+        """The reply's constraint: the named function's arguments, a non-empty array of calls (required), or free
+        text whose calls fit their tools (auto, where the template's call format is known)."""
         if self.mode == "named":
             return StructuredOutput(json=self._function(self.name).schema)
         if self.mode == "required":
@@ -91,6 +118,8 @@ class ToolPlan:
                                                        "parameters": tool.function.schema},
                       "required": ["name", "parameters"], "additionalProperties": False} for tool in self.tools]
             return StructuredOutput(json={"type": "array", "minItems": 1, "items": {"anyOf": calls}})
+        if self.mode == "auto" and self.call_format is not None:
+            return StructuredOutput(structural_tag=self.call_format.structural_tag(self.tools))
         return None
 
     def parse(self, text: str, prompt: str, tokenizer: PreTrainedTokenizerBase) -> tuple[str | None, list[ToolCall]]:
@@ -131,7 +160,25 @@ def plan_tools(tools: list[Tool] | None, tool_choice: str | NamedToolChoice | No
         raise ValueError('`tool_choice` "auto" needs the tokenizer\'s `response_template` (transformers\' reply '
                          'parser) to find calls in a free reply, and this model\'s tokenizer has none; use '
                          '"required" or a named function, whose replies are constrained to calls')
-    return ToolPlan(choice if tools else "none", tools)
+    return ToolPlan(choice if tools else "none", tools,
+                    call_format=call_format(tokenizer) if choice == "auto" and tools else None)
+
+
+def call_format(tokenizer: PreTrainedTokenizerBase) -> CallFormat | None:
+    """The `CallFormat` the tokenizer's `response_template` describes: its `tool_calls` field parsed as JSON between
+    `open` and `close`, transformed into a function whose `name` and `arguments` are plain keys of that JSON
+    (`"{content.KEY}"`); None for any other template (its calls are parsed, not constrained)."""
+    template = getattr(tokenizer, "response_template", None)
+    field = (template or {}).get("fields", {}).get("tool_calls") if isinstance(template, dict) else None
+    if not isinstance(field, dict) or field.get("content") != "json":
+        return None
+    opening, closing = field.get("open"), field.get("close")
+    function = (field.get("transform") or {}).get("function") or {}
+    keys = [re.fullmatch(r"\{content\.(\w+)\}", value) if isinstance(value, str) else None
+            for value in (function.get("name"), function.get("arguments"))]
+    if not (isinstance(opening, str) and opening and isinstance(closing, str) and closing and all(keys)):
+        return None
+    return CallFormat(opening, closing, keys[0].group(1), keys[1].group(1))
 
 
 def _parse_auto(text: str, prompt: str, tokenizer: PreTrainedTokenizerBase,

@@ -1,5 +1,6 @@
 """`StructuredOutput`: what a generated text must match (vLLM's `StructuredOutputsParams` names): a JSON schema, any
-JSON object, a regular expression, one of a few strings, or an EBNF grammar."""
+JSON object, a regular expression, one of a few strings, an EBNF grammar, or a structural tag (free text in which
+spans opened by trigger strings follow their own constraints: tool calls)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-KINDS = ("json", "json_object", "regex", "choice", "grammar")
+KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,11 @@ class StructuredOutput:
         regex: a regular expression the whole output matches.
         choice: the output is exactly one of these strings.
         grammar: an EBNF grammar (xgrammar's dialect, as vLLM's `grammar`) whose `root` rule the output matches.
+        structural_tag: an xgrammar structural tag (a dict or its JSON text, as vLLM's `structural_tag`), e.g. free
+            text in which each `<tool_call>` opens a call whose arguments fit the function's JSON schema:
+            `{"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["<tool_call>"], "tags":
+            [{"begin": "<tool_call>{\"name\": \"f\", \"arguments\": ", "content": {"type": "json_schema",
+            "json_schema": {...}}, "end": "}</tool_call>"}]}}`.
 
     Generation stops where the constraint is complete (the model's EOS is the only token allowed then); a
     `max_new_tokens` reached first leaves it unfinished, as in vLLM.
@@ -32,6 +38,7 @@ class StructuredOutput:
     regex: str | None = None
     choice: Sequence[str] | None = None
     grammar: str | None = None
+    structural_tag: dict[str, Any] | str | None = None
 
     def __post_init__(self) -> None:
         given = [kind for kind in KINDS if (getattr(self, kind) not in (None, False))]
@@ -43,6 +50,9 @@ class StructuredOutput:
         if self.json is not None and not (isinstance(self.json, (dict, str)) or _is_pydantic_model(self.json)):
             raise TypeError(f"`json` must be a JSON schema (a dict or its JSON text) or a Pydantic model class, got "
                             f"{type(self.json).__name__}")
+        if self.structural_tag is not None and not (isinstance(self.structural_tag, dict) or (
+                isinstance(self.structural_tag, str) and self.structural_tag)):
+            raise TypeError(f"`structural_tag` must be a dict or its non-empty JSON text, got {self.structural_tag!r}")
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
@@ -67,7 +77,14 @@ class StructuredOutput:
             return kind, ""
         if kind == "choice":
             return kind, json.dumps(list(self.choice))
+        if kind == "structural_tag":
+            return kind, self.structural_tag_text()
         return kind, getattr(self, kind)
+
+    def structural_tag_text(self) -> str:
+        """The structural tag as JSON text (a dict's keys in their order)."""
+        tag = self.structural_tag
+        return tag if isinstance(tag, str) else json.dumps(tag)
 
     def schema(self) -> dict[str, Any]:
         """The JSON schema of a `json` constraint as a dict (a Pydantic class's `model_json_schema()`); ValueError

@@ -66,6 +66,8 @@ def parse_constraint(constraint: StructuredOutput) -> Any:
             return xgr.Grammar.from_regex(constraint.regex)
         if kind == "choice":  # one EBNF alternative per string, each a quoted literal
             return xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c) for c in constraint.choice))
+        if kind == "structural_tag":  # its JSON schemas' strings as a `json` constraint's
+            return _exact_json_strings(xgr.Grammar.from_structural_tag(constraint.structural_tag_text()))
         return xgr.Grammar.from_ebnf(constraint.grammar)
     except (RuntimeError, ValueError, TypeError) as error:
         raise _refused(kind, error) from error
