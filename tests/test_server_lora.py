@@ -161,32 +161,37 @@ def test_a_bad_adapter_at_start_fails_the_start(monkeypatch, big_rank_adapter):
     assert "rank" in str(apps[0].state.load.error) and "`big`" in str(apps[0].state.load.error)
 
 
+def eager_lora_app(model, tokenizer, modules: dict[str, str]):
+    """An eager two-slot LoRA engine (the compiled LoRA step is test_engine_lora.py's) and its runtime-LoRA app."""
+    engine = Engine(copy.deepcopy(model), tokenizer, config=EngineConfig(max_num_seqs=8, enforce_eager=True),
+                    lora=LoRAConfig(max_loras=2))
+    return engine, create_app(engine, tokenizer, "base", lora_modules=modules, allow_runtime_lora=True)
+
+
+async def stream_reasons(client: openai.AsyncOpenAI, model: str, first: asyncio.Event) -> list[str | None]:
+    """A 64-token stream on `model`: its chunks' finish reasons (`first` set at its first chunk)."""
+    chunks = await client.completions.create(model=model, prompt=PROMPT, max_tokens=64, temperature=0, stream=True,
+                                             extra_body={"ignore_eos": True})
+    reasons = []
+    async for chunk in chunks:
+        first.set()
+        reasons += [choice.finish_reason for choice in chunk.choices]
+    return reasons
+
+
 def test_unload_under_load_waits_for_running_requests_and_none_fails(target, adapters):
     """Streams on an adapter run while it is unloaded: every one finishes whole, the unload answers only after
     them, and a load serves its first request right after the call (bench_lora.py times it: the issue's 2 s; here
     a loose bound, the machine being shared with other tests). Eager steps: the compiled LoRA step is
     test_engine_lora.py's."""
-    model, tokenizer = target
-    engine = Engine(copy.deepcopy(model), tokenizer, config=EngineConfig(max_num_seqs=8, enforce_eager=True),
-                    lora=LoRAConfig(max_loras=2))
     attn_path, attn_tokens = adapters["ft-attn"]
     mlp_path, mlp_tokens = adapters["ft-mlp"]
-    app = create_app(engine, tokenizer, "base", lora_modules={"ft-attn": attn_path}, allow_runtime_lora=True)
+    engine, app = eager_lora_app(*target, {"ft-attn": attn_path})
 
     async def run(url: str) -> None:
         async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120) as client:
             started = [asyncio.Event() for _ in range(6)]
-
-            async def stream(first: asyncio.Event) -> list[str | None]:
-                chunks = await client.completions.create(model="ft-attn", prompt=PROMPT, max_tokens=64,
-                                                         temperature=0, stream=True, extra_body={"ignore_eos": True})
-                reasons = []
-                async for chunk in chunks:
-                    first.set()
-                    reasons += [choice.finish_reason for choice in chunk.choices]
-                return reasons
-
-            running = [asyncio.ensure_future(stream(first)) for first in started]
+            running = [asyncio.ensure_future(stream_reasons(client, "ft-attn", first)) for first in started]
             await asyncio.gather(*(first.wait() for first in started))  # every stream has its first token
             assert engine.stats().running_lora_adapters["ft-attn"] > 0
             unload = await client.post("/unload_lora_adapter", cast_to=str, body={"lora_name": "ft-attn"})
@@ -214,12 +219,9 @@ def test_load_inplace_serves_the_new_folder_and_lets_running_requests_finish_on_
     """vLLM's `load_inplace`: streams on a name run while the name is loaded again from another folder; the load
     answers at once, new requests get the new adapter, the streams finish whole, and the old adapter then leaves the
     engine's memory. Without `load_inplace` a served name is a 400 that names the switch."""
-    model, tokenizer = target
-    engine = Engine(copy.deepcopy(model), tokenizer, config=EngineConfig(max_num_seqs=8, enforce_eager=True),
-                    lora=LoRAConfig(max_loras=2))
     attn_path, attn_tokens = adapters["ft-attn"]
     mlp_path, mlp_tokens = adapters["ft-mlp"]
-    app = create_app(engine, tokenizer, "base", lora_modules={"ft": attn_path}, allow_runtime_lora=True)
+    engine, app = eager_lora_app(*target, {"ft": attn_path})
 
     async def run(url: str) -> None:
         async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120) as client:
@@ -233,17 +235,7 @@ def test_load_inplace_serves_the_new_folder_and_lets_running_requests_finish_on_
             with pytest.raises(openai.BadRequestError, match="load_inplace"):
                 await client.post("/load_lora_adapter", cast_to=str, body={"lora_name": "ft", "lora_path": mlp_path})
             started = [asyncio.Event() for _ in range(4)]
-
-            async def stream(first: asyncio.Event) -> list[str | None]:
-                chunks = await client.completions.create(model="ft", prompt=PROMPT, max_tokens=64, temperature=0,
-                                                         stream=True, extra_body={"ignore_eos": True})
-                reasons = []
-                async for chunk in chunks:
-                    first.set()
-                    reasons += [choice.finish_reason for choice in chunk.choices]
-                return reasons
-
-            running = [asyncio.ensure_future(stream(first)) for first in started]
+            running = [asyncio.ensure_future(stream_reasons(client, "ft", first)) for first in started]
             await asyncio.gather(*(first.wait() for first in started))
             await client.post("/load_lora_adapter", cast_to=str,
                               body={"lora_name": "ft", "lora_path": mlp_path, "load_inplace": True})
