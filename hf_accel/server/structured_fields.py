@@ -6,7 +6,8 @@
 - vLLM's `structured_outputs`: exactly one of `json` (a schema), `json_object`, `regex`, `choice`, `grammar`,
   `structural_tag` (xgrammar's structural tag, a dict or its JSON text).
 
-Keys this server does not honour (vLLM's `whitespace_pattern`, ...) are a 400 naming them, never dropped. A request may use one of the two fields, not both.
+Keys this server does not honour (vLLM's `whitespace_pattern`, ...) are a 400 naming them, never dropped. A request
+may use one of the two fields, not both.
 """
 
 from __future__ import annotations
