@@ -173,6 +173,55 @@ def test_auto_calls_are_constrained_to_the_tools_once_the_template_opens_one(ser
     assert plan_tools(tools, "required", server.tokenizer).call_format is None
 
 
+def assembled(stream, text: str, step: int) -> tuple[str, dict[int, dict]]:
+    """Feed `text` to an `AutoCallStream` `step` characters at a time: the content and calls its deltas assemble."""
+    content, calls = "", {}
+    for end in range(step, len(text) + step, step):
+        message = stream.feed(text[:end], finished=end >= len(text))
+        content += message.content or ""
+        for piece in message.tool_calls or []:
+            call = calls.setdefault(piece.index, {"id": piece.id, "name": piece.function.name, "arguments": ""})
+            assert piece.id is None or piece.id == call["id"]
+            call["arguments"] += piece.function.arguments or ""
+    return content, calls
+
+
+@pytest.mark.parametrize("step", [1, 3, 7])
+def test_auto_calls_stream_as_they_are_generated(server, step):
+    """"auto" with a known call format streams content and each call's pieces as they come (text that may open a
+    call held until it cannot); the pieces assemble into the calls the whole reply parses to."""
+    from hf_accel.server.tool_stream import AutoCallStream
+
+    tools = [Tool.model_validate(tool) for tool in TOOLS]
+    plan = plan_tools(tools, "auto", server.tokenizer)
+    prompt = server.tokenizer.apply_chat_template(ASK, tools=TOOLS, tokenize=False, add_generation_prompt=True)
+    reply = ('Let me check <tool. <tool_call>{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}'
+             '</tool_call> and <tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call> ok')
+    content, calls = assembled(AutoCallStream(plan.call_format, ["get_weather", "add"]), reply, step)
+    _, parsed = plan.parse(reply, prompt, server.tokenizer)
+    assert len(parsed) == 2 and [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == \
+        [(call.name, json.loads(call.arguments)) for call in parsed]
+    assert content == "Let me check <tool.  and  ok" and all(c["id"].startswith("call_") for c in calls.values())
+    tricky = '<tool_call>{"name": "get_weather", "arguments": {"city": "}</tool_call>\\"", "days": 2}}</tool_call>'
+    _, calls = assembled(AutoCallStream(plan.call_format, ["get_weather"]), tricky, step)  # JSON strings followed
+    assert json.loads(calls[0]["arguments"]) == {"city": '}</tool_call>"', "days": 2}
+    cut = 'Sure <tool_call>{"name": "add", "arguments": {"a": 1, "b'  # max_tokens: the call stays unfinished
+    stream = AutoCallStream(plan.call_format, ["get_weather", "add"])
+    content, calls = assembled(stream, cut, step)
+    assert content == "Sure " and calls[0]["arguments"] == '{"a": 1, "b' and stream.finished_calls == 0
+    content, calls = assembled(AutoCallStream(plan.call_format, ["add"]), "a <tool_ca", step)
+    assert content == "a <tool_ca" and not calls  # an opening cut short goes out as content at the end
+
+
+def test_auto_text_streams_as_it_comes(server, client):
+    request = dict(model=MODEL_NAME, messages=ASK, tools=TOOLS, temperature=0, max_tokens=12,
+                   extra_body={"ignore_eos": True})
+    whole = client.chat.completions.create(**request).choices[0].message.content
+    chunks = [c.choices[0] for c in client.chat.completions.create(stream=True, **request) if c.choices]
+    assert "".join(c.delta.content or "" for c in chunks) == whole
+    assert sum(1 for c in chunks if c.delta.content) > 2  # not one chunk at the end
+
+
 def test_a_tool_result_goes_back_through_the_template(server, client):
     call = {"id": "call_1", "type": "function", "function": {"name": "get_weather",
                                                              "arguments": '{"city": "Paris", "days": 1}'}}
