@@ -188,9 +188,9 @@ def assembled(stream, text: str, step: int) -> tuple[str, dict[int, dict]]:
 
 @pytest.mark.parametrize("step", [1, 3, 7])
 def test_auto_calls_stream_as_they_are_generated(server, step):
-    """"auto" with a known call format streams content and each call's pieces as they come (text that may open a
-    call held until it cannot); the pieces assemble into the calls the whole reply parses to."""
-    from hf_accel.server.tool_stream import AutoCallStream
+    """"auto" with a known call format and "required" stream content and each call's pieces as they come (text
+    that may open a call held until it cannot); the pieces assemble into the calls the whole reply parses to."""
+    from hf_accel.server.tool_stream import AutoCallStream, RequiredCallStream
 
     tools = [Tool.model_validate(tool) for tool in TOOLS]
     plan = plan_tools(tools, "auto", server.tokenizer)
@@ -211,6 +211,13 @@ def test_auto_calls_stream_as_they_are_generated(server, step):
     assert content == "Sure " and calls[0]["arguments"] == '{"a": 1, "b' and stream.finished_calls == 0
     content, calls = assembled(AutoCallStream(plan.call_format, ["add"]), "a <tool_ca", step)
     assert content == "a <tool_ca" and not calls  # an opening cut short goes out as content at the end
+    required = '[{"name": "add", "parameters": {"a": 1, "b": [2, "]}"]}}, {"name": "get_weather", "parameters": {}}]'
+    content, calls = assembled(RequiredCallStream(["get_weather", "add"]), required, step)
+    assert content == "" and [(c["name"], c["arguments"]) for c in calls.values()] == [
+        ("add", '{"a": 1, "b": [2, "]}"]}'), ("get_weather", "{}")]
+    whole = ToolPlan("required", tools).parse(required, prompt, server.tokenizer)[1]
+    assert [(call.name, call.arguments) for call in whole] == [(c["name"], c["arguments"]) for c in calls.values()]
+    assert ToolPlan("required", tools).parse(required[:-30], prompt, server.tokenizer) == (required[:-30], [])
 
 
 def test_auto_text_streams_as_it_comes(server, client):

@@ -5,7 +5,8 @@
 - a named function (`{"type": "function", "function": {"name": ...}}`): the reply is constrained to that function's
   `parameters` JSON schema and is returned as its one call's `arguments` (finish_reason "stop", as OpenAI does);
 - "required": the reply is constrained to a JSON array of at least one `{"name", "parameters"}` object, each naming a
-  tool and fitting its schema; every element becomes a call (finish_reason "tool_calls");
+  tool and fitting its schema; every element becomes a call, its arguments the text written (finish_reason
+  "tool_calls");
 - "auto" (the default with tools): the reply is free; transformers' reply parser (`tokenizer.parse_response`, driven
   by the tokenizer's `response_template`) finds the calls in it. A tokenizer without a `response_template` cannot
   say where a call is, so "auto" is a 400 for it (use "required" or a named function). Where the template marks a
@@ -22,8 +23,7 @@ from __future__ import annotations
 
 import json
 import re
-import secrets
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import ConfigDict, Field
@@ -31,6 +31,7 @@ from transformers import PreTrainedTokenizerBase
 
 from ..structured.constraint import StructuredOutput
 from .request_model import RequestModel
+from .tool_stream import CallFormat, RequiredCallStream, ToolCall
 
 ToolMode = Literal["none", "auto", "required", "named"]
 
@@ -66,35 +67,6 @@ class NamedToolChoice(RequestModel):
 
 
 @dataclass(frozen=True, slots=True)
-class ToolCall:
-    """One parsed call: the function's name and its arguments as JSON text."""
-
-    name: str
-    arguments: str
-    id: str = field(default_factory=lambda: f"call_{secrets.token_hex(12)}")
-
-
-@dataclass(frozen=True, slots=True)
-class CallFormat:
-    """How the chat template writes a call: `open` + a JSON object whose `name_key` is the function's name and
-    `arguments_key` its arguments (the name first, as the template's `tojson` writes them) + `close`."""
-
-    open: str
-    close: str
-    name_key: str
-    arguments_key: str
-
-    def structural_tag(self, tools: list[Tool]) -> dict[str, Any]:
-        """xgrammar's structural tag: free text in which `open` starts a call of one of `tools`, fitting its schema."""
-        tags = [{"begin": f"{self.open}{{{json.dumps(self.name_key)}: {json.dumps(tool.function.name)}, "
-                          f"{json.dumps(self.arguments_key)}: ",
-                 "content": {"type": "json_schema", "json_schema": tool.function.schema},
-                 "end": f"}}{self.close}"} for tool in tools]
-        return {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": [self.open],
-                                                     "tags": tags, "at_least_one": False, "stop_after_first": False}}
-
-
-@dataclass(frozen=True, slots=True)
 class ToolPlan:
     """How one chat request uses its tools: what the template renders, what constrains the reply, how it is read."""
 
@@ -119,18 +91,19 @@ class ToolPlan:
                       "required": ["name", "parameters"], "additionalProperties": False} for tool in self.tools]
             return StructuredOutput(json={"type": "array", "minItems": 1, "items": {"anyOf": calls}})
         if self.mode == "auto" and self.call_format is not None:
-            return StructuredOutput(structural_tag=self.call_format.structural_tag(self.tools))
+            return StructuredOutput(structural_tag=self.call_format.structural_tag(
+                {tool.function.name: tool.function.schema for tool in self.tools}))
         return None
 
     def parse(self, text: str, prompt: str, tokenizer: PreTrainedTokenizerBase) -> tuple[str | None, list[ToolCall]]:
         """(content, calls) of a finished reply; calls that do not parse leave the whole reply as content."""
         if self.mode == "named":
             return None, [ToolCall(self.name, text)]
-        if self.mode == "required":
-            try:
-                return None, [ToolCall(call["name"], json.dumps(call["parameters"])) for call in json.loads(text)]
-            except (ValueError, TypeError, KeyError):  # cut short by max_tokens
-                return text, []
+        if self.mode == "required":  # the arguments as written (as streamed)
+            stream = RequiredCallStream([tool.function.name for tool in self.tools])
+            stream.feed(text, finished=True)
+            whole = stream.finished_calls == len(stream.calls) > 0 and text.rstrip().endswith("]")
+            return (None, stream.finished()) if whole else (text, [])  # else cut short by max_tokens
         if self.mode == "auto":
             return _parse_auto(text, prompt, tokenizer, self.template_tools)
         return text, []

@@ -2,9 +2,9 @@
 
 Streamed: without tools, content deltas as they come; with a named function, the call's `arguments` text as it
 comes (its first piece carries the call's id, type and name, OpenAI's delta shape); with "auto" where the template's
-call format is known (its calls constrained), content and calls as they come (`tool_stream.AutoCallStream`); with
-"required", or "auto" of another template, a choice is held back until it finishes, then sent in one chunk (its
-content, if any, and every call whole), because whether text is a call is only known once it is complete.
+call format is known (its calls constrained) and with "required", content and calls as they come
+(`tool_stream.py`); with "auto" of another template, a choice is held back until it finishes, then sent in one chunk
+(its content, if any, and every call whole), because whether text is a call is only known once it is complete.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from transformers import PreTrainedTokenizerBase
 
 from .generation import ChoiceDelta
 from .responses import DeltaFunction, DeltaMessage, DeltaToolCall
-from .tool_calls import ToolCall, ToolPlan
-from .tool_stream import AutoCallStream
+from .tool_calls import ToolPlan
+from .tool_stream import AutoCallStream, RequiredCallStream, ToolCall
 
 
 def reply_finish(plan: ToolPlan, delta: ChoiceDelta, calls: list[ToolCall]) -> str | None:
@@ -34,7 +34,7 @@ class ReplyDeltas:
         self._named: dict[int, ToolCall] = {}  # choice index -> its call (named function)
         self._calls: dict[int, list[ToolCall]] = {}  # choice index -> its calls, once finished
         self._streams: dict[int, AutoCallStream] = {}  # choice index -> its stream ("auto" with a call format)
-        self.incremental = plan.mode == "auto" and plan.call_format is not None
+        self.incremental = plan.mode == "required" or (plan.mode == "auto" and plan.call_format is not None)
 
     def message(self, delta: ChoiceDelta) -> DeltaMessage | None:
         """The chunk's message for `delta`; None while an "auto" / "required" choice is held back."""
@@ -43,7 +43,7 @@ class ReplyDeltas:
         if self.plan.mode == "named":
             return DeltaMessage(tool_calls=[self._named_piece(delta)])
         if self.incremental:
-            return self._auto_piece(delta)
+            return self._stream_piece(delta)
         if delta.finish_reason is None:
             return None
         content, calls = self.plan.parse(self.whole[delta.index].text, self.prompt, self.tokenizer)
@@ -62,13 +62,14 @@ class ReplyDeltas:
     def finish_reason(self, delta: ChoiceDelta) -> str | None:
         return reply_finish(self.plan, delta, self._calls.get(delta.index, []))
 
-    def _auto_piece(self, delta: ChoiceDelta) -> DeltaMessage:
+    def _stream_piece(self, delta: ChoiceDelta) -> DeltaMessage:
         stream = self._streams.get(delta.index)
         if stream is None:
             names = [tool.function.name for tool in self.plan.tools]
-            stream = self._streams[delta.index] = AutoCallStream(self.plan.call_format, names)
+            stream = self._streams[delta.index] = RequiredCallStream(names) if self.plan.mode == "required" else \
+                AutoCallStream(self.plan.call_format, names)
         message = stream.feed(self.whole[delta.index].text, delta.finish_reason is not None)
-        self._calls[delta.index] = stream.calls[: stream.finished_calls]
+        self._calls[delta.index] = stream.finished()
         return message
 
     def _named_piece(self, delta: ChoiceDelta) -> DeltaToolCall:
