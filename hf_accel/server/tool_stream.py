@@ -136,7 +136,6 @@ class AutoCallStream:
         return True
 
 
-
 class RequiredCallStream(AutoCallStream):
     """A "required" reply (`[{"name": ..., "parameters": ...}, ...]`): its calls as they come, no content."""
 
