@@ -44,19 +44,16 @@ COMMAND = ".venv/bin/python benchmarks/gpu_check.py"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def decoding_engine(model, prompts: list[list[int]], enforce_eager: bool, steps: int,
-                    adapters: list[LoRARequest] | None = None) -> Engine:
-    """An engine with the prompts prefilled and decoding (one request each, `steps` + 8 tokens to go); with
-    `adapters`, a LoRA engine whose request `i` runs with adapter `i % len(adapters)`."""
-    lora = None if adapters is None else LoRAConfig(max_loras=len(adapters))
-    engine = Engine(model, config=EngineConfig(max_num_seqs=max(len(prompts), 2), enforce_eager=enforce_eager),
-                    lora=lora)
-    return start_decoding(engine, prompts, steps, adapters)
+def decoding_engine(model, prompts: list[list[int]], enforce_eager: bool, steps: int) -> Engine:
+    """An engine with the prompts prefilled and decoding (one request each, `steps` + 8 tokens to go)."""
+    engine = Engine(model, config=EngineConfig(max_num_seqs=max(len(prompts), 2), enforce_eager=enforce_eager))
+    return start_decoding(engine, prompts, steps)
 
 
 def start_decoding(engine: Engine, prompts: list[list[int]], steps: int,
                    adapters: list[LoRARequest] | None = None) -> Engine:
-    """`engine` with the prompts prefilled and decoding, as `decoding_engine` leaves its own."""
+    """`engine` with the prompts prefilled and decoding, as `decoding_engine` leaves its own; with `adapters`,
+    request `i` runs with adapter `i % len(adapters)`."""
     for i, prompt in enumerate(prompts):
         engine.add_request(prompt, SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True),
                            lora_request=None if adapters is None else adapters[i % len(adapters)])
@@ -209,6 +206,28 @@ def fresh_kwargs(model, kwargs: dict[str, Any], new_tokens: int) -> dict[str, An
 SECTIONS = ("engine", "generate", "speculative", "lora")
 
 
+def random_adapters(model, scratch: str, count: int = 3) -> tuple[list[LoRARequest], list]:
+    """`count` random rank-8 peft adapters on every projection of `model`, saved under `scratch`, and each one's
+    merged model."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    adapters, merged = [], []
+    for i in range(count):
+        torch.manual_seed(i)
+        tuned = get_peft_model(copy.deepcopy(model), LoraConfig(r=8, lora_alpha=16, init_lora_weights=False,
+                                                                  target_modules="all-linear"))
+        with torch.no_grad():
+            for name, param in tuned.named_parameters():
+                if "lora_B" in name:
+                    param.mul_(0.1)
+        tuned.save_pretrained(f"{scratch}/adapter{i}")
+        adapters.append(LoRARequest(f"adapter{i}", i + 1, f"{scratch}/adapter{i}"))
+        merged.append(tuned.merge_and_unload().eval())
+    return adapters, merged
+
+
 def check_lora(model, tokenizer, device: torch.device, quick: bool) -> dict[str, Any]:
     """3 random rank-8 peft adapters on every projection: a batch mixing them with the base against each adapter's
     merged model's sequential `generate`, and decode-step ms of a LoRA engine (8 sequences over the adapters)
@@ -216,24 +235,11 @@ def check_lora(model, tokenizer, device: torch.device, quick: bool) -> dict[str,
     import copy
     import tempfile
 
-    from peft import LoraConfig, get_peft_model
-
     rows = reference.held_out_sequences(tokenizer, 64, max_rows=16)
     prompts = [row[: 8 + 5 * i].tolist() for i, row in enumerate(rows[:4])]
     params = SamplingParams(max_tokens=8 if quick else 24, temperature=0, ignore_eos=True)
     with tempfile.TemporaryDirectory() as scratch:
-        adapters, merged = [], []
-        for i in range(3):
-            torch.manual_seed(i)
-            tuned = get_peft_model(copy.deepcopy(model), LoraConfig(r=8, lora_alpha=16, init_lora_weights=False,
-                                                                      target_modules="all-linear"))
-            with torch.no_grad():
-                for name, param in tuned.named_parameters():
-                    if "lora_B" in name:
-                        param.mul_(0.1)
-            tuned.save_pretrained(f"{scratch}/adapter{i}")
-            adapters.append(LoRARequest(f"adapter{i}", i + 1, f"{scratch}/adapter{i}"))
-            merged.append(tuned.merge_and_unload().eval())
+        adapters, merged = random_adapters(model, scratch)
         jobs = [(prompt, k) for prompt in prompts for k in (None, 0, 1, 2)]
         engine = Engine(copy.deepcopy(model), config=EngineConfig(max_num_seqs=16), lora=LoRAConfig(max_loras=3))
         outs = engine.generate([p for p, _ in jobs], params,
@@ -320,17 +326,19 @@ def render(report: dict[str, Any]) -> str:
                              f"{g['first_call_s'].get(side, 'failed')} | {f'{ms:.2f}' if ms else 'failed'} | {ratio} |")
             lines += [f"| {side} failed: {error} | | | | |" for side, error in g["errors"].items()]
             lines.append("")
-    for name, r in results.items():
-        if "lora" in r:
-            g = r["lora"]
-            lines += [f"LoRA adapters in the engine, {name}: 3 random rank-8 adapters and the base in one batch; "
-                      "decode step of 8 sequences over the adapters:", "",
-                      "| identical to merged generate | compiled step | step ms (base / LoRA) | LoRA / base speed |",
-                      "| --- | --- | --- | --- |",
-                      f"| {g['identical']}/{g['requests']} | {g['compiled']} | {g['base_ms']:.2f} / {g['lora_ms']:.2f} "
-                      f"| {g['lora_vs_base']:.2f}x |", ""]
+    lines += [line for name, r in results.items() if "lora" in r for line in _lora_lines(name, r["lora"])]
     notes = "".join(f"- {note}\n" for note in report.get("notes", []))  # added by hand to a run's JSON
     return "\n".join(lines) + f"\nFrom `{report['command']}`.\n" + (f"\nNotes:\n\n{notes}" if notes else "")
+
+
+def _lora_lines(name: str, g: dict[str, Any]) -> list[str]:
+    """The LoRA section's table for dtype `name`."""
+    return [f"LoRA adapters in the engine, {name}: 3 random rank-8 adapters and the base in one batch; decode step "
+            "of 8 sequences over the adapters:", "",
+            "| identical to merged generate | compiled step | step ms (base / LoRA) | LoRA / base speed |",
+            "| --- | --- | --- | --- |",
+            f"| {g['identical']}/{g['requests']} | {g['compiled']} | {g['base_ms']:.2f} / {g['lora_ms']:.2f} | "
+            f"{g['lora_vs_base']:.2f}x |", ""]
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any] | None:

@@ -211,6 +211,20 @@ class DraftHeads:
         return written
 
 
+def _export_scheme(quant: str | None, lora_modules: Mapping[str, str | Path] | None) -> Any:
+    """The compressed-tensors scheme of `quant` (None: bf16 weights); ValueError for adapters with `quant`.
+    compressed-tensors (the `export` extra) is imported for quantized exports only."""
+    if quant is None:
+        return None
+    if lora_modules:
+        raise ValueError(f"lora_modules cannot be exported with quant={quant!r}: vLLM serving LoRA over "
+                         "compressed-tensors weights is not verified (vLLM 0.32's CPU build loads no int8 export; "
+                         "see docs/export.md); export bf16 weights with the adapters")
+    from .compressed import export_quant
+
+    return export_quant(quant)
+
+
 def _write_folder(out: Path, model: PreTrainedModel, config: Any, tokenizer: PreTrainedTokenizerBase,
                   command: ServeCommand) -> None:
     """The model (bf16, or compressed with `config`), its tokenizer and `serve.sh` written to `out`."""
@@ -244,13 +258,7 @@ def export_vllm(out: str | Path, model: str | Path | None = None, quant: str | N
     input raises `ValueError` naming the argument before anything is written; a `quant` without compressed-tensors
     installed, `ModuleNotFoundError`.
     """
-    if quant is not None and lora_modules:
-        raise ValueError(f"lora_modules cannot be exported with quant={quant!r}: vLLM serving LoRA over "
-                         "compressed-tensors weights is not verified (vLLM 0.32's CPU build loads no int8 export; "
-                         "see docs/export.md); export bf16 weights with the adapters")
-    if quant is not None:  # compressed-tensors (the `export` extra) is needed for quantized exports only
-        from .compressed import export_quant, quantization_config
-    scheme = None if quant is None else export_quant(quant)
+    scheme = _export_scheme(quant, lora_modules)
     check_speculative(speculative)
     model_path = REFERENCE_MODEL_DIR if model is None else Path(model)
     check_model_folder(model_path)
@@ -258,6 +266,8 @@ def export_vllm(out: str | Path, model: str | Path | None = None, quant: str | N
     check_output(out, overwrite)
     tokenizer = load_tokenizer(model_path)
     loaded = AutoModelForCausalLM.from_pretrained(model_path, dtype=EXPORT_DTYPE, local_files_only=True).eval()
+    if scheme is not None:
+        from .compressed import quantization_config
     config = None if scheme is None else quantization_config(loaded, scheme)  # checks the group size first
     drafts = DraftHeads.load(model_path, loaded, eagle, medusa)
     served_name = served_model_name or out.resolve().name

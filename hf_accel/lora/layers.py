@@ -109,6 +109,8 @@ class LoRAProjection:
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.stacks, self.index = stacks, index
         self.a, self.b, self.ranks = stacks.views(index)  # for `place` and eager steps
+        # the kernel's trailing arguments: this projection's row of the ranks, offsets in the flat stacks, max rank
+        self._kernel_args = (index, stacks.a_offsets[index], stacks.b_offsets[index], stacks.max_rank)
         self.step = step
         self._kernel = lora_kernel()
         self._linear: nn.Linear | None = linear  # hooked when an adapter first updates it (then None)
@@ -135,13 +137,11 @@ class LoRAProjection:
         """The hook of a compiled step: traced once, it reads the flat buffers, the step's slots and five ints (few
         guards each step) and always calls the kernel, which adds nothing to tokens of the base, or to a forward longer
         than the slots buffer (not an engine step: a `generate` on the same model)."""
-        kernel, step, stacks = self._kernel, self.step, self.stacks
+        kernel, step, stacks, args = self._kernel, self.step, self.stacks, self._kernel_args
         a, b, ranks = stacks.a, stacks.b, stacks.ranks  # never replaced (`AdapterStacks` writes into them)
-        projection, a_offset, b_offset, rank = (self.index, stacks.a_offsets[self.index],
-                                                stacks.b_offsets[self.index], stacks.max_rank)
 
         def hook(module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> torch.Tensor:
-            kernel(output, inputs[0], a, b, step.token_slots, ranks, projection, a_offset, b_offset, rank)
+            kernel(output, inputs[0], a, b, step.token_slots, ranks, *args)
             return output
 
         return hook
@@ -156,12 +156,11 @@ class LoRAProjection:
         if x.shape[0] != active.num_tokens:
             raise ValueError(f"a LoRA adapter updates a Linear whose {x.shape[0]} input rows are not the step's "
                              f"{active.num_tokens} tokens (e.g. a mixture-of-experts expert): not supported")
-        slots = step.token_slots[: x.shape[0]]
         if self._kernel is not None and _kernel_takes(x, output):  # each token through its own adapter, in place
             stacks = self.stacks
-            self._kernel(output, x, stacks.a, stacks.b, step.token_slots, stacks.ranks, self.index,
-                         stacks.a_offsets[self.index], stacks.b_offsets[self.index], stacks.max_rank)
+            self._kernel(output, x, stacks.a, stacks.b, step.token_slots, stacks.ranks, *self._kernel_args)
             return output
+        slots = step.token_slots[: x.shape[0]]
         used, rank = torch.tensor(active.used, device=x.device), active.rank
         one_hot = (slots[:, None] == used).to(x.dtype)  # [T, U]
         a = self.a[used, :rank].reshape(-1, self.in_features)  # [U * R, in]

@@ -107,9 +107,21 @@ def create_app(engine: ServedEngine | Callable[[], ServedEngine], tokenizer: Pre
         app.state.server = ServerState(built, tokenizer, model_name, WaitingRequests(max_queue_len),
                                        ServerMetrics(built, model_name), adapters)
 
+    app = FastAPI(title="hf_accel", lifespan=_lifespan(engine, serve, on_load_error or (lambda error: None)))
+    app.state.load = EngineLoad()
+    app.state.server = None  # set once the engine is built
+    install_error_handlers(app)
+    _include_routes(app, api_key, allow_runtime_lora)
+    return app
+
+
+def _lifespan(engine: ServedEngine | Callable[[], ServedEngine], serve: Callable[[ServedEngine], None],
+              on_load_error: Callable[[BaseException], None]):
+    """The app's lifespan: the engine loaded (or built) and served at start, shut down at the end."""
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        app.state.load.begin(engine, serve, on_load_error or (lambda error: None))
+        app.state.load.begin(engine, serve, on_load_error)
         try:
             yield
         finally:
@@ -117,12 +129,7 @@ def create_app(engine: ServedEngine | Callable[[], ServedEngine], tokenizer: Pre
             if built is not None:
                 await asyncio.to_thread(built.shutdown)
 
-    app = FastAPI(title="hf_accel", lifespan=lifespan)
-    app.state.load = EngineLoad()
-    app.state.server = None  # set once the engine is built
-    install_error_handlers(app)
-    _include_routes(app, api_key, allow_runtime_lora)
-    return app
+    return lifespan
 
 
 def _include_routes(app: FastAPI, api_key: str | None, allow_runtime_lora: bool) -> None:

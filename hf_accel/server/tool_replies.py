@@ -33,16 +33,17 @@ class ReplyDeltas:
         self.plan, self.prompt, self.tokenizer, self.whole = plan, prompt, tokenizer, whole
         self._named: dict[int, ToolCall] = {}  # choice index -> its call (named function)
         self._calls: dict[int, list[ToolCall]] = {}  # choice index -> its calls, once finished
-        self._streams: dict[int, AutoCallStream] = {}  # choice index -> its stream ("auto" with a call format)
-        self.incremental = plan.mode == "required" or (plan.mode == "auto" and plan.call_format is not None)
+        self._streams: dict[int, AutoCallStream] = {}  # choice index -> its stream (calls streamed as they come)
+        # "auto" replies of a template whose calls are not constrained: whole at the end
+        self.held = plan.mode == "auto" and plan.call_format is None
 
     def message(self, delta: ChoiceDelta) -> DeltaMessage | None:
-        """The chunk's message for `delta`; None while an "auto" / "required" choice is held back."""
+        """The chunk's message for `delta`; None while a held-back "auto" choice is not finished."""
         if self.plan.mode == "none":
             return DeltaMessage(content=delta.text)
         if self.plan.mode == "named":
             return DeltaMessage(tool_calls=[self._named_piece(delta)])
-        if self.incremental:
+        if not self.held:  # "required", or "auto" with constrained calls
             return self._stream_piece(delta)
         if delta.finish_reason is None:
             return None
@@ -56,8 +57,7 @@ class ReplyDeltas:
     def covered(self, delta: ChoiceDelta) -> ChoiceDelta:
         """What the chunk of `delta` stands for: the whole choice for a held-back one (its token ids and logprobs
         go out in that one chunk), else `delta` itself."""
-        held = self.plan.mode in ("auto", "required") and not self.incremental
-        return self.whole[delta.index] if held else delta
+        return self.whole[delta.index] if self.held else delta
 
     def finish_reason(self, delta: ChoiceDelta) -> str | None:
         return reply_finish(self.plan, delta, self._calls.get(delta.index, []))
