@@ -14,10 +14,10 @@ from hf_accel.lora.layers import StepAdapters, lora_projections
 from hf_accel.lora.slots import AdapterSlots
 
 
-def adapter(name: str, rank: int, seed: int) -> AdapterWeights:
+def adapter(name: str, rank: int, seed: int, in_features: int = 6, out_features: int = 5) -> AdapterWeights:
     generator = torch.Generator().manual_seed(seed)
-    return AdapterWeights(name, f"/adapters/{name}", {"proj": (torch.randn(rank, 6, generator=generator),
-                                                               torch.randn(5, rank, generator=generator))})
+    return AdapterWeights(name, f"/adapters/{name}", {"proj": (torch.randn(rank, in_features, generator=generator),
+                                                               torch.randn(out_features, rank, generator=generator))})
 
 
 def test_slots_pin_keep_and_evict_least_recently_released():
@@ -75,6 +75,30 @@ def test_the_update_is_each_tokens_own_adapters(path, monkeypatch):
             base[0, t] + x[0, t] @ weights[lora_id].modules["proj"][0].T @ weights[lora_id].modules["proj"][1].T
         torch.testing.assert_close(out[0, t], want)
     assert step.token_slots.eq(-1).all() and step.active is None
+
+
+def test_the_kernel_covers_long_chunks_wide_rows_and_odd_ranks():
+    """The kernel's every path against the torch form: 41 tokens over 3 adapters (chunks of 16 and runs of 4 with
+    remainders), ranks 16 and 7 (not a multiple of the 4 rows taken together), `in` 70 and `out` 150 (blocks of 64
+    and of 16 columns and a tail), base tokens between."""
+    if lora_kernel() is None:
+        pytest.skip("hf_accel's C++ extension is not built")
+    step = StepAdapters(64, torch.device("cpu"))
+    linear = nn.Linear(70, 150)
+    _, projections = lora_projections({"proj": linear}, max_loras=3, max_rank=16, step=step)
+    slots = AdapterSlots(projections, max_loras=3)
+    weights = {i + 1: adapter(f"a{i}", rank, i, 70, 150) for i, rank in enumerate((16, 7, 16))}
+    placed = {lora_id: slots.acquire(lora_id, w) for lora_id, w in weights.items()}
+    ids = [None if t % 9 == 4 else (1 if t % 2 == 0 else 2 + t % 4 // 2) for t in range(41)]  # 18, 9, 9 tokens
+    x = torch.randn(41, 70)
+    step.set([-1 if i is None else placed[i] for i in ids], slots.ranks)
+    with torch.no_grad():
+        out = linear(x)
+        step.clear()
+        base = linear(x)
+    want = torch.stack([base[t] if i is None else base[t] + x[t] @ weights[i].modules["proj"][0].T
+                        @ weights[i].modules["proj"][1].T for t, i in enumerate(ids)])
+    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
 
 
 def test_a_step_with_more_tokens_than_the_buffer_grows_it():
