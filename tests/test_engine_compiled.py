@@ -1,7 +1,8 @@
 """The engine's compiled model step (the default; tests elsewhere run eagerly): greedy tokens equal the eager engine's
 and sequential `generate` on Llama (grouped-query), Mistral (every layer sliding) and Gemma 2 (soft-capping), with
 prefill chunks and decodes in the same steps; exactly three graphs (one token, several, and the static
-single-sequence decode), all compiled at start, and no recompilation however the step's sizes change; `enforce_eager` and the fallback where compiling fails."""
+single-sequence decode), all compiled at start, and no recompilation however the step's sizes change; the hooks a
+model has when its graphs compile are the graphs' own; `enforce_eager` and the fallback where compiling fails."""
 
 import copy
 
@@ -48,6 +49,28 @@ def test_compiled_engine_equals_eager_and_generate_without_recompiling(arch):
     for prompt, n, got, expected in zip(prompts, MAX_TOKENS, compiled, eager):
         assert_greedy_equal(model, prompt, got, expected)  # inductor's fused kernels round differently: ties only
         assert_greedy_equal(model, prompt, got, greedy_reference(model, prompt, n))
+
+
+def test_graphs_hold_the_hooks_the_model_had_when_they_compiled():
+    """An engine's graphs carry no guards on module hooks (half a millisecond a step): the hooks are part of their
+    key. A hook added to the model later is not run by the first engine's graphs (as a weight changed later is not),
+    and an engine built after it compiles graphs of its own that run it."""
+    model = copy.deepcopy(make_model("llama", torch.float32, "sdpa"))  # make_model's are shared: keep those clean
+    prompts = random_prompts(LENGTHS[:3], seed=4)
+    config = EngineConfig(max_num_seqs=4, block_size=4)
+    first = Engine(model, config=config)
+    before = run(first, prompts)
+    forced = 7  # a hook that makes the model always write this token
+    handle = model.lm_head.register_forward_hook(lambda module, args, out: out.index_fill(-1, torch.tensor([forced]),
+                                                                                          1e4))
+    try:
+        graphs = unique_graphs()
+        assert run(first, prompts) == before and unique_graphs() == graphs  # its graphs, unchanged
+        second = Engine(model, config=config)
+        assert unique_graphs() > graphs and second.core.runner.forward.compiled
+        assert all(tokens == [forced] * len(tokens) for tokens in run(second, prompts))
+    finally:
+        handle.remove()
 
 
 def test_medusa_engine_runs_eagerly_and_equals_generate():

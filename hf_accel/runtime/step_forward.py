@@ -20,7 +20,8 @@ the interpreter lock for most of its tracing, so eager steps meanwhile are slowe
 In the engine-core process (`EngineProcess`), steps (and an EAGLE head's passes) after the warm-up skip dynamo's
 guards (`skip_guard_eval_unsafe`: only the guards that tell the graphs apart run; `warm_guards`), since every step's
 inputs differ from the warmed ones in sizes and values only, and the full guards are a visible share of a small
-model's step.
+model's step. Everywhere, the graphs carry no guards on module hooks (`dynamo.without_hook_guards`: half a
+millisecond a step): the hooks the model has when they compile are part of their key instead.
 Only there: dynamo's stance is process-wide, and beside an in-process engine other threads may run compiled code
 whose guards must run (`skip_warm_guards`).
 The weights are frozen into the graphs (inductor's `freezing`), so each Linear runs over a weight packed once (fp32:
@@ -50,7 +51,8 @@ from transformers import PreTrainedModel
 from ..registry import attention_implementation
 from .attention import ATTENTION_NAME
 from .cuda_graphs import DecodeGraphs
-from .dynamo import begin_background_compile, dynamo_settings, end_background_compile, warm_guards
+from .dynamo import (begin_background_compile, dynamo_settings, end_background_compile, hooks_key, warm_guards,
+                     without_hook_guards)
 from .frozen_graphs import compiled_for, freezing
 from .kv_pool import KVPool
 from .step_inputs import StepInputs
@@ -66,6 +68,11 @@ def call_model(model: PreTrainedModel, graph_inputs: tuple[torch.Tensor, ...] = 
     return model(**kwargs)
 
 
+
+
+def _compile_step(function: Callable, dynamic: bool) -> Callable:
+    """An engine step's `torch.compile`: one whole graph, no guards on module hooks (`dynamo.without_hook_guards`)."""
+    return torch.compile(function, dynamic=dynamic, fullgraph=True, options={"guard_filter_fn": without_hook_guards})
 
 
 def _one_token(block: int, block_size: int) -> StepInputs:
@@ -116,12 +123,12 @@ class StepForward:
         self._compiled_graphs: tuple | None = None  # (forward, single) compiled in the background, to switch to
         self._cancelled = False  # set by `cancel_compile`: the background compile stops at its next graph
         if compile:
-            compiled = compiled_for(model, call_model, "engine step",
-                                    lambda function: torch.compile(function, dynamic=True, fullgraph=True))
+            compiled = compiled_for(model, call_model, ("engine step", hooks_key(model)),
+                                    functools.partial(_compile_step, dynamic=True))
             self._forward = functools.partial(compiled, model)
         if self.max_blocks is not None:
-            single = compiled_for(model, call_model, "engine single-sequence step",
-                                  lambda function: torch.compile(function, dynamic=False, fullgraph=True))
+            single = compiled_for(model, call_model, ("engine single-sequence step", hooks_key(model)),
+                                  functools.partial(_compile_step, dynamic=False))
             self._single = functools.partial(single, model)
 
     @property
