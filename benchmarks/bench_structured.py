@@ -11,7 +11,8 @@ On the reference target (7.3M parameters), one thread, greedy unless said otherw
   off (the mask's cost alone) and on; compiled `generate` (paged cache + compile_config) likewise at batch 1 / 8 / 64;
   the host time per masked row;
 - jump-forward + speculation: the extraction workload at batch 1 and 8, constrained plain decoding against
-  jump-forward, jump-forward + suffix and jump-forward + ngram (outputs identical);
+  jump-forward, jump-forward + suffix and jump-forward + ngram (outputs identical); in `generate` likewise
+  (`structured_generate_jump.py`);
 - a large schema compiling while other requests decode: their step time with and without the compile;
 - vLLM's CPU build (its venv, as bench_vllm_peer.py) with the same schemas on the same requests (xgrammar, no free
   whitespace), on the reference target and the 185M random-weight Llama of bench_size.py: tok/s, validity, identical
@@ -45,6 +46,7 @@ from hf_accel.bench.output import hardware, run_benchmark, target_table
 from hf_accel.bench.timing import time_interleaved
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from structured_generate_jump import generate_jump_forward, render_generate_jump_forward  # noqa: E402
 from structured_schemas import SCHEMAS, extraction_prompt  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -382,7 +384,9 @@ def measure(quick: bool) -> dict[str, Any]:
                               "max_tokens": MAX_TOKENS, "schemas": list(SCHEMAS)}
     steps: list[tuple[str, Callable[..., Any]]] = [
         ("validity", validity), ("engine_overhead", engine_overhead), ("generate_overhead", generate_overhead),
-        ("jump_forward", jump_forward), ("compile_beside_decoding", compile_beside_decoding),
+        ("jump_forward", jump_forward),
+        ("generate_jump_forward", lambda m, t, p: generate_jump_forward(m, t, MAX_TOKENS, p["repeats"])),
+        ("compile_beside_decoding", compile_beside_decoding),
         ("vllm", vllm_side_by_side), ("vllm_185M", vllm_side_by_side_185m)]
     for key, step in steps:
         print(f"[{NAME}] {key} ...", flush=True)
@@ -436,6 +440,7 @@ def render(report: dict[str, Any]) -> str:
     lines += [f"| {r['batch']} | {r['mode']} | {r['tok_s']:.0f} | {r['vs_constrained_plain']:.2f}x | "
               f"{'yes' if r['identical'] else 'no'} | {r['forced_tokens']} | "
               f"{r['accepted_tokens']} / {r['draft_tokens']} |" for r in report["jump_forward"]]
+    lines += [""] + render_generate_jump_forward(report["generate_jump_forward"])
     c = report["compile_beside_decoding"]
     lines += ["", f"A large schema (200 nested properties) compiling beside 4 decoding requests: their step "
                   f"{c['step_ms_while_compiling']:.2f} ms during the compile ({c['steps']:.0f} steps), "

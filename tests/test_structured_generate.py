@@ -5,6 +5,7 @@ mask on the host: the same tokens as eager); bad calls get a clear error naming 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import sys
@@ -164,7 +165,7 @@ def test_speculative_decoding_under_a_grammar_equals_constrained_plain_decoding(
     for constraint in (StructuredOutput(json=SCHEMA), StructuredOutput(regex=r"[a-z]{3}-[0-9]{2}"),
                        StructuredOutput(choice=["import os", "pass"])):
         stats = hf_accel.SpeculativeStats()
-        plain = generate(pair, prompts, constraint, do_sample=False)
+        plain = generate(pair, prompts, dataclasses.replace(constraint, jump_forward=False), do_sample=False)
         assert generate(pair, prompts, constraint, do_sample=False, **speculative_kwargs(pair, method, stats)) == plain
         assert stats.num_target_forwards > 0 and sum(stats.proposed) > 0
 
@@ -175,7 +176,7 @@ def test_transformers_assisted_decoding_under_a_grammar(pair, assistance):
         assistance = {"assistant_model": reference.load("draft")[0]}
     for prompt in ["# a config record\nrecord = ", "pet = "]:
         for constraint in (StructuredOutput(json=SCHEMA), StructuredOutput(json=Pet)):
-            plain = generate(pair, [prompt], constraint, do_sample=False)
+            plain = generate(pair, [prompt], dataclasses.replace(constraint, jump_forward=False), do_sample=False)
             assert generate(pair, [prompt], constraint, do_sample=False, **assistance) == plain
 
 
@@ -252,21 +253,25 @@ def homogeneity_chi2(a: dict[str, int], b: dict[str, int]) -> tuple[float, int]:
     return statistic, len(keys) - 1
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft"])
+@pytest.mark.parametrize("method", ["ngram", "draft", "jump_forward"])
 def test_sampled_speculative_decoding_under_a_grammar_is_lossless(pair, method):
-    """Sampling with speculation under a grammar draws from the same distribution as constrained plain sampling:
-    the choice each output makes, over 400 samples each way, passes a chi-square homogeneity test (p = 0.001)."""
+    """Sampling with speculation (or jump-forward alone, generate's default) under a grammar draws from the same
+    distribution as constrained plain sampling (`jump_forward=False`): the choice each output makes, over 400 samples
+    each way, passes a chi-square homogeneity test (p = 0.001)."""
     model, tokenizer = pair
     choices = ["import os", "import sys", "import re", "import json"]  # decided after the shared, drafted prefix
     prompt = "# one of: import os, import sys, import re, import json\nline = import re\nline = "
     inputs = tokenizer([prompt], return_tensors="pt", add_special_tokens=False)
     counts = {}
-    for name, kwargs in (("plain", {}), (method, speculative_kwargs(pair, method, hf_accel.SpeculativeStats()))):
+    ways = {"plain": ({}, False), method: ({}, True) if method == "jump_forward" else
+            (speculative_kwargs(pair, method, hf_accel.SpeculativeStats()), True)}
+    for name, (kwargs, jump_forward) in ways.items():
         torch.manual_seed(7)
         tally: dict[str, int] = {}
+        constraint = StructuredOutput(choice=choices, jump_forward=jump_forward)
         for _ in range(8):
             out = model.generate(**inputs, max_new_tokens=16, do_sample=True, temperature=1.5, num_return_sequences=50,
-                                 structured_output=StructuredOutput(choice=choices), tokenizer=tokenizer,
+                                 structured_output=constraint, tokenizer=tokenizer,
                                  pad_token_id=tokenizer.pad_token_id, **kwargs)
             for row in out[:, inputs["input_ids"].shape[1]:]:
                 text = tokenizer.decode(row, skip_special_tokens=True)

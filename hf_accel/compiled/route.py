@@ -16,7 +16,7 @@ from transformers import GenerationConfig
 
 from .. import registry
 
-_CLAIMS_DECODING = ("custom_generate", "assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit",
+CLAIMS_DECODING = ("custom_generate", "assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit",
                     "past_key_values")
 
 
@@ -25,8 +25,8 @@ def route_generate(model: Any, kwargs: dict[str, Any]) -> None:
     sink or quantized cache, or to the compiled entry of `ngram_generate` / `draft_generate` / `eagle_generate`
     when it names one of them."""
     config = kwargs.get("generation_config")
-    compile_config = _setting("compile_config", kwargs, config, model)
-    if compile_config is None or _setting("disable_compile", kwargs, config, model):
+    compile_config = setting("compile_config", kwargs, config, model)
+    if compile_config is None or setting("disable_compile", kwargs, config, model):
         return
     # the loops load here, on the first call that compiles: `import hf_accel` stays light
     from .decode_loop import compiled_generate
@@ -37,15 +37,15 @@ def route_generate(model: Any, kwargs: dict[str, Any]) -> None:
     if callable(custom) and custom in COMPILED_ENTRIES:  # the speculative loops: their compiled entries
         kwargs["custom_generate"] = COMPILED_ENTRIES[custom]
         return
-    name = registry.internal_cache_name(_setting("cache_implementation", kwargs, config, model),
-                                        _setting("cache_config", kwargs, config, model))
+    name = registry.internal_cache_name(setting("cache_implementation", kwargs, config, model),
+                                        setting("cache_config", kwargs, config, model))
     loops = {registry.PAGED_ALIAS: compiled_generate, registry.SINK_ALIAS: compiled_generate,
              registry.QUANTIZED_ALIAS: compiled_quantized_generate}
-    if name in loops and not any(kwargs.get(key) is not None for key in _CLAIMS_DECODING):
+    if name in loops and not any(kwargs.get(key) is not None for key in CLAIMS_DECODING):
         kwargs["custom_generate"] = loops[name]
 
 
-def _setting(name: str, kwargs: dict[str, Any], config: GenerationConfig | None, model: Any) -> Any:
+def setting(name: str, kwargs: dict[str, Any], config: GenerationConfig | None, model: Any) -> Any:
     """A generation setting as generate resolves it: the kwarg, else the `generation_config` passed, else the
     model's."""
     if kwargs.get(name) is not None:

@@ -7,7 +7,10 @@ any batch size and any croppable cache.
 Each round every row's drafter (`NgramDrafter`) drafts from n-gram matches in the row's own tokens and in the shared
 cache; `DraftBudget` picks how many candidates per row to verify (0: a plain decode step, the off-switch); one target
 forward scores them and `chain` keeps each row's accepted prefix, exactly as `draft_generate` does with a draft
-model's tokens. At the end each row's generated tokens are added to the shared cache.
+model's tokens. At the end each row's generated tokens are added to the shared cache. Under a grammar
+(`structured_output=`) a row whose grammar forces its next tokens drafts those instead (jump-forward,
+`jump_forward.py`); `jump_forward_generate` is this loop with the grammar as the only drafter (a constrained
+`generate` call's default).
 
 With `compile_config=CompileConfig(...)` the target's forwards run compiled over a static paged pool, rejected
 candidates rolled back in place (`compiled/ngram_loop.py`; `compiled/route.py` puts its entry in this function's
@@ -18,7 +21,7 @@ scores) decode eagerly with a warning.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -27,13 +30,18 @@ from transformers.cache_utils import Cache
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from ..cache.settings import check_int
+from ..structured.logits import StructuredLogitsProcessor
 from . import chain
 from .chain_checks import check_call
 from .decoding import Decoding, GenerateCall
 from .draft_budget import DraftBudget
+from .jump_forward import jump_forward_grammar, with_forced_tokens
 from .ngram_drafter import NgramDrafter, NgramSettings
 from .stats import SpeculativeStats
-from .suffix_cache import Draft, SuffixCache
+from .suffix_cache import NO_DRAFT, Draft, SuffixCache
+
+
+JUMP_FORWARD_TOKENS = 8  # forced tokens a row verifies per round at most in `jump_forward_generate`
 
 
 @dataclass(slots=True)
@@ -46,6 +54,7 @@ class NgramOptions:
     max_draft_tokens: int
     draft_token_cost: float | None
     ngram_stats: SpeculativeStats | None
+    drafting: bool = field(default=True, init=False)  # False: a grammar's forced tokens are the only drafts
 
     def __post_init__(self) -> None:
         for name, kind in (("suffix_cache", SuffixCache), ("ngram_settings", NgramSettings),
@@ -63,8 +72,10 @@ class NgramOptions:
         """A new `DraftBudget` for one call."""
         return DraftBudget(self.max_draft_tokens, self.draft_token_cost)
 
-    def drafters(self, rows: int) -> list[NgramDrafter]:
-        """One new drafter per row, each reading the shared `suffix_cache`."""
+    def drafters(self, rows: int) -> list[NgramDrafter | None]:
+        """One new drafter per row, each reading the shared `suffix_cache` (None each when not `drafting`)."""
+        if not self.drafting:
+            return [None] * rows
         return [NgramDrafter(self.ngram_settings, self.suffix_cache) for _ in range(rows)]
 
     def add_outputs(self, outputs: list[list[int]]) -> None:
@@ -77,15 +88,17 @@ class NgramOptions:
 @dataclass(slots=True)
 class NgramRun:
     """One `ngram_generate` call: the loop's state, the target and its cache, a drafter per row, the tokens so far
-    (prompt without padding, then generated) and the prompt's length per row, and the draft budget."""
+    (prompt without padding, then generated) and the prompt's length per row, the draft budget, and the call's
+    grammar when it jumps forward (its forced tokens are a row's draft: `jump_forward.py`)."""
 
     decoding: Decoding
     target: PreTrainedModel
     cache: Cache
-    drafters: list[NgramDrafter]
+    drafters: list[NgramDrafter | None]
     contexts: list[list[int]]
     prompt_lengths: list[int]
     budget: DraftBudget
+    grammar: StructuredLogitsProcessor | None
 
     def outputs(self) -> list[list[int]]:
         """Each row's generated tokens, as `generate` returns them (without padding)."""
@@ -123,14 +136,33 @@ def ngram_generate(model: PreTrainedModel, input_ids: torch.LongTensor, logits_p
     options = NgramOptions(suffix_cache, ngram_settings, max_draft_tokens, draft_token_cost, ngram_stats)
     call = GenerateCall(model, input_ids, logits_processor, stopping_criteria, generation_config, hf_accel_streamer,
                         model_kwargs)
+    return run_ngram(call, options)
+
+
+def jump_forward_generate(model: PreTrainedModel, input_ids: torch.LongTensor, logits_processor: LogitsProcessorList,
+                          stopping_criteria: StoppingCriteriaList, generation_config: GenerationConfig,
+                          tokenizer: Any = None, hf_accel_streamer: Any = None,
+                          **model_kwargs: Any) -> GenerateDecoderOnlyOutput | torch.LongTensor:
+    """A constrained `generate` call's loop (`generate(structured_output=...)` runs it where it applies; see
+    `structured/generate_kwarg.py`): `ngram_generate`'s rounds with the grammar's forced tokens as the only drafts
+    (`jump_forward.py`). Output equals constrained plain decoding's (greedy: token for token)."""
+    options = NgramOptions(None, None, JUMP_FORWARD_TOKENS, None, None)
+    options.drafting = False
+    call = GenerateCall(model, input_ids, logits_processor, stopping_criteria, generation_config, hf_accel_streamer,
+                        model_kwargs)
+    return run_ngram(call, options)
+
+
+def run_ngram(call: GenerateCall, options: NgramOptions) -> GenerateDecoderOnlyOutput | torch.LongTensor:
+    """`ngram_generate`'s loop over a checked call (also `jump_forward_generate`'s, with `options.drafting` off)."""
     run = _start(call, options)
-    run.decoding.run(lambda: _prefill(run), lambda _: _round(run), (model,))
+    run.decoding.run(lambda: _prefill(run), lambda _: _round(run), (call.model,))
     options.add_outputs(run.outputs())
-    return run.decoding.output(generation_config, run.cache)
+    return run.decoding.output(call.generation_config, run.cache)
 
 
 def _start(call: GenerateCall, options: NgramOptions) -> NgramRun:
-    check_call(call, "ngram_generate")
+    check_call(call, "ngram_generate" if options.drafting else "jump_forward_generate")
     decoding = Decoding.start(call, options.ngram_stats)
     cache = call.model_kwargs["past_key_values"]
     cache.activate_past_recording()  # sliding-window layers must keep what a crop may take back
@@ -138,7 +170,7 @@ def _start(call: GenerateCall, options: NgramOptions) -> NgramRun:
     rows = call.input_ids.tolist() if mask is None else [
         [t for t, m in zip(ids, keep) if m] for ids, keep in zip(call.input_ids.tolist(), mask.tolist())]
     return NgramRun(decoding, call.model, cache, options.drafters(len(rows)), rows, [len(row) for row in rows],
-                    options.budget())
+                    options.budget(), jump_forward_grammar(call.logits_processor))
 
 
 def _prefill(run: NgramRun) -> None:
@@ -151,7 +183,11 @@ def _round(run: NgramRun) -> None:
     """Draft per row, choose k, verify in one target forward, keep each row's accepted prefix."""
     started = time.perf_counter()
     batch = run.decoding.batch
-    drafts = row_drafts(run.drafters, run.contexts, batch.remaining.tolist(), run.budget.max_tokens)
+    remaining = batch.remaining.tolist()
+    drafts = row_drafts(run.drafters, run.contexts, remaining, run.budget.max_tokens)
+    if run.grammar is not None:
+        drafts = with_forced_tokens(drafts, run.grammar, run.contexts, run.prompt_lengths, remaining,
+                                    run.budget.max_tokens)
     generating = [d for d in drafts if d is not None]
     counts = candidate_counts(drafts, run.budget.choose(generating, len(drafts)))
     candidates = padded_candidates(drafts, counts, batch.pad_token_id, batch.columns.device)
@@ -168,11 +204,12 @@ def _round(run: NgramRun) -> None:
                       time.perf_counter() - started)
 
 
-def row_drafts(drafters: list[NgramDrafter], contexts: list[list[int]], remaining: list[int],
+def row_drafts(drafters: list[NgramDrafter | None], contexts: list[list[int]], remaining: list[int],
                max_tokens: int) -> list[Draft | None]:
     """A draft of at most `max_tokens` per row from its drafter and its tokens so far (`contexts`); None for finished
-    rows (`remaining[r]` 0; a row's last token has no room for a candidate: an empty draft)."""
-    return [None if left <= 0 else drafter.draft(context, min(max_tokens, left - 1))
+    rows (`remaining[r]` 0; a row's last token has no room for a candidate, and a row without a drafter drafts
+    nothing: an empty draft)."""
+    return [None if left <= 0 else NO_DRAFT if drafter is None else drafter.draft(context, min(max_tokens, left - 1))
             for drafter, context, left in zip(drafters, contexts, remaining)]
 
 

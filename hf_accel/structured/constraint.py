@@ -28,6 +28,10 @@ class StructuredOutput:
             `{"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["<tool_call>"], "tags":
             [{"begin": "<tool_call>{\"name\": \"f\", \"arguments\": ", "content": {"type": "json_schema",
             "json_schema": {...}}, "end": "}</tool_call>"}]}}`.
+        jump_forward: where the grammar allows exactly one continuation (a JSON key, closing brackets), verify those
+            tokens in one forward instead of generating them one at a time (jump-forward decoding; outputs are those
+            of constrained decoding without it, exactly for greedy, in distribution for sampling). On by default;
+            in the Engine it also needs `EngineConfig.structured_jump_forward` (on by default).
 
     Generation stops where the constraint is complete (the model's EOS is the only token allowed then); a
     `max_new_tokens` reached first leaves it unfinished, as in vLLM.
@@ -39,14 +43,16 @@ class StructuredOutput:
     choice: Sequence[str] | None = None
     grammar: str | None = None
     structural_tag: dict[str, Any] | str | None = None
+    jump_forward: bool = True
 
     def __post_init__(self) -> None:
         given = [kind for kind in KINDS if (getattr(self, kind) not in (None, False))]
         if len(given) != 1:
             raise ValueError(f"StructuredOutput takes exactly one of {', '.join(KINDS)}; got "
                              f"{', '.join(given) if given else 'none'}")
-        if not isinstance(self.json_object, bool):
-            raise TypeError(f"`json_object` must be a bool, got {self.json_object!r}")
+        for name in ("json_object", "jump_forward"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"`{name}` must be a bool, got {getattr(self, name)!r}")
         if self.json is not None and not (isinstance(self.json, (dict, str)) or _is_pydantic_model(self.json)):
             raise TypeError(f"`json` must be a JSON schema (a dict or its JSON text) or a Pydantic model class, got "
                             f"{type(self.json).__name__}")

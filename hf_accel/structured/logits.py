@@ -27,10 +27,11 @@ from .matcher import TokenMatcher, apply_bitmask, token_bitmask
 
 class StructuredLogitsProcessor(LogitsProcessor):
     """Masks generate's scores to `compiled` (an xgrammar `CompiledGrammar`), one matcher per row, created at the
-    first call (which sees the prompts) for as many rows as it sees."""
+    first call (which sees the prompts) for as many rows as it sees; `jump_forward`: hf_accel's speculative loops
+    draft the tokens the grammar forces (`forced_tokens`; `speculative/jump_forward.py`)."""
 
-    def __init__(self, compiled: Any):
-        self.compiled = compiled
+    def __init__(self, compiled: Any, jump_forward: bool = True):
+        self.compiled, self.jump_forward = compiled, jump_forward
         self.matchers: list[TokenMatcher] = []
         self.prompt_lengths: list[int] = []
         self.bitmask: torch.Tensor | None = None  # [rows, ceil(vocab / 32)] int32
@@ -59,3 +60,10 @@ class StructuredLogitsProcessor(LogitsProcessor):
                 self.bitmask[row].fill_(-1)
         apply_bitmask(scores, self.bitmask)
         return scores
+
+    def forced_tokens(self, row: int, output: list[int]) -> list[int]:
+        """The tokens row `row`'s grammar forces after its `output` so far (the only continuation it allows, in the
+        vocabulary's longest tokens); empty where the next token is a choice, past a stop, or before the first call."""
+        if row >= len(self.matchers) or not self.matchers[row].follow(output):
+            return []
+        return self.matchers[row].forced_tokens()

@@ -6,8 +6,8 @@ any proposer's: each is kept only where the target's grammar-masked choice there
 it (sampling, one-hot draft distribution), so outputs stay exactly those of constrained plain decoding; the grammar
 may allow another tokenization of the forced text, which the target then picks. Up to `MAX_FORCED_TOKENS` per
 step, whatever the step's `draft_width` (forced tokens are verified nearly always and cost the forward a few
-columns); it is on for every constrained request, with or without a `SpeculativeConfig`. Sequences without forced
-tokens go to the proposer as before.
+columns); it is on for every constrained request (unless its `StructuredOutput(jump_forward=False)`), with or without
+a `SpeculativeConfig`. Sequences without forced tokens go to the proposer as before.
 """
 
 from __future__ import annotations
@@ -53,4 +53,6 @@ class JumpForward:
         return proposals
 
     def _forced(self, seq: Sequence) -> list[int]:
-        return seq.grammar.forced_tokens() if self.enabled and seq.grammar is not None else []
+        if not self.enabled or seq.grammar is None or not seq.params.structured_outputs.jump_forward:
+            return []
+        return seq.grammar.forced_tokens()
