@@ -14,19 +14,29 @@ a batch whose forced tokens would not pay for the wider forward decodes plainly.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
 
-from ..structured.logits import StructuredLogitsProcessor
 from .suffix_cache import Draft
 
 SOURCE = "grammar"  # the forced drafts' source in the DraftBudget
 
 
-def jump_forward_grammar(processors: Sequence[object]) -> StructuredLogitsProcessor | None:
+@runtime_checkable
+class ForcingGrammar(Protocol):
+    """A logits processor that knows each row's grammar (`structured.logits.StructuredLogitsProcessor`)."""
+
+    jump_forward: bool
+
+    def forced_tokens(self, row: int, output: list[int]) -> list[int]:
+        """The tokens row `row`'s grammar forces after its `output` so far (empty: the next token is a choice)."""
+
+
+def jump_forward_grammar(processors: Sequence[object]) -> ForcingGrammar | None:
     """The call's structured-output processor when it jumps forward (its constraint's `jump_forward`), else None."""
-    return next((p for p in processors if isinstance(p, StructuredLogitsProcessor) and p.jump_forward), None)
+    return next((p for p in processors if isinstance(p, ForcingGrammar) and p.jump_forward), None)
 
 
-def with_forced_tokens(drafts: list[Draft | None], grammar: StructuredLogitsProcessor, contexts: list[list[int]],
+def with_forced_tokens(drafts: list[Draft | None], grammar: ForcingGrammar, contexts: list[list[int]],
                        prompt_lengths: list[int], remaining: list[int], max_tokens: int) -> list[Draft | None]:
     """`drafts` with each generating row's draft replaced by the tokens its grammar forces after its output so far
     (`contexts[r][prompt_lengths[r]:]`), at most `max_tokens` and one fewer than the row has left; rows whose grammar

@@ -30,12 +30,11 @@ from transformers.cache_utils import Cache
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from ..cache.settings import check_int
-from ..structured.logits import StructuredLogitsProcessor
 from . import chain
 from .chain_checks import check_call
 from .decoding import Decoding, GenerateCall
 from .draft_budget import DraftBudget
-from .jump_forward import jump_forward_grammar, with_forced_tokens
+from .jump_forward import ForcingGrammar, jump_forward_grammar, with_forced_tokens
 from .ngram_drafter import NgramDrafter, NgramSettings
 from .stats import SpeculativeStats
 from .suffix_cache import NO_DRAFT, Draft, SuffixCache
@@ -98,7 +97,7 @@ class NgramRun:
     contexts: list[list[int]]
     prompt_lengths: list[int]
     budget: DraftBudget
-    grammar: StructuredLogitsProcessor | None
+    grammar: ForcingGrammar | None
 
     def outputs(self) -> list[list[int]]:
         """Each row's generated tokens, as `generate` returns them (without padding)."""
