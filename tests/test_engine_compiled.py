@@ -69,6 +69,7 @@ def test_graphs_hold_the_hooks_the_model_had_when_they_compiled():
         second = Engine(model, config=config)
         assert unique_graphs() > graphs and second.core.runner.forward.compiled
         assert all(tokens == [forced] * len(tokens) for tokens in run(second, prompts))
+        assert run(first, prompts) == before  # still its own graphs
     finally:
         handle.remove()
 

@@ -11,10 +11,11 @@ import json
 
 import jsonschema
 import pytest
-from transformers import TextIteratorStreamer
+from transformers import LogitsProcessorList, TemperatureLogitsWarper, TextIteratorStreamer
 
 import hf_accel
 from hf_accel import StructuredOutput, reference
+from hf_accel.speculative import ngram
 
 pytest.importorskip("xgrammar")
 
@@ -30,6 +31,20 @@ CACHES = {"dynamic": {}, "paged": {"cache_implementation": "paged", "cache_confi
 @pytest.fixture(scope="module")
 def pair():
     return reference.load("target")
+
+
+@pytest.fixture
+def rounds(monkeypatch) -> list[int]:
+    """Counts the jump-forward rounds (calls of the loop's forced-token drafting) while the test runs."""
+    calls = []
+    original = ngram.with_forced_tokens
+
+    def counted(*args):
+        calls.append(1)
+        return original(*args)
+
+    monkeypatch.setattr(ngram, "with_forced_tokens", counted)
+    return calls
 
 
 def run(pair, prompts: list[str], constraint: StructuredOutput, **kwargs) -> tuple[list[list[int]], int]:
@@ -63,27 +78,31 @@ def test_jump_forward_equals_constrained_decoding_in_fewer_forwards(pair, batch,
         jsonschema.validate(json.loads(tokenizer.decode(row, skip_special_tokens=True)), SCHEMA)
 
 
-def test_other_constraints_and_a_streamer(pair):
+def test_other_constraints_and_a_streamer(pair, rounds):
     """A choice and a regex with forced stretches give the same tokens; a streamer at batch 1 streams them."""
     _, tokenizer = pair
     for constraint in (StructuredOutput(choice=["import collections", "import os"]),
                        StructuredOutput(regex=r"id-(one|two)-[0-9]{2}-end")):
         jumped, _ = run(pair, ["x = 1\n"], constraint)
-        assert jumped == run(pair, ["x = 1\n"], dataclasses.replace(constraint, jump_forward=False))[0]
+        assert rounds and jumped == run(pair, ["x = 1\n"], dataclasses.replace(constraint, jump_forward=False))[0]
+        rounds.clear()
     streamer = TextIteratorStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     [row], _ = run(pair, ["x = 1\n"], StructuredOutput(json=SCHEMA), streamer=streamer)
-    assert "".join(streamer) == tokenizer.decode(row, skip_special_tokens=True)
+    assert rounds and "".join(streamer) == tokenizer.decode(row, skip_special_tokens=True)
 
 
-def test_calls_its_loop_does_not_cover_decode_as_before(pair):
-    """Hidden-state outputs, a static cache, a cache object passed in: one forward per token, the same tokens."""
+def test_calls_its_loop_does_not_cover_decode_as_before(pair, rounds):
+    """Hidden-state outputs, a static cache, a cache object passed in, settings whose processors read a row's
+    history or length, processors of the caller's: stock generate's loop, the same tokens and forwards."""
     model, _ = pair
     constraint = StructuredOutput(json=SCHEMA)
-    plain, plain_forwards = run(pair, PROMPTS["batch 1"], dataclasses.replace(constraint, jump_forward=False))
-    for kwargs in ({"output_hidden_states": True, "return_dict_in_generate": True},
-                   {"cache_implementation": "static"}, {"past_key_values": hf_accel.PagedCache(model.config)}):
-        model_tokens = run(pair, PROMPTS["batch 1"], constraint, **kwargs)
-        assert model_tokens == (plain, plain_forwards), kwargs
+    for kwargs in (lambda: {"output_hidden_states": True, "return_dict_in_generate": True},
+                   lambda: {"cache_implementation": "static"},
+                   lambda: {"past_key_values": hf_accel.PagedCache(model.config)},  # a new one each call
+                   lambda: {"repetition_penalty": 1.3}, lambda: {"min_new_tokens": 30},
+                   lambda: {"logits_processor": LogitsProcessorList([TemperatureLogitsWarper(0.5)])}):
+        plain = run(pair, PROMPTS["batch 1"], dataclasses.replace(constraint, jump_forward=False), **kwargs())
+        assert run(pair, PROMPTS["batch 1"], constraint, **kwargs()) == plain and not rounds, kwargs()
 
 
 def test_ngram_generate_drafts_forced_tokens(pair):

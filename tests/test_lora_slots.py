@@ -78,8 +78,8 @@ def test_the_update_is_each_tokens_own_adapters(path, monkeypatch):
 
 
 def test_the_kernel_covers_long_chunks_wide_rows_and_odd_ranks():
-    """The kernel's every path against the torch form: 41 tokens over 3 adapters (chunks of 16 and runs of 4 with
-    remainders), ranks 16 and 7 (not a multiple of the 4 rows taken together), `in` 70 and `out` 150 (blocks of 64
+    """The kernel's every path against the torch form: 41 tokens over 3 adapters (chunks of 16 and runs of 4, 3 and
+    2), ranks 16 and 7 (not a multiple of the 4 rows taken together), `in` 70 and `out` 150 (blocks of 64
     and of 16 columns and a tail), base tokens between."""
     if lora_kernel() is None:
         pytest.skip("hf_accel's C++ extension is not built")
@@ -89,7 +89,8 @@ def test_the_kernel_covers_long_chunks_wide_rows_and_odd_ranks():
     slots = AdapterSlots(projections, max_loras=3)
     weights = {i + 1: adapter(f"a{i}", rank, i, 70, 150) for i, rank in enumerate((16, 7, 16))}
     placed = {lora_id: slots.acquire(lora_id, w) for lora_id, w in weights.items()}
-    ids = [None if t % 9 == 4 else (1 if t % 2 == 0 else 2 + t % 4 // 2) for t in range(41)]  # 18, 9, 9 tokens
+    # 19 tokens (a chunk of 16, a run of 3), 7 (4 + 3), 10 (4 + 4 + 2) and 5 of the base, interleaved
+    ids = [([1] * 19 + [2] * 7 + [3] * 10 + [None] * 5)[t * 17 % 41] for t in range(41)]
     x = torch.randn(41, 70)
     step.set([-1 if i is None else placed[i] for i in ids], slots.ranks)
     with torch.no_grad():

@@ -18,6 +18,7 @@ from transformers import CompileConfig, LogitsProcessor, LogitsProcessorList
 
 import hf_accel
 from hf_accel import StructuredOutput, reference
+from hf_accel.speculative import ngram
 from hf_accel.structured.grammars import xgrammar
 
 pytest.importorskip("xgrammar")
@@ -254,7 +255,7 @@ def homogeneity_chi2(a: dict[str, int], b: dict[str, int]) -> tuple[float, int]:
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft", "jump_forward"])
-def test_sampled_speculative_decoding_under_a_grammar_is_lossless(pair, method):
+def test_sampled_speculative_decoding_under_a_grammar_is_lossless(pair, method, monkeypatch):
     """Sampling with speculation (or jump-forward alone, generate's default) under a grammar draws from the same
     distribution as constrained plain sampling (`jump_forward=False`): the choice each output makes, over 400 samples
     each way, passes a chi-square homogeneity test (p = 0.001)."""
@@ -262,6 +263,9 @@ def test_sampled_speculative_decoding_under_a_grammar_is_lossless(pair, method):
     choices = ["import os", "import sys", "import re", "import json"]  # decided after the shared, drafted prefix
     prompt = "# one of: import os, import sys, import re, import json\nline = import re\nline = "
     inputs = tokenizer([prompt], return_tensors="pt", add_special_tokens=False)
+    forced_rounds = []
+    drafting = ngram.with_forced_tokens
+    monkeypatch.setattr(ngram, "with_forced_tokens", lambda *args: forced_rounds.append(1) or drafting(*args))
     counts = {}
     ways = {"plain": ({}, False), method: ({}, True) if method == "jump_forward" else
             (speculative_kwargs(pair, method, hf_accel.SpeculativeStats()), True)}
@@ -280,6 +284,7 @@ def test_sampled_speculative_decoding_under_a_grammar_is_lossless(pair, method):
                     text = "(cut)"
                 tally[text] = tally.get(text, 0) + 1
         counts[name] = tally
+    assert bool(forced_rounds) == (method != "draft")  # jump-forward rounds ran in the arms that have them only
     statistic, dof = homogeneity_chi2(counts["plain"], counts[method])
     assert dof >= 2, counts  # the choice is not a foregone conclusion
     assert statistic < CHI2_CRITICAL_P001[dof], (statistic, counts)

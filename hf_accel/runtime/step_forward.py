@@ -21,7 +21,7 @@ In the engine-core process (`EngineProcess`), steps (and an EAGLE head's passes)
 guards (`skip_guard_eval_unsafe`: only the guards that tell the graphs apart run; `warm_guards`), since every step's
 inputs differ from the warmed ones in sizes and values only, and the full guards are a visible share of a small
 model's step. Everywhere, the graphs carry no guards on module hooks (`dynamo.without_hook_guards`: half a
-millisecond a step): the hooks the model has when they compile are part of their key instead.
+millisecond a step): the hooks the model has when they trace are part of their key instead.
 Only there: dynamo's stance is process-wide, and beside an in-process engine other threads may run compiled code
 whose guards must run (`skip_warm_guards`).
 The weights are frozen into the graphs (inductor's `freezing`), so each Linear runs over a weight packed once (fp32:
@@ -111,7 +111,8 @@ class StepForward:
         self.graph_inputs = graph_inputs
         self.feature_layers = feature_layers
         self.device = next(model.parameters()).device
-        self.compiled = compile  # whether steps run the graphs (False while they compile in the background)
+        self.compiled = False  # whether steps run the graphs (from the end of a compile, see `warm_up`)
+        self._compile_wanted = compile
         self.compile_seconds = 0.0
         self._warm = False  # every graph compiled: steps may skip dynamo's guards
         self._forward = model  # eager: the module's own __call__ (its hooks, its forward as it is at call time)
@@ -122,14 +123,18 @@ class StepForward:
         self._compiler: threading.Thread | None = None  # the background compile, while it runs
         self._compiled_graphs: tuple | None = None  # (forward, single) compiled in the background, to switch to
         self._cancelled = False  # set by `cancel_compile`: the background compile stops at its next graph
-        if compile:
-            compiled = compiled_for(model, call_model, ("engine step", hooks_key(model)),
-                                    functools.partial(_compile_step, dynamic=True))
-            self._forward = functools.partial(compiled, model)
-        if self.max_blocks is not None:
-            single = compiled_for(model, call_model, ("engine single-sequence step", hooks_key(model)),
-                                  functools.partial(_compile_step, dynamic=False))
-            self._single = functools.partial(single, model)
+
+    def _compiled_functions(self) -> tuple[Callable, Callable | None]:
+        """The compiled step functions (the single-sequence one None without `max_blocks`), kept per model, its
+        weights and the hooks it has now (`dynamo.hooks_key`: the graphs carry no guards on them), when they trace."""
+        hooks = hooks_key(self.model)
+        forward = compiled_for(self.model, call_model, ("engine step", hooks),
+                               functools.partial(_compile_step, dynamic=True))
+        if self.max_blocks is None:
+            return functools.partial(forward, self.model), None
+        single = compiled_for(self.model, call_model, ("engine single-sequence step", hooks),
+                              functools.partial(_compile_step, dynamic=False))
+        return functools.partial(forward, self.model), functools.partial(single, self.model)
 
     @property
     def compiling(self) -> bool:
@@ -189,32 +194,31 @@ class StepForward:
             with attention_implementation(self.model, ATTENTION_NAME):
                 self.graphs.capture()
             self.compile_seconds = time.perf_counter() - started
-        if not self.compiled:
+        if not self._compile_wanted:
             return
         if not background:
-            self._compile(self._forward, self._single, started)
+            self._compile(started)
             return
         if self.kv.spare_block is None:
             raise ValueError("a background compile needs a pool with a spare block (`KVPool(spare_block=True)`)")
-        graphs = (self._forward, self._single)
-        self.compiled, self._forward, self._single = False, self.model, None  # eager until the graphs are ready
-        self._compiler = threading.Thread(target=self._compile, args=(*graphs, started, True),
-                                          name="hf_accel-compile", daemon=True)
+        self._compiler = threading.Thread(target=self._compile, args=(started, True), name="hf_accel-compile",
+                                          daemon=True)
         begin_background_compile()
         self._compiler.start()
 
-    def _compile(self, forward, single, started: float, background: bool = False) -> None:
-        """Trace and compile `forward` and `single` (None: no single-sequence graph); steps use them after (at once,
-        or from the first step after a `background` compile); on failure, warn and keep the eager forward."""
-        compiled = False
+    def _compile(self, started: float, background: bool = False) -> None:
+        """Trace and compile the step's graphs; steps use them after (at once, or from the first step after a
+        `background` compile); on failure, warn and keep the eager forward."""
+        graphs = None
         try:
             if self.feature_layers:  # transformers' capturing hooks get installed by an eager call (see above)
                 self._run(_one_token(self._scratch, self.kv.block_size), self.model, 1, graph=False)
+            forward, single = self._compiled_functions()
             # each engine's graphs count toward dynamo's process-wide total (accumulated_recompile_limit),
             # which a long notebook or test session would otherwise reach
             with dynamo_settings(), freezing(True, self.model.dtype):
                 self._trace_graphs(forward, single)
-            compiled = True
+            graphs = (forward, single)
         except _Cancelled:  # the engine shut down: nothing to warn about
             pass
         except Exception as error:
@@ -225,11 +229,12 @@ class StepForward:
             self.compile_seconds = time.perf_counter() - started  # before the graphs show: whoever sees them sees it
             if background:
                 end_background_compile()
-        if not compiled:
-            self.compiled, self._forward, self._single, self.max_blocks = False, self.model, None, None
+        if graphs is None:
+            self.max_blocks = None
         elif background:
-            self._compiled_graphs = (forward, single)  # the next step switches (in its own thread)
+            self._compiled_graphs = graphs  # the next step switches (in its own thread)
         else:
+            (self._forward, self._single), self.compiled = graphs, True
             self._warm = True
 
     def _switch_to_graphs(self) -> None:

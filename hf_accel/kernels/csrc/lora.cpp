@@ -50,15 +50,12 @@ inline vec load(const float* p) {
 
 inline void store(float* p, vec v) { std::memcpy(p, &v, sizeof(vec)); }
 
-typedef float half_vec __attribute__((vector_size(kWidth / 2 * sizeof(float))));
-typedef float quarter_vec __attribute__((vector_size(kWidth / 4 * sizeof(float))));
-
-// a tree of halves: log2(16) dependent adds instead of a chain of 16
+// a tree of halves: log2(16) dependent adds instead of a chain of 16 (element access only: GCC < 12 has no
+// __builtin_shufflevector)
 inline float sum(vec v) {
-  const half_vec h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-                     __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  const quarter_vec q = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
-  return (q[0] + q[2]) + (q[1] + q[3]);
+  for (int half = kWidth / 2; half > 0; half /= 2)
+    for (int j = 0; j < half; ++j) v[j] += v[j + half];
+  return v[0];
 }
 
 // h_k[r] = A[r, :] . x_k for N tokens and the kRows rows r0.. of A (those past `rank` are not written): each
