@@ -52,6 +52,8 @@ def report(with_peer: bool) -> dict:
             "generate_overhead": [],
             "jump_forward": [{"batch": 1, "mode": "jump-forward + suffix", "tok_s": 20.0, "vs_constrained_plain": 1.6,
                               "identical": True, "forced_tokens": 3, "accepted_tokens": 5, "draft_tokens": 9}],
+            "generate_jump_forward": [{"batch": 8, "mode": "jump-forward + suffix", "tok_s": 30.0,
+                                       "vs_constrained_plain": 1.4, "identical": True}],
             "compile_beside_decoding": {"steps": 9, "step_ms": 3.0, "step_ms_while_compiling": 3.3, "ratio": 1.1},
             "vllm": peer}
 
@@ -65,11 +67,13 @@ def test_targets_and_page(script):
         assert found["engine constrained / unconstrained tok/s, batch 8"] is True
         assert found["engine constrained / unconstrained tok/s, batch 1"] is True
         assert found["step time while a large schema compiles / without"] is False
-        assert found["jump-forward + suffix / constrained plain, batch 1"] is True
+        assert found["engine jump-forward + suffix / constrained plain, batch 1"] is True
+        assert found["generate jump-forward + suffix / constrained plain, batch 8"] is False
         assert found["engine json_schema / vLLM CPU build tok/s, reference target"] is (True if with_peer else None)
         page = script.render(data)
         assert ("vLLM side by side on the reference target: skipped (no venv)" in page) != with_peer
         assert "| engine | 1 | off | 95 | 100 | 1.01x | - |" in page
+        assert "| 8 | jump-forward + suffix | 30 | 1.40x | yes |" in page  # the generate section
 
 
 def test_mask_clock_restores_what_it_wraps(script):
