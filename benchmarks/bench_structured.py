@@ -441,6 +441,9 @@ def render(report: dict[str, Any]) -> str:
     lines += [f"| {r['batch']} | {r['mode']} | {r['tok_s']:.0f} | {r['vs_constrained_plain']:.2f}x | "
               f"{'yes' if r['identical'] else 'no'} | {r['forced_tokens']} | "
               f"{r['accepted_tokens']} / {r['draft_tokens']} |" for r in report["jump_forward"]]
+    lines += ["", "Each mode keeps one engine over the repeats, so from the second repeat on its suffix cache holds "
+                  "the same requests' earlier outputs: the suffix rows overstate what new requests get (the "
+                  "generate section's cache is new each run)."]
     lines += [""] + render_generate_jump_forward(report["generate_jump_forward"])
     c = report["compile_beside_decoding"]
     lines += ["", f"A large schema (200 nested properties) compiling beside 4 decoding requests: their step "

@@ -266,9 +266,11 @@ def export_vllm(out: str | Path, model: str | Path | None = None, quant: str | N
     check_output(out, overwrite)
     tokenizer = load_tokenizer(model_path)
     loaded = AutoModelForCausalLM.from_pretrained(model_path, dtype=EXPORT_DTYPE, local_files_only=True).eval()
+    config = None
     if scheme is not None:
         from .compressed import quantization_config
-    config = None if scheme is None else quantization_config(loaded, scheme)  # checks the group size first
+
+        config = quantization_config(loaded, scheme)  # checks the group size first
     drafts = DraftHeads.load(model_path, loaded, eagle, medusa)
     served_name = served_model_name or out.resolve().name
     adapters = None if not lora_modules else LoRAModules.check(lora_modules, loaded, served_name)

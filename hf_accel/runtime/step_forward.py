@@ -128,13 +128,14 @@ class StepForward:
         """The compiled step functions (the single-sequence one None without `max_blocks`), kept per model, its
         weights and the hooks it has now (`dynamo.hooks_key`: the graphs carry no guards on them), when they trace."""
         hooks = hooks_key(self.model)
-        forward = compiled_for(self.model, call_model, ("engine step", hooks),
-                               functools.partial(_compile_step, dynamic=True))
-        if self.max_blocks is None:
-            return functools.partial(forward, self.model), None
-        single = compiled_for(self.model, call_model, ("engine single-sequence step", hooks),
-                              functools.partial(_compile_step, dynamic=False))
-        return functools.partial(forward, self.model), functools.partial(single, self.model)
+
+        def compiled(name: str, dynamic: bool) -> Callable:
+            function = compiled_for(self.model, call_model, (name, hooks),
+                                    functools.partial(_compile_step, dynamic=dynamic))
+            return functools.partial(function, self.model)
+
+        single = None if self.max_blocks is None else compiled("engine single-sequence step", dynamic=False)
+        return compiled("engine step", dynamic=True), single
 
     @property
     def compiling(self) -> bool:

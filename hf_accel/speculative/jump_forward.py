@@ -47,5 +47,5 @@ def with_forced_tokens(drafts: list[Draft | None], grammar: ForcingGrammar, cont
             continue
         forced = grammar.forced_tokens(row, context[start:])[: min(max_tokens, left - 1)]
         if forced:
-            out[row] = Draft(list(forced), [1.0] * len(forced), source=SOURCE)
+            out[row] = Draft(forced, [1.0] * len(forced), source=SOURCE)
     return out
