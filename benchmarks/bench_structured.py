@@ -53,6 +53,7 @@ ROOT = Path(__file__).resolve().parents[1]
 NAME = "bench_structured"
 COMMAND = ".venv/bin/python benchmarks/bench_structured.py"
 MAX_TOKENS = 160
+COMPILE_REPEATS = 3  # runs with a large compile (and without) per repeat of the plan: each ratio is noisy here
 FULL = {"batches": (1, 8, 64), "generate_batches": (1, 8, 64), "repeats": 3, "samples": 2, "peer": True}
 QUICK = {"batches": (1, 8), "generate_batches": (1,), "repeats": 1, "samples": 1, "peer": False}
 
@@ -261,13 +262,19 @@ def jump_forward(model, tokenizer, plan: dict[str, Any]) -> list[dict[str, Any]]
     return rows
 
 
-def compile_beside_decoding(model, tokenizer, plan: dict[str, Any]) -> dict[str, Any]:
-    """Mean step time of 4 decoding requests while a large new schema compiles, against the same steps of a run
-    without the compile (interleaved runs)."""
-    properties = {f"field_{i}": {"type": "object", "properties": {
+def large_schema(prefix: str) -> dict[str, Any]:
+    """A schema of 200 nested objects whose property names start with `prefix` (its grammar compiles in about a
+    second here, on one thread)."""
+    properties = {f"{prefix}{i}": {"type": "object", "properties": {
         "a": {"type": "string", "pattern": "[a-z]{2,8}"}, "b": {"enum": [f"v{j}" for j in range(30)]},
         "c": {"type": "array", "items": {"type": "integer"}, "maxItems": 5}}, "required": ["a", "b", "c"]}
         for i in range(200)}
+    return {"type": "object", "properties": properties, "required": list(properties)}
+
+
+def compile_beside_decoding(model, tokenizer, plan: dict[str, Any]) -> dict[str, Any]:
+    """Mean step time of 4 decoding requests while a large new schema compiles, against the same steps of a run
+    without the compile (interleaved runs, alternating which goes first)."""
     engine = make_engine(model, tokenizer)
 
     def steps(compile_one: int | None, count: int | None) -> list[float]:
@@ -277,9 +284,8 @@ def compile_beside_decoding(model, tokenizer, plan: dict[str, Any]) -> dict[str,
                                request_id=f"decode-{i}")
         for _ in range(5):
             engine.step()
-        if compile_one is not None:  # a schema text no earlier run compiled
-            schema = {"type": "object", "title": f"big-{compile_one}", "properties": properties,
-                      "required": list(properties)}
+        if compile_one is not None:  # a grammar no earlier run compiled (xgrammar's cache keys the grammar, and
+            schema = large_schema(f"f{compile_one}_")  # a schema's title is not part of it: the names must differ)
             engine.add_request("x", SamplingParams(max_tokens=1, structured_outputs=StructuredOutput(json=schema)),
                                request_id="big")
         seconds = []
@@ -294,9 +300,13 @@ def compile_beside_decoding(model, tokenizer, plan: dict[str, Any]) -> dict[str,
         return seconds
 
     rows = []
-    for repeat in range(plan["repeats"]):
-        during = steps(repeat, None)
-        without = steps(None, len(during))
+    for repeat in range(COMPILE_REPEATS * plan["repeats"]):
+        if repeat % 2:  # steps of a run without the compile first, as many as the last run with one took
+            without = steps(None, rows[-1]["steps"])
+            during = steps(repeat, None)
+        else:
+            during = steps(repeat, None)
+            without = steps(None, len(during))
         rows.append({"steps": len(during), "step_ms_while_compiling": 1000 * statistics.mean(during),
                      "step_ms": 1000 * statistics.mean(without)})
     engine.shutdown()

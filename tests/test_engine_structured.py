@@ -24,7 +24,7 @@ from hf_accel.engine.model_runner import StepOutput
 from hf_accel.engine.outputs import RequestTiming
 from hf_accel.engine.scheduler import ScheduledSeq
 from hf_accel.engine.sequence import Request, make_sequences
-from hf_accel.engine.structured_requests import GrammarCompiles
+from hf_accel.engine import structured_requests
 from hf_accel.structured.grammars import compile_constraint, compiler_for
 from hf_accel.structured.matcher import TokenMatcher, mask_rows
 
@@ -219,13 +219,13 @@ def test_verifying_a_sampled_candidate_under_a_grammar_is_lossless():
 
 def test_the_grammar_compiles_off_the_loop_and_a_waiting_request_can_be_aborted(monkeypatch):
     release = threading.Event()
-    compile_grammar = GrammarCompiles._compile
+    compile_grammar = structured_requests._compile
 
-    def slow(self, constraint, compiler):
+    def slow(key, compiler):
         release.wait(30)
-        return compile_grammar(self, constraint, compiler)
+        return compile_grammar(key, compiler)
 
-    monkeypatch.setattr(GrammarCompiles, "_compile", slow)
+    monkeypatch.setattr(structured_requests, "_compile", slow)
     eng = engine()
     eng.add_request(PROMPTS[0], greedy(StructuredOutput(json=SCHEMA)), request_id="waits")
     eng.add_request(PROMPTS[1], greedy(StructuredOutput(regex="[a-z]+")), request_id="aborted")
@@ -250,11 +250,28 @@ def test_the_grammar_compiles_off_the_loop_and_a_waiting_request_can_be_aborted(
     assert_nothing_kept(eng)
 
 
+def test_the_worker_compiles_what_admission_parsed(monkeypatch):
+    """A constraint is parsed once, when its request is added: the worker thread runs xgrammar's compile alone,
+    with no Python-side parsing that would take the GIL from the stepping thread."""
+    from hf_accel.structured import grammars
+
+    parsed = []
+    parse = grammars.parse_constraint
+    monkeypatch.setattr(grammars, "parse_constraint", lambda constraint: parsed.append(constraint) or parse(constraint))
+    schema = {**SCHEMA, "title": "parsed once"}  # a constraint no other test parsed
+    eng = engine()
+    out = eng.generate(PROMPTS[:2], [greedy(StructuredOutput(json=schema))] * 2)
+    assert len(parsed) == 1 and [o.error for o in out] == [None, None]
+    assert [o.outputs[0].token_ids for o in out] == [constrained_generate(p, StructuredOutput(json=schema))
+                                                     for p in PROMPTS[:2]]
+    assert_nothing_kept(eng)
+
+
 def test_a_failed_compile_fails_its_request_alone(monkeypatch):
-    def broken(self, constraint, compiler):
+    def broken(key, compiler):
         raise ValueError("`structured_outputs`: the backend broke")
 
-    monkeypatch.setattr(GrammarCompiles, "_compile", broken)
+    monkeypatch.setattr(structured_requests, "_compile", broken)
     eng = engine()
     bad, good = eng.generate(PROMPTS[:2], [greedy(StructuredOutput(regex="[a-z]+")), greedy(None)])
     assert bad.error is not None and "the backend broke" in str(bad.error)

@@ -47,13 +47,14 @@ class Admission:
             raise TypeError(f"`params` must be a SamplingParams, got {type(params).__name__}")
         text, ids = encode_prompt(self.tokenizer, prompt)
         check_request(ids, params, self.limits)
-        if params.structured_outputs is not None:
+        constraint_key = None if params.structured_outputs is None else \
             check_structured_outputs(self.tokenizer, params.structured_outputs)
         if lora_request is not None:
             self.check_lora(lora_request)
         request_id = f"req-{next(self._ids)}" if request_id is None else request_id
         return Request(request_id, text, ids, params, next(self._arrivals), RequestTiming(time.perf_counter()),
-                       output_kind=output_kind, lora_request=lora_request)
+                       output_kind=output_kind, lora_request=lora_request,
+                       constraint_key=constraint_key)
 
     def check_lora(self, lora_request: LoRARequest) -> None:
         """ValueError / TypeError unless the engine serves adapters and `lora_request`'s can be served."""

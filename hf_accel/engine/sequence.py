@@ -151,6 +151,7 @@ class Request:
     error: RequestError | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     lora_request: LoRARequest | None = None  # the adapter it runs with (None: the base model)
+    constraint_key: tuple[str, str] | None = None  # its `structured_outputs`' key (`StructuredOutput.key`)
 
     @property
     def is_finished(self) -> bool:

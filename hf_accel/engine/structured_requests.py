@@ -34,25 +34,30 @@ COMPILE_THREADS = 1  # xgrammar threads per compile: the step's threads keep the
 COMPILE_NICENESS = 10  # the compile thread's nice value (Linux): the step's thread runs first when they contend
 
 
-def check_structured_outputs(tokenizer: PreTrainedTokenizerBase | None, constraint: StructuredOutput) -> None:
-    """ValueError naming `structured_outputs` when the engine has no tokenizer or the backend refuses the
-    constraint (ImportError naming the extra when xgrammar is missing). A constraint that passed is remembered
-    (`MAX_CHECKED`), so a server sending one schema many times parses it once."""
+def check_structured_outputs(tokenizer: PreTrainedTokenizerBase | None,
+                             constraint: StructuredOutput) -> tuple[str, str]:
+    """`constraint`'s key (`StructuredOutput.key`: what its grammar is compiled and kept under), once the backend
+    parsed it; ValueError naming `structured_outputs` when the engine has no tokenizer or the backend refuses the
+    constraint (ImportError naming the extra when xgrammar is missing). The parsed grammar is remembered by key
+    (`MAX_CHECKED`): a server sending one schema many times parses it once, and the compile worker takes it from
+    here."""
     if tokenizer is None:
         raise ValueError("`structured_outputs` needs the engine's tokenizer: create the Engine with `tokenizer=`")
+    key = constraint.key()
     try:
-        _check_key(constraint.key())
+        _parsed(key)
     except ValueError as error:
         raise ValueError(f"`structured_outputs`: {error}") from error
+    return key
 
 
 @functools.lru_cache(maxsize=MAX_CHECKED)
-def _check_key(key: tuple[str, str]) -> None:
+def _parsed(key: tuple[str, str]) -> Any:
     from ..structured.grammars import parse_constraint
 
     kind, text = key
     value = True if kind == "json_object" else json.loads(text) if kind == "choice" else text
-    parse_constraint(StructuredOutput(**{kind: value}))
+    return parse_constraint(StructuredOutput(**{kind: value}))
 
 
 class GrammarCompiles:
@@ -67,7 +72,7 @@ class GrammarCompiles:
 
     def compiled(self, request: Request) -> Any | None:
         """`request`'s grammar if one with its constraint was compiled before (no wait, no worker), else None."""
-        key = request.params.structured_outputs.key()
+        key = request.constraint_key
         found = self._compiled.get(key)
         if found is not None:
             self._compiled.move_to_end(key)
@@ -82,7 +87,7 @@ class GrammarCompiles:
         if self._executor is None:
             self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hf_accel-grammar",
                                                                    initializer=_lower_priority)
-        future = self._executor.submit(self._compile, request.params.structured_outputs, self._compiler())
+        future = self._executor.submit(_compile, request.constraint_key, self._compiler())
         self._pending[request.request_id] = (request, future)
 
     def take_ready(self) -> list[tuple[Request, Any]]:
@@ -94,7 +99,7 @@ class GrammarCompiles:
                 del self._pending[request_id]
                 error = future.exception()
                 if error is None:
-                    self._remember(request.params.structured_outputs.key(), future.result())
+                    self._remember(request.constraint_key, future.result())
                 ready.append((request, future.result() if error is None else error))
         return ready
 
@@ -130,13 +135,18 @@ class GrammarCompiles:
 
         return compiler_for(self.tokenizer, self.vocab_size, self.stop_token_ids, COMPILE_THREADS)
 
-    def _compile(self, constraint: StructuredOutput, compiler: Any) -> Any:
-        from ..structured.grammars import compile_constraint
 
-        try:
-            return compile_constraint(constraint, compiler)
-        except ValueError as error:
-            raise ValueError(f"`structured_outputs`: {error}") from error
+
+def _compile(key: tuple[str, str], compiler: Any) -> Any:
+    """On the worker: the grammar of the constraint under `key` compiled. Admission parsed it in this process, so
+    what runs here is xgrammar's C++ alone, without the GIL: the stepping thread is never held up. (In an engine
+    core process the parse happens here, once per constraint.)"""
+    from ..structured.grammars import compile_parsed
+
+    try:
+        return compile_parsed(key[0], _parsed(key), compiler)
+    except ValueError as error:
+        raise ValueError(f"`structured_outputs`: {error}") from error
 
 
 def _lower_priority() -> None:

@@ -91,11 +91,16 @@ def _exact_json_strings(grammar: Any) -> Any:
 
 def compile_constraint(constraint: StructuredOutput, compiler: Any) -> Any:
     """`constraint` compiled by `compiler` (an xgrammar `CompiledGrammar`); ValueError as `parse_constraint`."""
-    grammar = parse_constraint(constraint)
+    return compile_parsed(constraint.kind, parse_constraint(constraint), compiler)
+
+
+def compile_parsed(kind: str, grammar: Any, compiler: Any) -> Any:
+    """`grammar` (`parse_constraint`'s, of a `kind` constraint) compiled by `compiler`. All of it runs in xgrammar's
+    C++ without the GIL, so a worker thread compiling it leaves a decoding thread alone."""
     try:
         return compiler.compile_grammar(grammar)
     except (RuntimeError, ValueError, TypeError) as error:
-        raise _refused(constraint.kind, error) from error
+        raise _refused(kind, error) from error
 
 
 def _refused(kind: str, error: Exception) -> ValueError:
