@@ -32,6 +32,7 @@ from ..cache.sink import SinkCache
 from ..cache.sink_config import SinkCacheConfig
 from ..runtime.attention import ATTENTION_NAME, gathered_attention
 from ..runtime.cuda_graphs import decode_attention
+from ..runtime.host_argmax import argmax_rows
 from ..kernels.custom_ops import paged_attention_kernel
 from ..registry import attention_implementation
 from .captured_step import CapturedStep, captures
@@ -200,7 +201,7 @@ class Decode:
             self.logits.append(logits)
         if self.do_sample:
             return torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
-        return scores.argmax(dim=-1)
+        return argmax_rows(scores)
 
     def _commit(self, tokens: torch.Tensor, unfinished: torch.Tensor) -> torch.Tensor:
         """Append a step's tokens (finished rows get the pad token), stream them, and return which rows go on."""

@@ -22,6 +22,8 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from ..runtime.host_argmax import argmax_rows
+
 IN_GRAPH_WARPERS = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper)
 
 
@@ -51,7 +53,7 @@ def host_processing(processors: LogitsProcessorList) -> Callable[[torch.Tensor, 
 def choose_tokens(scores: torch.Tensor, warpers: tuple, do_sample: bool) -> torch.Tensor:
     """`scores` `[rows, vocab]` fp32 -> `[rows]` next tokens: argmax, or a draw after `warpers` (in order)."""
     if not do_sample:
-        return scores.argmax(dim=-1)
+        return argmax_rows(scores)
     return draw(scores, warpers)[0]
 
 
@@ -62,4 +64,4 @@ def draw(scores: torch.Tensor, warpers: tuple) -> tuple[torch.Tensor, torch.Tens
         scores = warper(None, scores)  # these warpers never read input_ids
     probs = torch.softmax(scores, dim=-1)
     race = torch.empty_like(probs).exponential_(1)
-    return (probs / race).argmax(dim=-1), probs
+    return argmax_rows(probs / race), probs

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from ..runtime.host_argmax import argmax_rows
 from ..speculative.verify import Verdict, greedy_accept, speculative_sample
 from .model_runner import StepOutput
 from .outputs import TokenLogprob
@@ -139,7 +140,7 @@ class Committer:
         for width, group in by_width.items():
             drafts = torch.tensor([out.sampling[i].draft_token_ids for i in group], device=device)
             rows = torch.tensor([list(range(out.starts[i], out.starts[i] + width + 1)) for i in group], device=device)
-            verdict = greedy_accept(drafts, out.logits[rows].argmax(dim=-1))  # targets: [group, width + 1]
+            verdict = greedy_accept(drafts, argmax_rows(out.logits[rows]))  # targets: [group, width + 1]
             for i, tokens in zip(group, self._emitted(verdict, width)):
                 emitted[i] = tokens
         return emitted
@@ -150,7 +151,7 @@ class Committer:
         scores = candidate_scores(out.logits[out.rows(i)].to("cpu", copy=True), seq, drafts)  # [k + 1, vocab]
         candidates = torch.tensor([drafts])
         if seq.params.is_greedy:
-            verdict = greedy_accept(candidates, scores.argmax(dim=-1)[None])
+            verdict = greedy_accept(candidates, argmax_rows(scores)[None])
         else:
             probs = torch.softmax(scores, dim=-1)[None]
             one_hot = torch.zeros_like(probs[:, :-1]).scatter_(2, candidates[..., None], 1.0)

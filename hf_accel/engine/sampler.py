@@ -22,6 +22,7 @@ from transformers import (
     TopPLogitsWarper,
 )
 
+from ..runtime.host_argmax import argmax_rows
 from ..structured.matcher import apply_bitmask, mask_rows, token_bitmask
 from .outputs import TokenLogprob
 from .sampling_params import SamplingParams
@@ -61,7 +62,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> Sampled:
     per sequence."""
     if any(seq.grammar is not None for seq in seqs):  # before any processor, as vLLM applies its grammar bitmask
         mask_rows(logits, [seq.grammar for seq in seqs])
-    result = Sampled(logits.argmax(dim=-1).tolist())
+    result = Sampled(argmax_rows(logits).tolist())
     groups: dict[int, list[int]] = {}
     for i, seq in enumerate(seqs):
         if seq.params.needs_processing:
@@ -84,7 +85,7 @@ def _sample_group(logits: torch.Tensor, seqs: list[Sequence], rows: list[int], t
     params = seqs[rows[0]].params
     scores = _process(logits[rows], [seqs[i] for i in rows], params)
     if params.is_greedy:
-        for i, token in zip(rows, scores.argmax(dim=-1).tolist()):
+        for i, token in zip(rows, argmax_rows(scores).tolist()):
             tokens[i] = token
         return
     probs = torch.softmax(scores, dim=-1)

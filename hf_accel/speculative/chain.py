@@ -14,6 +14,7 @@ import torch
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
 
+from ..runtime.host_argmax import argmax_rows
 from .decoding import Decoding
 from .ragged_batch import RaggedBatch
 from .verify import Verdict, greedy_accept, speculative_sample
@@ -84,7 +85,7 @@ def decide(decoding: Decoding, logits: torch.Tensor, candidates: torch.Tensor, h
         if draft_probs is None:
             draft_probs = _one_hot(candidates, num_candidates, target_probs)
         return speculative_sample(candidates, draft_probs, target_probs, num_drafts=num_candidates), scores, logits
-    return greedy_accept(candidates, scores.argmax(dim=-1), num_drafts=num_candidates), scores, logits
+    return greedy_accept(candidates, argmax_rows(scores), num_drafts=num_candidates), scores, logits
 
 
 def _one_hot(candidates: torch.Tensor, num_candidates: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:

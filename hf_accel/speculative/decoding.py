@@ -26,6 +26,7 @@ from transformers.generation.streamers import BaseStreamer
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from ..kernels.eager_packing import packed_linears
+from ..runtime.host_argmax import argmax_rows
 from .ragged_batch import RaggedBatch, batch_for_generate, stack_steps
 from .stats import SpeculativeStats
 
@@ -74,7 +75,7 @@ class TokenRules:
         """`[rows]` tokens from processed `scores` `[rows, vocab]`: argmax, or one multinomial draw per row."""
         if self.do_sample:
             return torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
-        return scores.argmax(dim=-1)
+        return argmax_rows(scores)
 
     def fires(self, batch: RaggedBatch, decided: torch.Tensor, scores: torch.Tensor,
               checked: torch.Tensor) -> torch.Tensor:

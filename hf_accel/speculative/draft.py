@@ -25,6 +25,7 @@ from transformers import DynamicCache, GenerationConfig, LogitsProcessorList, Pr
 from transformers.cache_utils import Cache
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from ..runtime.host_argmax import argmax_rows
 from . import chain
 from .chain_checks import check_draft_model
 from .decoding import Decoding, GenerateCall
@@ -149,7 +150,7 @@ def _draft(run: DraftRun, k: int) -> RoundCandidates:
             probs.append(torch.softmax(scores, dim=-1))
             token = torch.multinomial(probs[-1], 1).squeeze(1)
         else:
-            token = scores.argmax(dim=-1)
+            token = argmax_rows(scores)
         candidates[:, j] = token
         tokens.scatter_(1, (batch.history_lengths + j)[:, None], token[:, None])
         ids, positions = token[:, None], positions[:, -1:] + 1

@@ -29,6 +29,7 @@ from transformers.cache_utils import Cache
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from ..cache.paged import PagedCache
+from ..runtime.host_argmax import argmax_rows
 from . import chain
 from .chain_checks import check_call
 from .decoding import Decoding, GenerateCall
@@ -192,7 +193,7 @@ def _draft(run: _Run, k: int) -> RoundCandidates:
         lengths = batch.history_lengths + j
         scores = rules.process(batch.view(history, lengths), state.head.logits(run.model, hidden), lengths)
         probs.append(torch.softmax(scores, dim=-1))
-        token = torch.multinomial(probs[-1], 1).squeeze(1) if rules.do_sample else scores.argmax(dim=-1)
+        token = torch.multinomial(probs[-1], 1).squeeze(1) if rules.do_sample else argmax_rows(scores)
         candidates[:, j] = token
         history.scatter_(1, (batch.history_lengths + j)[:, None], token[:, None])
         confident = probs[-1].gather(1, token[:, None])[:, 0] >= run.options.min_draft_probability
