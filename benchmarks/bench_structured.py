@@ -11,8 +11,9 @@ On the reference target (7.3M parameters), one thread, greedy unless said otherw
   off (the mask's cost alone) and on; compiled `generate` (paged cache + compile_config) likewise at batch 1 / 8 / 64;
   the host time per masked row;
 - jump-forward + speculation: the extraction workload at batch 1 and 8, constrained plain decoding against
-  jump-forward, jump-forward + suffix and jump-forward + ngram (outputs identical); in `generate` likewise
-  (`structured_generate_jump.py`);
+  jump-forward (with the forced text's spellings learned in the warm-up run, and forgotten before each run),
+  jump-forward + suffix (its cache emptied before each run) and jump-forward + ngram (outputs identical); in
+  `generate` likewise (`structured_generate_jump.py`);
 - a large schema compiling while other requests decode: their step time with and without the compile;
 - vLLM's CPU build (its venv, as bench_vllm_peer.py) with the same schemas on the same requests (xgrammar, no free
   whitespace), on the reference target and the 185M random-weight Llama of bench_size.py: tok/s, validity, identical
@@ -44,6 +45,7 @@ import hf_accel
 from hf_accel import Engine, EngineConfig, SamplingParams, SpeculativeConfig, StructuredOutput, reference
 from hf_accel.bench.output import hardware, run_benchmark, target_table
 from hf_accel.bench.timing import time_interleaved
+from hf_accel.structured.forced_spelling import forget_spellings
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from structured_generate_jump import generate_jump_forward, render_generate_jump_forward  # noqa: E402
@@ -53,6 +55,7 @@ ROOT = Path(__file__).resolve().parents[1]
 NAME = "bench_structured"
 COMMAND = ".venv/bin/python benchmarks/bench_structured.py"
 MAX_TOKENS = 160
+FIRST_SIGHT = "jump-forward, schemas not seen before"  # no learned spellings (`forced_spelling.py`) at its start
 COMPILE_REPEATS = 3  # runs with a large compile (and without) per repeat of the plan: each ratio is noisy here
 FULL = {"batches": (1, 8, 64), "generate_batches": (1, 8, 64), "repeats": 3, "samples": 2, "peer": True}
 QUICK = {"batches": (1, 8), "generate_batches": (1,), "repeats": 1, "samples": 1, "peer": False}
@@ -244,11 +247,20 @@ def jump_forward(model, tokenizer, plan: dict[str, Any]) -> list[dict[str, Any]]
     for batch in (1, 8):
         jobs = prompts_for(tokenizer, batch)
         engines = {mode: make_engine(model, tokenizer, speculative, jf) for mode, (speculative, jf) in modes.items()}
-        timings = time_interleaved(list(modes), lambda mode: engine_run(engines[mode], jobs, None), plan["repeats"])
+        engines[FIRST_SIGHT] = make_engine(model, tokenizer, None, True)
+
+        def run(mode: str) -> tuple[float, Any]:
+            if mode == FIRST_SIGHT:
+                forget_spellings()
+            if "suffix" in mode:  # empty: a repeat never drafts from its own earlier outputs
+                engines[mode].core.proposer.shared = hf_accel.SuffixCache()
+            return engine_run(engines[mode], jobs, None)
+
+        timings = time_interleaved([*modes, FIRST_SIGHT], run, plan["repeats"])
         token_ids = {mode: [out.outputs[0].token_ids for out in outs] for mode, outs in timings.outputs.items()}
         tokens = sum(len(ids) for ids in token_ids["constrained plain"])
         base = timings.seconds["constrained plain"]
-        for mode in modes:
+        for mode in [*modes, FIRST_SIGHT]:
             stats = engines[mode].stats()
             rows.append({"batch": batch, "mode": mode, "tok_s": tokens / statistics.median(timings.seconds[mode]),
                          "vs_constrained_plain": statistics.median(
@@ -451,9 +463,11 @@ def render(report: dict[str, Any]) -> str:
     lines += [f"| {r['batch']} | {r['mode']} | {r['tok_s']:.0f} | {r['vs_constrained_plain']:.2f}x | "
               f"{'yes' if r['identical'] else 'no'} | {r['forced_tokens']} | "
               f"{r['accepted_tokens']} / {r['draft_tokens']} |" for r in report["jump_forward"]]
-    lines += ["", "Each mode keeps one engine over the repeats, so from the second repeat on its suffix cache holds "
-                  "the same requests' earlier outputs: the suffix rows overstate what new requests get (the "
-                  "generate section's cache is new each run)."]
+    lines += ["", "The suffix cache is emptied before each run (it learns from the run's own earlier requests "
+                  "only). Jump-forward drafts forced text as the model spelled it before (`forced_spelling.py`): "
+                  "the warm-up run taught those spellings, as earlier requests with the same schema would; the "
+                  f"\"{FIRST_SIGHT}\" rows forget them before each run. Forced tokens per step: up to 4 at batch 1, "
+                  "2 at batch 8."]
     lines += [""] + render_generate_jump_forward(report["generate_jump_forward"])
     c = report["compile_beside_decoding"]
     lines += ["", f"A large schema (200 nested properties) compiling beside 4 decoding requests: their step "

@@ -127,6 +127,12 @@ class GrammarCompiles:
             self._executor.shutdown(wait=False, cancel_futures=True)
             self._executor = None
 
+    def spelling(self, compiled: Any) -> Any:
+        """The `ForcedSpelling` every constrained sequence of the engine shares (`compiled`: one of its grammars)."""
+        from ..structured.forced_spelling import spelling_for
+
+        return spelling_for(self._compiler(), compiled)
+
     def _compiler(self) -> Any:
         """The model vocabulary's grammar compiler, made here, on the engine's thread, the first time: reading the
         vocabulary uses the tokenizer, which the engine's detokenizer uses on this thread too (a fast tokenizer

@@ -28,14 +28,18 @@ def take_structured_output(model: Any, kwargs: dict[str, Any]) -> None:
     if tokenizer is None:
         raise ValueError("`structured_output` needs the model's tokenizer: pass `tokenizer=tokenizer` to generate")
     _check_decoding(model, kwargs)
+    from .forced_spelling import spelling_for
     from .grammars import compile_constraint, compiler_for  # xgrammar loads on the first constrained call
     from .logits import StructuredLogitsProcessor
 
     vocab_size = model.get_output_embeddings().weight.shape[0]
     user_processors = bool(kwargs.get("logits_processor"))
-    compiled = compile_constraint(constraint, compiler_for(tokenizer, vocab_size, _stop_tokens(model, kwargs)))
-    kwargs["logits_processor"] = LogitsProcessorList([*(kwargs.get("logits_processor") or []),
-                                                      StructuredLogitsProcessor(compiled, constraint.jump_forward)])
+    compiler = compiler_for(tokenizer, vocab_size, _stop_tokens(model, kwargs))
+    compiled = compile_constraint(constraint, compiler)
+    # learned spellings change the drafts, and with them which draws a seeded sampling call takes: greedy only
+    spelling = spelling_for(compiler, compiled) if constraint.jump_forward and not _samples(model, kwargs) else None
+    processor = StructuredLogitsProcessor(compiled, constraint.jump_forward, spelling)
+    kwargs["logits_processor"] = LogitsProcessorList([*(kwargs.get("logits_processor") or []), processor])
     if constraint.jump_forward and takes_jump_forward(model, kwargs, user_processors):
         from ..speculative.ngram import jump_forward_generate
 
@@ -50,6 +54,11 @@ def _check_decoding(model: Any, kwargs: dict[str, Any]) -> None:
     if beams > 1:
         raise ValueError(f"`structured_output` supports greedy decoding, sampling and speculative decoding, not "
                          f"beam search (num_beams={beams})")
+
+
+def _samples(model: Any, kwargs: dict[str, Any]) -> bool:
+    config = kwargs.get("generation_config") or model.generation_config
+    return bool(kwargs.get("do_sample", getattr(config, "do_sample", False)))
 
 
 def _stop_tokens(model: Any, kwargs: dict[str, Any]) -> list[int] | None:

@@ -22,16 +22,18 @@ from typing import Any
 import torch
 from transformers import LogitsProcessor
 
+from .forced_spelling import ForcedSpelling
 from .matcher import TokenMatcher, apply_bitmask, token_bitmask
 
 
 class StructuredLogitsProcessor(LogitsProcessor):
     """Masks generate's scores to `compiled` (an xgrammar `CompiledGrammar`), one matcher per row, created at the
     first call (which sees the prompts) for as many rows as it sees; `jump_forward`: hf_accel's speculative loops
-    draft the tokens the grammar forces (`forced_tokens`; `speculative/jump_forward.py`)."""
+    draft the tokens the grammar forces (`forced_tokens`; `speculative/jump_forward.py`), spelled as the model
+    wrote that text before where `spelling` has seen it (`forced_spelling.py`)."""
 
-    def __init__(self, compiled: Any, jump_forward: bool = True):
-        self.compiled, self.jump_forward = compiled, jump_forward
+    def __init__(self, compiled: Any, jump_forward: bool = True, spelling: ForcedSpelling | None = None):
+        self.compiled, self.jump_forward, self.spelling = compiled, jump_forward, spelling
         self.matchers: list[TokenMatcher] = []
         self.prompt_lengths: list[int] = []
         self.bitmask: torch.Tensor | None = None  # [rows, ceil(vocab / 32)] int32
@@ -47,7 +49,7 @@ class StructuredLogitsProcessor(LogitsProcessor):
         rows, width = input_ids.shape
         lengths = [width] * rows if lengths is None else lengths.tolist()
         if not self.matchers:
-            self.matchers = [TokenMatcher(self.compiled) for _ in range(rows)]
+            self.matchers = [TokenMatcher(self.compiled, self.spelling) for _ in range(rows)]
             self.prompt_lengths = lengths
             self.bitmask = token_bitmask(rows, self.compiled.tokenizer_info.vocab_size)
         starts = [width - length + prompt for length, prompt in zip(lengths, self.prompt_lengths)]

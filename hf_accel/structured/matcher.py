@@ -22,16 +22,21 @@ from typing import Any
 import torch
 
 from ..kernels.custom_ops import token_bitmask_kernel
+from .forced_spelling import ForcedSpelling
 from .grammars import xgrammar
+
+MAX_DRAFTED = 8  # forced texts a matcher waits to see written at once (older ones are dropped unrecorded)
 
 
 class TokenMatcher:
     """The grammar state of one sequence, over a compiled grammar (xgrammar `CompiledGrammar`)."""
 
-    def __init__(self, compiled: Any):
+    def __init__(self, compiled: Any, spelling: ForcedSpelling | None = None):
         self._matcher = xgrammar().GrammarMatcher(compiled)
         self._accepted: list[int] = []  # the tokens it has advanced over, in order
         self._forced: list[int] | None = None  # jump-forward tokens at its place, once asked
+        self._spelling = spelling  # the model's spellings of forced text, shared with other matchers
+        self._drafted: list[tuple[str, int, int]] = []  # forced text drafted, not yet written past: (text, at, bytes)
 
     @property
     def is_terminated(self) -> bool:
@@ -46,11 +51,26 @@ class TokenMatcher:
         self._forced = None
 
     def forced_tokens(self) -> list[int]:
-        """Tokens the grammar forces next (jump-forward: the only continuation it allows, in the vocabulary's
-        longest tokens, stop tokens excluded); empty when the next token is a choice. Kept until the matcher moves."""
+        """Tokens that spell the text the grammar forces next (jump-forward: the only continuation it allows; stop
+        tokens excluded): the model's own spelling of that text where this matcher's `ForcedSpelling` has seen it
+        write it, else the vocabulary's longest tokens; empty when the next token is a choice. Kept until the matcher
+        moves."""
         if self._forced is None:
-            self._forced = [] if self._matcher.is_terminated() else list(self._matcher.find_jump_forward_tokens())
+            self._forced = [] if self._matcher.is_terminated() else self._forced_now()
         return self._forced
+
+    def _forced_now(self) -> list[int]:
+        if self._spelling is None:
+            return list(self._matcher.find_jump_forward_tokens())
+        self._drafted = [d for d in self._drafted  # what the model wrote since each forced text was drafted
+                         if not self._spelling.record(d[0], d[2], self._accepted[d[1]:])]
+        text = self._matcher.find_jump_forward_string()
+        if not text:
+            return list(self._matcher.find_jump_forward_tokens())
+        if not self._drafted or self._drafted[-1][1] != len(self._accepted):
+            self._drafted = [*self._drafted[-MAX_DRAFTED + 1:], (text, len(self._accepted), len(text.encode()))]
+        spelled = self._spelling.get(text)
+        return spelled if spelled is not None else list(self._matcher.find_jump_forward_tokens())
 
     def follow(self, tokens: Sequence[int]) -> bool:
         """Move to the place after `tokens` (the sequence's output so far, which may have dropped rejected
@@ -69,6 +89,7 @@ class TokenMatcher:
         if common < len(accepted):
             self._matcher.rollback(len(accepted) - common)
             del accepted[common:]
+            self._drafted = [d for d in self._drafted if d[1] <= common]
         for token in tokens[common:]:
             if self._matcher.is_terminated() or not self._matcher.accept_token(token):
                 return False
