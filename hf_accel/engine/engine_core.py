@@ -223,10 +223,7 @@ class EngineCore:
     def _start(self, request: Request, compiled: Any) -> None:
         """Queue a constrained request's samples, each with its own matcher over `compiled`."""
         try:
-            # learned spellings change the drafts, and with them which draws a seeded sample takes: greedy only
-            params = request.params
-            spelling = self.grammars.spelling(compiled) if params.structured_outputs.jump_forward and \
-                params.is_greedy else None
+            spelling = self.grammars.spelling(request, compiled)
             for seq in request.sequences:
                 seq.grammar = TokenMatcher(compiled, spelling)
         except Exception as error:

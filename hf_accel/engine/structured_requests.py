@@ -127,10 +127,15 @@ class GrammarCompiles:
             self._executor.shutdown(wait=False, cancel_futures=True)
             self._executor = None
 
-    def spelling(self, compiled: Any) -> Any:
-        """The `ForcedSpelling` every constrained sequence of the engine shares (`compiled`: one of its grammars)."""
+    def spelling(self, request: Request, compiled: Any) -> Any:
+        """The `ForcedSpelling` the engine's greedy jump-forward sequences share (`compiled`: `request`'s grammar);
+        None for other requests: learned spellings change the drafts, and with them which draws a seeded sample
+        takes."""
         from ..structured.forced_spelling import spelling_for
 
+        params = request.params
+        if not params.structured_outputs.jump_forward or not params.is_greedy:
+            return None
         return spelling_for(self._compiler(), compiled)
 
     def _compiler(self) -> Any:
