@@ -9,7 +9,7 @@ On the reference target (7.3M parameters), one thread, greedy unless said otherw
 - mask cost: the Engine's tok/s with the constraint against the same requests unconstrained, each request held to
   the length its constrained output had (so both sides decode the same tokens), at batch 1 / 8 / 64, jump-forward
   off (the mask's cost alone) and on; compiled `generate` (paged cache + compile_config) likewise at batch 1 / 8 / 64;
-  the host time per masked row;
+  9 interleaved runs a side, the median of their ratios; the host time per masked row;
 - jump-forward + speculation: the extraction workload at batch 1 and 8, constrained plain decoding against
   jump-forward (with the forced text's spellings learned in the warm-up run, and forgotten before each run),
   jump-forward + suffix (its cache emptied before each run) and jump-forward + ngram (outputs identical); in
@@ -56,6 +56,7 @@ NAME = "bench_structured"
 COMMAND = ".venv/bin/python benchmarks/bench_structured.py"
 MAX_TOKENS = 160
 FIRST_SIGHT = "jump-forward, schemas not seen before"  # no learned spellings (`forced_spelling.py`) at its start
+OVERHEAD_REPEATS = 3  # runs per side and repeat of the plan for the mask's cost: a 5% line needs more than 3 here
 COMPILE_REPEATS = 3  # runs with a large compile (and without) per repeat of the plan: each ratio is noisy here
 FULL = {"batches": (1, 8, 64), "generate_batches": (1, 8, 64), "repeats": 3, "samples": 2, "peer": True}
 QUICK = {"batches": (1, 8), "generate_batches": (1,), "repeats": 1, "samples": 1, "peer": False}
@@ -187,7 +188,8 @@ def engine_overhead(model, tokenizer, plan: dict[str, Any]) -> list[dict[str, An
             lengths = [len(out.outputs[0].token_ids) for out in outs]
             with MaskClock() as clock:
                 timings = time_interleaved(["constrained", "unconstrained"], lambda key: engine_run(
-                    engine, jobs, None if key == "constrained" else lengths), plan["repeats"], warmup=0)
+                    engine, jobs, None if key == "constrained" else lengths), OVERHEAD_REPEATS * plan["repeats"],
+                    warmup=0)
             tokens = sum(lengths)
             ratios = [u / c for c, u in zip(timings.seconds["constrained"], timings.seconds["unconstrained"])]
             verdicts = [check(name, out.outputs[0].text, out.outputs[0].finish_reason)
@@ -229,7 +231,7 @@ def generate_overhead(model, tokenizer, plan: dict[str, Any]) -> list[dict[str, 
             return time.perf_counter() - start, out
 
         with MaskClock() as clock:
-            timings = time_interleaved(["constrained", "unconstrained"], run, plan["repeats"])
+            timings = time_interleaved(["constrained", "unconstrained"], run, OVERHEAD_REPEATS * plan["repeats"])
         tokens = steps * batch
         ratios = [u / c for c, u in zip(timings.seconds["constrained"], timings.seconds["unconstrained"])]
         rows.append({"where": "compiled generate", "batch": batch, "jump_forward": False, "tokens": tokens,
