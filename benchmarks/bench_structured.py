@@ -254,8 +254,9 @@ def jump_forward(model, tokenizer, plan: dict[str, Any]) -> list[dict[str, Any]]
         def run(mode: str) -> tuple[float, Any]:
             if mode == FIRST_SIGHT:
                 forget_spellings()
-            if "suffix" in mode:  # empty: a repeat never drafts from its own earlier outputs
-                engines[mode].core.proposer.shared = hf_accel.SuffixCache()
+            if "suffix" in mode:  # empty, as configured: a repeat never drafts from its own earlier outputs
+                proposer = engines[mode].core.proposer
+                proposer.shared = hf_accel.SuffixCache(proposer.shared.max_depth, proposer.shared.max_sequences)
             return engine_run(engines[mode], jobs, None)
 
         timings = time_interleaved([*modes, FIRST_SIGHT], run, plan["repeats"])

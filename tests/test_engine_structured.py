@@ -25,6 +25,7 @@ from hf_accel.engine.outputs import RequestTiming
 from hf_accel.engine.scheduler import ScheduledSeq
 from hf_accel.engine.sequence import Request, make_sequences
 from hf_accel.engine import structured_requests
+from hf_accel.structured.forced_spelling import forget_spellings
 from hf_accel.structured.grammars import compile_constraint, compiler_for
 from hf_accel.structured.matcher import TokenMatcher, mask_rows
 
@@ -153,6 +154,7 @@ def test_greedy_requests_draft_forced_text_as_the_model_spelled_it_before():
     """A greedy request after another with the same schema drafts the forced keys and punctuation as the model wrote
     them the first time (`forced_spelling.py`): more of its forced tokens are kept, in fewer steps, and its output
     is the same. A seeded sampled request drafts as before (its draws stay the same from run to run)."""
+    forget_spellings()  # as in a new process
     schema = {"type": "object", "properties": {"engine_spelling_kind": {"enum": ["red", "blue"]},
                                                "engine_spelling_size": {"type": "integer"}},
               "required": ["engine_spelling_kind", "engine_spelling_size"], "additionalProperties": False}

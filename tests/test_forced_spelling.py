@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hf_accel.structured.forced_spelling import MAX_TEXTS, ForcedSpelling
+from hf_accel.structured.forced_spelling import MAX_SPELLED, MAX_TEXTS, ForcedSpelling
 
 TOKEN_BYTES = [0, 1, 2, 3, 4]  # token i is i bytes long (token 0: a special token, no text)
 
@@ -24,6 +24,12 @@ def test_tokens_short_of_the_end_wait():
     assert spelling.record("abcdef", 6, [2, 3, 1]) and spelling.get("abcdef") == [2, 3, 1]
 
 
+def test_a_first_token_past_the_end_drops_the_record():
+    spelling = ForcedSpelling(TOKEN_BYTES)
+    spelling.record("ab", 2, [1, 1])
+    assert spelling.record("ab", 2, [4]) and spelling.get("ab") is None
+
+
 def test_a_new_spelling_replaces_the_old_and_the_oldest_texts_go():
     spelling = ForcedSpelling(TOKEN_BYTES)
     spelling.record("abc", 3, [3])
@@ -32,3 +38,8 @@ def test_a_new_spelling_replaces_the_old_and_the_oldest_texts_go():
     for i in range(MAX_TEXTS):
         spelling.record(f"{i:04d}", 4, [4])
     assert len(spelling) == MAX_TEXTS and spelling.get("abc") is None and spelling.get("0001") == [4]
+
+
+def test_long_spellings_keep_their_first_tokens():
+    spelling = ForcedSpelling(TOKEN_BYTES)
+    assert spelling.record("x" * 40, 40, [1] * 40) and spelling.get("x" * 40) == [1] * MAX_SPELLED

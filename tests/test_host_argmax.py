@@ -40,3 +40,12 @@ def test_inputs_numpy_cannot_take_keep_torch():
     assert torch.equal(argmax_rows(scores), scores.argmax(dim=-1))
     assert argmax_rows(torch.zeros(0, 5)).shape == (0,)
     assert int(argmax_rows(torch.tensor([1.0, 3.0, 3.0]))) == 1
+
+
+def test_traces_and_views_numpy_cannot_read_keep_torch():
+    scores = _scores((2, 64))
+    traced = torch.jit.trace(lambda x: argmax_rows(x), (scores,), check_trace=False)
+    other = _scores((2, 64)).flip(-1)
+    assert torch.equal(traced(other), other.argmax(dim=-1))  # not the traced input's answer baked in
+    negated = torch._neg_view(scores)
+    assert torch.equal(argmax_rows(negated), negated.argmax(dim=-1))

@@ -16,6 +16,7 @@ from transformers import LogitsProcessorList, TemperatureLogitsWarper, TextItera
 import hf_accel
 from hf_accel import StructuredOutput, reference
 from hf_accel.speculative import ngram
+from hf_accel.structured.forced_spelling import forget_spellings
 
 pytest.importorskip("xgrammar")
 
@@ -129,6 +130,7 @@ def test_forced_text_is_drafted_as_the_model_wrote_it_before(pair):
     """The first call learns how the model spells the text the grammar forces (keys, `": "`, brackets); a second
     call with the same schema drafts that spelling, so its forced tokens are kept in fewer forwards, with the same
     output."""
+    forget_spellings()  # as in a new process
     schema = {"type": "object", "properties": {"spelling_probe_title": {"type": "string", "maxLength": 6},
                                                "spelling_probe_count": {"type": "integer"}},
               "required": ["spelling_probe_title", "spelling_probe_count"], "additionalProperties": False}

@@ -51,6 +51,8 @@ def check_structured_outputs(tokenizer: PreTrainedTokenizerBase | None,
     return key
 
 
+# One parsed grammar may reach several engines' workers at once: read-only there, since the compilers cache
+# (`grammars.compiler_for`: cache_enabled), and xgrammar's caching compile works from the grammar's text.
 @functools.lru_cache(maxsize=MAX_CHECKED)
 def _parsed(key: tuple[str, str]) -> Any:
     from ..structured.grammars import parse_constraint
@@ -69,6 +71,7 @@ class GrammarCompiles:
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._pending: dict[str, tuple[Request, concurrent.futures.Future]] = {}
         self._compiled: OrderedDict[tuple[str, str], Any] = OrderedDict()  # by constraint key, least recent first
+        self._spelling: Any = None  # the `ForcedSpelling` of its vocabulary, once a request asked
 
     def compiled(self, request: Request) -> Any | None:
         """`request`'s grammar if one with its constraint was compiled before (no wait, no worker), else None."""
@@ -128,7 +131,8 @@ class GrammarCompiles:
             self._executor = None
 
     def spelling(self, request: Request, compiled: Any) -> Any:
-        """The `ForcedSpelling` the engine's greedy jump-forward sequences share (`compiled`: `request`'s grammar);
+        """The `ForcedSpelling` the engine's greedy jump-forward sequences share with every user of its tokenizer's
+        compiler in the process (`compiled`: `request`'s grammar);
         None for other requests: learned spellings change the drafts, and with them which draws a seeded sample
         takes."""
         from ..structured.forced_spelling import spelling_for
@@ -136,7 +140,9 @@ class GrammarCompiles:
         params = request.params
         if not params.structured_outputs.jump_forward or not params.is_greedy:
             return None
-        return spelling_for(self._compiler(), compiled)
+        if self._spelling is None:  # kept: a compiler evicted from grammars' cache is not rebuilt for it
+            self._spelling = spelling_for(self._compiler(), compiled)
+        return self._spelling
 
     def _compiler(self) -> Any:
         """The model vocabulary's grammar compiler, made here, on the engine's thread, the first time: reading the

@@ -13,66 +13,86 @@ split. A record that is wrong again is only a draft: verification keeps outputs 
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
 
 MAX_TEXTS = 4096  # forced texts remembered (least recently used out first)
+MAX_SPELLED = 16  # tokens kept per text: a draft takes at most the first few (the engine 4 a step)
 
 
 class ForcedSpelling:
     """Forced text -> the tokens the model last wrote it with, for one vocabulary (`token_bytes[i]`: token i's
-    length in bytes, as the grammar counts text)."""
+    length in bytes, as the grammar counts text). Engines' threads and `generate` calls may share one: each read and
+    write holds its lock."""
 
     def __init__(self, token_bytes: Sequence[int]):
         self.token_bytes = token_bytes
         self._texts: OrderedDict[str, list[int]] = OrderedDict()
+        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._texts)
 
     def get(self, text: str) -> list[int] | None:
         """The tokens last recorded for `text` (a copy), or None."""
-        tokens = self._texts.get(text)
-        if tokens is None:
-            return None
-        self._texts.move_to_end(text)
-        return list(tokens)
+        with self._lock:
+            tokens = self._texts.get(text)
+            if tokens is None:
+                return None
+            self._texts.move_to_end(text)
+            return list(tokens)
 
     def record(self, text: str, length: int, written: Sequence[int]) -> bool:
         """Record how `written` (the tokens after the place where `text`, `length` bytes, was forced) spells it:
-        the tokens that end inside it, when they reach its end or a token crosses it. False while `written` is still
-        short of its end (nothing recorded)."""
+        the tokens that end inside it (the first `MAX_SPELLED`), when they reach its end or a token crosses it; where
+        the first token already crosses it, what was recorded for it goes. False while `written` is still short of
+        its end (nothing recorded)."""
         total = 0
         for count, token in enumerate(written):
             total += self.token_bytes[token] if 0 <= token < len(self.token_bytes) else 0
             if total >= length:
-                spelled = list(written[: count + 1 if total == length else count])
-                if spelled:
-                    self._texts[text] = spelled
-                    self._texts.move_to_end(text)
-                    while len(self._texts) > MAX_TEXTS:
-                        self._texts.popitem(last=False)
+                self._store(text, list(written[: min(count + 1 if total == length else count, MAX_SPELLED)]))
                 return True
         return False
 
+    def clear(self) -> None:
+        with self._lock:
+            self._texts.clear()
+
+    def _store(self, text: str, spelled: list[int]) -> None:
+        with self._lock:
+            if not spelled:  # the model merged the text's start with what followed: no draft of it fits
+                self._texts.pop(text, None)
+                return
+            self._texts[text] = spelled
+            self._texts.move_to_end(text)
+            while len(self._texts) > MAX_TEXTS:
+                self._texts.popitem(last=False)
+
 
 _BY_COMPILER: dict[int, ForcedSpelling] = {}  # by id of a live compiler (xgrammar's compilers are not hashable)
+_LOCK = threading.Lock()
 
 
 def spelling_for(compiler: object, compiled: object) -> ForcedSpelling:
     """The `ForcedSpelling` of the vocabulary `compiler` (an xgrammar `GrammarCompiler`) compiles against (read from
-    `compiled`, a grammar it compiled), one per compiler: every grammar compiled by it, in every call and request,
+    `compiled`, a grammar it compiled), one per compiler: every grammar compiled by it (compilers are kept per
+    tokenizer and vocabulary size, `grammars.compiler_for`), in every call, request and engine of the process,
     learns and drafts from the same spellings."""
-    found = _BY_COMPILER.get(id(compiler))
-    if found is None:
-        vocabulary = compiled.tokenizer_info.decoded_vocab
-        found = _BY_COMPILER[id(compiler)] = ForcedSpelling([len(token) for token in vocabulary])
-        weakref.finalize(compiler, _BY_COMPILER.pop, id(compiler), None)
-    return found
+    with _LOCK:
+        found = _BY_COMPILER.get(id(compiler))
+        if found is None:
+            vocabulary = compiled.tokenizer_info.decoded_vocab
+            found = _BY_COMPILER[id(compiler)] = ForcedSpelling([len(token) for token in vocabulary])
+            weakref.finalize(compiler, _BY_COMPILER.pop, id(compiler), None)
+        return found
 
 
 def forget_spellings() -> None:
-    """Forget every spelling learned so far (what a new process knows): benchmarks measure the first sight of a
-    schema with it."""
-    _BY_COMPILER.clear()
+    """Forget every spelling learned so far, in every store (what a new process knows): benchmarks measure the
+    first sight of a schema with it, tests start from it."""
+    with _LOCK:
+        for spelling in _BY_COMPILER.values():
+            spelling.clear()
