@@ -131,10 +131,9 @@ class GrammarCompiles:
             self._executor = None
 
     def spelling(self, request: Request, compiled: Any) -> Any:
-        """The `ForcedSpelling` the engine's greedy jump-forward sequences share with every user of its tokenizer's
-        compiler in the process (`compiled`: `request`'s grammar);
-        None for other requests: learned spellings change the drafts, and with them which draws a seeded sample
-        takes."""
+        """The `ForcedSpelling` `request`'s sequences draft forced text with (`compiled`: its grammar), shared with
+        every user of the tokenizer's compiler in the process; None unless the request is greedy with jump-forward
+        (learned spellings change the drafts, and with them which draws a seeded sample takes)."""
         from ..structured.forced_spelling import spelling_for
 
         params = request.params
@@ -151,7 +150,6 @@ class GrammarCompiles:
         from ..structured.grammars import compiler_for
 
         return compiler_for(self.tokenizer, self.vocab_size, self.stop_token_ids, COMPILE_THREADS)
-
 
 
 def _compile(key: tuple[str, str], compiler: Any) -> Any:

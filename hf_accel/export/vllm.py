@@ -266,11 +266,7 @@ def export_vllm(out: str | Path, model: str | Path | None = None, quant: str | N
     check_output(out, overwrite)
     tokenizer = load_tokenizer(model_path)
     loaded = AutoModelForCausalLM.from_pretrained(model_path, dtype=EXPORT_DTYPE, local_files_only=True).eval()
-    config = None
-    if scheme is not None:
-        from .compressed import quantization_config
-
-        config = quantization_config(loaded, scheme)  # checks the group size first
+    config = None if scheme is None else _quantization_config(loaded, scheme)  # checks the group size first
     drafts = DraftHeads.load(model_path, loaded, eagle, medusa)
     served_name = served_model_name or out.resolve().name
     adapters = None if not lora_modules else LoRAModules.check(lora_modules, loaded, served_name)
@@ -282,3 +278,10 @@ def export_vllm(out: str | Path, model: str | Path | None = None, quant: str | N
     written = drafts.write(out) + ([] if adapters is None else adapters.write(out))
     write_readme(out, command, quant, "the hf_accel reference target" if model is None else str(model_path), written)
     return out
+
+
+def _quantization_config(model: PreTrainedModel, scheme: Any) -> Any:
+    """compressed-tensors' config for `model` under `scheme` (imported here: the extra is needed only to quantize)."""
+    from .compressed import quantization_config
+
+    return quantization_config(model, scheme)
