@@ -16,7 +16,7 @@ from hf_accel.kernels.custom_ops import packed_linear_kernel
 kernel = packed_linear_kernel()
 pytestmark = pytest.mark.skipif(kernel is None, reason="the hf_accel kernels could not be built here")
 
-ROWS = (1, 2, 3, 4, 5, 6, 7, 9, 12, 13, 128, 129, 300)  # 6 a pass; 1-3 with interleaved k-streams; >128: ATen
+ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 24, 25, 48, 49, 128, 129, 300)  # passes of 6 (12); ATen past 128 (48)
 
 
 def test_panels_hold_sixteen_columns_each_and_zeros_past_the_last():

@@ -11,9 +11,10 @@ for the length of a call: `eager_packing.py`).
 
 Why: at the few rows of a decode, a speculative verify or a small batch, oneDNN's and MKL's fp32 matmuls read the
 weight once per handful of rows and run far below the core's peak; the kernel streams each panel once for up to six
-rows (see the .cpp file; benchmarks/bench_linear.py measures both). Past `kPackedRows` (128) rows the op runs ATen's
-matmul over `W`. Results equal `x @ W` up to float rounding (another summation order). Without AVX2 and FMA, or where
-the kernel cannot be built, the op is ATen's matmul (the settings are then not applied).
+rows (twelve with AVX-512; see the .cpp file; benchmarks/bench_linear.py measures both). Past `kPackedRows` rows (128;
+48 with AVX-512) the op runs ATen's matmul over `W`. Results equal `x @ W` up to float rounding (another summation
+order). Without AVX2 and FMA, or where the kernel cannot be built, the op is ATen's matmul (the settings are then not
+applied).
 """
 
 from __future__ import annotations

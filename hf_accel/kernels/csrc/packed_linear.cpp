@@ -12,9 +12,11 @@
 //
 // Why: at a few rows oneDNN and MKL read the weight once per handful of rows and run at a third of the core's peak
 // (a 9-token verify of the reference target took 1.7x a one-token decode on an AVX2 EPYC, nearly all of it in the
-// Linears). Here each panel (16 columns x K: 16 KB at K = 256) is streamed once for up to 6 rows, which keep their
-// 12 accumulators in registers while the panel's rows go past; a 7th row starts a second pass over the panel, now in
-// L1 or L2. At one or two rows, interleaved streams over k keep the FMA units busy instead of waiting on one chain.
+// Linears). Here each panel (16 columns x K: 16 KB at K = 256) is streamed once for up to 6 rows (AVX2: 12
+// accumulators) or 12 rows (AVX-512: up to 24), which keep their accumulators in registers while the panel's rows go
+// past; more rows start another pass over the panel, now in L1 or L2. At a few rows, interleaved streams over k keep
+// the FMA units busy instead of waiting on one chain. With AVX-512 (a Xeon's 16-lane FMAs), MKL's sgemm ran 2x this
+// kernel's AVX2 form from 8 rows on; the AVX-512 form doubles it (benchmarks/bench_linear.py).
 // Rows beyond kPackedRows take ATen's matmul (MKL's sgemm runs near peak there).
 #include <ATen/ATen.h>  // not torch/extension.h: its Python and nn headers triple the compile time
 #include <torch/library.h>
@@ -29,14 +31,80 @@
 
 namespace {
 
-constexpr int64_t kPanel = 16;        // columns per panel: two AVX2 vectors
-constexpr int64_t kPackedRows = 128;  // the most rows this kernel computes; more take ATen's matmul
+constexpr int64_t kPanel = 16;        // columns per panel: two AVX2 vectors, one AVX-512 vector
+// the most rows this kernel computes; more take ATen's matmul (MKL's sgemm passed the panels at 48-64 rows on an
+// AVX-512 Xeon, at about 128 on an AVX2 EPYC: bench_linear)
+#if defined(__AVX512F__)
+constexpr int64_t kPackedRows = 48;
+#else
+constexpr int64_t kPackedRows = 128;
+#endif
 // bytes ahead that a pass asks the memory for: one stream per thread is otherwise held well below the core's read
 // bandwidth once the weights are past the caches (as csrc/quantized_linear.cpp measured)
 constexpr int64_t kPrefetch = 4096;
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX512F__)
 
+// out[r, 0 .. width) = x[r, :] @ panel for R rows, with S interleaved streams over k: R * S accumulators (a panel
+// row is one 16-lane vector), at most 24 of the 32 registers; each x element is broadcast straight from memory into
+// its FMA. Enough accumulators keep both FMA units busy past their latency; the streams are summed at the end.
+template <int R, int S>
+inline void panel_rows(const float* x, int64_t x_row, int64_t x_col, const float* panel, int64_t k, float* out,
+                       int64_t out_row, int64_t width) {
+  __m512 acc[R][S];
+#pragma GCC unroll 32
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int s = 0; s < S; ++s) acc[r][s] = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + S <= k; i += S) {
+#pragma GCC unroll 8
+    for (int s = 0; s < S; ++s) {
+      const float* row = panel + (i + s) * kPanel;  // one cache line
+      _mm_prefetch(reinterpret_cast<const char*>(row) + kPrefetch, _MM_HINT_T0);
+      const __m512 w = _mm512_loadu_ps(row);
+#pragma GCC unroll 32
+      for (int r = 0; r < R; ++r)
+        acc[r][s] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * x_row + (i + s) * x_col]), w, acc[r][s]);
+    }
+  }
+  for (; i < k; ++i) {
+    const __m512 w = _mm512_loadu_ps(panel + i * kPanel);
+#pragma GCC unroll 32
+    for (int r = 0; r < R; ++r) acc[r][0] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * x_row + i * x_col]), w, acc[r][0]);
+  }
+  const __mmask16 lanes = width == kPanel ? __mmask16(0xFFFF) : __mmask16((1u << width) - 1);  // the last panel's
+#pragma GCC unroll 32
+  for (int r = 0; r < R; ++r) {
+    __m512 sum = acc[r][0];
+#pragma GCC unroll 8
+    for (int s = 1; s < S; ++s) sum = _mm512_add_ps(sum, acc[r][s]);
+    _mm512_mask_storeu_ps(out + r * out_row, lanes, sum);
+  }
+}
+
+constexpr int64_t kPassRows = 12;  // rows one pass over a panel computes
+
+// `count` (1 .. 12) rows against one panel; from 6 rows on, two streams give 12-24 accumulators.
+inline void panel_pass(const float* x, int64_t x_row, int64_t x_col, int64_t count, const float* panel, int64_t k,
+                       float* out, int64_t n, int64_t width) {
+  switch (count) {
+    case 1: panel_rows<1, 8>(x, x_row, x_col, panel, k, out, n, width); break;
+    case 2: panel_rows<2, 4>(x, x_row, x_col, panel, k, out, n, width); break;
+    case 3: panel_rows<3, 4>(x, x_row, x_col, panel, k, out, n, width); break;
+    case 4: panel_rows<4, 4>(x, x_row, x_col, panel, k, out, n, width); break;
+    case 5: panel_rows<5, 3>(x, x_row, x_col, panel, k, out, n, width); break;
+    case 6: panel_rows<6, 2>(x, x_row, x_col, panel, k, out, n, width); break;
+    case 7: panel_rows<7, 2>(x, x_row, x_col, panel, k, out, n, width); break;
+    case 8: panel_rows<8, 2>(x, x_row, x_col, panel, k, out, n, width); break;
+    case 9: panel_rows<9, 2>(x, x_row, x_col, panel, k, out, n, width); break;
+    case 10: panel_rows<10, 2>(x, x_row, x_col, panel, k, out, n, width); break;
+    case 11: panel_rows<11, 2>(x, x_row, x_col, panel, k, out, n, width); break;
+    default: panel_rows<12, 2>(x, x_row, x_col, panel, k, out, n, width); break;
+  }
+}
+
+#elif defined(__AVX2__) && defined(__FMA__)
 // out[r, 0 .. width) = x[r, :] @ panel for R rows, with S interleaved streams over k (R * S * 2 accumulators, at
 // most 12 of the 16 registers; the streams are summed at the end).
 template <int R, int S>
@@ -93,21 +161,30 @@ inline void panel_rows(const float* x, int64_t x_row, int64_t x_col, const float
   }
 }
 
-// All `m` rows against one panel, six rows a pass.
+constexpr int64_t kPassRows = 6;  // rows one pass over a panel computes
+
+// `count` (1 .. 6) rows against one panel.
+inline void panel_pass(const float* x, int64_t x_row, int64_t x_col, int64_t count, const float* panel, int64_t k,
+                       float* out, int64_t n, int64_t width) {
+  switch (count) {
+    case 1: panel_rows<1, 4>(x, x_row, x_col, panel, k, out, n, width); break;
+    case 2: panel_rows<2, 2>(x, x_row, x_col, panel, k, out, n, width); break;
+    case 3: panel_rows<3, 2>(x, x_row, x_col, panel, k, out, n, width); break;
+    case 4: panel_rows<4, 1>(x, x_row, x_col, panel, k, out, n, width); break;
+    case 5: panel_rows<5, 1>(x, x_row, x_col, panel, k, out, n, width); break;
+    default: panel_rows<6, 1>(x, x_row, x_col, panel, k, out, n, width); break;
+  }
+}
+
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+
+// All `m` rows against one panel, `kPassRows` rows a pass (the panel stays in L1 or L2 after the first).
 void panel_all_rows(const float* x, int64_t x_row, int64_t x_col, int64_t m, const float* panel, int64_t k,
                     float* out, int64_t n, int64_t width) {
-  for (int64_t first = 0; first < m; first += 6) {
-    const float* rows = x + first * x_row;
-    float* dst = out + first * n;
-    switch (std::min<int64_t>(6, m - first)) {
-      case 1: panel_rows<1, 4>(rows, x_row, x_col, panel, k, dst, n, width); break;
-      case 2: panel_rows<2, 2>(rows, x_row, x_col, panel, k, dst, n, width); break;
-      case 3: panel_rows<3, 2>(rows, x_row, x_col, panel, k, dst, n, width); break;
-      case 4: panel_rows<4, 1>(rows, x_row, x_col, panel, k, dst, n, width); break;
-      case 5: panel_rows<5, 1>(rows, x_row, x_col, panel, k, dst, n, width); break;
-      default: panel_rows<6, 1>(rows, x_row, x_col, panel, k, dst, n, width); break;
-    }
-  }
+  for (int64_t first = 0; first < m; first += kPassRows)
+    panel_pass(x + first * x_row, x_row, x_col, std::min(kPassRows, m - first), panel, k, out + first * n, n, width);
 }
 
 #endif
