@@ -137,7 +137,9 @@ def engine_run(engine: Engine, jobs: list[tuple[str, str]], lengths: list[int] |
 
 
 class MaskClock:
-    """Host seconds spent filling and applying grammar masks, and the rows masked (wraps the two call sites)."""
+    """Host seconds spent filling (and, in the engine, applying) grammar masks, and the rows masked (wraps the
+    engine's `mask_rows` and the generate processor's `allowed`; compiled greedy generate applies the mask in its
+    step)."""
 
     def __init__(self) -> None:
         self.seconds, self.rows = 0.0, 0
@@ -146,7 +148,7 @@ class MaskClock:
         import hf_accel.engine.sampler as sampler
         from hf_accel.structured.logits import StructuredLogitsProcessor
 
-        self._saved = (sampler.mask_rows, StructuredLogitsProcessor.ragged_call)
+        self._saved = (sampler.mask_rows, StructuredLogitsProcessor.allowed)
         clock = self
 
         def mask_rows(logits, matchers):
@@ -155,22 +157,22 @@ class MaskClock:
             clock.seconds += time.perf_counter() - start
             clock.rows += sum(m is not None for m in matchers)
 
-        def ragged_call(processor, input_ids, scores, lengths):
+        def allowed(processor, input_ids, lengths=None):
             start = time.perf_counter()
-            out = processor_call(processor, input_ids, scores, lengths)
+            out = processor_fill(processor, input_ids, lengths)
             clock.seconds += time.perf_counter() - start
             clock.rows += input_ids.shape[0]
             return out
 
-        sampler_mask, processor_call = self._saved
-        sampler.mask_rows, StructuredLogitsProcessor.ragged_call = mask_rows, ragged_call
+        sampler_mask, processor_fill = self._saved
+        sampler.mask_rows, StructuredLogitsProcessor.allowed = mask_rows, allowed
         return self
 
     def __exit__(self, *exc: Any) -> None:
         import hf_accel.engine.sampler as sampler
         from hf_accel.structured.logits import StructuredLogitsProcessor
 
-        sampler.mask_rows, StructuredLogitsProcessor.ragged_call = self._saved
+        sampler.mask_rows, StructuredLogitsProcessor.allowed = self._saved
 
     @property
     def microseconds_per_row(self) -> float | None:

@@ -1,7 +1,8 @@
 """`model.generate(..., structured_output=hf_accel.StructuredOutput(...), tokenizer=tokenizer)`: the output matches
 its constraint (JSON schema, Pydantic model, any JSON object, regex, choice, EBNF grammar) on the reference target,
-greedy and sampled, left-padded batches, hf_accel's paged cache eager and compiled (the compiled loop applies the
-mask on the host: the same tokens as eager); bad calls get a clear error naming what is wrong."""
+greedy and sampled, left-padded batches, hf_accel's paged cache eager and compiled (the compiled greedy loop masks
+inside its step with the bitmask the host filled: the same tokens as eager); bad calls get a clear error naming what
+is wrong."""
 
 from __future__ import annotations
 
@@ -139,6 +140,30 @@ def test_paged_cache_compiled_equals_eager(pair):
     for text, stopped in compiled:
         assert stopped
         jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def test_compiled_greedy_masks_inside_its_step(pair, monkeypatch):
+    """Greedy compiled generate fills each row's bitmask on the host and masks + chooses in the graph: the host applies
+    the processor once (the prefill's token); sampling keeps the host path, one call a token."""
+    from hf_accel.structured.logits import StructuredLogitsProcessor
+
+    calls = []
+    host_call = StructuredLogitsProcessor.ragged_call
+    monkeypatch.setattr(StructuredLogitsProcessor, "ragged_call",
+                        lambda self, *args: calls.append(1) or host_call(self, *args))
+    constraint = StructuredOutput(json=SCHEMA)
+    prompts = ["record = ", "# settings\nconfig = "]
+    compiled = generate(pair, prompts, constraint, do_sample=False, cache_implementation="paged",
+                        compile_config=CompileConfig(fullgraph=True))
+    assert len(calls) == 1
+    assert compiled == generate(pair, prompts, constraint, do_sample=False)
+    calls.clear()
+    torch.manual_seed(0)
+    for text, stopped in generate(pair, prompts, constraint, do_sample=True, cache_implementation="paged",
+                                  compile_config=CompileConfig(fullgraph=True)):
+        if stopped:
+            jsonschema.validate(json.loads(text), SCHEMA)
+    assert len(calls) > 1
 
 
 SPECULATIVE = ["ngram", "draft", "eagle", "medusa"]

@@ -39,7 +39,7 @@ from .captured_step import CapturedStep, captures
 from .paged_rows import PagedRows, unpadded_prompts
 from .sink_rows import SinkRows
 from .step import compiled_decode_step, generate_context, model_uncovered
-from .token_choice import choose_tokens, host_processing, needs_host_processors
+from .token_choice import choose_tokens, graph_grammar, host_processing, needs_host_processors
 
 SINK_BLOCK_SIZE = 16  # the sink cache's ring of blocks (its settings have no block size)
 
@@ -96,6 +96,8 @@ def stock_decoding(model, input_ids, logits_processor, stopping_criteria, genera
 class Decode:
     """One compiled `generate` call: `run()` prefills, then steps until every row stops."""
 
+    GRAMMAR_IN_GRAPH = True  # whether its step can take a grammar's bitmask (`token_choice.graph_grammar`)
+
     def __init__(self, model, input_ids, processors, criteria, config, streamer, attention_mask, sink: bool):
         self.model, self.processors, self.criteria, self.config = model, processors, criteria, config
         self.sink = sink
@@ -107,6 +109,11 @@ class Decode:
         self.prompts = unpadded_prompts(input_ids, attention_mask)
         self.host_processors = needs_host_processors(processors, self.do_sample) or config.output_scores or \
             config.output_logits
+        self.grammar = None  # a grammar the step masks with (on the CPU: its bitmask is filled there)
+        if self.GRAMMAR_IN_GRAPH and input_ids.device.type == "cpu" and not (config.output_scores or
+                                                                             config.output_logits):
+            self.grammar = graph_grammar(processors, self.do_sample)
+            self.host_processors = self.host_processors and self.grammar is None
         self.process = host_processing(processors)  # the list's call without its per-step signature reads
         self.has_eos = any(hasattr(criterion, "eos_token_id") for criterion in criteria)
         self.scores: list[torch.Tensor] = []
@@ -156,7 +163,7 @@ class Decode:
 
             def run(tokens: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
                 return step(self.model, tokens, at, rows.kv, rows.block_table, attend, warpers, self.do_sample,
-                            self.host_processors, sinks)
+                            self.host_processors, sinks, self._allowed())
 
             if graph is None and captures(rows.device, self.config.compile_config.mode):
                 graph = CapturedStep(run, last, positions)
@@ -170,7 +177,7 @@ class Decode:
         """Commit `tokens` (the prefill's), then call `one_step(last tokens [rows], in-graph warpers)` (next tokens,
         or logits for the host processors) until every row stops. The first step runs dynamo's guards (picking or
         compiling the graph); the later ones, whose inputs differ only in values, skip them."""
-        warpers = () if self.host_processors else tuple(self.processors)
+        warpers = () if self.host_processors or self.grammar is not None else tuple(self.processors)
         unfinished = self._commit(tokens, torch.ones_like(tokens, dtype=torch.bool))
         with torch.compiler.set_stance("default", skip_guard_eval_unsafe=False):  # restored on exit
             guarded = True
@@ -189,8 +196,13 @@ class Decode:
 
     def _first_tokens(self, logits: torch.Tensor) -> torch.Tensor:
         """The prefill's choice from its last logits `[rows, vocab]` fp32."""
-        return self._choose(logits) if self.host_processors else choose_tokens(
+        return self._choose(logits) if self.host_processors or self.grammar is not None else choose_tokens(
             logits, tuple(self.processors), self.do_sample)
+
+    def _allowed(self) -> torch.Tensor | None:
+        """The bitmask of the tokens each row's grammar allows next, for the step to mask with (None: no grammar in
+        the step)."""
+        return None if self.grammar is None else self.grammar.allowed(self.sequences[:, : self.length])
 
     def _choose(self, logits: torch.Tensor) -> torch.Tensor:
         """The host path: generate's processors on the tokens so far, then argmax or a draw (as `_sample`)."""

@@ -61,6 +61,8 @@ def compiled_quantized_generate(model: PreTrainedModel, input_ids: torch.LongTen
 class QuantizedDecode(Decode):
     """One compiled `generate` call with the quantized cache `cache` (fresh, built by generate)."""
 
+    GRAMMAR_IN_GRAPH = False  # its step applies no bitmask: a grammar stays a host processor
+
     def __init__(self, model, input_ids, processors, criteria, config, streamer, attention_mask, cache):
         super().__init__(model, input_ids, processors, criteria, config, streamer, attention_mask, sink=False)
         self.cache, self.input_ids = cache, input_ids

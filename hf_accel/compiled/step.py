@@ -43,9 +43,11 @@ def model_uncovered(model: PreTrainedModel) -> str | None:
 
 def decode_step(model: PreTrainedModel, tokens: torch.Tensor, positions: torch.Tensor, kv: KVPool,
                 block_table: torch.Tensor, attend: Callable, warpers: tuple, do_sample: bool,
-                return_logits: bool, sinks: SinkRows | None = None) -> torch.Tensor:
-    """Row `r` computes token `tokens[r]` at `positions[r]` -> `[rows]` next tokens, or with `return_logits` the
-    `[rows, vocab]` fp32 logits (for processors applied outside the graph); `sinks`: the sink cache's window."""
+                return_logits: bool, sinks: SinkRows | None = None,
+                bitmask: torch.Tensor | None = None) -> torch.Tensor:
+    """Row `r` computes token `tokens[r]` at `positions[r]` -> `[rows]` next tokens (among those a grammar's
+    `bitmask` `[rows, words]` allows, when given), or with `return_logits` the `[rows, vocab]` fp32 logits (for
+    processors applied outside the graph); `sinks`: the sink cache's window."""
     full_window = 0
     if sinks is not None:
         sinks.place(kv, block_table, positions)
@@ -55,7 +57,7 @@ def decode_step(model: PreTrainedModel, tokens: torch.Tensor, positions: torch.T
     logits = out.logits[0].float()
     if return_logits:
         return logits
-    return choose_tokens(logits, warpers, do_sample)
+    return choose_tokens(logits, warpers, do_sample, bitmask)
 
 
 def verify_step(model: PreTrainedModel, tokens: torch.Tensor, positions: torch.Tensor, kv: KVPool,

@@ -46,6 +46,13 @@ class StructuredLogitsProcessor(LogitsProcessor):
                     lengths: torch.Tensor | None) -> torch.FloatTensor:
         """As `__call__` for a ragged batch: row r's last `lengths[r]` columns are its tokens, the rest left padding
         (None: all columns). hf_accel's speculative loops call this (`TokenRules.process`)."""
+        apply_bitmask(scores, self.allowed(input_ids, lengths))
+        return scores
+
+    def allowed(self, input_ids: torch.LongTensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
+        """Each row's matcher advanced over the row's output in `input_ids` (ragged as in `ragged_call`), and the
+        bitmask `[rows, ceil(vocab / 32)]` int32 of the tokens each allows next (this processor's own buffer,
+        refilled in place at every call). Compiled generate applies it inside its step (`token_choice.masked`)."""
         rows, width = input_ids.shape
         lengths = [width] * rows if lengths is None else lengths.tolist()
         if not self.matchers:
@@ -60,8 +67,7 @@ class StructuredLogitsProcessor(LogitsProcessor):
                 matcher.fill(self.bitmask, row)
             else:  # after a stop (generate pads a finished row) or a refused candidate (never verified past)
                 self.bitmask[row].fill_(-1)
-        apply_bitmask(scores, self.bitmask)
-        return scores
+        return self.bitmask
 
     def forced_tokens(self, row: int, output: list[int]) -> list[int]:
         """The tokens row `row`'s grammar forces after its `output` so far (the only continuation it allows, in the
