@@ -195,6 +195,31 @@ def test_every_speculative_method_equals_constrained_plain_decoding(method):
     assert_nothing_kept(spec)
 
 
+def test_a_grammar_raising_while_candidates_are_verified_fails_its_request_alone(monkeypatch):
+    """Greedy constrained candidates are verified together (one bitmask, one argmax): a grammar that raises there
+    ends its own request; the others keep exactly their outputs."""
+    params = [greedy(c) for c in CONSTRAINTS[:len(PROMPTS)]]
+    expected = [out.outputs[0].token_ids for out in engine().generate(PROMPTS, params)]
+    doomed = []
+    fill = TokenMatcher.fill_drafts
+
+    def faulty(self, drafts, bitmask, row):
+        if drafts and not doomed:
+            doomed.append(self)
+        if doomed and doomed[0] is self:
+            raise RuntimeError("the matcher broke")
+        return fill(self, drafts, bitmask, row)
+
+    monkeypatch.setattr(TokenMatcher, "fill_drafts", faulty)
+    eng = engine(speculative_configs()["ngram"])
+    outs = eng.generate(PROMPTS, params)
+    failed = [i for i, out in enumerate(outs) if out.error is not None]
+    assert len(failed) == 1 and "the matcher broke" in str(outs[failed[0]].error)
+    assert [out.outputs[0].token_ids for i, out in enumerate(outs) if i not in failed] == \
+        [ids for i, ids in enumerate(expected) if i not in failed]
+    assert_nothing_kept(eng)
+
+
 @pytest.mark.parametrize("method", [None, "suffix"])
 def test_sampled_outputs_validate_and_are_seeded(method):
     eng = engine(None if method is None else speculative_configs()[method])

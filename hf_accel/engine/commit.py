@@ -34,6 +34,7 @@ from ..runtime.host_argmax import argmax_rows
 from ..speculative.verify import Verdict, greedy_accept, speculative_sample
 from .model_runner import StepOutput
 from .outputs import TokenLogprob
+from ..structured.matcher import apply_bitmask, token_bitmask
 from .sampler import candidate_scores, sample, token_logprobs
 from .sequence import Request, Sequence
 from .spec_decode.spec_decode_stats import SpecDecodeStats
@@ -81,6 +82,11 @@ def _needs_scores(seq: Sequence) -> bool:
     return seq.params.needs_processing or seq.grammar is not None
 
 
+def _grammar_only(seq: Sequence) -> bool:
+    """Whether `seq` is greedy with a grammar and no other processing (`Committer._verify_grammar_greedy`)."""
+    return seq.grammar is not None and seq.params.is_greedy and not seq.params.needs_processing
+
+
 class Committer:
     """Commits steps' tokens to their sequences (see the module docstring); `fail(request, error)` ends a request
     alone. Counts the tokens generated and the rounds verified (`spec_decode`)."""
@@ -123,8 +129,9 @@ class Committer:
         if not speculating:
             return {}
         emitted = self._verify_greedy(out, [i for i in speculating if not _needs_scores(out.sampling[i].seq)])
+        emitted.update(self._verify_grammar_greedy(out, [i for i in speculating if _grammar_only(out.sampling[i].seq)]))
         for i in speculating:
-            if i not in emitted:
+            if i not in emitted and not out.sampling[i].seq.is_finished:  # (finished: failed in this step)
                 try:
                     emitted[i] = self._verify_processed(out, i)
                 except Exception as error:  # this request's settings or generator: it fails alone
@@ -143,6 +150,36 @@ class Committer:
             verdict = greedy_accept(drafts, argmax_rows(out.logits[rows]))  # targets: [group, width + 1]
             for i, tokens in zip(group, self._emitted(verdict, width)):
                 emitted[i] = tokens
+        return emitted
+
+    def _verify_grammar_greedy(self, out: StepOutput, members: list[int]) -> dict[int, list[int]]:
+        """`_verify_processed` for greedy sequences whose grammar is their only processing, all at once: one bitmask
+        over every member's `1 + k` positions (each filled as after the candidates before it), one mask and one
+        argmax for them all, then each one's candidates kept while they equal its masked argmax."""
+        if not members:
+            return {}
+        rows = [row for i in members for row in range(out.starts[i], out.starts[i] + out.sampling[i].num_drafts + 1)]
+        bitmask = token_bitmask(len(rows), out.logits.shape[-1])
+        filled, first = [], 0
+        for i in members:
+            scheduled = out.sampling[i]
+            try:
+                scheduled.seq.grammar.fill_drafts(scheduled.draft_token_ids, bitmask, first)
+                filled.append((i, first))
+            except Exception as error:  # this request's grammar: it fails alone
+                self.fail(scheduled.seq.request, error)
+            first += scheduled.num_drafts + 1
+        logits = out.logits[rows]  # a copy, masked in place
+        apply_bitmask(logits, bitmask)
+        targets = argmax_rows(logits).tolist()
+        emitted = {}
+        for i, first in filled:
+            drafts = out.sampling[i].draft_token_ids
+            kept = 0
+            while kept < len(drafts) and drafts[kept] == targets[first + kept]:
+                kept += 1
+            self.spec_decode.record(len(drafts), kept)
+            emitted[i] = [*drafts[:kept], targets[first + kept]]
         return emitted
 
     def _verify_processed(self, out: StepOutput, i: int) -> list[int]:
