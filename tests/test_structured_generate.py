@@ -196,6 +196,24 @@ def test_speculative_decoding_under_a_grammar_equals_constrained_plain_decoding(
         assert stats.num_target_forwards > 0 and sum(stats.proposed) > 0
 
 
+def test_a_rounds_positions_are_masked_at_once_with_the_same_tokens(pair, monkeypatch):
+    """A greedy speculative call whose only processor is the grammar masks all of a round's positions in one call
+    (`mask_candidates`), with the tokens the per-position masks give."""
+    from hf_accel.structured.logits import StructuredLogitsProcessor
+
+    prompts = ["# a config record\nrecord = ", 'config = {"name": "x"}\nother = ']
+    constraint = StructuredOutput(json=SCHEMA)
+    per_position = StructuredLogitsProcessor.mask_candidates
+    monkeypatch.setattr("hf_accel.speculative.decoding.TokenRules.grammar_only", lambda rules: None)  # per position
+    slow = generate(pair, prompts, constraint, do_sample=False, custom_generate=hf_accel.ngram_generate)
+    monkeypatch.undo()
+    calls = []
+    monkeypatch.setattr(StructuredLogitsProcessor, "mask_candidates",
+                        lambda self, *args: calls.append(1) or per_position(self, *args))
+    assert generate(pair, prompts, constraint, do_sample=False, custom_generate=hf_accel.ngram_generate) == slow
+    assert calls
+
+
 @pytest.mark.parametrize("assistance", [{"prompt_lookup_num_tokens": 3}, "assistant_model"])
 def test_transformers_assisted_decoding_under_a_grammar(pair, assistance):
     if assistance == "assistant_model":

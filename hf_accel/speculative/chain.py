@@ -74,9 +74,15 @@ def decide(decoding: Decoding, logits: torch.Tensor, candidates: torch.Tensor, h
     """`verify` after its forward: raw fp32 `logits` `[batch, k + 1, vocab]` of the verified positions."""
     batch, rules = decoding.batch, decoding.rules
     k = candidates.shape[1]
-    lengths = [batch.history_lengths + j for j in range(k + 1)]
-    scores = torch.stack([rules.process(batch.view(history, lengths[j]), logits[:, j].clone(), lengths[j])
-                          for j in range(k + 1)], dim=1)  # [batch, k + 1, vocab]
+    grammar = rules.grammar_only()
+    if k and grammar is not None:  # every position's mask at once
+        scores = logits.clone()
+        grammar.mask_candidates(batch.view(history, batch.history_lengths), batch.history_lengths, candidates,
+                                num_candidates, scores)
+    else:
+        lengths = [batch.history_lengths + j for j in range(k + 1)]
+        scores = torch.stack([rules.process(batch.view(history, lengths[j]), logits[:, j].clone(), lengths[j])
+                              for j in range(k + 1)], dim=1)  # [batch, k + 1, vocab]
     if k == 0:  # a plain round
         chosen = rules.choose(scores[:, 0])
         return Verdict(torch.zeros_like(chosen), chosen[:, None]), scores, logits

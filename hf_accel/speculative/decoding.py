@@ -71,6 +71,14 @@ class TokenRules:
             scores = processor(input_ids, scores) if ragged is None else ragged(input_ids, scores, lengths)
         return scores
 
+    def grammar_only(self) -> Any:
+        """The `StructuredLogitsProcessor` that is the only processor, once its matchers exist (it can then mask
+        a round's positions at once: `mask_candidates`); None otherwise."""
+        from ..structured.logits import StructuredLogitsProcessor
+
+        only = self.processors[0] if len(self.processors) == 1 else None
+        return only if isinstance(only, StructuredLogitsProcessor) and only.matchers else None
+
     def choose(self, scores: torch.Tensor) -> torch.Tensor:
         """`[rows]` tokens from processed `scores` `[rows, vocab]`: argmax, or one multinomial draw per row."""
         if self.do_sample:

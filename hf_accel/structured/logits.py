@@ -59,15 +59,36 @@ class StructuredLogitsProcessor(LogitsProcessor):
             self.matchers = [TokenMatcher(self.compiled, self.spelling) for _ in range(rows)]
             self.prompt_lengths = lengths
             self.bitmask = token_bitmask(rows, self.compiled.tokenizer_info.vocab_size)
-        starts = [width - length + prompt for length, prompt in zip(lengths, self.prompt_lengths)]
-        first = max(min(starts), 0)  # only the columns after the prompts go to Python
-        for row, (matcher, tokens) in enumerate(zip(self.matchers, input_ids[:, first:].tolist())):
-            output = tokens[max(starts[row] - first, 0):]
-            if matcher.follow(output):
-                matcher.fill(self.bitmask, row)
+        for row, output in enumerate(self._outputs(input_ids, lengths)):
+            if self.matchers[row].follow(output):
+                self.matchers[row].fill(self.bitmask, row)
             else:  # after a stop (generate pads a finished row) or a refused candidate (never verified past)
                 self.bitmask[row].fill_(-1)
         return self.bitmask
+
+    def _outputs(self, input_ids: torch.LongTensor, lengths: list[int]) -> list[list[int]]:
+        """Each row's output so far: its tokens after its prompt (`input_ids` ragged by `lengths`)."""
+        width = input_ids.shape[1]
+        starts = [width - length + prompt for length, prompt in zip(lengths, self.prompt_lengths)]
+        first = max(min(starts), 0)  # only the columns after the prompts go to Python
+        return [tokens[max(start - first, 0):] for start, tokens in zip(starts, input_ids[:, first:].tolist())]
+
+    def mask_candidates(self, input_ids: torch.LongTensor, lengths: torch.Tensor, candidates: torch.Tensor,
+                        num_candidates: torch.Tensor | None, scores: torch.Tensor) -> None:
+        """What `ragged_call` does at each of a speculative round's `k + 1` positions, at once, in place: `scores`
+        `[rows, k + 1, vocab]`, position j of row r masked to what its grammar allows after its output (in
+        `input_ids`, ragged by `lengths` as in `ragged_call`) and its first j `candidates` `[rows, k]` (of
+        `num_candidates[r]`; None: all k); one bitmask for every position, filled row by row (`fill_drafts`), one
+        mask. Positions past a row's candidates, or past one its grammar refuses, allow everything (never used).
+        The matchers must exist (the call's first round went through `ragged_call`)."""
+        rows, positions = scores.shape[0], scores.shape[1]
+        bitmask = token_bitmask(rows * positions, self.compiled.tokenizer_info.vocab_size)
+        drafts = candidates.tolist()
+        counts = [positions - 1] * rows if num_candidates is None else num_candidates.tolist()
+        for row, output in enumerate(self._outputs(input_ids, lengths.tolist())):
+            if self.matchers[row].follow(output):
+                self.matchers[row].fill_drafts(drafts[row][: counts[row]], bitmask, row * positions)
+        apply_bitmask(scores.view(rows * positions, -1), bitmask)
 
     def forced_tokens(self, row: int, output: list[int]) -> list[int]:
         """The tokens row `row`'s grammar forces after its `output` so far (the only continuation it allows, in the
