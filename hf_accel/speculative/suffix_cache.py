@@ -108,8 +108,12 @@ class SuffixCache:
             active.append((self._root, 0))  # the new token starts a suffix
             if len(active) > self.max_depth:
                 active.popleft()
-            for i, (node, read) in enumerate(active):  # suffix i: tokens[start:end - 1] ends at (node, read)
-                active[i] = self._count_ending(seq, tokens, len(tokens) - len(active) + i, node, read)
+            start = len(tokens) - len(active)
+            for i, (node, read) in enumerate(active):  # suffix i: tokens[start + i:end - 1] ends at (node, read)
+                if node.children is None:  # a leaf: its chain grows by itself (`_count_ending`'s first case, inline)
+                    active[i] = (node, read + 1)
+                else:
+                    active[i] = self._count_ending(seq, tokens, start + i, node, read)
 
     def count(self, ngram: Sequence[int]) -> int:
         """Occurrences of `ngram` (1 to `max_depth` tokens) in the stored sequences."""
