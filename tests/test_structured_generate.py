@@ -196,6 +196,17 @@ def test_speculative_decoding_under_a_grammar_equals_constrained_plain_decoding(
         assert stats.num_target_forwards > 0 and sum(stats.proposed) > 0
 
 
+def test_a_schema_is_parsed_once_across_calls(pair, monkeypatch):
+    from hf_accel.structured import grammars
+
+    parsed = []
+    parse = grammars.parse_constraint
+    monkeypatch.setattr(grammars, "parse_constraint", lambda constraint: parsed.append(constraint) or parse(constraint))
+    constraint = StructuredOutput(json={**SCHEMA, "title": "parsed once in generate"})
+    first = generate(pair, ["record = "], constraint, do_sample=False)
+    assert generate(pair, ["record = "], constraint, do_sample=False) == first and len(parsed) == 1
+
+
 def test_a_rounds_positions_are_masked_at_once_with_the_same_tokens(pair, monkeypatch):
     """A greedy speculative call whose only processor is the grammar masks all of a round's positions in one call
     (`mask_candidates`), with the tokens the per-position masks give."""

@@ -16,8 +16,6 @@ compiled off the step loop.
 from __future__ import annotations
 
 import concurrent.futures
-import functools
-import json
 import os
 import threading
 from collections import OrderedDict
@@ -28,7 +26,6 @@ from transformers import PreTrainedTokenizerBase
 from ..structured.constraint import StructuredOutput
 from .sequence import Request
 
-MAX_CHECKED = 256  # constraints remembered as parsed
 MAX_COMPILED = 64  # compiled grammars kept by constraint, for requests that need no wait
 COMPILE_THREADS = 1  # xgrammar threads per compile: the step's threads keep their cores (bench_structured)
 COMPILE_NICENESS = 10  # the compile thread's nice value (Linux): the step's thread runs first when they contend
@@ -39,27 +36,18 @@ def check_structured_outputs(tokenizer: PreTrainedTokenizerBase | None,
     """`constraint`'s key (`StructuredOutput.key`: what its grammar is compiled and kept under), once the backend
     parsed it; ValueError naming `structured_outputs` when the engine has no tokenizer or the backend refuses the
     constraint (ImportError naming the extra when xgrammar is missing). The parsed grammar is remembered by key
-    (`MAX_CHECKED`): a server sending one schema many times parses it once, and the compile worker takes it from
-    here."""
+    (`grammars.parsed`): a server sending one schema many times parses it once, and the compile worker takes it from
+    there."""
     if tokenizer is None:
         raise ValueError("`structured_outputs` needs the engine's tokenizer: create the Engine with `tokenizer=`")
+    from ..structured.grammars import parsed
+
     key = constraint.key()
     try:
-        _parsed(key)
+        parsed(key)
     except ValueError as error:
         raise ValueError(f"`structured_outputs`: {error}") from error
     return key
-
-
-# One parsed grammar may reach several engines' workers at once: read-only there, since the compilers cache
-# (`grammars.compiler_for`: cache_enabled), and xgrammar's caching compile works from the grammar's text.
-@functools.lru_cache(maxsize=MAX_CHECKED)
-def _parsed(key: tuple[str, str]) -> Any:
-    from ..structured.grammars import parse_constraint
-
-    kind, text = key
-    value = True if kind == "json_object" else json.loads(text) if kind == "choice" else text
-    return parse_constraint(StructuredOutput(**{kind: value}))
 
 
 class GrammarCompiles:
@@ -156,10 +144,10 @@ def _compile(key: tuple[str, str], compiler: Any) -> Any:
     """On the worker: the grammar of the constraint under `key` compiled. Admission parsed it in this process, so
     what runs here is xgrammar's C++ alone, without the GIL: the stepping thread is never held up. (In an engine
     core process the parse happens here, once per constraint.)"""
-    from ..structured.grammars import compile_parsed
+    from ..structured.grammars import compile_parsed, parsed
 
     try:
-        return compile_parsed(key[0], _parsed(key), compiler)
+        return compile_parsed(key[0], parsed(key), compiler)
     except ValueError as error:
         raise ValueError(f"`structured_outputs`: {error}") from error
 

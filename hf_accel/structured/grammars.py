@@ -5,6 +5,7 @@ constraint without it raises ImportError naming the extra."""
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import threading
@@ -17,6 +18,7 @@ from .constraint import StructuredOutput
 
 MAX_COMPILERS = 8  # tokenizers (with a vocabulary size) whose compiler is kept
 CACHE_LIMIT_BYTES = 256 * 1024 * 1024  # compiled grammars each compiler keeps
+MAX_PARSED = 256  # constraints remembered as parsed (`parsed`)
 _compilers: OrderedDict[tuple, tuple[PreTrainedTokenizerBase, Any]] = OrderedDict()
 _lock = threading.Lock()
 
@@ -91,7 +93,18 @@ def _exact_json_strings(grammar: Any) -> Any:
 
 def compile_constraint(constraint: StructuredOutput, compiler: Any) -> Any:
     """`constraint` compiled by `compiler` (an xgrammar `CompiledGrammar`); ValueError as `parse_constraint`."""
-    return compile_parsed(constraint.kind, parse_constraint(constraint), compiler)
+    return compile_parsed(constraint.kind, parsed(constraint.key()), compiler)
+
+
+# One parsed grammar may reach several threads at once (engines' compile workers, generate calls): read-only there,
+# since the compilers cache (`compiler_for`: cache_enabled), and xgrammar's caching compile works from its text.
+@functools.lru_cache(maxsize=MAX_PARSED)
+def parsed(key: tuple[str, str]) -> Any:
+    """`parse_constraint` of the constraint whose `StructuredOutput.key()` is `key`, remembered (`MAX_PARSED`): a
+    schema sent many times is parsed once (a JSON schema's parse took ~1 ms of each constrained generate call)."""
+    kind, text = key
+    value = True if kind == "json_object" else json.loads(text) if kind == "choice" else text
+    return parse_constraint(StructuredOutput(**{kind: value}))
 
 
 def compile_parsed(kind: str, grammar: Any, compiler: Any) -> Any:
