@@ -142,6 +142,21 @@ def test_paged_cache_compiled_equals_eager(pair):
         jsonschema.validate(json.loads(text), SCHEMA)
 
 
+def test_the_step_masks_as_the_host_kernel_does():
+    """`token_choice.masked` (in the compiled step) reads xgrammar's bit order and leaves logits past the bitmask's
+    words alone, as the host's `apply_bitmask` does."""
+    from hf_accel.compiled.token_choice import masked
+    from hf_accel.structured.matcher import apply_bitmask
+
+    gen = torch.Generator().manual_seed(0)
+    scores = torch.randn(3, 70, generator=gen)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (3, 2), generator=gen, dtype=torch.int64).to(torch.int32)
+    host = scores.clone()
+    apply_bitmask(host, bitmask)
+    assert torch.equal(masked(scores, bitmask), host) and torch.isinf(host[:, :64]).any()
+    assert torch.equal(host[:, 64:], scores[:, 64:])
+
+
 def test_compiled_greedy_masks_inside_its_step(pair, monkeypatch):
     """Greedy compiled generate fills each row's bitmask on the host and masks + chooses in the graph: the host applies
     the processor once (the prefill's token); sampling keeps the host path, one call a token."""

@@ -6,12 +6,13 @@ For every sequence whose last token the step computed (`StepOutput.sampling`):
 - a speculating one (its last token and `k` candidates in one packed row; `k` may differ per row) keeps what the
   target's logits at those `1 + k` positions decide, exactly what plain decoding gives (`speculative.verify`):
   plain-greedy rows take `greedy_accept` on the logits' argmax, batched by candidate count; rows with a grammar
-  (`structured_outputs`, masked at each position by what it allows there) or logits processors (penalties,
-  temperature, top-k/p, min-p) get their processors at each position (history: their tokens
-  and the candidates before it, `sampler.candidate_scores`), then `greedy_accept` on those scores (greedy) or
-  `speculative_sample` with one-hot draft distributions (the candidates are deterministic) drawn with the request's
-  generator: lossless sampling. It emits its accepted candidates, then the target's token (its correction, or the
-  bonus token after the last candidate); each round is counted (`SpecDecodeStats`);
+  (`structured_outputs`, masked at each position by what it allows there) or logits processors (penalties, temperature,
+  top-k/p, min-p) get their processors at each position (history: their tokens and the candidates before it,
+  `sampler.candidate_scores`; greedy rows whose grammar is all their processing are masked together, one bitmask over
+  all their positions: `_verify_grammar_greedy`), then `greedy_accept` on those scores (greedy) or `speculative_sample`
+  with one-hot draft distributions (the candidates are deterministic) drawn with the request's generator: lossless
+  sampling. It emits its accepted candidates, then the target's token (its correction, or the bonus token after the last
+  candidate); each round is counted (`SpecDecodeStats`);
 - the emitted tokens are appended one at a time, with their logprobs (from the raw logits) where asked, and
   `check_stop` after each: the first stop ends the sequence and drops the tokens after it;
 - K/V written for rejected candidates is garbage past the committed length: `num_computed_tokens` moves on by the

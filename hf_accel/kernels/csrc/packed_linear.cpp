@@ -22,7 +22,7 @@
 #include <torch/library.h>
 #include <ATen/Parallel.h>
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if (defined(__AVX2__) || defined(__AVX512F__)) && defined(__FMA__)
 #include <immintrin.h>
 #endif
 
@@ -34,7 +34,7 @@ namespace {
 constexpr int64_t kPanel = 16;        // columns per panel: two AVX2 vectors, one AVX-512 vector
 // the most rows this kernel computes; more take ATen's matmul (MKL's sgemm passed the panels at 48-64 rows on an
 // AVX-512 Xeon, at about 128 on an AVX2 EPYC: bench_linear)
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && defined(__FMA__)
 constexpr int64_t kPackedRows = 48;
 #else
 constexpr int64_t kPackedRows = 128;
@@ -43,7 +43,7 @@ constexpr int64_t kPackedRows = 128;
 // bandwidth once the weights are past the caches (as csrc/quantized_linear.cpp measured)
 constexpr int64_t kPrefetch = 4096;
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && defined(__FMA__)
 
 // out[r, 0 .. width) = x[r, :] @ panel for R rows, with S interleaved streams over k: R * S accumulators (a panel
 // row is one 16-lane vector), at most 24 of the 32 registers; each x element is broadcast straight from memory into
