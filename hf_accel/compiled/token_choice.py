@@ -42,13 +42,11 @@ def needs_host_processors(processors: LogitsProcessorList, do_sample: bool) -> b
 
 
 def graph_grammar(processors: LogitsProcessorList, do_sample: bool) -> Any:
-    """The `StructuredLogitsProcessor` whose mask the compiled step can apply (see the module docstring): a greedy
-    call's only processor; None otherwise."""
+    """The grammar processor whose mask the compiled step can apply (see the module docstring): a greedy call's only
+    processor, when it offers `allowed(input_ids) -> bitmask` (hf_accel's `StructuredLogitsProcessor`); else None."""
     if do_sample or len(processors) != 1:
         return None
-    from ..structured.logits import StructuredLogitsProcessor
-
-    return processors[0] if isinstance(processors[0], StructuredLogitsProcessor) else None
+    return processors[0] if callable(getattr(processors[0], "allowed", None)) else None
 
 
 def masked(scores: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:

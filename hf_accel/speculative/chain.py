@@ -74,12 +74,10 @@ def decide(decoding: Decoding, logits: torch.Tensor, candidates: torch.Tensor, h
     """`verify` after its forward: raw fp32 `logits` `[batch, k + 1, vocab]` of the verified positions."""
     batch, rules = decoding.batch, decoding.rules
     k = candidates.shape[1]
-    grammar = rules.grammar_only()
-    if k and grammar is not None:  # every position's mask at once
-        scores = logits.clone()
-        grammar.mask_candidates(batch.view(history, batch.history_lengths), batch.history_lengths, candidates,
-                                num_candidates, scores)
-    else:
+    grammar = rules.grammar_only() if k else None  # it may mask every position at once
+    scores = None if grammar is None else logits.clone()
+    if scores is None or not grammar.mask_candidates(batch.view(history, batch.history_lengths),
+                                                     batch.history_lengths, candidates, num_candidates, scores):
         lengths = [batch.history_lengths + j for j in range(k + 1)]
         scores = torch.stack([rules.process(batch.view(history, lengths[j]), logits[:, j].clone(), lengths[j])
                               for j in range(k + 1)], dim=1)  # [batch, k + 1, vocab]

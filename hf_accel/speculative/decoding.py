@@ -72,12 +72,10 @@ class TokenRules:
         return scores
 
     def grammar_only(self) -> Any:
-        """The `StructuredLogitsProcessor` that is the only processor, once its matchers exist (it can then mask
-        a round's positions at once: `mask_candidates`); None otherwise."""
-        from ..structured.logits import StructuredLogitsProcessor
-
+        """The only processor, when it can mask a round's positions at once (`mask_candidates(input_ids, lengths,
+        candidates, num_candidates, scores) -> bool`: hf_accel's `StructuredLogitsProcessor`); None otherwise."""
         only = self.processors[0] if len(self.processors) == 1 else None
-        return only if isinstance(only, StructuredLogitsProcessor) and only.matchers else None
+        return only if callable(getattr(only, "mask_candidates", None)) else None
 
     def choose(self, scores: torch.Tensor) -> torch.Tensor:
         """`[rows]` tokens from processed `scores` `[rows, vocab]`: argmax, or one multinomial draw per row."""

@@ -74,13 +74,15 @@ class StructuredLogitsProcessor(LogitsProcessor):
         return [tokens[max(start - first, 0):] for start, tokens in zip(starts, input_ids[:, first:].tolist())]
 
     def mask_candidates(self, input_ids: torch.LongTensor, lengths: torch.Tensor, candidates: torch.Tensor,
-                        num_candidates: torch.Tensor | None, scores: torch.Tensor) -> None:
+                        num_candidates: torch.Tensor | None, scores: torch.Tensor) -> bool:
         """What `ragged_call` does at each of a speculative round's `k + 1` positions, at once, in place: `scores`
         `[rows, k + 1, vocab]`, position j of row r masked to what its grammar allows after its output (in
         `input_ids`, ragged by `lengths` as in `ragged_call`) and its first j `candidates` `[rows, k]` (of
         `num_candidates[r]`; None: all k); one bitmask for every position, filled row by row (`fill_drafts`), one
         mask. Positions past a row's candidates, or past one its grammar refuses, allow everything (never used).
-        The matchers must exist (the call's first round went through `ragged_call`)."""
+        False, with nothing done, before the call's first `ragged_call` (which sees the prompts)."""
+        if not self.matchers:
+            return False
         rows, positions = scores.shape[0], scores.shape[1]
         bitmask = token_bitmask(rows * positions, self.compiled.tokenizer_info.vocab_size)
         drafts = candidates.tolist()
@@ -89,6 +91,7 @@ class StructuredLogitsProcessor(LogitsProcessor):
             if self.matchers[row].follow(output):
                 self.matchers[row].fill_drafts(drafts[row][: counts[row]], bitmask, row * positions)
         apply_bitmask(scores.view(rows * positions, -1), bitmask)
+        return True
 
     def forced_tokens(self, row: int, output: list[int]) -> list[int]:
         """The tokens row `row`'s grammar forces after its `output` so far (the only continuation it allows, in the
