@@ -181,6 +181,36 @@ def test_compiled_greedy_masks_inside_its_step(pair, monkeypatch):
     assert len(calls) > 1
 
 
+def test_the_appended_token_path_masks_as_following_the_whole_output(pair):
+    """`allowed(..., appended=True)` (compiled generate's loop: one token more per row each call) reads only the
+    last column and gives the bitmask that following each row's whole output gives: a row choosing allowed tokens
+    until its stop (then padded), and a row that writes a token its grammar refuses (then anything)."""
+    from hf_accel.structured.grammars import compile_constraint, compiler_for
+    from hf_accel.structured.logits import StructuredLogitsProcessor
+
+    model, tokenizer = pair
+    eos = model.generation_config.eos_token_id
+    compiled = compile_constraint(StructuredOutput(choice=["import os", "pass"]),
+                                  compiler_for(tokenizer, model.config.vocab_size, [eos]))
+    fast, full = StructuredLogitsProcessor(compiled), StructuredLogitsProcessor(compiled)
+    refused = tokenizer.encode("zzz", add_special_tokens=False)[0]
+    sequences = torch.tensor(tokenizer(["x = ", "y = "], add_special_tokens=False)["input_ids"])
+    bitmask = full.allowed(sequences)
+    fast.allowed(sequences)
+    rereads = []  # row 0 never re-reads its output: it takes each appended token alone
+    follow = fast.matchers[0].follow
+    fast.matchers[0].follow = lambda tokens: rereads.append(tokens) or follow(tokens)
+    for step in range(12):  # "import os" or "pass", a token at a time at worst, its stop, pads
+        bits = ((bitmask[:, :, None] >> torch.arange(32, dtype=torch.int32)) & 1).reshape(2, -1)
+        first = [int(bits[row].nonzero()[0]) for row in range(2)]  # each row's first allowed token
+        chosen = [tokenizer.pad_token_id if bits[0].all() else first[0], refused if step == 1 else first[1]]
+        sequences = torch.cat([sequences, torch.tensor(chosen)[:, None]], dim=1)
+        bitmask = full.allowed(sequences).clone()
+        assert torch.equal(fast.allowed(sequences, appended=True), bitmask)
+    assert fast.matchers[0].is_terminated and (bitmask[1] == -1).all()  # a stop reached; a refused row: anything
+    assert rereads == []
+
+
 SPECULATIVE = ["ngram", "draft", "eagle", "medusa"]
 
 

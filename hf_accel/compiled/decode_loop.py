@@ -201,8 +201,8 @@ class Decode:
 
     def _allowed(self) -> torch.Tensor | None:
         """The bitmask of the tokens each row's grammar allows next, for the step to mask with (None: no grammar in
-        the step)."""
-        return None if self.grammar is None else self.grammar.allowed(self.sequences[:, : self.length])
+        the step); each row gained one token since the grammar last saw them (the prefill's choice, or a step's)."""
+        return None if self.grammar is None else self.grammar.allowed(self.sequences[:, : self.length], appended=True)
 
     def _choose(self, logits: torch.Tensor) -> torch.Tensor:
         """The host path: generate's processors on the tokens so far, then argmax or a draw (as `_sample`)."""

@@ -49,22 +49,45 @@ class StructuredLogitsProcessor(LogitsProcessor):
         apply_bitmask(scores, self.allowed(input_ids, lengths))
         return scores
 
-    def allowed(self, input_ids: torch.LongTensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
+    def allowed(self, input_ids: torch.LongTensor, lengths: torch.Tensor | None = None,
+                appended: bool = False) -> torch.Tensor:
         """Each row's matcher advanced over the row's output in `input_ids` (ragged as in `ragged_call`), and the
         bitmask `[rows, ceil(vocab / 32)]` int32 of the tokens each allows next (this processor's own buffer,
-        refilled in place at every call). Compiled generate applies it inside its step (`token_choice.masked`)."""
+        refilled in place at every call). Compiled generate applies it inside its step (`token_choice.masked`).
+        `appended`: the caller promises each row gained exactly one token since the previous call and nothing
+        before it changed (compiled generate's loop), so only `input_ids`' last column is read."""
         rows, width = input_ids.shape
+        if appended and self.matchers and lengths is None:
+            return self._allowed_after(input_ids[:, -1].tolist(), input_ids)
         lengths = [width] * rows if lengths is None else lengths.tolist()
         if not self.matchers:
             self.matchers = [TokenMatcher(self.compiled, self.spelling) for _ in range(rows)]
             self.prompt_lengths = lengths
             self.bitmask = token_bitmask(rows, self.compiled.tokenizer_info.vocab_size)
         for row, output in enumerate(self._outputs(input_ids, lengths)):
-            if self.matchers[row].follow(output):
-                self.matchers[row].fill(self.bitmask, row)
-            else:  # after a stop (generate pads a finished row) or a refused candidate (never verified past)
-                self.bitmask[row].fill_(-1)
+            self._fill(row, self.matchers[row].follow(output))
         return self.bitmask
+
+    def _allowed_after(self, last: list[int], input_ids: torch.LongTensor) -> torch.Tensor:
+        """`allowed` where each row appended `last[row]`: a row whose matcher followed every token before it
+        accepts just that one (one refused earlier re-reads its output, as `follow` does)."""
+        width = input_ids.shape[1]
+        for row, (matcher, prompt) in enumerate(zip(self.matchers, self.prompt_lengths)):
+            if matcher.is_terminated:  # its stop accepted: generate pads the row from there
+                self._fill(row, False)
+            elif matcher.num_accepted == width - prompt - 1:
+                self._fill(row, matcher.advance(last[row]))
+            else:
+                self._fill(row, matcher.follow(input_ids[row, prompt:].tolist()))
+        return self.bitmask
+
+    def _fill(self, row: int, fits: bool) -> None:
+        """Row `row` of the bitmask: what its grammar allows next where its output `fits`, else everything (after a
+        stop, which generate pads, or a refused candidate: never verified past)."""
+        if fits:
+            self.matchers[row].fill(self.bitmask, row)
+        else:
+            self.bitmask[row].fill_(-1)
 
     def _outputs(self, input_ids: torch.LongTensor, lengths: list[int]) -> list[list[int]]:
         """Each row's output so far: its tokens after its prompt (`input_ids` ragged by `lengths`)."""

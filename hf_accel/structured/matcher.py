@@ -72,6 +72,20 @@ class TokenMatcher:
         spelled = self._spelling.get(text)
         return spelled if spelled is not None else list(self._matcher.find_jump_forward_tokens())
 
+    @property
+    def num_accepted(self) -> int:
+        """How many tokens it has advanced over."""
+        return len(self._accepted)
+
+    def advance(self, token: int) -> bool:
+        """`follow` of the tokens accepted so far and `token`: False, staying where it is, when the grammar refuses
+        it (or it follows a stop token)."""
+        if self._matcher.is_terminated() or not self._matcher.accept_token(token):
+            return False
+        self._accepted.append(token)
+        self._forced = None
+        return True
+
     def follow(self, tokens: Sequence[int]) -> bool:
         """Move to the place after `tokens` (the sequence's output so far, which may have dropped rejected
         candidates or gained new ones since the last call): roll back to the longest prefix shared with the tokens
@@ -90,11 +104,7 @@ class TokenMatcher:
             self._matcher.rollback(len(accepted) - common)
             del accepted[common:]
             self._drafted = [d for d in self._drafted if d[1] <= common]
-        for token in tokens[common:]:
-            if self._matcher.is_terminated() or not self._matcher.accept_token(token):
-                return False
-            accepted.append(token)
-        return True
+        return all(self.advance(token) for token in tokens[common:])
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Row `row` of `bitmask`: the tokens allowed next."""
