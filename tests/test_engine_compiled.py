@@ -1,7 +1,7 @@
 """The engine's compiled model step (the default; tests elsewhere run eagerly): greedy tokens equal the eager engine's
 and sequential `generate` on Llama (grouped-query), Mistral (every layer sliding) and Gemma 2 (soft-capping), with
-prefill chunks and decodes in the same steps; exactly three graphs (one token, several, and the static
-single-sequence decode), all compiled at start, and no recompilation however the step's sizes change; the hooks a
+prefill chunks and decodes in the same steps; exactly two graphs (several tokens, and the static one of one token),
+both compiled at start, and no recompilation however the step's sizes change; the hooks a
 model has when its graphs compile are the graphs' own; `enforce_eager` and the fallback where compiling fails."""
 
 import copy
@@ -41,9 +41,14 @@ def test_compiled_engine_equals_eager_and_generate_without_recompiling(arch):
     before = unique_graphs()
     engine = Engine(model, config=EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, block_size=4))
     assert engine.core.runner.forward.compiled and engine.stats().compile_seconds > 0
-    assert unique_graphs() - before == 3  # one token; several; one sequence decoding: all at start
+    # several tokens; one token (a sequence decoding alone, or a prompt of one token), static: both at start
+    assert unique_graphs() - before == 2
     compiled = run(engine, prompts) + run(engine, prompts[:1])  # also a step of one sequence prefilling alone
-    assert unique_graphs() - before == 3  # sizes changed every step; nothing recompiled
+    assert unique_graphs() - before == 2  # sizes changed every step; nothing recompiled
+    # a one-token step that keeps no row (a prompt's chunk of one token mid-prompt) runs the single-sequence graph
+    out = engine.core.runner.forward(StepInputs(tokens=[7], positions=[0], slots=[0], query_start=[0, 1],
+                                                kv_lengths=[1], tables=[[0]]))
+    assert out.logits.shape[0] == 0 and unique_graphs() - before == 2
     eager = run(Engine(model, config=EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, block_size=4,
                                                   enforce_eager=True)), prompts)
     for prompt, n, got, expected in zip(prompts, MAX_TOKENS, compiled, eager):

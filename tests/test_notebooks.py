@@ -46,7 +46,7 @@ NOTEBOOKS = {
     "speculative.ipynb": NotebookRun(120, "assert trained.last_step == TRAIN_STEPS and medusa_stats.num_target_forwards"),
     "weight_quantization.ipynb": NotebookRun(90, "assert {'fp32', 'int8', 'int4'} <= set(measured)"),
     "paged_cache.ipynb": NotebookRun(60, "assert isinstance(cache, hf_accel.PagedCache)"),
-    "serving.ipynb": NotebookRun(  # its engines compile three graphs each at start; beside another xdist worker
+    "serving.ipynb": NotebookRun(  # its engines compile two graphs each at start; beside another xdist worker
         240, "assert completion.choices[0].text and chat.choices[0].message.content is not None "
             "and sum(ttft_counts) >= NUM_REQUESTS + 2 and not engine.is_running",
         save_plots=True),

@@ -4,12 +4,14 @@ Compiled (the default where the in-place kernel is built; `enforce_eager=True` t
 model's own forward runs through inductor with dynamic shapes: the packed token count, the number of sequences, the
 block table's width and the kept rows may change every step without recompiling. The attention is one opaque custom
 op (`torch.ops.hf_accel.paged_attention`, mutating the pools in place), so the graph is whole (`fullgraph=True`).
-Two rules keep it to two graphs (one token, several tokens): sizes are never duck-shaped into one symbol because they
+Two rules keep it to two graphs (one token, several tokens; one beside the single-sequence graph below): sizes are never duck-shaped into one symbol because they
 happen to be equal when traced, and the sizes that can be 1 (sequences, block-table width, kept rows), which torch
 would specialize, are padded to at least 2 (an empty sequence, a column of block 0, the last kept row repeated: none
-changes a result). A step of one sequence decoding one token (the latency-bound case: one request streaming) runs
-a third graph with static shapes instead (`max_blocks` given: its block table padded to the engine's widest), the
-way vLLM captures fixed sizes: no symbolic sizes to compute or guard on. All graphs are traced and compiled in
+changes a result). A step of one token (one sequence decoding: the latency-bound case of one request streaming, or
+a prompt's last uncached token) runs a graph with static shapes instead (`max_blocks` given: its block table padded
+to the engine's widest, its one kept row kept even where the step keeps none), the way vLLM captures fixed sizes: no
+symbolic sizes to compute or guard on; the dynamic graph of one token is then never traced (a third of the compile,
+at every start). All graphs are traced and compiled in
 `warm_up`, at engine start, so `compile_seconds` is the whole cost and no request waits for a compile; inductor's
 on-disk caches make a restart cheaper: built C++ kernels, and the compiled graphs themselves, keyed by a
 fingerprint of the weights they freeze (`frozen_graphs.freezing`). `warm_up(background=True)` compiles them in a
@@ -157,8 +159,8 @@ class StepForward:
                                          inputs.kv_lengths)
             if logits is not None:
                 return ForwardOutput(logits)
-        if self._single is not None and inputs.is_single_decode:
-            return self._run(inputs.with_table_width(self.max_blocks), self._single, kept, graph=True)
+        if self._single is not None and len(inputs.tokens) == 1:  # one sequence (a scheduled one has a token)
+            return self._run(inputs.with_table_width(self.max_blocks).keeping_one(), self._single, kept, graph=True)
         if self.compiled:
             return self._run(inputs.padded(), self._forward, kept, graph=True)
         return self._run(inputs, self._forward, kept, graph=False)  # the model's own forward
@@ -245,10 +247,10 @@ class StepForward:
         self._compiler = None
 
     def _trace_graphs(self, forward, single) -> None:
-        """The dynamic graphs (one token; several: two sequences), then the single-sequence one, writing K/V into
-        the scratch block."""
+        """The dynamic graphs (one token, unless the single-sequence graph runs those steps; several: two
+        sequences), then the single-sequence one, writing K/V into the scratch block."""
         size, block = self.kv.block_size, self._scratch
-        for num_tokens in (1, 3):
+        for num_tokens in (3,) if single is not None else (1, 3):
             self._check_cancelled()
             lengths = [num_tokens] if num_tokens == 1 else [1, num_tokens - 1]
             # every write inside the scratch block, whatever the block size (what is read there is never used)

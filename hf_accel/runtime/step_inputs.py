@@ -41,15 +41,18 @@ class StepInputs:
             inputs.keep.append(inputs.query_start[-1] - 1)
         return inputs
 
-    @property
-    def is_single_decode(self) -> bool:
-        """One sequence, one token, its logits kept: a decode step of a single sequence."""
-        return len(self.tokens) == 1 and len(self.kv_lengths) == 1 and len(self.keep) == 1
-
     def with_table_width(self, width: int) -> StepInputs:
         """The same step with every block table padded to `width` blocks (block 0: never read past a length)."""
         tables = [table + [0] * (width - len(table)) for table in self.tables]
         return StepInputs(self.tokens, self.positions, self.slots, self.query_start, self.kv_lengths, tables, self.keep)
+
+    def keeping_one(self) -> StepInputs:
+        """The same step keeping its last token's row where it keeps none (a prompt's chunk whose logits go unused:
+        the single-sequence graph is traced with one kept row)."""
+        if self.keep:
+            return self
+        return StepInputs(self.tokens, self.positions, self.slots, self.query_start, self.kv_lengths, self.tables,
+                          [len(self.tokens) - 1])
 
     def padded(self) -> StepInputs:
         """The same step with no size that could be 1 except the token count: an empty sequence (no queries, no
