@@ -39,6 +39,14 @@ def assert_nothing_kept(engine: Engine) -> None:
     assert engine.core.proposer.num_tracked == 0 and not engine.core.requests
 
 
+def verifying_every_draft(engine: Engine) -> Engine:
+    """`engine` with a model-free proposer whose budget prices a candidate at nothing: every draft is verified, so
+    which rounds speculate (and what they accept) does not hang on the machine's timings (a loaded CI machine can make
+    measured costs switch speculation off); the costs are still measured from every step."""
+    engine.core.proposer.budget.token_cost = 0.0
+    return engine
+
+
 def record_steps(engine: Engine, monkeypatch) -> list[list[int]]:
     """Candidates per scheduled sequence of every step the engine runs."""
     steps: list[list[int]] = []
@@ -57,8 +65,8 @@ def test_greedy_equals_plain_and_candidates_are_accepted(method, monkeypatch):
     model, prompts = tiny(), repetitive_prompts()
     params = [greedy(20 + 3 * i) for i in range(len(prompts))]
     plain = Engine(model, config=EngineConfig(block_size=4)).generate(prompts, params)
-    engine = Engine(model, config=EngineConfig(block_size=4),
-                    speculative=SpeculativeConfig(method, num_speculative_tokens=6))
+    engine = verifying_every_draft(Engine(model, config=EngineConfig(block_size=4),
+                                          speculative=SpeculativeConfig(method, num_speculative_tokens=6)))
     steps = record_steps(engine, monkeypatch)
     spec = engine.generate(prompts, params)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
@@ -75,10 +83,8 @@ def test_greedy_equals_plain_and_candidates_are_accepted(method, monkeypatch):
 
 def test_the_step_budget_learns_costs_and_acceptance_from_the_steps_that_ran():
     model, prompts = tiny(), repetitive_prompts()
-    engine = Engine(model, config=EngineConfig(block_size=4), speculative=SpeculativeConfig("suffix"))
-    # a fixed extra cost of 0 speculates whenever a draft exists, so which rounds speculate (and what they accept)
-    # does not hang on this machine's timings; the costs are still measured from every step
-    engine.core.proposer.budget.token_cost = 0.0
+    engine = verifying_every_draft(Engine(model, config=EngineConfig(block_size=4),
+                                          speculative=SpeculativeConfig("suffix")))
     steps = []
     observe_step = engine.core.proposer.observe_step
 
@@ -141,14 +147,16 @@ def test_penalised_greedy_speculates_and_equals_plain():
     model, prompts = tiny(), repetitive_prompts()
     params = greedy(20, repetition_penalty=1.2)
     plain = Engine(model, config=EngineConfig(block_size=4)).generate(prompts, params)
-    engine = Engine(model, config=EngineConfig(block_size=4), speculative=SpeculativeConfig("ngram"))
+    engine = verifying_every_draft(Engine(model, config=EngineConfig(block_size=4),
+                                          speculative=SpeculativeConfig("ngram")))
     assert [o.token_ids for o in engine.generate(prompts, params)] == [o.token_ids for o in plain]
     assert engine.stats().spec_decode_num_drafts > 0
 
 
 def test_sampling_speculates_within_max_tokens_and_stops():
     model, prompts = tiny(), repetitive_prompts()
-    engine = Engine(model, config=EngineConfig(block_size=4), speculative=SpeculativeConfig("suffix"))
+    engine = verifying_every_draft(Engine(model, config=EngineConfig(block_size=4),
+                                          speculative=SpeculativeConfig("suffix")))
     stop = 88  # near-greedy sampling below: the tiny random model is nearly uniform at temperature 1
     params = [SamplingParams(max_tokens=10 + i, temperature=0.03, top_k=30, seed=i, n=2, ignore_eos=True,
                              stop_token_ids=[stop]) for i in range(len(prompts))]
@@ -163,9 +171,10 @@ def test_sampling_speculates_within_max_tokens_and_stops():
                 assert sample.finish_reason == "length" and len(sample.token_ids) == p.max_tokens
     stats = engine.stats()
     assert stats.spec_decode_num_drafts > 0 and stats.spec_decode_num_accepted_tokens > 0
-    again = Engine(model, config=EngineConfig(block_size=4),
-                   speculative=SpeculativeConfig("suffix")).generate(prompts, params)
-    assert [o.outputs[1].token_ids for o in again] == [o.outputs[1].token_ids for o in outputs]  # seeded
+    again = verifying_every_draft(Engine(model, config=EngineConfig(block_size=4),
+                                         speculative=SpeculativeConfig("suffix"))).generate(prompts, params)
+    # seeded: the same draws where the same rounds speculate (a sampled round's draws depend on what it verifies)
+    assert [o.outputs[1].token_ids for o in again] == [o.outputs[1].token_ids for o in outputs]
     assert_nothing_kept(engine)
 
 
@@ -194,7 +203,8 @@ def test_verifying_a_sampled_candidate_is_lossless():
 def test_stop_token_inside_an_accepted_chain_is_exact():
     model, prompts = tiny(), repetitive_prompts()
     free = Engine(model, config=EngineConfig(block_size=4)).generate(prompts[:1], greedy(30))[0].token_ids
-    engine = Engine(model, config=EngineConfig(block_size=4), speculative=SpeculativeConfig("ngram"))
+    engine = verifying_every_draft(Engine(model, config=EngineConfig(block_size=4),
+                                          speculative=SpeculativeConfig("ngram")))
     for index in (4, 13, 22):
         token = free[index]
         out = engine.generate(prompts[:1], greedy(30, stop_token_ids=[token]))[0]
