@@ -157,9 +157,9 @@ class MaskClock:
             clock.seconds += time.perf_counter() - start
             clock.rows += sum(m is not None for m in matchers)
 
-        def allowed(processor, input_ids, lengths=None):
+        def allowed(processor, input_ids, lengths=None, **options):
             start = time.perf_counter()
-            out = processor_fill(processor, input_ids, lengths)
+            out = processor_fill(processor, input_ids, lengths, **options)
             clock.seconds += time.perf_counter() - start
             clock.rows += input_ids.shape[0]
             return out
