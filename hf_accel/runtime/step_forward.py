@@ -1,24 +1,24 @@
 """The model forward of one engine step, eager or compiled once per engine with `torch.compile`.
 
-Compiled (the default where the in-place kernel is built; `enforce_eager=True` turns it off, vLLM's name), the
-model's own forward runs through inductor with dynamic shapes: the packed token count, the number of sequences, the
-block table's width and the kept rows may change every step without recompiling. The attention is one opaque custom
-op (`torch.ops.hf_accel.paged_attention`, mutating the pools in place), so the graph is whole (`fullgraph=True`).
-Two rules keep it to two graphs (one token, several tokens; one beside the single-sequence graph below): sizes are never duck-shaped into one symbol because they
-happen to be equal when traced, and the sizes that can be 1 (sequences, block-table width, kept rows), which torch
-would specialize, are padded to at least 2 (an empty sequence, a column of block 0, the last kept row repeated: none
-changes a result). A step of one token (one sequence decoding: the latency-bound case of one request streaming, or
-a prompt's last uncached token) runs a graph with static shapes instead (`max_blocks` given: its block table padded
-to the engine's widest, its one kept row kept even where the step keeps none), the way vLLM captures fixed sizes: no
-symbolic sizes to compute or guard on; the dynamic graph of one token is then never traced (a third of the compile,
-at every start). All graphs are traced and compiled in
-`warm_up`, at engine start, so `compile_seconds` is the whole cost and no request waits for a compile; inductor's
-on-disk caches make a restart cheaper: built C++ kernels, and the compiled graphs themselves, keyed by a
-fingerprint of the weights they freeze (`frozen_graphs.freezing`). `warm_up(background=True)` compiles them in a
-thread instead while steps run eagerly (`compiling`), and the first step after the thread is done switches to them:
-an engine then serves from its first second. The thread writes only into the pool's spare block (which the
-allocator never hands out) and shares the step's attention switch (`registry.attention_implementation`); it holds
-the interpreter lock for most of its tracing, so eager steps meanwhile are slower, and the compile too.
+Compiled (the default where the in-place kernel is built; `enforce_eager=True` turns it off, vLLM's name), the model's
+own forward runs through inductor with dynamic shapes: the packed token count, the number of sequences, the block
+table's width and the kept rows may change every step without recompiling. The attention is one opaque custom op
+(`torch.ops.hf_accel.paged_attention`, mutating the pools in place), so the graph is whole (`fullgraph=True`). Two rules
+keep it to two graphs (one token, several tokens; one beside the single-sequence graph below): sizes are never
+duck-shaped into one symbol because they happen to be equal when traced, and the sizes that can be 1 (sequences,
+block-table width, kept rows), which torch would specialize, are padded to at least 2 (an empty sequence, a column of
+block 0, the last kept row repeated: none changes a result). A step of one token (one sequence decoding: the
+latency-bound case of one request streaming, or a prompt's last uncached token) runs a graph with static shapes instead
+(`max_blocks` given: its block table padded to the engine's widest, its one kept row kept even where the step keeps
+none), the way vLLM captures fixed sizes: no symbolic sizes to compute or guard on; the dynamic graph of one token is
+then never traced (a third of the compile, at every start). All graphs are traced and compiled in `warm_up`, at engine
+start, so `compile_seconds` is the whole cost and no request waits for a compile; inductor's on-disk caches make a
+restart cheaper: built C++ kernels, and the compiled graphs themselves, keyed by a fingerprint of the weights they
+freeze (`frozen_graphs.freezing`). `warm_up(background=True)` compiles them in a thread instead while steps run eagerly
+(`compiling`), and the first step after the thread is done switches to them: an engine then serves from its first
+second. The thread writes only into the pool's spare block (which the allocator never hands out) and shares the step's
+attention switch (`registry.attention_implementation`); it holds the interpreter lock for most of its tracing, so eager
+steps meanwhile are slower, and the compile too.
 In the engine-core process (`EngineProcess`), steps (and an EAGLE head's passes) after the warm-up skip dynamo's
 guards (`skip_guard_eval_unsafe`: only the guards that tell the graphs apart run; `warm_guards`), since every step's
 inputs differ from the warmed ones in sizes and values only, and the full guards are a visible share of a small
