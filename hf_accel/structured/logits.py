@@ -58,7 +58,7 @@ class StructuredLogitsProcessor(LogitsProcessor):
         before it changed (compiled generate's loop), so only `input_ids`' last column is read."""
         rows, width = input_ids.shape
         if appended and self.matchers and lengths is None:
-            return self._allowed_after(input_ids[:, -1].tolist(), input_ids)
+            return self._allowed_after(input_ids)
         lengths = [width] * rows if lengths is None else lengths.tolist()
         if not self.matchers:
             self.matchers = [TokenMatcher(self.compiled, self.spelling) for _ in range(rows)]
@@ -68,10 +68,10 @@ class StructuredLogitsProcessor(LogitsProcessor):
             self._fill(row, self.matchers[row].follow(output))
         return self.bitmask
 
-    def _allowed_after(self, last: list[int], input_ids: torch.LongTensor) -> torch.Tensor:
-        """`allowed` where each row appended `last[row]`: a row whose matcher followed every token before it
-        accepts just that one (one refused earlier re-reads its output, as `follow` does)."""
-        width = input_ids.shape[1]
+    def _allowed_after(self, input_ids: torch.LongTensor) -> torch.Tensor:
+        """`allowed` where each row appended one token (`input_ids`' last column): a row whose matcher followed
+        every token before it accepts just that one (one refused earlier re-reads its output, as `follow` does)."""
+        width, last = input_ids.shape[1], input_ids[:, -1].tolist()
         for row, (matcher, prompt) in enumerate(zip(self.matchers, self.prompt_lengths)):
             if matcher.is_terminated:  # its stop accepted: generate pads the row from there
                 self._fill(row, False)
