@@ -45,10 +45,8 @@ class TokenMatcher:
 
     def accept(self, token: int) -> None:
         """Advance over a committed token; ValueError if the grammar does not allow it (the mask did not hold)."""
-        if not self._matcher.accept_token(token):
+        if not self.advance(token):
             raise ValueError(f"token {token} does not fit the request's `structured_outputs` constraint")
-        self._accepted.append(token)
-        self._forced = None
 
     def forced_tokens(self) -> list[int]:
         """Tokens that spell the text the grammar forces next (jump-forward: the only continuation it allows; stop
@@ -98,9 +96,8 @@ class TokenMatcher:
             common = 0
             while common < min(len(accepted), len(tokens)) and accepted[common] == tokens[common]:
                 common += 1
-        if common < len(accepted) or common < len(tokens):
+        if common < len(accepted):  # (`advance` forgets the forced tokens where it moves on)
             self._forced = None
-        if common < len(accepted):
             self._matcher.rollback(len(accepted) - common)
             del accepted[common:]
             self._drafted = [d for d in self._drafted if d[1] <= common]
