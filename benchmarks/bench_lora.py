@@ -317,7 +317,8 @@ def render(report: dict[str, Any]) -> str:
         lines.append(f"| {row['run']} | {row['tok_s']:.0f} | {row['vs_base_compiled']:.2f}x | "
                      f"{row['vs_base_eager']:.2f}x | {same} |")
     lines += ["", "An engine with `lora=` compiles its step as the base's does, the LoRA kernel one node per adapted "
-              "projection, the adapters' stacked weights and each token's slot graph inputs (the base weights frozen); "
+              "projection, the adapters' stacked weights and each token's slot graph inputs (as the base's packed "
+              "Linears are); "
               "\"identical to peft\" counts requests whose greedy tokens equal peft's `generate` with the same "
               "adapter (fp32; a near-tie can part them).", "",
               "A decode step of B sequences, by batch size (one token each; `benchmarks/lora_step_times.py`):", "",

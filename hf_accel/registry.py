@@ -21,7 +21,8 @@ The pristine functions and what was registered are kept on the wrappers (never i
 `importlib.reload` cannot stack them; `PrefillHooks` lives in `prefill_hooks.py`, so a reload keeps the class the
 caches subclass.
 For the length of a block, never for good: `attention_implementation` switches a model to one of our attention
-functions, `instance_forwards` gives modules forwards of hf_accel's (the eager loops' packed Linears).
+functions, `instance_forwards` gives modules forwards of hf_accel's (the eager loops' packed Linears; an engine's
+steps set theirs with `kernels.linear_panels.LinearPanels`, kept between steps).
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """Eager speculative loops' Linears over packed panels (`hf_accel/kernels/eager_packing.py`): which Linears are
-packed, results equal to `F.linear` up to rounding, the forwards removed however the context ends, and the loops of
+packed, results equal to `F.linear` up to rounding, the forwards removed however the context ends (and an engine's
+panels kept between its steps, set only while one runs: `linear_panels.LinearPanels`), and the loops of
 `eagle_generate`, `draft_generate`, `ngram_generate` and `medusa_generate` running their models' Linears through the
 kernel (tokens equal to plain greedy are the loops' own tests)."""
 
@@ -12,9 +13,11 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_accel
 import hf_accel.kernels.eager_packing as packed_module
+import hf_accel.kernels.linear_panels as panels_module
 from hf_accel.kernels.packed_linear import pack_weight
 from hf_accel.kernels.custom_ops import packed_linear_kernel
 from hf_accel.kernels.eager_packing import packed_linears
+from hf_accel.kernels.linear_panels import LinearPanels
 
 pytestmark = pytest.mark.skipif(packed_linear_kernel() is None, reason="the hf_accel kernels could not be built here")
 
@@ -72,7 +75,7 @@ def test_forwards_are_removed_when_packing_fails_part_way(monkeypatch):
             raise MemoryError("no room for panels")
         return pack_weight(weight)
 
-    monkeypatch.setattr(packed_module, "pack_weight", failing)
+    monkeypatch.setattr(panels_module, "pack_weight", failing)
     with pytest.raises(MemoryError), packed_linears(model):
         pass
     assert len(calls) == 5 and _patched(model) == []
@@ -186,3 +189,21 @@ def test_speculative_loops_run_their_linears_packed(monkeypatch, method):
     assert torch.equal(out, plain)
     assert rows[0] == 13 and max(rows[1:]) > 1  # the prefill, then verify forwards of several rows
     assert _patched(model) == [] and all(_patched(v) == [] for v in kwargs.values() if isinstance(v, nn.Module))
+
+
+@torch.no_grad()
+def test_kept_panels_are_set_only_while_installed_however_entries_nest():
+    model = _model()
+    input_ids = torch.tensor([[3, 14, 15, 9, 2]])
+    expected = model(input_ids).logits
+    panels = LinearPanels.pack(model)
+    assert panels is not None and len(panels.forwards) == 2 * 7 + 1 and _patched(model) == []
+    with panels.installed():
+        with panels.installed():  # a step beside a background compile
+            assert len(_patched(model)) == 15
+        assert len(_patched(model)) == 15  # the outer entry keeps them
+        torch.testing.assert_close(model(input_ids).logits, expected, rtol=1e-4, atol=1e-4)
+    assert _patched(model) == []
+    with pytest.raises(RuntimeError), panels.installed():
+        raise RuntimeError("a step failed")
+    assert _patched(model) == []

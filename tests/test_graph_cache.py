@@ -1,6 +1,9 @@
-"""Compiled graphs kept across processes (inductor's FX graph cache, keyed by a fingerprint of the frozen weights):
-a new process on the same weights loads them, one on other weights of the same shapes compiles its own, and the
-tokens equal eager generation in every process."""
+"""Compiled graphs kept across processes. Compiled generate's graphs freeze the weights and are kept in inductor's FX
+graph cache under a fingerprint of them: a new process on the same weights loads them, one on other weights of the same
+shapes compiles its own. The engine's fp32 step functions hold no weight (`kernels/linear_panels.py`) and are saved
+whole (`runtime/saved_steps.py`): a new process loads them without tracing anything, on any weights of the same
+shapes; a corrupt file is compiled again with a warning, never run. The tokens equal eager generation in every
+process."""
 
 import json
 import os
@@ -51,9 +54,35 @@ print(json.dumps({"equal": torch.equal(eager, compiled), "hits": counters["fxgra
 """
 
 
-def _run(cache: Path, seed: int, draft: int | None = None) -> dict:
+# one process: an Engine on the tiny Llama with seed `argv[1]`, its greedy tokens against eager generate's, how many
+# graphs dynamo traced, and the warnings about saved steps
+_ENGINE_PROCESS = """
+import json, sys, warnings, torch, transformers
+import torch._dynamo.utils as dynamo_utils
+from hf_accel import Engine, EngineConfig, SamplingParams
+from conformance import ARCHITECTURES
+
+torch.set_num_threads(1)
+torch.manual_seed(int(sys.argv[1]))
+model = transformers.AutoModelForCausalLM.from_config(ARCHITECTURES["llama"][0](), attn_implementation="sdpa").eval()
+prompts = [[5, 9, 14, 22, 31, 7, 3], [8, 1, 30]]
+eager = [model.generate(torch.tensor([p]), max_new_tokens=10, min_new_tokens=10, do_sample=False,
+                        pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    engine = Engine(model, config=EngineConfig(max_num_seqs=2, max_num_batched_tokens=16, block_size=4))
+outs = engine.generate(prompts, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
+print(json.dumps({"equal": [o.outputs[0].token_ids for o in outs] == eager,
+                  "compiled": engine.stats().compile_seconds > 0,
+                  "traced": dynamo_utils.counters["stats"]["unique_graphs"],
+                  "warnings": [str(w.message) for w in caught if "saved engine step" in str(w.message)]}))
+"""
+
+
+def _run(cache: Path, seed: int, draft: int | None = None, process: str = _PROCESS) -> dict:
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache), "PYTHONPATH": os.pathsep.join([str(TESTS), str(ROOT)])}
-    done = subprocess.run([sys.executable, "-c", _PROCESS, str(seed), "-" if draft is None else str(draft)],
+    arguments = [] if process is _ENGINE_PROCESS else ["-" if draft is None else str(draft)]
+    done = subprocess.run([sys.executable, "-c", process, str(seed), *arguments],
                           capture_output=True, text=True, timeout=900, env=env, cwd=TESTS)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -105,3 +134,37 @@ def test_a_corrupt_cache_entry_is_compiled_again_never_used(tmp_path):
     assert again["equal"] and again["hits"] == 0 and again["misses"] > 0, again  # inductor warns and recompiles
     last = _run(tmp_path, 0)  # the entries written again are whole
     assert last["equal"] and last["hits"] > 0 and last["misses"] == 0, last
+
+
+@pytest.mark.skipif(packed_linear_kernel() is None, reason="the packed-Linear kernel is not built here")
+def test_an_engine_restart_loads_its_steps_whole_on_any_weights_of_the_same_shapes(tmp_path):
+    first = _run(tmp_path, 0, process=_ENGINE_PROCESS)
+    assert first["equal"] and first["compiled"] and first["traced"] == 2 and not first["warnings"], first
+    saved = sorted((tmp_path / "hf_accel_steps").glob("*.bin"))
+    assert len(saved) == 2 and all(path.with_suffix(".json").exists() for path in saved)
+    again = _run(tmp_path, 0, process=_ENGINE_PROCESS)  # nothing traced: both steps loaded
+    assert again["equal"] and again["traced"] == 0 and not again["warnings"], again
+    other = _run(tmp_path, 1, process=_ENGINE_PROCESS)  # the steps hold no weight: another model's tokens from them
+    assert other["equal"] and other["traced"] == 0, other
+    assert sorted((tmp_path / "hf_accel_steps").glob("*.bin")) == saved
+
+
+@pytest.mark.skipif(packed_linear_kernel() is None, reason="the packed-Linear kernel is not built here")
+def test_a_corrupt_saved_step_is_compiled_again_with_a_warning_never_run(tmp_path):
+    _run(tmp_path, 0, process=_ENGINE_PROCESS)
+    saved = sorted((tmp_path / "hf_accel_steps").glob("*.bin"))
+    saved[0].write_bytes(saved[0].read_bytes()[:1000])  # what a disk full or a killed copy leaves
+    again = _run(tmp_path, 0, process=_ENGINE_PROCESS)
+    assert again["equal"] and again["traced"] == 1 and len(again["warnings"]) == 1, again
+    assert "compiling it again" in again["warnings"][0]
+    last = _run(tmp_path, 0, process=_ENGINE_PROCESS)  # written again whole
+    assert last["equal"] and last["traced"] == 0 and not last["warnings"], last
+
+
+@pytest.mark.skipif(packed_linear_kernel() is None, reason="the packed-Linear kernel is not built here")
+def test_saved_steps_can_be_switched_off(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_ACCEL_SAVED_STEPS", "0")
+    for _ in range(2):
+        done = _run(tmp_path, 0, process=_ENGINE_PROCESS)
+        assert done["equal"] and done["traced"] == 2, done
+    assert not (tmp_path / "hf_accel_steps").exists()

@@ -56,6 +56,24 @@ def test_the_op_and_its_fake_agree():
     weight = torch.randn(24, 40)
     torch.library.opcheck(torch.ops.hf_accel.packed_linear.default,
                           (torch.randn(5, 24), pack_weight(weight), weight, torch.randn(40)))
+    flat = torch.cat([torch.zeros(16), pack_weight(weight).flatten()])
+    torch.library.opcheck(torch.ops.hf_accel.panel_linear.default,
+                          (torch.randn(5, 24), flat, 16, weight.t().contiguous(), torch.randn(40)))
+
+
+@pytest.mark.parametrize("rows", (1, 6, 12, 13, 300))
+def test_panel_linear_reads_its_panels_at_their_offset_of_a_shared_buffer(rows):
+    gen = torch.Generator().manual_seed(rows)
+    first, second = torch.randn(20, 8, generator=gen), torch.randn(50, 33, generator=gen)  # Linears' [N, K]
+    flat = torch.cat([pack_weight(first.t()).flatten(), pack_weight(second.t()).flatten()])
+    start = pack_weight(first.t()).numel()
+    x, bias = torch.randn(rows, 33, generator=gen), torch.randn(50, generator=gen)
+    out = torch.ops.hf_accel.panel_linear(x, flat, start, second, bias)
+    torch.testing.assert_close(out, torch.nn.functional.linear(x, second, bias), rtol=1e-4, atol=1e-4)
+    with pytest.raises(RuntimeError, match="run past the buffer"):
+        torch.ops.hf_accel.panel_linear(x, flat, start + 16, second, None)
+    with pytest.raises(RuntimeError, match="disagree on K"):
+        torch.ops.hf_accel.panel_linear(x[:, :8], flat, 0, second, None)
 
 
 def mlp(dtype: torch.dtype) -> torch.nn.Module:

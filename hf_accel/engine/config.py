@@ -29,8 +29,8 @@ class EngineConfig:
             engine starts (`EngineStats.compile_seconds`), wherever the in-place attention kernel is built (CPU), except
             with Medusa speculation (its step returns hidden states, which transformers captures in a way dynamo
             cannot trace whole). The compiled forward packs a copy of each Linear's weight at engine start
-            (inductor's `freezing`; fp32: into panels for hf_accel's kernel, `kernels/packed_linear.py`; else for
-            oneDNN), so weights changed in place later reach that engine only in part:
+            (fp32: into panels for hf_accel's kernel, `kernels/linear_panels.py`; else for oneDNN, inductor's
+            `freezing`), so weights changed in place later reach that engine only in part:
             build a new engine after changing them, or pass `enforce_eager=True`.
         compile_in_background: compile the model step in a thread while the engine serves eagerly, switching to
             the graphs at the first step after they are ready (`Engine.compiling`): requests never wait for a

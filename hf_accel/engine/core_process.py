@@ -24,8 +24,6 @@ from .limits import EngineLimits
 from .outputs import RequestOutput
 from ..lora.adapter_check import AdapterShapes
 from ..lora.config import LoRARequest
-from ..registry import attention_implementation
-from ..runtime.attention import ATTENTION_NAME
 from ..runtime.dynamo import skip_warm_guards
 
 logger = logging.getLogger(__name__)
@@ -88,7 +86,7 @@ class _CoreLoop:
         engine.add_finish_observer(self.finished.append)
 
     def run(self) -> None:
-        with attention_implementation(self.engine.core.model, ATTENTION_NAME):  # the model is this process's alone
+        with self.engine.core.runner.forward.stepping():  # the model is this process's alone
             while self._take_commands():
                 if not self.engine.has_unfinished_requests():
                     continue

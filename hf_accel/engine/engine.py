@@ -29,8 +29,6 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ..display import RichDisplay, format_bytes
 from ..lora.config import LoRAConfig, check_lora_id
-from ..registry import attention_implementation
-from ..runtime.attention import ATTENTION_NAME
 from .admission import Admission
 from .config import EngineConfig
 from .deprecated_keywords import engine_configs
@@ -126,7 +124,7 @@ class Engine(RichDisplay, EngineClient):
         if self.is_running:
             done.wait()
             return
-        with self._drive_lock, attention_implementation(self.core.model, ATTENTION_NAME):  # switched once per call
+        with self._drive_lock, self.core.runner.forward.stepping():  # switched once per call
             while not done.is_set():
                 self._step()
                 if not done.is_set() and not self.has_unfinished_requests():
@@ -188,7 +186,7 @@ class Engine(RichDisplay, EngineClient):
                     continue
                 try:
                     # switched once per busy spell, restored when idle
-                    with attention_implementation(self.core.model, ATTENTION_NAME):
+                    with self.core.runner.forward.stepping():
                         while not self._stopping and self.has_unfinished_requests():
                             self._step()
                 except BaseException as error:  # the loop is dead: tell every waiting request, refuse new ones

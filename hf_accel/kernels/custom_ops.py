@@ -6,7 +6,8 @@
 - `torch.ops.hf_accel.quantized_decode_attention` (`csrc/quantized_attention.cpp`): compiled generate's quantized
   cache, attention over packed codes;
 - `torch.ops.hf_accel.packed_linear` (`csrc/packed_linear.cpp`): a Linear of a few rows over a weight packed in
-  column panels (`packed_linear.py`);
+  column panels (`packed_linear.py`); `panel_linear` the same over a Linear's own weight and its panels in a buffer
+  of many Linears' (`linear_panels.py`);
 - `torch.ops.hf_accel.int8_linear` / `int4_linear` (`csrc/quantized_linear.cpp`): Linears over weight-only quantized
   codes re-laid in column panels (`quant/panels.py`), dequantized in registers;
 - `torch.ops.hf_accel.apply_token_bitmask` (`csrc/token_bitmask.cpp`): structured outputs' grammar mask on the
@@ -56,6 +57,7 @@ def _built_kernel() -> Callable[..., torch.Tensor] | None:
     torch.library.register_fake("hf_accel::paged_tree_attention")(_fake)
     torch.library.register_fake("hf_accel::quantized_decode_attention")(_quantized_fake)
     torch.library.register_fake("hf_accel::packed_linear")(_linear_fake)
+    torch.library.register_fake("hf_accel::panel_linear")(_panel_linear_fake)
     torch.library.register_fake("hf_accel::int8_linear")(_quantized_linear_fake)
     torch.library.register_fake("hf_accel::int4_linear")(_quantized_linear_fake)
     torch.library.register_fake("hf_accel::lora_add")(_lora_fake)
@@ -80,6 +82,12 @@ def packed_linear_kernel() -> Callable[..., torch.Tensor] | None:
     column panels, `packed_linear.py`), built with the paged kernel; None where that is switched off or not
     buildable."""
     return None if paged_attention_kernel() is None else torch.ops.hf_accel.packed_linear
+
+
+def panel_linear_kernel() -> Callable[..., torch.Tensor] | None:
+    """`torch.ops.hf_accel.panel_linear` (csrc/packed_linear.cpp: `packed_linear` over a Linear's own `[N, K]`
+    weight and its panels at an offset of a buffer of many Linears' panels); None where `packed_linear` is."""
+    return None if paged_attention_kernel() is None else torch.ops.hf_accel.panel_linear
 
 
 def quantized_linear_kernels() -> tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]] | None:
@@ -124,6 +132,11 @@ def _quantized_fake(query: torch.Tensor, *args) -> torch.Tensor:
 def _linear_fake(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor,
                  bias: torch.Tensor | None) -> torch.Tensor:
     return x.new_empty(x.shape[0], weight.shape[1])  # [M, N]
+
+
+def _panel_linear_fake(x: torch.Tensor, panels: torch.Tensor, start: int, weight: torch.Tensor,
+                       bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0])  # [M, N]
 
 
 def _quantized_linear_fake(x: torch.Tensor, panels: torch.Tensor, params: torch.Tensor,

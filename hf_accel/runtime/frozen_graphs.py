@@ -1,4 +1,5 @@
-"""Compiled functions whose graphs hold a model's weights frozen (inductor's `freezing`), kept per model.
+"""Compiled functions whose graphs hold a model's weights frozen (inductor's `freezing`), kept per model; and the
+engine's Linear panels (`panels_for`), kept the same way.
 
 On CPU hf_accel compiles its steps with `freezing`: each Linear's weight becomes a constant of the graph, packed once,
 into column panels for hf_accel's kernel in fp32 (`kernels/packed_linear.py`), else for oneDNN's matmul (both faster
@@ -10,6 +11,10 @@ function (`own_code`), kept here beside a `weights_signature`; a model whose wei
 unchanged model share their graphs. Across processes, fp32 graphs are kept in inductor's FX graph cache under a
 fingerprint of the weights they freeze (the owner's and its companions', set around each call of a compiled
 function: `kernels.packed_linear.PackLinears.uuid`), so a restart on the same weights loads them.
+An engine's fp32 steps freeze nothing: their Linears run over panels packed once per model and weights (`panels_for`,
+`kernels/linear_panels.py`), graph inputs like the weights, so those steps are saved whole and serve any weights of
+the same shapes (`saved_steps.py`). Panels and graphs are kept here all the same: the graphs read the panels'
+forwards, which every engine on the model must share.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import torch
 import torch._inductor.config as inductor_config
 from torch import nn
 
+from ..kernels.linear_panels import LinearPanels
 from ..kernels.packed_linear import FROZEN_WEIGHTS, settings as packed_linear_settings
 
 
@@ -34,6 +40,7 @@ class _ModelGraphs:
     modules: tuple[weakref.ref, ...]  # the model, then the other modules whose weights the graphs hold
     functions: dict[Hashable, Callable] = field(default_factory=dict)
     digest: str | None = None  # `weights_fingerprint` of `modules` once asked for ("": not cached)
+    panels: LinearPanels | None | bool = False  # `panels_for`'s, once asked for (False: not yet)
 
     def holds(self, weights: tuple, companions: tuple[nn.Module, ...]) -> bool:
         return (self.weights == weights and len(self.modules) == len(companions) + 1
@@ -58,13 +65,28 @@ def compiled_for(model: nn.Module, function: Callable, key: Hashable, compile: C
     """`compile(copy of function)` for `model`, made once per `key` while `model`'s weights stay as they are; a
     function that also reads other modules' weights (an EAGLE head reads its target's LM head) names them as
     `companions`, and its graphs are kept only while those same modules' weights stay as they are too."""
+    known = _graphs(model, companions)
+    if key not in known.functions:
+        known.functions[key] = _keyed(compile(own_code(function)), known.fingerprint)
+    return known.functions[key]
+
+
+def panels_for(model: nn.Module) -> LinearPanels | None:
+    """`model`'s Linears packed once while its weights stay as they are (`kernels.linear_panels.LinearPanels`),
+    shared by every engine on it, as the graphs traced over them are; None where none packs."""
+    known = _graphs(model, ())
+    if known.panels is False:
+        known.panels = LinearPanels.pack(model)
+    return known.panels
+
+
+def _graphs(model: nn.Module, companions: tuple[nn.Module, ...]) -> _ModelGraphs:
+    """What is kept for `model` (with `companions`), anew where their weights changed."""
     signature = tuple(weights_signature(module) for module in (model, *companions))
     known = _BY_MODEL.get(model)
     if known is None or not known.holds(signature, companions):
         known = _BY_MODEL[model] = _ModelGraphs(signature, tuple(map(weakref.ref, (model, *companions))))
-    if key not in known.functions:
-        known.functions[key] = _keyed(compile(own_code(function)), known.fingerprint)
-    return known.functions[key]
+    return known
 
 
 def _keyed(compiled: Callable, fingerprint: Callable[[], str | None]) -> Callable:
@@ -116,6 +138,16 @@ def freezing(enabled: bool, dtype: torch.dtype | None = None):
     calls that compile; `torch.compile(options={"freezing": True})` does not reach it."""
     return inductor_config.patch(freezing=enabled,
                                  **packed_linear_settings(enabled and dtype == torch.float32))
+
+
+def graph_settings(over_panels: bool, dtype: torch.dtype):
+    """The config patch an engine's step graphs compile under: `freezing`, or for graphs whose Linears run over
+    `panels_for`'s panels, nothing frozen and no assert of the inputs' sizes and strides at each call (the asserts
+    took a tenth of a small model's step, ~80 inputs; dynamo's guards check the same, and a saved step's key
+    stands for them: the engine builds every step's inputs the same way)."""
+    if over_panels:
+        return inductor_config.patch(freezing=False, size_asserts=False)
+    return freezing(True, dtype)
 
 
 def weights_signature(model: nn.Module) -> tuple:

@@ -12,13 +12,13 @@ latency-bound case of one request streaming, or a prompt's last uncached token) 
 (`max_blocks` given: its block table padded to the engine's widest, its one kept row kept even where the step keeps
 none), the way vLLM captures fixed sizes: no symbolic sizes to compute or guard on; the dynamic graph of one token is
 then never traced (a third of the compile, at every start). All graphs are traced and compiled in `warm_up`, at engine
-start, so `compile_seconds` is the whole cost and no request waits for a compile; inductor's on-disk caches make a
-restart cheaper: built C++ kernels, and the compiled graphs themselves, keyed by a fingerprint of the weights they
-freeze (`frozen_graphs.freezing`). `warm_up(background=True)` compiles them in a thread instead while steps run eagerly
-(`compiling`), and the first step after the thread is done switches to them: an engine then serves from its first
-second. The thread writes only into the pool's spare block (which the allocator never hands out) and shares the step's
-attention switch (`registry.attention_implementation`); it holds the interpreter lock for most of its tracing, so eager
-steps meanwhile are slower, and the compile too.
+start, so `compile_seconds` is the whole cost and no request waits for a compile; on-disk caches make a restart
+cheaper: built C++ kernels, and for fp32 models without hooks the step functions themselves, saved whole and run
+without guards (`saved_steps.py`: a new process loads them and traces nothing). `warm_up(background=True)` compiles
+them in a thread instead while steps run eagerly (`compiling`), and the first step after the thread is done switches
+to them: an engine then serves from its first second. The thread writes only into the pool's spare block (which the
+allocator never hands out) and shares the step's switches (`stepping`); it holds the interpreter lock for most of its
+tracing, so eager steps meanwhile are slower, and the compile too.
 In the engine-core process (`EngineProcess`), steps (and an EAGLE head's passes) after the warm-up skip dynamo's
 guards (`skip_guard_eval_unsafe`: only the guards that tell the graphs apart run; `warm_guards`), since every step's
 inputs differ from the warmed ones in sizes and values only, and the full guards are a visible share of a small
@@ -26,10 +26,11 @@ model's step. Everywhere, the graphs carry no guards on module hooks (`dynamo.wi
 millisecond a step): the hooks the model has when they trace are part of their key instead.
 Only there: dynamo's stance is process-wide, and beside an in-process engine other threads may run compiled code
 whose guards must run (`skip_warm_guards`).
-The weights are frozen into the graphs (inductor's `freezing`), so each Linear runs over a weight packed once (fp32:
-hf_accel's kernel over column panels, `kernels/packed_linear.py`; else oneDNN's matmul); the graphs are kept per model
-and its weights (`frozen_graphs.py`), so engines on the same unchanged model share them and a model whose weights
-changed gets new ones.
+Each Linear runs over a weight packed once. fp32 on the CPU: hf_accel's kernel over column panels, packed when the
+engine is built and set as the Linears' forwards while steps run (`kernels/linear_panels.py`; `stepping` holds them,
+with the attention switch, for a run of steps), so the graphs take panels and weights as inputs and hold none. Other
+dtypes freeze the weights into the graphs (inductor's `freezing`, oneDNN's packing). Graphs and panels are kept per
+model and its weights (`frozen_graphs.py`): engines on one unchanged model share them, changed weights get new ones.
 On a GPU, decode steps replay CUDA graphs instead (`cuda_graphs.py`), captured in the same warm-up.
 With `feature_layers` (an EAGLE head's inputs) the step also returns those hidden states at every packed token,
 compiled too: transformers installs its hidden-state capturing hooks on the first call, behind a lock dynamo cannot
@@ -43,7 +44,7 @@ import functools
 import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -55,8 +56,9 @@ from .attention import ATTENTION_NAME
 from .cuda_graphs import DecodeGraphs
 from .dynamo import (begin_background_compile, dynamo_settings, end_background_compile, hooks_key, warm_guards,
                      without_hook_guards)
-from .frozen_graphs import compiled_for, freezing
+from .frozen_graphs import compiled_for, graph_settings, panels_for
 from .kv_pool import KVPool
+from .saved_steps import SavedStep, enabled as saved_steps_enabled, model_description
 from .step_inputs import StepInputs
 
 
@@ -68,8 +70,6 @@ def call_model(model: PreTrainedModel, graph_inputs: tuple[torch.Tensor, ...] = 
     for tensor in graph_inputs:
         torch._check(tensor.dim() >= 0)  # realizes the input; no guard, no graph node
     return model(**kwargs)
-
-
 
 
 def _compile_step(function: Callable, dynamic: bool) -> Callable:
@@ -120,6 +120,8 @@ class StepForward:
         self._forward = model  # eager: the module's own __call__ (its hooks, its forward as it is at call time)
         self._single = None  # the static single-sequence decode graph
         self.max_blocks = max_blocks if compile and graphs is None else None
+        # fp32 CPU steps run their Linears over panels packed once (see the module docstring); None: none packed
+        self._panels = panels_for(model) if compile and graphs is None and model.dtype == torch.float32 else None
         # warm-up writes go to the spare block where the pool has one (steps may run meanwhile), else to block 0
         self._scratch = kv.spare_block if kv.spare_block is not None else 0
         self._compiler: threading.Thread | None = None  # the background compile, while it runs
@@ -128,16 +130,30 @@ class StepForward:
 
     def _compiled_functions(self) -> tuple[Callable, Callable | None]:
         """The compiled step functions (the single-sequence one None without `max_blocks`), kept per model, its
-        weights and the hooks it has now (`dynamo.hooks_key`: the graphs carry no guards on them), when they trace."""
+        weights and the hooks it has now (`dynamo.hooks_key`: the graphs carry no guards on them), when they trace;
+        saved on disk where `_saves_steps` (then also kept per pool layout: saved steps run without guards)."""
         hooks = hooks_key(self.model)
+        saved = self._saves_steps(hooks)
+        layout = (tuple(self.kv.keys[0].shape), self.kv.keys[0].dtype, self.max_blocks) if saved else ()
 
         def compiled(name: str, dynamic: bool) -> Callable:
-            function = compiled_for(self.model, call_model, (name, hooks),
-                                    functools.partial(_compile_step, dynamic=dynamic))
+            compile = (functools.partial(SavedStep, dynamic=dynamic, name=name, describe_model=self._describe_model)
+                       if saved else functools.partial(_compile_step, dynamic=dynamic))
+            function = compiled_for(self.model, call_model, (name, hooks, *layout), compile)
             return functools.partial(function, self.model)
 
         single = None if self.max_blocks is None else compiled("engine single-sequence step", dynamic=False)
         return compiled("engine step", dynamic=True), single
+
+    def _saves_steps(self, hooks: tuple) -> bool:
+        """Whether the compiled steps are kept on disk (`saved_steps.py`): graphs over kept panels (they hold no
+        weight) of a model with no forward hooks, no hook inputs and nothing but logits out, one-token steps running
+        the static graph (saved steps have no guards: the dynamic one must never see a size it would specialize)."""
+        return (self._panels is not None and self.max_blocks is not None and saved_steps_enabled() and not any(hooks)
+                and self.graph_inputs is None and not self.feature_layers and not self.keep_hidden)
+
+    def _describe_model(self, model: PreTrainedModel) -> dict:
+        return model_description(model, self._panels.layout(model))
 
     @property
     def compiling(self) -> bool:
@@ -148,6 +164,14 @@ class StepForward:
     def cancel_compile(self) -> None:
         """Stop a background compile at its next graph (the engine shuts down: nothing will step); steps stay eager."""
         self._cancelled = True
+
+    @contextlib.contextmanager
+    def stepping(self) -> Iterator[None]:
+        """Within: the model as steps run it (hf_accel's attention; fp32 Linears over their panels), so a run of steps
+        inside switches once, not at every step (each step enters it again, which then costs nothing)."""
+        panels = self._panels.installed() if self._panels is not None else contextlib.nullcontext()
+        with attention_implementation(self.model, ATTENTION_NAME), panels:
+            yield
 
     def __call__(self, inputs: StepInputs) -> ForwardOutput:
         if self._compiled_graphs is not None:
@@ -173,8 +197,7 @@ class StepForward:
         # dynamo's config is process-wide: eager steps beside a background compile must not patch it
         traced = symbolic_config.patch(use_duck_shape=False) if graph else contextlib.nullcontext()
         extra = {"graph_inputs": self.graph_inputs()} if graph and self.graph_inputs is not None else {}
-        with torch.inference_mode(), attention_implementation(self.model, ATTENTION_NAME), traced, \
-                warm_guards(self._warm and graph):
+        with torch.inference_mode(), self.stepping(), traced, warm_guards(self._warm and graph):
             out = forward(
                 input_ids=self._tensor([inputs.tokens]), position_ids=self._tensor([inputs.positions]),
                 use_cache=False, logits_to_keep=keep, hf_accel_step=step,
@@ -219,7 +242,7 @@ class StepForward:
             forward, single = self._compiled_functions()
             # each engine's graphs count toward dynamo's process-wide total (accumulated_recompile_limit),
             # which a long notebook or test session would otherwise reach
-            with dynamo_settings(), freezing(True, self.model.dtype):
+            with dynamo_settings(), graph_settings(self._panels is not None, self.model.dtype):
                 self._trace_graphs(forward, single)
             graphs = (forward, single)
         except _Cancelled:  # the engine shut down: nothing to warn about

@@ -187,6 +187,22 @@ void panel_all_rows(const float* x, int64_t x_row, int64_t x_col, int64_t m, con
     panel_pass(x + first * x_row, x_row, x_col, std::min(kPassRows, m - first), panel, k, out + first * n, n, width);
 }
 
+// x [M, K] (fp32, M <= kPackedRows) over the panels of a [K, N] weight starting at `panels` -> [M, N] (+ bias).
+at::Tensor over_panels(const at::Tensor& x, const float* panels, int64_t n, const c10::optional<at::Tensor>& bias) {
+  const int64_t m = x.size(0), k = x.size(1);
+  auto out = at::empty({m, n}, x.options());
+  const float* x_data = x.data_ptr<float>();
+  float* out_data = out.data_ptr<float>();
+  const int64_t x_row = x.stride(0), x_col = x.stride(1);
+  at::parallel_for(0, (n + kPanel - 1) / kPanel, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p)
+      panel_all_rows(x_data, x_row, x_col, m, panels + p * k * kPanel, k, out_data + p * kPanel, n,
+                     std::min(kPanel, n - p * kPanel));
+  });
+  if (bias.has_value()) out.add_(*bias);
+  return out;
+}
+
 #endif
 
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& weight,
@@ -197,32 +213,41 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const at
   TORCH_CHECK(packed.size(0) == (n + kPanel - 1) / kPanel && packed.size(1) == k && packed.size(2) == kPanel,
               "packed must be [ceil(N / 16), K, 16]");
   TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->size(0) == n), "bias must be [N]");
-  const bool supported = x.scalar_type() == at::kFloat && packed.scalar_type() == at::kFloat &&
-                         packed.is_contiguous();
 #if defined(__AVX2__) && defined(__FMA__)
-  if (supported && m <= kPackedRows) {
-    auto out = at::empty({m, n}, x.options());
-    const float* x_data = x.data_ptr<float>();
-    const float* panels = packed.data_ptr<float>();
-    float* out_data = out.data_ptr<float>();
-    const int64_t x_row = x.stride(0), x_col = x.stride(1);
-    at::parallel_for(0, packed.size(0), 1, [&](int64_t begin, int64_t end) {
-      for (int64_t p = begin; p < end; ++p)
-        panel_all_rows(x_data, x_row, x_col, m, panels + p * k * kPanel, k, out_data + p * kPanel, n,
-                       std::min(kPanel, n - p * kPanel));
-    });
-    if (bias.has_value()) out.add_(*bias);
-    return out;
-  }
+  if (x.scalar_type() == at::kFloat && packed.scalar_type() == at::kFloat && packed.is_contiguous() &&
+      m <= kPackedRows)
+    return over_panels(x, packed.data_ptr<float>(), n, bias);
 #endif
-  (void)supported;
   return bias.has_value() ? at::addmm(*bias, x, weight) : at::mm(x, weight);
+}
+
+// The same Linear with a Linear's own weight [N, K], its panels at `panels[start ..]` of a buffer holding many
+// Linears' panels one after the other: a compiled step over such a buffer takes one input for all of them, and no
+// view of it is made per Linear and call (three views cost more than the few-row matmul of a small Linear).
+at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t start, const at::Tensor& weight,
+                        const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && panels.dim() == 1, "x [M, K], weight [N, K], panels [total]");
+  const int64_t m = x.size(0), k = x.size(1), n = weight.size(0);
+  TORCH_CHECK(weight.size(1) == k, "x and weight disagree on K");
+  TORCH_CHECK(start >= 0 && start + (n + kPanel - 1) / kPanel * k * kPanel <= panels.size(0),
+              "the panels run past the buffer");
+  TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->size(0) == n), "bias must be [N]");
+#if defined(__AVX2__) && defined(__FMA__)
+  if (x.scalar_type() == at::kFloat && panels.scalar_type() == at::kFloat && panels.is_contiguous() &&
+      m <= kPackedRows)
+    return over_panels(x, panels.data_ptr<float>() + start, n, bias);
+#endif
+  return at::linear(x, weight, bias);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(hf_accel, m) {
   m.def("packed_linear(Tensor x, Tensor packed, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("panel_linear(Tensor x, Tensor panels, int start, Tensor weight, Tensor? bias) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(hf_accel, CPU, m) { m.impl("packed_linear", &packed_linear); }
+TORCH_LIBRARY_IMPL(hf_accel, CPU, m) {
+  m.impl("packed_linear", &packed_linear);
+  m.impl("panel_linear", &panel_linear);
+}
