@@ -28,59 +28,36 @@ Smoke run (fewer rows, prints only unless --out is given):
 from __future__ import annotations
 
 import copy
-import json
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import jsonschema
 import torch
 from transformers import CompileConfig
 
 import hf_accel
 from hf_accel import Engine, EngineConfig, SamplingParams, SpeculativeConfig, StructuredOutput, reference
-from hf_accel.bench.output import hardware, run_benchmark, target_table
+from hf_accel.bench.output import hardware, run_benchmark
 from hf_accel.bench.timing import time_interleaved
 from hf_accel.structured.forced_spelling import forget_spellings
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from structured_generate_jump import generate_jump_forward, render_generate_jump_forward  # noqa: E402
-from structured_schemas import SCHEMAS, extraction_prompt  # noqa: E402
+from structured_generate_jump import generate_jump_forward  # noqa: E402
+from structured_mask_clock import MaskClock  # noqa: E402
+from structured_peer import vllm_side_by_side, vllm_side_by_side_185m  # noqa: E402
+from structured_report import FIRST_SIGHT, render, targets  # noqa: E402
+from structured_schemas import MAX_TOKENS, SCHEMAS, check, extraction_prompt, prompts_for, tally  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 NAME = "bench_structured"
 COMMAND = ".venv/bin/python benchmarks/bench_structured.py"
-MAX_TOKENS = 160
-FIRST_SIGHT = "jump-forward, schemas not seen before"  # no learned spellings (`forced_spelling.py`) at its start
 OVERHEAD_REPEATS = 3  # runs per side and repeat of the plan for the mask's cost: a 5% line needs more than 3 here
 COMPILE_REPEATS = 3  # runs with a large compile (and without) per repeat of the plan: each ratio is noisy here
 FULL = {"batches": (1, 8, 64), "generate_batches": (1, 8, 64), "repeats": 3, "samples": 2, "peer": True}
 QUICK = {"batches": (1, 8), "generate_batches": (1,), "repeats": 1, "samples": 1, "peer": False}
-
-
-def prompts_for(tokenizer, batch: int) -> list[tuple[str, str]]:
-    """`batch` (schema name, prompt) pairs: the extraction prompt of each schema in turn (its variant `i // 8`)."""
-    names = list(SCHEMAS)
-    return [(names[i % len(names)], extraction_prompt(names[i % len(names)], i // len(names))) for i in range(batch)]
-
-
-def check(name: str, text: str, finish: str | None) -> str:
-    """"valid", "invalid" or "unfinished" (cut by max_tokens)."""
-    if finish != "stop":
-        return "unfinished"
-    try:
-        jsonschema.validate(json.loads(text), SCHEMAS[name]["schema"])
-    except (ValueError, jsonschema.ValidationError):
-        return "invalid"
-    return "valid"
-
-
-def tally(verdicts: list[str]) -> dict[str, int]:
-    return {kind: verdicts.count(kind) for kind in ("valid", "invalid", "unfinished")}
 
 
 def validity(model, tokenizer, plan: dict[str, Any]) -> list[dict[str, Any]]:
@@ -134,49 +111,6 @@ def engine_run(engine: Engine, jobs: list[tuple[str, str]], lengths: list[int] |
     start = time.perf_counter()
     outs = engine.generate([prompt for _, prompt in jobs], params)
     return time.perf_counter() - start, outs
-
-
-class MaskClock:
-    """Host seconds spent filling (and, in the engine, applying) grammar masks, and the rows masked (wraps the
-    engine's `mask_rows` and the generate processor's `allowed`; compiled greedy generate applies the mask in its
-    step)."""
-
-    def __init__(self) -> None:
-        self.seconds, self.rows = 0.0, 0
-
-    def __enter__(self) -> MaskClock:
-        import hf_accel.engine.sampler as sampler
-        from hf_accel.structured.logits import StructuredLogitsProcessor
-
-        self._saved = (sampler.mask_rows, StructuredLogitsProcessor.allowed)
-        clock = self
-
-        def mask_rows(logits, matchers):
-            start = time.perf_counter()
-            sampler_mask(logits, matchers)
-            clock.seconds += time.perf_counter() - start
-            clock.rows += sum(m is not None for m in matchers)
-
-        def allowed(processor, input_ids, lengths=None, **options):
-            start = time.perf_counter()
-            out = processor_fill(processor, input_ids, lengths, **options)
-            clock.seconds += time.perf_counter() - start
-            clock.rows += input_ids.shape[0]
-            return out
-
-        sampler_mask, processor_fill = self._saved
-        sampler.mask_rows, StructuredLogitsProcessor.allowed = mask_rows, allowed
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        import hf_accel.engine.sampler as sampler
-        from hf_accel.structured.logits import StructuredLogitsProcessor
-
-        sampler.mask_rows, StructuredLogitsProcessor.allowed = self._saved
-
-    @property
-    def microseconds_per_row(self) -> float | None:
-        return 1e6 * self.seconds / self.rows if self.rows else None
 
 
 def engine_overhead(model, tokenizer, plan: dict[str, Any]) -> list[dict[str, Any]]:
@@ -333,76 +267,6 @@ def compile_beside_decoding(model, tokenizer, plan: dict[str, Any]) -> dict[str,
             "ratio": statistics.median(r["step_ms_while_compiling"] / r["step_ms"] for r in rows)}
 
 
-def vllm_side_by_side(model, tokenizer, plan: dict[str, Any]) -> dict[str, Any]:
-    """The engine and vLLM's CPU build on the same constrained requests, on the reference target."""
-    peer = _peer(plan)
-    if isinstance(peer, str):
-        return {"skipped": peer}
-    with tempfile.TemporaryDirectory() as scratch:
-        folder = Path(scratch) / "model"
-        model.save_pretrained(folder)
-        tokenizer.save_pretrained(folder)
-        return side_by_side(folder, tokenizer, peer, Path(scratch))
-
-
-def vllm_side_by_side_185m(model, tokenizer, plan: dict[str, Any]) -> dict[str, Any]:
-    """The same at a real size: bench_size.py's 185M-parameter random-weight Llama (the reference tokenizer)."""
-    import bench_size
-
-    peer = _peer(plan)
-    if isinstance(peer, str):
-        return {"skipped": peer}
-    size = next(size for size in bench_size.FULL.sizes if size.name == "185M")
-    with tempfile.TemporaryDirectory() as scratch:
-        folder = bench_size.model_folder(size, Path(scratch) / "model")
-        return side_by_side(folder, tokenizer, peer, Path(scratch))
-
-
-def _peer(plan: dict[str, Any]) -> Path | str:
-    """vLLM's python, or why its rows are skipped."""
-    from bench_vllm_peer import DEFAULT_VENV
-    from hf_accel.bench.peer import venv_python
-
-    peer = venv_python(DEFAULT_VENV, "vllm")
-    if peer is None:
-        return f"no vLLM venv at {DEFAULT_VENV} (bench_vllm_peer.py --setup creates it)"
-    return peer if plan["peer"] else "--quick"
-
-
-def side_by_side(folder: Path, tokenizer, peer: Path, scratch: Path) -> dict[str, Any]:
-    """16 constrained requests (two per schema) answered by each side in its own process from `folder`."""
-    from hf_accel.bench.peer import run_job
-
-    jobs = prompts_for(tokenizer, 16)
-    requests = [[tokenizer(prompt, add_special_tokens=False)["input_ids"], MAX_TOKENS] for _, prompt in jobs]
-    schemas = [SCHEMAS[name]["schema"] for name, _ in jobs]
-    results = {}
-    for side, python in (("hf_accel", Path(sys.executable)), ("vllm", peer)):
-        job = {"side": side, "model": str(folder), "max_model_len": 512, "max_num_seqs": 16,
-               "max_num_batched_tokens": None, "requests": requests, "warmup": 2, "sequential": False,
-               "json_schemas": schemas}
-        worker = [str(python), str(Path(__file__).resolve().parent / "vllm_peer_worker.py")]
-        results[side] = run_job(worker, job, side_env(side), scratch / side, timeout=1800)
-    summary = {}
-    for side, result in results.items():
-        texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids in result["outputs"]]
-        finished = [tokenizer.eos_token_id in ids or len(ids) < MAX_TOKENS for ids in result["outputs"]]
-        verdicts = [check(name, text, "stop" if done else "length")
-                    for (name, _), text, done in zip(jobs, texts, finished)]
-        tokens = sum(len(ids) for ids in result["outputs"])
-        summary[side] = {"tok_s": tokens / result["seconds"], "seconds": result["seconds"], "tokens": tokens,
-                         **tally(verdicts)}
-    identical = sum(a == b for a, b in zip(results["hf_accel"]["outputs"], results["vllm"]["outputs"]))
-    return {"requests": len(jobs), "sides": summary, "identical": identical,
-            "ratio": summary["hf_accel"]["tok_s"] / summary["vllm"]["tok_s"]}
-
-
-def side_env(side: str) -> dict[str, str]:
-    from bench_vllm_peer import side_env as peer_env
-
-    return peer_env(side)
-
-
 def measure(quick: bool) -> dict[str, Any]:
     plan = QUICK if quick else FULL
     started = time.perf_counter()
@@ -421,80 +285,6 @@ def measure(quick: bool) -> dict[str, Any]:
     report["total_seconds"] = time.perf_counter() - started
     report["targets"] = targets(report)
     return report
-
-
-def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
-    found = []
-    invalid = sum(row["invalid"] for row in report["validity"])
-    found.append({"name": "invalid finished outputs (every mode, schema, prompt)", "goal": "= 0", "value": invalid,
-                  "met": invalid == 0})
-    for row in report["engine_overhead"] + report["generate_overhead"]:
-        if not row["jump_forward"] and row["batch"] in (1, 8):
-            found.append({"name": f"{row['where']} constrained / unconstrained tok/s, batch {row['batch']}",
-                          "goal": ">= 0.95", "value": row["ratio"], "met": row["ratio"] >= 0.95})
-    compile_row = report["compile_beside_decoding"]
-    found.append({"name": "step time while a large schema compiles / without", "goal": "<= 1.05",
-                  "value": compile_row["ratio"], "met": compile_row["ratio"] <= 1.05})
-    for where, key in (("engine", "jump_forward"), ("generate", "generate_jump_forward")):
-        for row in report[key]:
-            if row["mode"] == "jump-forward + suffix":
-                found.append({"name": f"{where} jump-forward + suffix / constrained plain, batch {row['batch']}",
-                              "goal": ">= 1.5", "value": row["vs_constrained_plain"],
-                              "met": row["vs_constrained_plain"] >= 1.5})
-    for key, where in (("vllm", "reference target"), ("vllm_185M", "185M Llama")):
-        peer = report.get(key, {})
-        found.append({"name": f"engine json_schema / vLLM CPU build tok/s, {where}", "goal": ">= 1.0",
-                      "value": peer.get("ratio"), "met": None if "ratio" not in peer else peer["ratio"] >= 1.0})
-    return found
-
-
-def render(report: dict[str, Any]) -> str:
-    lines = ["# Structured outputs: validity, mask cost, jump-forward, vLLM", "",
-             f"{report['hardware']['cpu']}; reference target, one thread, JSON schemas: "
-             f"{', '.join(report['schemas'])}; at most {report['max_tokens']} tokens.", "",
-             "## Validity (finished outputs parse and validate)", "",
-             "| mode | valid | invalid | cut by max_tokens |", "| --- | --- | --- | --- |"]
-    lines += [f"| {r['mode']} | {r['valid']} | {r['invalid']} | {r['unfinished']} |" for r in report["validity"]]
-    lines += ["", "## Cost of the mask (same tokens decoded on both sides)", "",
-              "| where | batch | jump-forward | constrained tok/s | unconstrained tok/s | ratio | mask us / row |",
-              "| --- | --- | --- | --- | --- | --- | --- |"]
-    for r in report["engine_overhead"] + report["generate_overhead"]:
-        mask = "-" if r["mask_us_per_row"] is None else f"{r['mask_us_per_row']:.0f}"
-        lines.append(f"| {r['where']} | {r['batch']} | {'on' if r['jump_forward'] else 'off'} | "
-                     f"{r['constrained_tok_s']:.0f} | {r['unconstrained_tok_s']:.0f} | {r['ratio']:.2f}x | {mask} |")
-    lines += ["", "## Jump-forward and speculation on JSON extraction (Engine, greedy)", "",
-              "| batch | mode | tok/s | vs constrained plain | identical | forced tokens | accepted / drafted |",
-              "| --- | --- | --- | --- | --- | --- | --- |"]
-    lines += [f"| {r['batch']} | {r['mode']} | {r['tok_s']:.0f} | {r['vs_constrained_plain']:.2f}x | "
-              f"{'yes' if r['identical'] else 'no'} | {r['forced_tokens']} | "
-              f"{r['accepted_tokens']} / {r['draft_tokens']} |" for r in report["jump_forward"]]
-    lines += ["", "The suffix cache is emptied before each run (it learns from the run's own earlier requests "
-                  "only). Jump-forward drafts forced text as the model spelled it before (`forced_spelling.py`): "
-                  "the warm-up run taught those spellings, as earlier requests with the same schema would; the "
-                  f"\"{FIRST_SIGHT}\" rows forget them before each run. Forced tokens per step: up to 4 at batch 1, "
-                  "2 at batch 8."]
-    lines += [""] + render_generate_jump_forward(report["generate_jump_forward"])
-    c = report["compile_beside_decoding"]
-    lines += ["", f"A large schema (200 nested properties) compiling beside 4 decoding requests: their step "
-                  f"{c['step_ms_while_compiling']:.2f} ms during the compile ({c['steps']:.0f} steps), "
-                  f"{c['step_ms']:.2f} ms without ({c['ratio']:.2f}x).", ""]
-    for key, where in (("vllm", "the reference target"), ("vllm_185M", "the 185M random-weight Llama")):
-        lines += _peer_lines(report.get(key, {"skipped": "not run"}), where)
-    lines += target_table(report["targets"])
-    return "\n".join(lines) + f"\n\nFrom `{report['command']}` ({report['total_seconds'] / 60:.1f} min in all).\n"
-
-
-def _peer_lines(peer: dict[str, Any], where: str) -> list[str]:
-    if "skipped" in peer:
-        return [f"vLLM side by side on {where}: skipped ({peer['skipped']}).", ""]
-    lines = [f"## Against vLLM's CPU build, {where} ({peer['requests']} constrained requests, greedy)", "",
-             "| side | tok/s | valid | invalid | cut by max_tokens |", "| --- | --- | --- | --- | --- |"]
-    lines += [f"| {side} | {s['tok_s']:.0f} | {s['valid']} | {s['invalid']} | {s['unfinished']} |"
-              for side, s in peer["sides"].items()]
-    return lines + ["", f"hf_accel / vLLM: {peer['ratio']:.2f}x; identical greedy outputs: {peer['identical']} of "
-                        f"{peer['requests']}. Both on xgrammar without free whitespace, but vLLM's grammar writes "
-                        "compact separators (`,` `:`) where hf_accel's writes `, ` and `: ` (as `json.dumps` and the "
-                        "prompts' examples do), so greedy outputs part at the first separator.", ""]
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

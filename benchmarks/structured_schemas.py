@@ -1,10 +1,15 @@
 """The JSON schemas bench_structured.py constrains outputs to, each with an example record, and its few-shot
-extraction prompt: a comment naming the record kind, the example as JSON, then the start of the next record."""
+extraction prompt: a comment naming the record kind, the example as JSON, then the start of the next record; the
+requests of a batch (`prompts_for`) and how an output is judged (`check`)."""
 
 from __future__ import annotations
 
 import json
 from typing import Any
+
+import jsonschema
+
+MAX_TOKENS = 160  # each constrained request's limit
 
 SCHEMAS: dict[str, dict[str, Any]] = {
     "person": {
@@ -77,3 +82,24 @@ def extraction_prompt(name: str, variant: int = 0) -> str:
     example = json.dumps(SCHEMAS[name]["example"])
     header = f"# {name} records, batch {variant}" if variant else f"# {name} records"
     return f"{header}\nrecord = {example}\nrecord = "
+
+
+def prompts_for(tokenizer, batch: int) -> list[tuple[str, str]]:
+    """`batch` (schema name, prompt) pairs: the extraction prompt of each schema in turn (its variant `i // 8`)."""
+    names = list(SCHEMAS)
+    return [(names[i % len(names)], extraction_prompt(names[i % len(names)], i // len(names))) for i in range(batch)]
+
+
+def check(name: str, text: str, finish: str | None) -> str:
+    """"valid", "invalid" or "unfinished" (cut by max_tokens)."""
+    if finish != "stop":
+        return "unfinished"
+    try:
+        jsonschema.validate(json.loads(text), SCHEMAS[name]["schema"])
+    except (ValueError, jsonschema.ValidationError):
+        return "invalid"
+    return "valid"
+
+
+def tally(verdicts: list[str]) -> dict[str, int]:
+    return {kind: verdicts.count(kind) for kind in ("valid", "invalid", "unfinished")}
