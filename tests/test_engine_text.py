@@ -1,7 +1,9 @@
 """Incremental detokenization: streamed text always a prefix of the final text, stop strings cut exactly, text
-that may start a stop string held back until it cannot."""
+that may start a stop string held back until it cannot; the decoder it uses gives the tokenizer's own text."""
 
-from hf_accel.engine.detokenizer import Detokenizer, _held_back
+import copy
+
+from hf_accel.engine.detokenizer import Detokenizer, _held_back, text_decoder
 from hf_accel.reference import load
 
 
@@ -32,3 +34,24 @@ def test_stop_string_cuts_text_and_partial_stops_are_held_back():
     assert stop == "return"
     assert detok.text == "x = 1\n" and detok.released == len("x = 1\n")
     assert _held_back("abc ret", ["return"]) == 3 and _held_back("abc", ["return"]) == 0
+
+
+def test_the_text_decoder_decodes_as_the_tokenizer_does():
+    tokenizer = _tokenizer()
+    ids = tokenizer("def f(x):\n    return {'a': x}  # ü € 漢字", add_special_tokens=True)["input_ids"]
+    ids += [tokenizer.eos_token_id, 7]
+    fast = text_decoder(tokenizer)
+    assert fast.func == tokenizer.backend_tokenizer.decode  # the backend's own: transformers' decode only calls it
+    for end in range(len(ids) + 1):
+        assert fast(ids[:end]) == tokenizer.decode(ids[:end], skip_special_tokens=True)
+    cleaning = copy.deepcopy(tokenizer)
+    cleaning.clean_up_tokenization_spaces = True  # transformers' decode changes the text: it keeps decoding
+    assert text_decoder(cleaning).func == cleaning.decode
+
+    class OwnDecode(type(tokenizer)):
+        def _decode(self, token_ids, **kwargs):
+            return "own"
+
+    own = copy.deepcopy(tokenizer)
+    own.__class__ = OwnDecode
+    assert text_decoder(own)(ids) == "own"
