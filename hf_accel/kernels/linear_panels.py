@@ -58,8 +58,9 @@ class LinearPanels:
     """A model's eligible Linears packed once, with their forwards over the panels, set on the instances while
     `installed` (nested and from several threads: set at the first entry, removed at the last exit)."""
 
-    def __init__(self, forwards: list[tuple[nn.Linear, Callable]]):
+    def __init__(self, forwards: list[tuple[nn.Linear, Callable]], layout: list[tuple[str, int]]):
         self.forwards = forwards
+        self.layout = layout  # each packed Linear by name, with where its panels start in the buffer
         self._lock = threading.Lock()
         self._depth = 0
 
@@ -72,7 +73,7 @@ class LinearPanels:
         if not linears:
             return None
         sizes = [-(-linear.out_features // PANEL) * PANEL * linear.in_features for linear in linears]
-        starts = itertools.accumulate(sizes, initial=0)
+        starts = list(itertools.accumulate(sizes, initial=0))
         with torch.no_grad():
             flat = torch.empty(sum(sizes), dtype=torch.float32)  # every Linear's panels, one after the other
             forwards = []
@@ -82,12 +83,8 @@ class LinearPanels:
                 forwards.append((linear, functools.partial(_flat_forward, kernel, flat, start, linear.weight,
                                                            linear.bias)))
         counters["hf_accel"]["packed_linears"] += len(linears)  # as the graph pass counts those it packs
-        return cls(forwards)
-
-    def layout(self, model: nn.Module) -> list[tuple[str, int]]:
-        """Each packed Linear of `model` by name, with where its panels start in the buffer."""
         names = {id(module): name for name, module in model.named_modules()}
-        return [(names.get(id(linear), "?"), forward.args[2]) for linear, forward in self.forwards]
+        return cls(forwards, [(names[id(linear)], start) for linear, start in zip(linears, starts)])
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:

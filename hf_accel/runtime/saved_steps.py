@@ -66,7 +66,6 @@ class SavedStep:
     def __init__(self, function: Callable, dynamic: bool, name: str, describe_model: Callable[[nn.Module], Any]):
         self.function, self.dynamic, self.name, self.describe_model = function, dynamic, name, describe_model
         self.compiled: Callable | None = None
-        self.loaded = False  # whether it came from disk
 
     def __call__(self, model: nn.Module, **kwargs: Any) -> Any:
         if self.compiled is None:
@@ -77,8 +76,7 @@ class SavedStep:
         key = step_key(self.name, self.dynamic, self.describe_model(model), kwargs)
         path = folder() / f"{key}.bin"
         compiled = _load(path, self.function.__globals__)
-        self.loaded = compiled is not None
-        if self.loaded:
+        if compiled is not None:
             counters["hf_accel"]["saved_steps_loaded"] += 1  # beside dynamo's count of the graphs it traces
         else:
             compiled = self._compile(model, kwargs)

@@ -153,7 +153,7 @@ class StepForward:
                 and self.graph_inputs is None and not self.feature_layers and not self.keep_hidden)
 
     def _describe_model(self, model: PreTrainedModel) -> dict:
-        return model_description(model, self._panels.layout(model))
+        return model_description(model, self._panels.layout)
 
     @property
     def compiling(self) -> bool:
