@@ -1,8 +1,12 @@
 """Engine steps saved on disk whole (`runtime/saved_steps.py`): on Llama, Mistral (every layer sliding) and Gemma 2
 (soft-capping) a second engine on another model of the same shapes loads both steps and traces nothing, with greedy
 tokens equal to eager generate's; engines on one model with other pools get steps of their own (saved steps run
-without guards); models with forward hooks and bf16 models never save; the key follows every input's layout and the
-model's shape and code. Restarts in new processes: tests/test_graph_cache.py."""
+without guards); a LoRA engine's steps (hooks that describe themselves) load on another model likewise, with each
+request's greedy tokens equal to its adapter's merged model's, and other LoRA limits get steps of their own; models
+with other forward hooks and bf16 models never save; the key follows every input's layout and the model's shape and
+code. Restarts in new processes: tests/test_graph_cache.py."""
+
+import copy
 
 import pytest
 import torch
@@ -12,7 +16,7 @@ from transformers.models.llama import modeling_llama
 
 from conformance import ARCHITECTURES, make_model
 from engine_helpers import assert_greedy_equal, greedy_reference, random_prompts
-from hf_accel import Engine, EngineConfig, SamplingParams
+from hf_accel import Engine, EngineConfig, LoRAConfig, LoRARequest, SamplingParams
 from hf_accel.kernels.custom_ops import paged_attention_kernel
 from hf_accel.runtime.saved_steps import describe, model_description, step_key
 
@@ -78,6 +82,46 @@ def test_engines_with_other_pools_on_one_model_get_steps_of_their_own(steps_fold
     assert counts() == (traced + 2, loaded) and len(list(steps_folder.glob("*.bin"))) == 4
     generate_checked(model, config(block_size=4))  # the first pool's steps, kept in this process
     assert counts() == (traced + 2, loaded)
+
+
+def lora_checked(model, adapter: LoRARequest, max_rank: int = 8) -> None:
+    """A LoRA engine on `model`: a batch of base and `adapter` requests, each equal to its own model's greedy tokens
+    (the adapter merged into a copy of `model`, peft's `merge_and_unload`)."""
+    peft = pytest.importorskip("peft")
+    merged = peft.PeftModel.from_pretrained(copy.deepcopy(model), adapter.lora_path).merge_and_unload().eval()
+    engine = Engine(model, config=config(), lora=LoRAConfig(max_loras=2, max_lora_rank=max_rank))
+    prompts = random_prompts(LENGTHS, seed=5)
+    requests = [adapter if i % 2 else None for i in range(len(prompts))]
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in MAX_TOKENS]
+    outs = engine.generate(prompts, params, lora_request=requests)
+    for prompt, out, n, request in zip(prompts, outs, MAX_TOKENS, requests):
+        reference = merged if request is not None else model
+        assert_greedy_equal(reference, prompt, out.outputs[0].token_ids, greedy_reference(reference, prompt, n))
+    # the adapter changes the tokens: a step that ran without it would fail the checks above
+    assert any(greedy_reference(merged, p, n) != greedy_reference(model, p, n) for p, n in zip(prompts, MAX_TOKENS))
+
+
+def test_a_lora_engines_steps_load_on_another_model_and_other_limits_get_their_own(steps_folder, tmp_path):
+    peft = pytest.importorskip("peft")
+    model = fresh("llama")
+    adapters = []
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        tuned = peft.get_peft_model(copy.deepcopy(model), peft.LoraConfig(
+            r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False))
+        tuned.save_pretrained(tmp_path / f"adapter{seed}")
+        adapters.append(LoRARequest(f"adapter{seed}", seed, str(tmp_path / f"adapter{seed}")))
+    traced, loaded = counts()
+    lora_checked(model, adapters[0])
+    assert counts() == (traced + 2, loaded) and len(list(steps_folder.glob("*.bin"))) == 2
+    other = fresh("llama")
+    with torch.no_grad():
+        for parameter in other.parameters():
+            parameter.mul_(1.5)
+    lora_checked(other, adapters[1])  # the hooks are the same, their tensors the step's inputs: both steps load
+    assert counts() == (traced + 2, loaded + 2)
+    lora_checked(fresh("llama"), adapters[0], max_rank=16)  # other stacks: steps of their own
+    assert counts() == (traced + 4, loaded + 2) and len(list(steps_folder.glob("*.bin"))) == 4
 
 
 def test_models_with_hooks_and_bf16_models_are_never_saved(steps_folder):

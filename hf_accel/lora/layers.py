@@ -144,6 +144,9 @@ class LoRAProjection:
             kernel(output, inputs[0], a, b, step.token_slots, ranks, *args)
             return output
 
+        # what a saved engine step holds of this hook (runtime/saved_steps.py): its constants; the tensors it reads
+        # are the step's inputs (`EngineAdapters.graph_inputs`)
+        hook.step_description = ["hf_accel.lora_add", *args]
         return hook
 
     def _add_update(self, module: nn.Module, inputs: tuple[torch.Tensor, ...],

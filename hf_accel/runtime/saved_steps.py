@@ -14,9 +14,11 @@ module tree and tensors' shapes (`model_description`), the code of its modeling 
 patched at run time counts), which Linears run over panels and where in the buffer, the step's example inputs
 (every tensor's shape, stride and dtype, the KV pool's among them: the graphs fix its size), the attention function,
 and the versions of torch, transformers, Python and hf_accel's own source, with the CPU's instruction set. Any change
-gives another file. A model with forward hooks (adapters, captured hidden states) is never saved: what its hooks
-close over is not in the key. A file that fails to load is removed with a warning and the step compiled again, never
-run; one that fails to save is used in this process only, with a warning.
+gives another file. A model with forward hooks is saved only where every hook states what its compiled code depends
+on (`hook_descriptions`: LoRA's hooks, whose tensors are the step's inputs); any other hook (captured hidden states, a
+user's) keeps the step in this process (`persist=False`: compiled the same way, run without guards, never written).
+A file that fails to load is removed with a warning and the step compiled again, never run; one that fails to save
+is used in this process only, with a warning.
 """
 
 from __future__ import annotations
@@ -59,12 +61,15 @@ def folder() -> Path:
 
 
 class SavedStep:
-    """`function(model, **kwargs)` compiled whole on its first call's inputs and kept on disk; later calls (inputs of
-    the same layout, sizes that the graph left dynamic aside) run it without guards. `dynamic` as `torch.compile`'s;
-    `describe_model` gives what of the model the compiled code depends on (`model_description`)."""
+    """`function(model, **kwargs)` compiled whole on its first call's inputs and kept on disk (`persist`; else in
+    this process only); later calls (inputs of the same layout, sizes that the graph left dynamic aside) run it
+    without guards. `dynamic` as `torch.compile`'s; `describe_model` gives what of the model the compiled code depends
+    on (`model_description`)."""
 
-    def __init__(self, function: Callable, dynamic: bool, name: str, describe_model: Callable[[nn.Module], Any]):
+    def __init__(self, function: Callable, dynamic: bool, name: str, describe_model: Callable[[nn.Module], Any],
+                 persist: bool = True):
         self.function, self.dynamic, self.name, self.describe_model = function, dynamic, name, describe_model
+        self.persist = persist
         self.compiled: Callable | None = None
 
     def __call__(self, model: nn.Module, **kwargs: Any) -> Any:
@@ -73,6 +78,10 @@ class SavedStep:
         return self.compiled(model, **kwargs)
 
     def _load_or_compile(self, model: nn.Module, kwargs: dict[str, Any]) -> Callable:
+        if not self.persist:
+            compiled = self._compile(model, kwargs)
+            compiled.disable_guard_check()  # the caller keys it as a saved step's file is keyed
+            return compiled
         key = step_key(self.name, self.dynamic, self.describe_model(model), kwargs)
         path = folder() / f"{key}.bin"
         compiled = _load(path, self.function.__globals__)
@@ -100,17 +109,37 @@ def step_key(name: str, dynamic: bool, model: Any, kwargs: dict[str, Any]) -> st
     return hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
+def hook_descriptions(model: nn.Module) -> list | None:
+    """The forward hooks of `model`'s modules by module name and their descriptions, or None where one has none or
+    torch's global module hooks hold any (then its steps are not saved). A hook describes itself by its attribute
+    `step_description` (JSON-able): all its compiled code depends on beyond hf_accel's source and the step's inputs,
+    i.e. its constants; every tensor it reads must be a step input (LoRA's hooks: `lora/layers.py`)."""
+    from torch.nn.modules import module as module_globals
+
+    if module_globals._global_forward_pre_hooks or module_globals._global_forward_hooks:
+        return None
+    described = []
+    for name, module in model.named_modules():
+        for kind, hooks in (("pre", module._forward_pre_hooks), ("post", module._forward_hooks)):
+            for hook in hooks.values():
+                description = getattr(hook, "step_description", None)
+                if description is None:
+                    return None
+                described.append([name, kind, description])
+    return described
+
+
 def model_description(model: nn.Module, panels: list[tuple[str, int]]) -> dict[str, Any]:
     """What of `model` a step's compiled code depends on: its class, config (its path aside) and mode, the code of
-    its modules' files as it is now, its module tree, its tensors' names, shapes and dtypes, and the Linears run over
-    panels with their offsets (`panels`)."""
+    its modules' files as it is now, its module tree, its tensors' names, shapes and dtypes, the Linears run over
+    panels with their offsets (`panels`), and its described hooks (`hook_descriptions`)."""
     config = {k: v for k, v in model.config.to_dict().items() if k not in ("_name_or_path", "transformers_version")}
     tensors = [(name, tuple(t.shape), str(t.dtype)) for name, t in (*model.named_parameters(),
                                                                      *model.named_buffers())]
     return {"class": f"{type(model).__module__}.{type(model).__qualname__}", "config": config,
             "training": model.training, "code": _code_hash({type(module) for module in model.modules()}),
             "modules": [(name, type(m).__qualname__) for name, m in model.named_modules()],
-            "tensors": tensors, "panels": panels}
+            "tensors": tensors, "panels": panels, "hooks": hook_descriptions(model)}
 
 
 def describe(value: Any, depth: int = 0) -> Any:

@@ -13,13 +13,15 @@ latency-bound case of one request streaming, or a prompt's last uncached token) 
 none), the way vLLM captures fixed sizes: no symbolic sizes to compute or guard on; the dynamic graph of one token is
 then never traced (a third of the compile, at every start). All graphs are traced and compiled in `warm_up`, at engine
 start, so `compile_seconds` is the whole cost and no request waits for a compile; on-disk caches make a restart
-cheaper: built C++ kernels, and for fp32 models without hooks the step functions themselves, saved whole and run
-without guards (`saved_steps.py`: a new process loads them and traces nothing). `warm_up(background=True)` compiles
+cheaper: built C++ kernels, and for fp32 steps the step functions themselves, run without guards and saved whole
+where the model has no hooks but described ones such as LoRA's (`saved_steps.py`: a new process loads them and traces
+nothing; other hooks keep them in the process). `warm_up(background=True)` compiles
 them in a thread instead while steps run eagerly (`compiling`), and the first step after the thread is done switches
 to them: an engine then serves from its first second. The thread writes only into the pool's spare block (which the
 allocator never hands out) and shares the step's switches (`stepping`); it holds the interpreter lock for most of its
 tracing, so eager steps meanwhile are slower, and the compile too.
-In the engine-core process (`EngineProcess`), steps (and an EAGLE head's passes) after the warm-up skip dynamo's
+Where steps run through dynamo (other dtypes, hidden states kept): in the engine-core process (`EngineProcess`),
+steps (and an EAGLE head's passes) after the warm-up skip dynamo's
 guards (`skip_guard_eval_unsafe`: only the guards that tell the graphs apart run; `warm_guards`), since every step's
 inputs differ from the warmed ones in sizes and values only, and the full guards are a visible share of a small
 model's step. Everywhere, the graphs carry no guards on module hooks (`dynamo.without_hook_guards`: half a
@@ -58,7 +60,7 @@ from .dynamo import (begin_background_compile, dynamo_settings, end_background_c
                      without_hook_guards)
 from .frozen_graphs import compiled_for, graph_settings, panels_for
 from .kv_pool import KVPool
-from .saved_steps import SavedStep, enabled as saved_steps_enabled, model_description
+from .saved_steps import SavedStep, enabled as saved_steps_enabled, hook_descriptions, model_description
 from .step_inputs import StepInputs
 
 
@@ -130,27 +132,31 @@ class StepForward:
 
     def _compiled_functions(self) -> tuple[Callable, Callable | None]:
         """The compiled step functions (the single-sequence one None without `max_blocks`), kept per model, its
-        weights and the hooks it has now (`dynamo.hooks_key`: the graphs carry no guards on them), when they trace;
-        saved on disk where `_saves_steps` (then also kept per pool layout: saved steps run without guards)."""
+        weights and the hooks it has now (`dynamo.hooks_key`: the graphs carry no guards on them); where `_guardless`,
+        run without guards (`saved_steps.SavedStep`: then also kept per pool layout) and saved on disk where every
+        hook is described (`saved_steps.hook_descriptions`) and saving is on."""
         hooks = hooks_key(self.model)
-        saved = self._saves_steps(hooks)
-        layout = (tuple(self.kv.keys[0].shape), self.kv.keys[0].dtype, self.max_blocks) if saved else ()
+        guardless = self._guardless()
+        persist = guardless and saved_steps_enabled() and hook_descriptions(self.model) is not None
+        layout = (tuple(self.kv.keys[0].shape), self.kv.keys[0].dtype, self.max_blocks) if guardless else ()
 
         def compiled(name: str, dynamic: bool) -> Callable:
-            compile = (functools.partial(SavedStep, dynamic=dynamic, name=name, describe_model=self._describe_model)
-                       if saved else functools.partial(_compile_step, dynamic=dynamic))
+            compile = (functools.partial(SavedStep, dynamic=dynamic, name=name, describe_model=self._describe_model,
+                                         persist=persist)
+                       if guardless else functools.partial(_compile_step, dynamic=dynamic))
             function = compiled_for(self.model, call_model, (name, hooks, *layout), compile)
             return functools.partial(function, self.model)
 
         single = None if self.max_blocks is None else compiled("engine single-sequence step", dynamic=False)
         return compiled("engine step", dynamic=True), single
 
-    def _saves_steps(self, hooks: tuple) -> bool:
-        """Whether the compiled steps are kept on disk (`saved_steps.py`): graphs over kept panels (they hold no
-        weight) of a model with no forward hooks, no hook inputs and nothing but logits out, one-token steps running
-        the static graph (saved steps have no guards: the dynamic one must never see a size it would specialize)."""
-        return (self._panels is not None and self.max_blocks is not None and saved_steps_enabled() and not any(hooks)
-                and self.graph_inputs is None and not self.feature_layers and not self.keep_hidden)
+    def _guardless(self) -> bool:
+        """Whether the compiled steps run without guards (`saved_steps.py`): graphs over kept panels (they hold no
+        weight) returning nothing but logits, one-token steps running the static graph (the dynamic one must never
+        see a size it would specialize). What guards would check is the function's key instead: model, weights,
+        hooks, pool layout; the hooks' tensors that change are step inputs (`graph_inputs`)."""
+        return (self._panels is not None and self.max_blocks is not None and not self.feature_layers
+                and not self.keep_hidden)
 
     def _describe_model(self, model: PreTrainedModel) -> dict:
         return model_description(model, self._panels.layout)
