@@ -79,9 +79,36 @@ print(json.dumps({"equal": [o.outputs[0].token_ids for o in outs] == eager,
 """
 
 
+# one process: a LoRA engine on the tiny Llama with seed `argv[1]` and a rank-4 adapter made with seed `argv[1]`,
+# adapter and base requests against the merged model's and the base's greedy tokens, and how many graphs dynamo traced
+_LORA_PROCESS = """
+import copy, json, sys, tempfile, torch, transformers, peft
+import torch._dynamo.utils as dynamo_utils
+from hf_accel import Engine, EngineConfig, LoRAConfig, LoRARequest, SamplingParams
+from conformance import ARCHITECTURES
+
+torch.set_num_threads(1)
+torch.manual_seed(int(sys.argv[1]))
+model = transformers.AutoModelForCausalLM.from_config(ARCHITECTURES["llama"][0](), attn_implementation="sdpa").eval()
+folder = tempfile.mkdtemp()
+peft.get_peft_model(copy.deepcopy(model), peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"],
+                                                          init_lora_weights=False)).save_pretrained(folder)
+merged = peft.PeftModel.from_pretrained(copy.deepcopy(model), folder).merge_and_unload().eval()
+adapter = LoRARequest("adapter", 1, folder)
+prompts, chosen = [[5, 9, 14, 22, 31, 7, 3], [8, 1, 30], [4, 4, 17]], [adapter, None, adapter]
+want = [(merged if a else model).generate(torch.tensor([p]), max_new_tokens=10, min_new_tokens=10, do_sample=False,
+                                          pad_token_id=0)[0, len(p):].tolist() for p, a in zip(prompts, chosen)]
+engine = Engine(model, config=EngineConfig(max_num_seqs=3, max_num_batched_tokens=16, block_size=4),
+                lora=LoRAConfig(max_loras=2, max_lora_rank=8))
+outs = engine.generate(prompts, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True), lora_request=chosen)
+print(json.dumps({"equal": [o.outputs[0].token_ids for o in outs] == want, "adapted": want[0] != want[1],
+                  "traced": dynamo_utils.counters["stats"]["unique_graphs"]}))
+"""
+
+
 def _run(cache: Path, seed: int, draft: int | None = None, process: str = _PROCESS) -> dict:
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache), "PYTHONPATH": os.pathsep.join([str(TESTS), str(ROOT)])}
-    arguments = [] if process is _ENGINE_PROCESS else ["-" if draft is None else str(draft)]
+    arguments = [] if process in (_ENGINE_PROCESS, _LORA_PROCESS) else ["-" if draft is None else str(draft)]
     done = subprocess.run([sys.executable, "-c", process, str(seed), *arguments],
                           capture_output=True, text=True, timeout=900, env=env, cwd=TESTS)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -147,6 +174,18 @@ def test_an_engine_restart_loads_its_steps_whole_on_any_weights_of_the_same_shap
     other = _run(tmp_path, 1, process=_ENGINE_PROCESS)  # the steps hold no weight: another model's tokens from them
     assert other["equal"] and other["traced"] == 0, other
     assert sorted((tmp_path / "hf_accel_steps").glob("*.bin")) == saved
+
+
+@pytest.mark.skipif(packed_linear_kernel() is None, reason="the packed-Linear kernel is not built here")
+def test_a_lora_engine_restart_loads_its_steps_on_other_weights_and_adapters(tmp_path):
+    """LoRA's hooks describe themselves, so a LoRA engine's steps are saved too; its adapters' weights and slots are
+    the steps' inputs: another model with another adapter runs them with its own tokens."""
+    pytest.importorskip("peft")
+    first = _run(tmp_path, 0, process=_LORA_PROCESS)
+    assert first["equal"] and first["adapted"] and first["traced"] == 2, first
+    assert len(list((tmp_path / "hf_accel_steps").glob("*.bin"))) == 2
+    other = _run(tmp_path, 1, process=_LORA_PROCESS)
+    assert other["equal"] and other["adapted"] and other["traced"] == 0, other
 
 
 @pytest.mark.skipif(packed_linear_kernel() is None, reason="the packed-Linear kernel is not built here")
