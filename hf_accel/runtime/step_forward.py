@@ -13,21 +13,19 @@ latency-bound case of one request streaming, or a prompt's last uncached token) 
 none), the way vLLM captures fixed sizes: no symbolic sizes to compute or guard on; the dynamic graph of one token is
 then never traced (a third of the compile, at every start). All graphs are traced and compiled in `warm_up`, at engine
 start, so `compile_seconds` is the whole cost and no request waits for a compile; on-disk caches make a restart
-cheaper: built C++ kernels, and for fp32 steps the step functions themselves, run without guards and saved whole
-where the model has no hooks but described ones such as LoRA's (`saved_steps.py`: a new process loads them and traces
-nothing; other hooks keep them in the process). `warm_up(background=True)` compiles
-them in a thread instead while steps run eagerly (`compiling`), and the first step after the thread is done switches
-to them: an engine then serves from its first second. The thread writes only into the pool's spare block (which the
-allocator never hands out) and shares the step's switches (`stepping`); it holds the interpreter lock for most of its
-tracing, so eager steps meanwhile are slower, and the compile too.
-Where steps run through dynamo (other dtypes, hidden states kept): in the engine-core process (`EngineProcess`),
-steps (and an EAGLE head's passes) after the warm-up skip dynamo's
-guards (`skip_guard_eval_unsafe`: only the guards that tell the graphs apart run; `warm_guards`), since every step's
-inputs differ from the warmed ones in sizes and values only, and the full guards are a visible share of a small
-model's step. Everywhere, the graphs carry no guards on module hooks (`dynamo.without_hook_guards`: half a
-millisecond a step): the hooks the model has when they trace are part of their key instead.
-Only there: dynamo's stance is process-wide, and beside an in-process engine other threads may run compiled code
-whose guards must run (`skip_warm_guards`).
+cheaper: built C++ kernels, and the fp32 step functions themselves, run without guards and saved whole where the
+model has no hooks but self-described ones such as LoRA's (`saved_steps.py`: a new process loads them, tracing
+nothing). `warm_up(background=True)` compiles them in a thread instead while steps run eagerly (`compiling`), and the
+first step after the thread is done switches to them: an engine then serves from its first second. The thread writes
+only into the pool's spare block (which the allocator never hands out) and shares the step's switches (`stepping`);
+it holds the interpreter lock for most of its tracing, so eager steps meanwhile are slower, and the compile too.
+Steps that run through dynamo (other dtypes, hidden states kept) skip its guards after the warm-up in the engine-core
+process (`EngineProcess`; an EAGLE head's passes too: `skip_guard_eval_unsafe`, only the guards that tell the graphs
+apart run; `warm_guards`), since every step's inputs differ from the warmed ones in sizes and values only, and the
+full guards are a visible share of a small model's step. Everywhere, the graphs carry no guards on module hooks
+(`dynamo.without_hook_guards`: half a millisecond a step): the hooks the model has when they trace are part of their
+key instead. Only there: dynamo's stance is process-wide, and beside an in-process engine other threads may run
+compiled code whose guards must run (`skip_warm_guards`).
 Each Linear runs over a weight packed once. fp32 on the CPU: hf_accel's kernel over column panels, packed when the
 engine is built and set as the Linears' forwards while steps run (`kernels/linear_panels.py`; `stepping` holds them,
 with the attention switch, for a run of steps), so the graphs take panels and weights as inputs and hold none. Other
@@ -141,7 +139,8 @@ class StepForward:
         layout = (tuple(self.kv.keys[0].shape), self.kv.keys[0].dtype, self.max_blocks) if guardless else ()
 
         def compiled(name: str, dynamic: bool) -> Callable:
-            compile = (functools.partial(SavedStep, dynamic=dynamic, name=name, describe_model=self._describe_model,
+            describe_model = functools.partial(model_description, panels=self._panels.layout) if guardless else None
+            compile = (functools.partial(SavedStep, dynamic=dynamic, name=name, describe_model=describe_model,
                                          persist=persist)
                        if guardless else functools.partial(_compile_step, dynamic=dynamic))
             function = compiled_for(self.model, call_model, (name, hooks, *layout), compile)
@@ -157,9 +156,6 @@ class StepForward:
         hooks, pool layout; the hooks' tensors that change are step inputs (`graph_inputs`)."""
         return (self._panels is not None and self.max_blocks is not None and not self.feature_layers
                 and not self.keep_hidden)
-
-    def _describe_model(self, model: PreTrainedModel) -> dict:
-        return model_description(model, self._panels.layout)
 
     @property
     def compiling(self) -> bool:
