@@ -362,3 +362,39 @@ def test_compiled_engine_equals_the_eager_one():
     for constraint in CONSTRAINTS[:3]:
         got = [out.outputs[0].token_ids for out in compiled.generate(PROMPTS, greedy(constraint))]
         assert got == [out.outputs[0].token_ids for out in eager.generate(PROMPTS, greedy(constraint))]
+
+
+def test_mask_rows_masks_live_rows_and_leaves_the_others_across_steps():
+    """One batch: an unconstrained row, a terminated matcher's row (it allows everything) and live matchers in other
+    places of the grammar; each live row keeps exactly what its matcher allows, the others are untouched, and the
+    bitmask reused by the next step of the same size (with other rows where) never carries a row over."""
+    model, tokenizer = target()
+    compiled = compile_constraint(StructuredOutput(json=SCHEMA), compiler_for(tokenizer, model.config.vocab_size, None))
+    vocab = model.config.vocab_size
+
+    def matcher_after(text: str) -> TokenMatcher:
+        matcher = TokenMatcher(compiled)
+        assert matcher.follow(tokenizer.encode(text, add_special_tokens=False))
+        return matcher
+
+    def allowed(matcher: TokenMatcher) -> torch.Tensor:  # [vocab] bool, one matcher alone
+        logits = torch.zeros(1, vocab)
+        mask_rows(logits, [matcher])
+        return logits[0] == 0
+
+    done = matcher_after('{"name": "a", "color": "red", "done": true}')
+    assert done.advance(tokenizer.eos_token_id) and done.is_terminated
+    places = ['{"name": "Jo', '{"name": "a", "color": "', '{"name": "a", "color": "red", "done": ']
+    live = [matcher_after(text) for text in places]
+    for batch in ([None, done, *live], live[1:], [live[2], None, live[0], done, live[1]]):
+        logits = torch.randn(len(batch), vocab)
+        masked = logits.clone()
+        mask_rows(masked, batch)
+        for row, matcher in enumerate(batch):
+            if matcher is None or matcher is done:
+                assert torch.equal(masked[row], logits[row])
+            else:
+                keep = allowed(matcher)
+                assert 0 < keep.sum() < vocab
+                assert torch.equal(masked[row][keep], logits[row][keep])
+                assert masked[row][~keep].eq(float("-inf")).all()

@@ -149,17 +149,33 @@ def _row_indices(rows: tuple[int, ...]) -> torch.Tensor:
 
 def mask_rows(logits: torch.Tensor, matchers: Sequence[TokenMatcher | None]) -> None:
     """Mask row `i` of `logits` `[rows, vocab]` to what `matchers[i]` allows next, in place (None: unconstrained);
-    one bitmask for the whole batch, its live rows filled by xgrammar's batch matcher in one call."""
-    rows = [i for i, matcher in enumerate(matchers) if matcher is not None]
-    if not rows:
+    one bitmask for the whole batch (this thread's, reused from step to step: every row applied is written first),
+    its live rows filled by xgrammar's batch matcher in one call. A lone live row is filled by its matcher, which says
+    when it allows every token: such a row, and a terminated matcher's, is left as it is."""
+    live = [i for i, matcher in enumerate(matchers) if matcher is not None and not matcher.is_terminated]
+    if not live:
         return
-    bitmask = token_bitmask(len(matchers), logits.shape[-1])
-    live = [i for i in rows if not matchers[i].is_terminated]
-    for i in set(rows) - set(live):
-        matchers[i].fill(bitmask, i)
-    if live:
+    bitmask = _step_bitmask(len(matchers), logits.shape[-1])
+    if len(live) == 1:
+        if not matchers[live[0]]._matcher.fill_next_token_bitmask(bitmask, live[0]):
+            return  # every token allowed
+    else:
         _batch_filler().batch_fill_next_token_bitmask([matchers[i]._matcher for i in live], bitmask, live)
-    apply_bitmask(logits, bitmask, rows)
+    apply_bitmask(logits, bitmask, live)
+
+
+def _step_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
+    """This thread's bitmask of `rows` rows over `vocab_size` tokens (made once per shape; its contents are the last
+    caller's)."""
+    cache = getattr(_fillers, "bitmasks", None)
+    if cache is None:
+        cache = _fillers.bitmasks = {}
+    bitmask = cache.get((rows, vocab_size))
+    if bitmask is None:
+        if len(cache) >= 64:  # batch sizes come and go: a bounded set
+            cache.clear()
+        bitmask = cache[rows, vocab_size] = token_bitmask(rows, vocab_size)
+    return bitmask
 
 
 _fillers = threading.local()
