@@ -6,7 +6,10 @@ Shape: a trie of every substring (n-gram) of the stored sequences up to `max_dep
 its `count` the number of its occurrences. A node that occurred once grows no children: it is a leaf that stands for
 its whole chain of count-1 descendants, read from its one occurrence in the stored sequence (`seq`, `end`), so a
 sequence adds about one node per token plus one per repeated n-gram, not `max_depth` per token. Each sequence keeps
-its last `max_depth` suffixes' places in the tree (`_active`), so a token appended costs O(max_depth).
+its last `max_depth` suffixes' places in the tree (`_active`), so a token appended costs O(max_depth) at most, and in
+practice only the suffixes that occurred before: a suffix that occurred once is a leaf, every longer one then also
+occurred once, and a leaf's chain grows by itself (its place is kept as where its reading started, so it needs no
+update per token).
 
 Rules:
 - a node's count is the number of occurrences of its n-gram; the root's is the number of tokens stored;
@@ -24,7 +27,6 @@ Rules:
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -78,7 +80,9 @@ class SuffixCache:
             check_int("max_sequences", max_sequences, 1, "a positive int or None")
         self.max_depth, self.max_sequences = max_depth, max_sequences
         self._sequences: list[list[int]] = []
-        self._active: list[deque[tuple[_Node, int]]] = []  # per sequence: where its last suffixes end (node, read)
+        # per sequence: where its last suffixes end, longest first, as (node, origin): the suffix has read
+        # len(tokens) - origin tokens along node's chain (a leaf's reading grows with the sequence by itself)
+        self._active: list[list[tuple[_Node, int]]] = []
         self._root = _Node(-1, -1, 0)
         self._root.count, self._root.children = 0, {}
 
@@ -95,7 +99,7 @@ class SuffixCache:
         if self.max_sequences is not None and len(self._sequences) >= self.max_sequences:
             self._drop_oldest(max(1, self.max_sequences // 4))
         self._sequences.append([])
-        self._active.append(deque())
+        self._active.append([])
         seq = len(self._sequences) - 1
         self.extend(seq, token_ids)
         return seq
@@ -105,15 +109,31 @@ class SuffixCache:
         tokens, active = self._sequences[seq], self._active[seq]
         for token in token_ids:
             tokens.append(int(token))
-            active.append((self._root, 0))  # the new token starts a suffix
+            active.append((self._root, len(tokens) - 1))  # the new token starts a suffix (read 0 at the root)
             if len(active) > self.max_depth:
-                active.popleft()
-            start = len(tokens) - len(active)
-            for i, (node, read) in enumerate(active):  # suffix i: tokens[start + i:end - 1] ends at (node, read)
-                if node.children is None:  # a leaf: its chain grows by itself (`_count_ending`'s first case, inline)
-                    active[i] = (node, read + 1)
-                else:
-                    active[i] = self._count_ending(seq, tokens, start + i, node, read)
+                del active[0]
+            self._count_suffixes(seq, tokens, active)
+
+    def _count_suffixes(self, seq: int, tokens: list[int], active: list[tuple[_Node, int]]) -> None:
+        # count the n-grams ending at the new last token: suffix i, tokens[start + i:end], was tokens[start + i:end - 1]
+        # read end - 1 - origin tokens past node. The suffixes at a leaf are the longest ones (a suffix that occurred
+        # once makes every longer one occur once): their chains grow by themselves (their origins stay). The others
+        # are counted, longest first.
+        end, token, size = len(tokens), tokens[-1], len(active)
+        first = size
+        while first and active[first - 1][0].children is not None:
+            first -= 1
+        for i in range(first, size):
+            node, origin = active[i]
+            read = end - 1 - origin
+            if read:  # the leaf it read along was split since: go on down the path
+                while read and node.children is not None:
+                    node = node.children[tokens[end - 1 - read]]
+                    read -= 1
+                if node.children is None:  # still along a leaf's chain: its one occurrence is this one
+                    active[i] = (node, end - 1 - read)
+                    continue
+            active[i] = (self._count_child(node, token, seq, end, size - i), end)
 
     def count(self, ngram: Sequence[int]) -> int:
         """Occurrences of `ngram` (1 to `max_depth` tokens) in the stored sequences."""
@@ -142,17 +162,6 @@ class SuffixCache:
             if draft.score >= best.score and draft.tokens:
                 best = draft
         return best
-
-    def _count_ending(self, seq: int, tokens: list[int], start: int, node: _Node, read: int) -> tuple[_Node, int]:
-        # count tokens[start:] (the n-gram before the new last token ended `read` tokens into `node`'s chain); where
-        # it ends now
-        length = len(tokens) - 1 - start
-        while read and node.children is not None:  # the leaf was split since: go on down the path
-            node = node.children[tokens[start + length - read]]
-            read -= 1
-        if node.children is None:  # a leaf: its one occurrence is this one, and its chain grows by itself
-            return node, read + 1
-        return self._count_child(node, tokens[-1], seq, len(tokens), length + 1), 0
 
     def _count_child(self, node: _Node, token: int, seq: int, end: int, depth: int) -> _Node:
         # one more occurrence of node's n-gram + token (ending at tokens[seq][end - 1], `depth` tokens long)
