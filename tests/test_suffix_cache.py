@@ -1,5 +1,5 @@
-"""`SuffixCache` and `NgramDrafter`, model-free: exact n-gram counts against brute force (sequences added whole and
-grown token by token), the draft rule (most frequent continuation, probabilities as count ratios, the minimum
+"""`SuffixCache` and `NgramDrafter`, model-free: exact n-gram counts against brute force (sequences added whole,
+grown token by token, and grown in turns), the draft rule (most frequent continuation, probabilities as count ratios, the minimum
 probability, the length per matched token, the longer match on ties), prompt lookup on a sequence's own tokens (its
 last occurrence not counted, periodic text copied on), the shared cache beating a sequence's own matches, eviction."""
 
@@ -35,6 +35,23 @@ def test_counts_equal_brute_force_whole_or_grown(depth, sequences, data):
     for ngram, count in expected.items():
         assert cache.count(ngram) == count, ngram
     assert cache.count([9]) == 0 and cache.num_tokens == sum(map(len, sequences))
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(2, 6), st.lists(st.lists(st.integers(0, 2), max_size=14), min_size=2, max_size=4), st.data())
+def test_counts_equal_brute_force_with_sequences_grown_in_turns(depth, sequences, data):
+    """Sequences grown a few tokens at a time in drawn turns: one sequence's counting splits the leaves another is
+    reading along (its next token must go down the split path), and every count still equals brute force."""
+    cache = SuffixCache(max_depth=depth)
+    ids = [cache.add([]) for _ in sequences]
+    grown = [0] * len(sequences)
+    while any(g < len(seq) for g, seq in zip(grown, sequences)):
+        k = data.draw(st.sampled_from([k for k, seq in enumerate(sequences) if grown[k] < len(seq)]))
+        step = data.draw(st.integers(1, 3))
+        cache.extend(ids[k], sequences[k][grown[k]: grown[k] + step])
+        grown[k] = min(len(sequences[k]), grown[k] + step)
+    for ngram, count in _brute_counts(sequences, depth).items():
+        assert cache.count(ngram) == count, ngram
 
 
 def test_draft_follows_the_most_frequent_continuation_with_count_ratios():
