@@ -1,7 +1,8 @@
 """`SuffixCache` and `NgramDrafter`, model-free: exact n-gram counts against brute force (sequences added whole,
-grown token by token, and grown in turns), the draft rule (most frequent continuation, probabilities as count ratios, the minimum
-probability, the length per matched token, the longer match on ties), prompt lookup on a sequence's own tokens (its
-last occurrence not counted, periodic text copied on), the shared cache beating a sequence's own matches, eviction."""
+grown token by token, and grown in turns), the draft rule (most frequent continuation, probabilities as count ratios,
+the minimum probability, the length per matched token, the longer match on ties), prompt lookup on a sequence's own
+tokens (its last occurrence not counted, periodic text copied on), the shared cache beating a sequence's own matches,
+eviction."""
 
 import collections
 
