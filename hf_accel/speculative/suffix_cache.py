@@ -115,10 +115,10 @@ class SuffixCache:
             self._count_suffixes(seq, tokens, active)
 
     def _count_suffixes(self, seq: int, tokens: list[int], active: list[tuple[_Node, int]]) -> None:
-        # count the n-grams ending at the new last token: suffix i, tokens[start + i:end], was tokens[start + i:end - 1]
-        # read end - 1 - origin tokens past node. The suffixes at a leaf are the longest ones (a suffix that occurred
-        # once makes every longer one occur once): their chains grow by themselves (their origins stay). The others
-        # are counted, longest first.
+        # count the n-grams ending at the new last token. Entry i of `active` is the suffix of length size - i, which
+        # before this token ended end - 1 - origin tokens past its node, along the node's chain. The suffixes at a
+        # leaf are the longest ones (a suffix that occurred once makes every longer one occur once): their chains grow
+        # by themselves (their origins stay). The others are counted, longest first.
         end, token, size = len(tokens), tokens[-1], len(active)
         first = size
         while first and active[first - 1][0].children is not None:
