@@ -103,12 +103,13 @@ class TokenMatcher:
             self._drafted = [d for d in self._drafted if d[1] <= common]
         return all(self.advance(token) for token in tokens[common:])
 
-    def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        """Row `row` of `bitmask`: the tokens allowed next."""
+    def fill(self, bitmask: torch.Tensor, row: int) -> bool:
+        """Row `row` of `bitmask`: the tokens allowed next; False when that is every token (the row needs no
+        applying)."""
         if self._matcher.is_terminated():
             bitmask[row].fill_(-1)
-        else:
-            self._matcher.fill_next_token_bitmask(bitmask, row)
+            return False
+        return self._matcher.fill_next_token_bitmask(bitmask, row)
 
     def fill_drafts(self, drafts: Sequence[int], bitmask: torch.Tensor, row: int) -> None:
         """Rows `row` .. `row + len(drafts)` of `bitmask`: the tokens allowed after the committed tokens and after
@@ -157,7 +158,7 @@ def mask_rows(logits: torch.Tensor, matchers: Sequence[TokenMatcher | None]) -> 
         return
     bitmask = _step_bitmask(len(matchers), logits.shape[-1])
     if len(live) == 1:
-        if not matchers[live[0]]._matcher.fill_next_token_bitmask(bitmask, live[0]):
+        if not matchers[live[0]].fill(bitmask, live[0]):
             return  # every token allowed
     else:
         _batch_filler().batch_fill_next_token_bitmask([matchers[i]._matcher for i in live], bitmask, live)
@@ -167,9 +168,9 @@ def mask_rows(logits: torch.Tensor, matchers: Sequence[TokenMatcher | None]) -> 
 def _step_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
     """This thread's bitmask of `rows` rows over `vocab_size` tokens (made once per shape; its contents are the last
     caller's)."""
-    cache = getattr(_fillers, "bitmasks", None)
+    cache = getattr(_this_thread, "bitmasks", None)
     if cache is None:
-        cache = _fillers.bitmasks = {}
+        cache = _this_thread.bitmasks = {}
     bitmask = cache.get((rows, vocab_size))
     if bitmask is None:
         if len(cache) >= 64:  # batch sizes come and go: a bounded set
@@ -178,13 +179,13 @@ def _step_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
     return bitmask
 
 
-_fillers = threading.local()
+_this_thread = threading.local()
 
 
 def _batch_filler() -> Any:
     """This thread's xgrammar `BatchGrammarMatcher` (one per engine loop: they may fill at the same time), filling
     on one thread (more took the decoding step's cores on 2 of them)."""
-    filler = getattr(_fillers, "filler", None)
+    filler = getattr(_this_thread, "filler", None)
     if filler is None:
-        filler = _fillers.filler = xgrammar().BatchGrammarMatcher(max_threads=1)
+        filler = _this_thread.filler = xgrammar().BatchGrammarMatcher(max_threads=1)
     return filler
