@@ -80,8 +80,8 @@ def test_mask_clock_restores_what_it_wraps(script):
     import hf_accel.engine.sampler as sampler
     from hf_accel.structured.logits import StructuredLogitsProcessor
 
-    before = (sampler.mask_rows, StructuredLogitsProcessor.ragged_call)
+    before = (sampler.fill_rows, sampler.argmax_allowed, StructuredLogitsProcessor.allowed)
     with script.MaskClock() as clock:
-        assert sampler.mask_rows is not before[0]
-    assert (sampler.mask_rows, StructuredLogitsProcessor.ragged_call) == before
+        assert (sampler.fill_rows, sampler.argmax_allowed) != before[:2]
+    assert (sampler.fill_rows, sampler.argmax_allowed, StructuredLogitsProcessor.allowed) == before
     assert clock.microseconds_per_row is None  # nothing masked

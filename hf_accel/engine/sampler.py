@@ -1,11 +1,11 @@
 """Next tokens of one step's sequences, each with its own `SamplingParams`, through transformers' logits processors.
 
 Rows with a grammar (`structured_outputs`) are masked first, in one bitmask for the batch. Plain greedy rows then
-take one batched argmax. Other rows are grouped by their parameters: each group runs one
-`LogitsProcessorList` (repetition penalty, temperature, top-k, top-p, min-p: transformers' own classes, in the
-order `generate` applies them) over its rows, then draws per row with the row's seeded generator, so a seeded
-request samples the same tokens whatever it is batched with. What one group's processors or draw raise fails
-only that group's rows (`Sampled.errors`).
+take one batched argmax under that mask (only the other rows' logits are written to). Other rows are grouped by their
+parameters: each group runs one `LogitsProcessorList` (repetition penalty, temperature, top-k, top-p, min-p:
+transformers' own classes, in the order `generate` applies them) over its rows, then draws per row with the row's
+seeded generator, so a seeded request samples the same tokens whatever it is batched with. What one group's
+processors or draw raise fails only that group's rows (`Sampled.errors`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from transformers import (
 )
 
 from ..runtime.host_argmax import argmax_rows
-from ..structured.matcher import apply_bitmask, mask_rows, token_bitmask
+from ..structured.matcher import apply_bitmask, argmax_allowed, fill_rows, token_bitmask
 from .outputs import TokenLogprob
 from .sampling_params import SamplingParams
 from .sequence import Sequence
@@ -58,11 +58,15 @@ class Sampled:
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> Sampled:
-    """`logits` `[len(seqs), vocab]` (fp32, the caller's copy: constrained rows are masked in place) -> one token id
-    per sequence."""
+    """`logits` `[len(seqs), vocab]` (fp32, the caller's copy: constrained rows with processors or sampling are masked
+    in place) -> one token id per sequence."""
+    bitmask, masked = None, []
     if any(seq.grammar is not None for seq in seqs):  # before any processor, as vLLM applies its grammar bitmask
-        mask_rows(logits, [seq.grammar for seq in seqs])
-    result = Sampled(argmax_rows(logits).tolist())
+        bitmask, masked = fill_rows([seq.grammar for seq in seqs], logits.shape[-1])
+    processed = [i for i in masked if seqs[i].params.needs_processing]
+    if processed:  # their processors and draws read the masked scores; plain greedy rows need only the choice
+        apply_bitmask(logits, bitmask, processed)
+    result = Sampled(argmax_allowed(logits, bitmask, masked).tolist())
     groups: dict[int, list[int]] = {}
     for i, seq in enumerate(seqs):
         if seq.params.needs_processing:

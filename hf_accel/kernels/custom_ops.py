@@ -11,7 +11,8 @@
 - `torch.ops.hf_accel.int8_linear` / `int4_linear` (`csrc/quantized_linear.cpp`): Linears over weight-only quantized
   codes re-laid in column panels (`quant/panels.py`), dequantized in registers;
 - `torch.ops.hf_accel.apply_token_bitmask` (`csrc/token_bitmask.cpp`): structured outputs' grammar mask on the
-  host's logits, in place (no fake: it runs between compiled steps, never inside one);
+  host's logits, in place; `masked_argmax` the greedy choice under that mask, nothing written (no fakes: they run
+  between compiled steps, never inside one);
 - `torch.ops.hf_accel.lora_add` (`csrc/lora.cpp`): the LoRA update of a step mixing adapters, each token through its
   own adapter, added in place to a projection's output (eager and compiled engine steps).
 The ops of a step each mutate only what they write and have a fake implementation, so a compiled step traces
@@ -98,7 +99,7 @@ def quantized_linear_kernels() -> tuple[Callable[..., torch.Tensor], Callable[..
     return torch.ops.hf_accel.int8_linear, torch.ops.hf_accel.int4_linear
 
 
-# The two host-side ops below are looked up once per process (`HF_ACCEL_PAGED_KERNEL` read then): their callers run
+# The host-side ops below are looked up once per process (`HF_ACCEL_PAGED_KERNEL` read then): their callers run
 # between decode steps, where the accessor's lock and environment read cost ~10 us each on a cold cache.
 @functools.cache
 def token_bitmask_kernel() -> Callable[..., None] | None:
@@ -106,6 +107,14 @@ def token_bitmask_kernel() -> Callable[..., None] | None:
     int32, indices [n] int64)`, forbidden tokens of the indexed rows set to -inf in place), built with the paged
     kernel; None where that is switched off or not buildable."""
     return None if paged_attention_kernel() is None else torch.ops.hf_accel.apply_token_bitmask
+
+
+@functools.cache
+def masked_argmax_kernel() -> Callable[..., torch.Tensor] | None:
+    """`torch.ops.hf_accel.masked_argmax` (csrc/token_bitmask.cpp: `(logits [rows, V], bitmask [rows, W] int32,
+    indices [n] int64) -> [rows] int64`, each row's argmax with the indexed rows' forbidden tokens read as -inf),
+    built with the paged kernel; None where that is switched off or not buildable."""
+    return None if paged_attention_kernel() is None else torch.ops.hf_accel.masked_argmax
 
 
 @functools.cache

@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-from ..kernels.custom_ops import token_bitmask_kernel
+from ..kernels.custom_ops import masked_argmax_kernel, token_bitmask_kernel
+from ..runtime.host_argmax import argmax_rows
 from .forced_spelling import ForcedSpelling
 from .grammars import xgrammar
 
@@ -150,19 +151,40 @@ def _row_indices(rows: tuple[int, ...]) -> torch.Tensor:
 
 def mask_rows(logits: torch.Tensor, matchers: Sequence[TokenMatcher | None]) -> None:
     """Mask row `i` of `logits` `[rows, vocab]` to what `matchers[i]` allows next, in place (None: unconstrained);
-    one bitmask for the whole batch (this thread's, reused from step to step: every row applied is written first),
-    its live rows filled by xgrammar's batch matcher in one call. A lone live row is filled by its matcher, which says
-    when it allows every token: such a row, and a terminated matcher's, is left as it is."""
+    the bitmask is `fill_rows`'."""
+    bitmask, rows = fill_rows(matchers, logits.shape[-1])
+    if rows:
+        apply_bitmask(logits, bitmask, rows)
+
+
+def fill_rows(matchers: Sequence[TokenMatcher | None], vocab_size: int) -> tuple[torch.Tensor | None, list[int]]:
+    """What each row's matcher (None: unconstrained) allows next, in one bitmask `[rows, ceil(vocab / 32)]` int32 for
+    the whole batch (this thread's, reused from step to step), and the rows it restricts (only those rows of the
+    bitmask are written). The live rows are filled by xgrammar's batch matcher in one call; a lone live row by its
+    matcher, which says when it allows every token. A row allowing every token, or a terminated matcher's, is left
+    out. (None, []) when no row is restricted."""
     live = [i for i, matcher in enumerate(matchers) if matcher is not None and not matcher.is_terminated]
     if not live:
-        return
-    bitmask = _step_bitmask(len(matchers), logits.shape[-1])
+        return None, []
+    bitmask = _step_bitmask(len(matchers), vocab_size)
     if len(live) == 1:
-        if not matchers[live[0]].fill(bitmask, live[0]):
-            return  # every token allowed
-    else:
-        _batch_filler().batch_fill_next_token_bitmask([matchers[i]._matcher for i in live], bitmask, live)
-    apply_bitmask(logits, bitmask, live)
+        return (bitmask, live) if matchers[live[0]].fill(bitmask, live[0]) else (None, [])
+    _batch_filler().batch_fill_next_token_bitmask([matchers[i]._matcher for i in live], bitmask, live)
+    return bitmask, live
+
+
+def argmax_allowed(logits: torch.Tensor, bitmask: torch.Tensor | None, rows: list[int]) -> torch.Tensor:
+    """Each row's argmax `[rows]` int64, with the forbidden tokens of `rows` (by `bitmask`, `fill_rows`') read as
+    -inf: the greedy choice `apply_bitmask` then an argmax give (first maximum, NaN counting as the maximum), without
+    writing `logits` (on the CPU one pass of hf_accel's kernel; elsewhere the mask applied to a copy)."""
+    if not rows:
+        return argmax_rows(logits)
+    kernel = masked_argmax_kernel() if logits.device.type == "cpu" and logits.stride(-1) == 1 else None
+    if kernel is None:
+        logits = logits.clone()
+        apply_bitmask(logits, bitmask, rows)
+        return argmax_rows(logits)
+    return kernel(logits, bitmask, _row_indices(tuple(rows)))
 
 
 def _step_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
