@@ -9,10 +9,10 @@ For every sequence whose last token the step computed (`StepOutput.sampling`):
   (`structured_outputs`, masked at each position by what it allows there) or logits processors (penalties, temperature,
   top-k/p, min-p) get their processors at each position (history: their tokens and the candidates before it,
   `sampler.candidate_scores`; greedy rows whose grammar is all their processing are masked together, one bitmask over
-  all their positions: `_verify_grammar_greedy`), then `greedy_accept` on those scores (greedy) or `speculative_sample`
-  with one-hot draft distributions (the candidates are deterministic) drawn with the request's generator: lossless
-  sampling. It emits its accepted candidates, then the target's token (its correction, or the bonus token after the last
-  candidate); each round is counted (`SpecDecodeStats`);
+  all their positions and one masked argmax: `_verify_grammar_greedy`), then `greedy_accept` on those scores (greedy) or
+  `speculative_sample` with one-hot draft distributions (the candidates are deterministic) drawn with the request's
+  generator: lossless sampling. It emits its accepted candidates, then the target's token (its correction, or the bonus
+  token after the last candidate); each round is counted (`SpecDecodeStats`);
 - the emitted tokens are appended one at a time, with their logprobs (from the raw logits) where asked, and
   `check_stop` after each: the first stop ends the sequence and drops the tokens after it;
 - K/V written for rejected candidates is garbage past the committed length: `num_computed_tokens` moves on by the
@@ -35,7 +35,7 @@ from ..runtime.host_argmax import argmax_rows
 from ..speculative.verify import Verdict, greedy_accept, speculative_sample
 from .model_runner import StepOutput
 from .outputs import TokenLogprob
-from ..structured.matcher import apply_bitmask, token_bitmask
+from ..structured.matcher import argmax_allowed, step_bitmask
 from .sampler import candidate_scores, sample, token_logprobs
 from .sequence import Request, Sequence
 from .spec_decode.spec_decode_stats import SpecDecodeStats
@@ -155,24 +155,22 @@ class Committer:
 
     def _verify_grammar_greedy(self, out: StepOutput, members: list[int]) -> dict[int, list[int]]:
         """`_verify_processed` for greedy sequences whose grammar is their only processing, all at once: one bitmask
-        over every member's `1 + k` positions (each filled as after the candidates before it), one mask and one
-        argmax for them all, then each one's candidates kept while they equal its masked argmax."""
+        over every member's `1 + k` positions (each filled as after the candidates before it), one masked argmax for
+        them all, then each one's candidates kept while they equal its masked argmax."""
         if not members:
             return {}
         rows = [row for i in members for row in range(out.starts[i], out.starts[i] + out.sampling[i].num_drafts + 1)]
-        bitmask = token_bitmask(len(rows), out.logits.shape[-1])
+        bitmask = step_bitmask(len(rows), out.logits.shape[-1])  # every row written: `fill_drafts` fills or allows all
         filled, first = [], 0
         for i in members:
             scheduled = out.sampling[i]
             try:
                 scheduled.seq.grammar.fill_drafts(scheduled.draft_token_ids, bitmask, first)
                 filled.append((i, first))
-            except Exception as error:  # this request's grammar: it fails alone
+            except Exception as error:  # this request's grammar: it fails alone (its rows are not read)
                 self.fail(scheduled.seq.request, error)
             first += scheduled.num_drafts + 1
-        logits = out.logits[rows]  # a copy, masked in place
-        apply_bitmask(logits, bitmask)
-        targets = argmax_rows(logits).tolist()
+        targets = argmax_allowed(out.logits[rows], bitmask, list(range(len(rows)))).tolist()
         emitted = {}
         for i, first in filled:
             drafts = out.sampling[i].draft_token_ids

@@ -23,7 +23,7 @@ from transformers import (
 )
 
 from ..runtime.host_argmax import argmax_rows
-from ..structured.matcher import apply_bitmask, argmax_allowed, fill_rows, token_bitmask
+from ..structured.matcher import apply_bitmask, argmax_allowed, fill_rows, step_bitmask
 from .outputs import TokenLogprob
 from .sampling_params import SamplingParams
 from .sequence import Sequence
@@ -113,7 +113,7 @@ def candidate_scores(logits: torch.Tensor, seq: Sequence, draft_token_ids: list[
     processed (and masked by its grammar, if any) as if the first j candidates had been appended (the history a
     plain step there would see). `logits` is the caller's copy: a grammar masks it in place."""
     if seq.grammar is not None:
-        bitmask = token_bitmask(len(draft_token_ids) + 1, logits.shape[-1])
+        bitmask = step_bitmask(len(draft_token_ids) + 1, logits.shape[-1])  # every row written by fill_drafts
         seq.grammar.fill_drafts(draft_token_ids, bitmask, 0)
         apply_bitmask(logits, bitmask)
     processors = logits_processors(seq.params)

@@ -166,7 +166,7 @@ def fill_rows(matchers: Sequence[TokenMatcher | None], vocab_size: int) -> tuple
     live = [i for i, matcher in enumerate(matchers) if matcher is not None and not matcher.is_terminated]
     if not live:
         return None, []
-    bitmask = _step_bitmask(len(matchers), vocab_size)
+    bitmask = step_bitmask(len(matchers), vocab_size)
     if len(live) == 1:
         return (bitmask, live) if matchers[live[0]].fill(bitmask, live[0]) else (None, [])
     _batch_filler().batch_fill_next_token_bitmask([matchers[i]._matcher for i in live], bitmask, live)
@@ -187,9 +187,9 @@ def argmax_allowed(logits: torch.Tensor, bitmask: torch.Tensor | None, rows: lis
     return kernel(logits, bitmask, _row_indices(tuple(rows)))
 
 
-def _step_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
-    """This thread's bitmask of `rows` rows over `vocab_size` tokens (made once per shape; its contents are the last
-    caller's)."""
+def step_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
+    """This thread's bitmask of `rows` rows over `vocab_size` tokens, for a caller that writes every row it reads
+    (made once per shape and reused: a new one is a `torch.full` a step; its contents are the last caller's)."""
     cache = getattr(_this_thread, "bitmasks", None)
     if cache is None:
         cache = _this_thread.bitmasks = {}
