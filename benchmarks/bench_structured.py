@@ -42,7 +42,7 @@ import hf_accel
 from hf_accel import Engine, EngineConfig, SamplingParams, SpeculativeConfig, StructuredOutput, reference
 from hf_accel.bench.output import hardware, run_benchmark
 from hf_accel.bench.timing import time_interleaved
-from hf_accel.structured.forced_spelling import forget_spellings
+from hf_accel.structured.forced_spelling import spellings_forgotten
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from structured_generate_jump import generate_jump_forward  # noqa: E402
@@ -188,8 +188,9 @@ def jump_forward(model, tokenizer, plan: dict[str, Any]) -> list[dict[str, Any]]
         engines[FIRST_SIGHT] = make_engine(model, tokenizer, None, True)
 
         def run(mode: str) -> tuple[float, Any]:
-            if mode == FIRST_SIGHT:
-                forget_spellings()
+            if mode == FIRST_SIGHT:  # nothing learned before; nor does the next run lose what it learned
+                with spellings_forgotten():
+                    return engine_run(engines[mode], jobs, None)
             if "suffix" in mode:  # empty, as configured: a repeat never drafts from its own earlier outputs
                 proposer = engines[mode].core.proposer
                 proposer.shared = hf_accel.SuffixCache(proposer.shared.max_depth, proposer.shared.max_sequences)

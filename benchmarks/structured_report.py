@@ -61,8 +61,8 @@ def render(report: dict[str, Any]) -> str:
     lines += ["", "The suffix cache is emptied before each run (it learns from the run's own earlier requests "
                   "only). Jump-forward drafts forced text as the model spelled it before (`forced_spelling.py`): "
                   "the warm-up run taught those spellings, as earlier requests with the same schema would; the "
-                  f"\"{FIRST_SIGHT}\" rows forget them before each run. Forced tokens per step: up to 4 at batch 1, "
-                  "3 at batch 8."]
+                  f"\"{FIRST_SIGHT}\" rows run without them (and what they learn is dropped after). Forced tokens "
+                  "per step: up to 4 at batch 1, 3 at batch 8."]
     lines += [""] + render_generate_jump_forward(report["generate_jump_forward"])
     c = report["compile_beside_decoding"]
     lines += ["", f"A large schema (200 nested properties) compiling beside 4 decoding requests: their step "

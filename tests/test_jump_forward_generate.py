@@ -16,7 +16,8 @@ from transformers import LogitsProcessorList, TemperatureLogitsWarper, TextItera
 import hf_accel
 from hf_accel import StructuredOutput, reference
 from hf_accel.speculative import ngram
-from hf_accel.structured.forced_spelling import forget_spellings
+from hf_accel.structured import forced_spelling
+from hf_accel.structured.forced_spelling import forget_spellings, spellings_forgotten
 
 pytest.importorskip("xgrammar")
 
@@ -139,3 +140,24 @@ def test_forced_text_is_drafted_as_the_model_wrote_it_before(pair):
     plain, _ = run(pair, PROMPTS["batch 1"], StructuredOutput(json=schema, jump_forward=False))
     assert first == second == plain
     assert second_forwards < first_forwards, (second_forwards, first_forwards)
+
+
+def test_spellings_forgotten_runs_without_the_spellings_and_gives_them_back(pair):
+    """Inside `spellings_forgotten` a call drafts as a new process would (more forwards than with the spellings);
+    after it, the stores hold exactly what they held before (those learned inside are gone), and a call drafts with
+    them again."""
+    forget_spellings()
+    schema = {"type": "object", "properties": {"forgotten_probe_name": {"type": "string", "maxLength": 6},
+                                               "forgotten_probe_size": {"type": "integer"}},
+              "required": ["forgotten_probe_name", "forgotten_probe_size"], "additionalProperties": False}
+    run(pair, PROMPTS["batch 1"], StructuredOutput(json=schema))  # learns the spellings
+    learned, learned_forwards = run(pair, PROMPTS["batch 1"], StructuredOutput(json=schema))
+    stores = list(forced_spelling._BY_COMPILER.values())
+    known = [dict(store._texts) for store in stores]
+    with spellings_forgotten():
+        assert all(len(store) == 0 for store in stores)
+        fresh, fresh_forwards = run(pair, PROMPTS["batch 1"], StructuredOutput(json=schema))
+    assert [dict(store._texts) for store in stores] == known
+    again, again_forwards = run(pair, PROMPTS["batch 1"], StructuredOutput(json=schema))
+    assert fresh == learned == again
+    assert max(learned_forwards, again_forwards) < fresh_forwards, (learned_forwards, again_forwards, fresh_forwards)

@@ -1,8 +1,8 @@
-"""`SuffixCache` and `NgramDrafter`, model-free: exact n-gram counts against brute force (sequences added whole,
-grown token by token, and grown in turns), the draft rule (most frequent continuation, probabilities as count ratios,
-the minimum probability, the length per matched token, the longer match on ties), prompt lookup on a sequence's own
-tokens (its last occurrence not counted, periodic text copied on), the shared cache beating a sequence's own matches,
-eviction."""
+"""`SuffixCache` and `NgramDrafter`, model-free: exact n-gram counts against brute force (sequences added whole, grown
+token by token, and grown in turns), the draft rule (most frequent continuation, probabilities as count ratios, the
+minimum probability, the length per matched token, the longer match on ties, the best over every match length),
+prompt lookup on a sequence's own tokens (its last occurrence not counted, periodic text copied on), the shared
+cache beating a sequence's own matches, eviction."""
 
 import collections
 
@@ -53,6 +53,43 @@ def test_counts_equal_brute_force_with_sequences_grown_in_turns(depth, sequences
         grown[k] = min(len(sequences[k]), grown[k] + step)
     for ngram, count in _brute_counts(sequences, depth).items():
         assert cache.count(ngram) == count, ngram
+
+
+def _every_match_draft(cache, context, max_tokens, min_probability, tokens_per_match, extra_tokens, continuing):
+    """The draft rule taken literally: every match length's draft, the best score winning, the longer on ties."""
+    best = None
+    for m in range(1, min(len(context), cache.max_depth - 1) + 1):
+        found = cache._match(context[len(context) - m :])
+        if found is None or (continuing is not None and found[0].count == 1):
+            break
+        limit = min(max_tokens, int(tokens_per_match * m + extra_tokens + 1e-6))
+        draft = cache._follow(*found, m, limit, min_probability, continuing)
+        if draft.tokens and (best is None or draft.score >= best.score):
+            best = draft
+    return best
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 2), max_size=24), min_size=1, max_size=3), st.lists(st.integers(0, 2),
+       min_size=1, max_size=12), st.integers(1, 8), st.sampled_from([0.0, 0.3]), st.sampled_from([0.5, 1.0, 2.0]),
+       st.booleans())
+def test_speculate_is_the_best_draft_over_every_match_length(sequences, context, max_tokens, min_probability,
+                                                             tokens_per_match, own):
+    """`speculate` stops following shorter matches once none can win; what it returns is still the draft of the
+    literal rule (every match length, the best score, the longer match on ties), against others' sequences and as
+    prompt lookup on a sequence's own tokens."""
+    cache = SuffixCache(max_depth=6)
+    for seq in sequences:
+        cache.add(seq)
+    continuing = cache.add(context) if own else None
+    cut = (max_tokens, min_probability, tokens_per_match, 1.0)
+    expected = _every_match_draft(cache, context, *cut, continuing)
+    draft = cache.speculate(context, *cut, continuing=continuing)
+    if expected is None:
+        assert not draft.tokens
+    else:
+        assert (draft.tokens, draft.probabilities, draft.match_length) == \
+            (expected.tokens, expected.probabilities, expected.match_length)
 
 
 def test_draft_follows_the_most_frequent_continuation_with_count_ratios():

@@ -183,10 +183,13 @@ def _round(run: NgramRun) -> None:
     started = time.perf_counter()
     batch = run.decoding.batch
     remaining = batch.remaining.tolist()
-    drafts = row_drafts(run.drafters, run.contexts, remaining, run.budget.max_tokens)
-    if run.grammar is not None:
+    drafts: list[Draft | None] = [None if left <= 0 else NO_DRAFT for left in remaining]
+    if run.grammar is not None:  # forced tokens first: a row that has some drafts nothing else this round
         drafts = with_forced_tokens(drafts, run.grammar, run.contexts, run.prompt_lengths, remaining,
                                     run.budget.max_tokens)
+    drafting = [drafter if draft is NO_DRAFT else None for drafter, draft in zip(run.drafters, drafts)]
+    drafts = [draft if drafter is None else new for draft, drafter, new in zip(
+        drafts, drafting, row_drafts(drafting, run.contexts, remaining, run.budget.max_tokens))]
     generating = [d for d in drafts if d is not None]
     counts = candidate_counts(drafts, run.budget.choose(generating, len(drafts)))
     candidates = padded_candidates(drafts, counts, batch.pad_token_id, batch.columns.device)

@@ -22,7 +22,8 @@ Rules:
   a token's probability is the product of count(child) / count(parent) along the way (the chance that the path so far
   continues, as counted), cut below `min_probability`; along a leaf's chain, and past depth `max_depth` along the
   node's most recent occurrence, the probability stays. Of the drafts for every match length m the one with the
-  most expected accepted tokens (the sum of the probabilities) wins, the longer match on ties.
+  most expected accepted tokens (the sum of the probabilities) wins, the longer match on ties (followed longest
+  first, until a shorter match's token limit is no more than the best score: it could not win).
 """
 
 from __future__ import annotations
@@ -151,15 +152,19 @@ class SuffixCache:
         `continuing`: the id of the stored sequence that `context` is (prompt lookup: a request matched against its
         own tokens). Its occurrence at the very end is then not counted as a match, and a match running into the end
         continues with the draft itself (the text repeats with the match's period, as an LZ77 copy does)."""
-        best = NO_DRAFT
-        longest = min(len(context), self.max_depth - 1)
-        for m in range(1, longest + 1):
+        matches = []  # where the context's last m tokens end, m = 1, 2, ...
+        for m in range(1, min(len(context), self.max_depth - 1) + 1):
             found = self._match(context[len(context) - m :])
             if found is None or (continuing is not None and found[0].count == 1):
                 break  # no (earlier) occurrence; a longer tail contains this one: it has none either
+            matches.append(found)
+        best = NO_DRAFT
+        for m in range(len(matches), 0, -1):  # longest first: a shorter match must score more to win
             limit = min(max_tokens, int(tokens_per_match * m + extra_tokens + 1e-6))
-            draft = self._follow(*found, m, limit, min_probability, continuing)
-            if draft.score >= best.score and draft.tokens:
+            if best.tokens and best.score >= limit:
+                break  # a draft of `limit` tokens scores `limit` at most: no shorter match can win
+            draft = self._follow(*matches[m - 1], m, limit, min_probability, continuing)
+            if draft.tokens and (draft.score > best.score or not best.tokens):
                 best = draft
         return best
 

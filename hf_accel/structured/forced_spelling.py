@@ -13,10 +13,11 @@ split. A record that is wrong again is only a draft: verification keeps outputs 
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 MAX_TEXTS = 4096  # forced texts remembered (least recently used out first)
 MAX_SPELLED = 16  # tokens kept per text: a draft takes at most the first few (the engine 4 a step)
@@ -61,6 +62,12 @@ class ForcedSpelling:
         with self._lock:
             self._texts.clear()
 
+    def swap(self, texts: OrderedDict[str, list[int]]) -> OrderedDict[str, list[int]]:
+        """Replace what it knows by `texts` (text -> tokens, least recently used first); returns what it knew."""
+        with self._lock:
+            known, self._texts = self._texts, texts
+            return known
+
     def _store(self, text: str, spelled: list[int]) -> None:
         with self._lock:
             if not spelled:  # the model merged the text's start with what followed: no draft of it fits
@@ -96,3 +103,18 @@ def forget_spellings() -> None:
     with _LOCK:
         for spelling in _BY_COMPILER.values():
             spelling.clear()
+
+
+@contextlib.contextmanager
+def spellings_forgotten() -> Iterator[None]:
+    """Within it every store starts empty, as `forget_spellings` leaves them; on exit each knows again what it knew
+    before (what was learned inside is dropped): a benchmark times a schema's first sight without the runs after it
+    losing the spellings they were measured with."""
+    with _LOCK:
+        stores = list(_BY_COMPILER.values())
+    known = [store.swap(OrderedDict()) for store in stores]
+    try:
+        yield
+    finally:
+        for store, texts in zip(stores, known):
+            store.swap(texts)
