@@ -1,6 +1,6 @@
 """The packed Linear of the compiled CPU steps: `torch.ops.hf_accel.packed_linear` against ATen's matmul at every row
-count the kernel's blocking has a case for (and past its row limit, where it calls ATen), odd sizes, biases and
-strided inputs; the panel layout exact on a small weight; the post-grad pass rewriting exactly the frozen fp32
+count the kernel's blocking has a case for (and past its row limit, where it calls a GEMM: oneDNN's on an AMD CPU from
+a size on, MKL's otherwise), odd sizes, biases and strided inputs; the panel layout exact on a small weight; the post-grad pass rewriting exactly the frozen fp32
 Linears of a compiled graph (not bf16 ones, nothing without the setting) with the module's results."""
 
 from __future__ import annotations
@@ -39,6 +39,25 @@ def test_the_op_equals_atens_matmul(rows, k, n):
     torch.testing.assert_close(kernel(x, panels, weight, bias), torch.addmm(bias, x, weight), rtol=1e-4, atol=1e-4)
     strided = torch.randn(k, rows, generator=gen).t()
     torch.testing.assert_close(kernel(strided, panels, weight, None), strided @ weight, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("rows, k, n", [(49, 64, 128), (200, 256, 768), (880, 768, 3072)])
+def test_many_rows_take_a_gemm_that_equals_the_linear(rows, k, n):
+    """Past the panels' rows: below and above the size from which an AMD CPU takes oneDNN's GEMM, a contiguous Linear
+    weight (which oneDNN reads) and a strided one (MKL's), contiguous and strided rows, with and without a bias."""
+    gen = torch.Generator().manual_seed(rows + k + n)
+    linear = torch.randn(n, k, generator=gen)
+    strided = torch.randn(k, n, generator=gen).t()  # [N, K], not contiguous
+    bias, x = torch.randn(n, generator=gen), torch.randn(rows, k, generator=gen)
+    for weight in (linear, strided):
+        flat = pack_weight(weight.t()).flatten()  # (read where the panels take these rows: AVX2 takes 128)
+        for inputs in (x, x.t().contiguous().t()):
+            for b in (bias, None):
+                expected = torch.nn.functional.linear(inputs, weight, b)
+                torch.testing.assert_close(torch.ops.hf_accel.panel_linear(inputs, flat, 0, weight, b), expected,
+                                           rtol=1e-4, atol=1e-3)
+                torch.testing.assert_close(kernel(inputs, flat.view(-1, k, 16), weight.t(), b), expected,
+                                           rtol=1e-4, atol=1e-3)
 
 
 def test_bad_shapes_are_refused():

@@ -6,7 +6,7 @@
 // packed   [panels, K, 16]        columns 16p .. 16p + 15 of the weight, row k of the panel holding their k-th
 //                                 inputs (the last panel zero-padded past N)
 // weight   [K, N]                 the same weight as the matmul's right operand lies (any strides): many rows take
-//                                 ATen's matmul over it instead
+//                                 a GEMM over it instead (`many_rows`)
 // bias     [N] or None
 // returns  [M, N] = x @ weight (+ bias)
 //
@@ -17,10 +17,12 @@
 // past; more rows start another pass over the panel, now in L1 or L2. At a few rows, interleaved streams over k keep
 // the FMA units busy instead of waiting on one chain. With AVX-512 (a Xeon's 16-lane FMAs), MKL's sgemm ran 2x this
 // kernel's AVX2 form from 8 rows on; the AVX-512 form doubles it (benchmarks/bench_linear.py).
-// Rows beyond kPackedRows take ATen's matmul (MKL's sgemm runs near peak there).
+// Rows beyond kPackedRows take oneDNN's (or MKL's) GEMM, which runs near peak there (`many_rows`).
 #include <ATen/ATen.h>  // not torch/extension.h: its Python and nn headers triple the compile time
 #include <torch/library.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
 
 #if (defined(__AVX2__) || defined(__AVX512F__)) && defined(__FMA__)
 #include <immintrin.h>
@@ -32,8 +34,8 @@
 namespace {
 
 constexpr int64_t kPanel = 16;        // columns per panel: two AVX2 vectors, one AVX-512 vector
-// the most rows this kernel computes; more take ATen's matmul (MKL's sgemm passed the panels at 48-64 rows on an
-// AVX-512 Xeon, at about 128 on an AVX2 EPYC: bench_linear)
+// the most rows this kernel computes; more take a GEMM (`many_rows`: MKL's sgemm passed the panels at 48-64 rows on
+// an AVX-512 Xeon, at about 128 on an AVX2 EPYC: bench_linear)
 #if defined(__AVX512F__) && defined(__FMA__)
 constexpr int64_t kPackedRows = 48;
 #else
@@ -205,6 +207,36 @@ at::Tensor over_panels(const at::Tensor& x, const float* panels, int64_t n, cons
 
 #endif
 
+// x [M, K] @ weight [N, K]^T (+ bias) for more rows than the panels take: MKL's sgemm, except on an AMD CPU, where
+// MKL runs its AVX2 code: there oneDNN's fp32 linear (`mkldnn::_linear_pointwise`, the op torch's own compiler emits
+// for CPU Linears; it reads a contiguous weight as it lies), from kOneDnnMacs multiply-adds on (below, its per-call
+// cost is more than it saves). One Zen 5 thread: 115 GFLOPS from MKL on a [880, 768] x [768, 3072] prefill Linear,
+// 240 from oneDNN; 61 vs 40 us at [49, 256] x [256, 256]; 9 vs 14 us at [49, 64] x [64, 128].
+constexpr int64_t kOneDnnMacs = int64_t{1} << 20;
+
+bool mkl_takes_avx2() {
+  static const bool amd = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_is("amd") > 0;
+  }();
+  return amd;
+}
+
+at::Tensor many_rows(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  static const c10::optional<c10::OperatorHandle> onednn =
+      c10::Dispatcher::singleton().findSchema({"mkldnn::_linear_pointwise", ""});
+  if (onednn.has_value() && mkl_takes_avx2() && x.size(0) * x.size(1) * weight.size(0) >= kOneDnnMacs &&
+      x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat && x.device().is_cpu() &&
+      weight.is_contiguous() && (!bias.has_value() || bias->scalar_type() == at::kFloat)) {
+    torch::jit::Stack stack{x, weight, bias, std::string("none"), c10::List<c10::optional<c10::Scalar>>(),
+                            c10::optional<std::string>()};
+    onednn->callBoxed(&stack);
+    return stack[0].toTensor();
+  }
+  const at::Tensor right = weight.t();  // straight to MKL's sgemm (at::linear would pass through matmul's dispatch)
+  return bias.has_value() ? at::addmm(*bias, x, right) : at::mm(x, right);
+}
+
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& weight,
                          const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && packed.dim() == 3, "x [M, K], weight [K, N], packed [P, K, 16]");
@@ -218,7 +250,7 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const at
       m <= kPackedRows)
     return over_panels(x, packed.data_ptr<float>(), n, bias);
 #endif
-  return bias.has_value() ? at::addmm(*bias, x, weight) : at::mm(x, weight);
+  return many_rows(x, weight.t(), bias);
 }
 
 // The same Linear with a Linear's own weight [N, K], its panels at `panels[start ..]` of a buffer holding many
@@ -237,9 +269,7 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t s
       m <= kPackedRows)
     return over_panels(x, panels.data_ptr<float>() + start, n, bias);
 #endif
-  // straight to MKL's sgemm (at::linear would pass through matmul's dispatch: a few us a call)
-  const at::Tensor right = weight.t();
-  return bias.has_value() ? at::addmm(*bias, x, right) : at::mm(x, right);
+  return many_rows(x, weight, bias);
 }
 
 }  // namespace
