@@ -143,21 +143,21 @@ def test_forced_text_is_drafted_as_the_model_wrote_it_before(pair):
 
 
 def test_spellings_forgotten_runs_without_the_spellings_and_gives_them_back(pair):
-    """Inside `spellings_forgotten` a call drafts as a new process would (more forwards than with the spellings);
-    after it, the stores hold exactly what they held before (those learned inside are gone), and a call drafts with
-    them again."""
+    """Inside `spellings_forgotten` every store starts empty and a call learns into it as a new process would; after
+    it, the stores hold exactly what they held before (what was learned inside is gone), and outputs never change."""
     forget_spellings()
     schema = {"type": "object", "properties": {"forgotten_probe_name": {"type": "string", "maxLength": 6},
                                                "forgotten_probe_size": {"type": "integer"}},
               "required": ["forgotten_probe_name", "forgotten_probe_size"], "additionalProperties": False}
-    run(pair, PROMPTS["batch 1"], StructuredOutput(json=schema))  # learns the spellings
-    learned, learned_forwards = run(pair, PROMPTS["batch 1"], StructuredOutput(json=schema))
-    stores = list(forced_spelling._BY_COMPILER.values())
+    learned, _ = run(pair, PROMPTS["batch 1"], StructuredOutput(json=schema))
+    stores = [store for store in forced_spelling._BY_COMPILER.values() if len(store)]
     known = [dict(store._texts) for store in stores]
+    assert stores, "the call learned no spelling"
     with spellings_forgotten():
         assert all(len(store) == 0 for store in stores)
-        fresh, fresh_forwards = run(pair, PROMPTS["batch 1"], StructuredOutput(json=schema))
+        forget_spellings()  # as a benchmark's first-sight run may: still only the block's stores
+        fresh, _ = run(pair, PROMPTS["batch 1"], StructuredOutput(json=schema))
+        assert any(len(store) for store in stores)  # it learned, into the emptied stores
     assert [dict(store._texts) for store in stores] == known
-    again, again_forwards = run(pair, PROMPTS["batch 1"], StructuredOutput(json=schema))
+    again, _ = run(pair, PROMPTS["batch 1"], StructuredOutput(json=schema))
     assert fresh == learned == again
-    assert max(learned_forwards, again_forwards) < fresh_forwards, (learned_forwards, again_forwards, fresh_forwards)

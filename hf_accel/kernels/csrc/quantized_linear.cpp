@@ -299,12 +299,12 @@ struct Int4Kernel {
 #endif
 
 #ifdef HF_ACCEL_QLINEAR_VNNI
-// Each 32-input block asks for all of its lines kVnniPrefetch bytes ahead. One line a block, as the format-0 kernels
-// ask, left a pass of several rows waiting on the memory: over a 451 MB int4 (groups of 32) stack of a 730M Llama's
-// Linears on an AVX-512 EPYC, one thread, 5 rows took 2.35x one row with one line a block, 1.42x with all four
-// lines 8 KB ahead (int8 per channel, 723 MB: 1.91x -> 1.30x; two threads: int4 1.66x -> 1.14x, int8 1.30x ->
-// 1.21x), and one row read 30 -> 34 GB/s. 4 KB ahead was ~8% slower at one row, 16 KB no better; every other line
-// of a block was slower than one line.
+// Each 32-input block asks for all of its lines kVnniPrefetch bytes ahead (the format-0 kernels ask for every line,
+// kPrefetch ahead). One line a block, as before, left a pass of several rows waiting on the memory: over a 451 MB int4
+// (groups of 32) stack of a 730M Llama's Linears on an AVX-512 EPYC, one thread, 5 rows took 2.35x one row with one
+// line a block, 1.42x with all four lines 8 KB ahead (int8 per channel, 723 MB: 1.91x -> 1.30x; two threads: int4 1.66x
+// -> 1.14x, int8 1.30x -> 1.21x), and one row read 30 -> 34 GB/s. 4 KB ahead was ~8% slower at one row, 16 KB no
+// better; every other line of a block was slower than one line.
 constexpr int64_t kVnniPrefetch = 8192;
 
 inline void prefetch_block(const uint8_t* block, int lines) {
