@@ -215,11 +215,15 @@ at::Tensor over_panels(const at::Tensor& x, const float* panels, int64_t n, cons
 constexpr int64_t kOneDnnMacs = int64_t{1} << 20;
 
 bool mkl_takes_avx2() {
+#if defined(__x86_64__) || defined(__i386__)
   static const bool amd = [] {
     __builtin_cpu_init();
     return __builtin_cpu_is("amd") > 0;
   }();
   return amd;
+#else
+  return false;  // (MKL is an x86 library)
+#endif
 }
 
 at::Tensor many_rows(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
