@@ -27,7 +27,7 @@ from hf_accel.engine.sequence import Request, make_sequences
 from hf_accel.engine import structured_requests
 from hf_accel.structured.forced_spelling import forget_spellings
 from hf_accel.structured.grammars import compile_constraint, compiler_for
-from hf_accel.structured.matcher import TokenMatcher, mask_rows
+from hf_accel.structured.matcher import TokenMatcher, apply_bitmask, fill_rows
 
 pytest.importorskip("xgrammar")
 
@@ -67,6 +67,14 @@ def constrained_generate(prompt: str, constraint: StructuredOutput) -> list[int]
     out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, structured_output=constraint, tokenizer=tokenizer,
                          do_sample=False)
     return out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+def mask_rows(logits: torch.Tensor, matchers: list[TokenMatcher | None]) -> None:
+    """Row i of `logits` masked in place to what `matchers[i]` allows next, as the engine's sampler masks the rows it
+    processes: `fill_rows`, then `apply_bitmask` on the rows it restricts."""
+    bitmask, rows = fill_rows(matchers, logits.shape[-1])
+    if rows:
+        apply_bitmask(logits, bitmask, rows)
 
 
 def apply_bitmask_of(matcher: TokenMatcher, logits: torch.Tensor) -> None:

@@ -149,14 +149,6 @@ def _row_indices(rows: tuple[int, ...]) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.long)
 
 
-def mask_rows(logits: torch.Tensor, matchers: Sequence[TokenMatcher | None]) -> None:
-    """Mask row `i` of `logits` `[rows, vocab]` to what `matchers[i]` allows next, in place (None: unconstrained);
-    the bitmask is `fill_rows`'."""
-    bitmask, rows = fill_rows(matchers, logits.shape[-1])
-    if rows:
-        apply_bitmask(logits, bitmask, rows)
-
-
 def fill_rows(matchers: Sequence[TokenMatcher | None], vocab_size: int) -> tuple[torch.Tensor | None, list[int]]:
     """What each row's matcher (None: unconstrained) allows next, in one bitmask `[rows, ceil(vocab / 32)]` int32 for
     the whole batch (this thread's, reused from step to step), and the rows it restricts (only those rows of the

@@ -152,8 +152,9 @@ at::Tensor masked_argmax(const at::Tensor& logits, const at::Tensor& bitmask, co
   const int64_t num_rows = logits.size(0), vocab = logits.size(1);
   std::vector<char> masked(num_rows, 0);
   const at::Tensor rows = indices.contiguous();
+  const int64_t* row_ids = rows.data_ptr<int64_t>();
   for (int64_t i = 0; i < rows.numel(); ++i) {
-    const int64_t r = rows.data_ptr<int64_t>()[i];
+    const int64_t r = row_ids[i];
     TORCH_CHECK(r >= 0 && r < num_rows && r < bitmask.size(0), "indices must name rows of both logits and bitmask");
     masked[r] = 1;
   }
