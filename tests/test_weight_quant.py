@@ -14,7 +14,10 @@ from hf_accel import Int4Linear, Int8Linear, WeightOnlyConfig, quantize_model, r
 
 QUANT_CLASSES = {8: Int8Linear, "8g32": Int8Linear, 4: Int4Linear}
 CONFIGS = {8: WeightOnlyConfig(bits=8), "8g32": WeightOnlyConfig(bits=8, group_size=32),  # int8 per channel / group
-           4: WeightOnlyConfig(bits=4, group_size=32)}
+           4: WeightOnlyConfig(bits=4, group_size=32),
+           # int4 with the output layer in int8 and one layer in grouped int8, as a GGUF file mixes them
+           "mixed": WeightOnlyConfig(bits=4, group_size=32, module_formats={
+               "lm_head": {"bits": 8}, "model.layers.0.mlp.down_proj": {"bits": 8, "group_size": 32}})}
 
 
 @pytest.fixture(scope="module")
@@ -62,10 +65,15 @@ def test_save_and_reload_pre_quantized_is_bit_identical(float_path, prompt, tmp_
     assert torch.equal(reloaded(prompt).logits, logits)
 
 
-@pytest.mark.parametrize("bits", [8, "8g32", 4])
+@pytest.mark.parametrize("bits", [8, "8g32", 4, "mixed"])
 def test_quantize_model_equals_quantize_on_load_and_leaves_the_float_model(float_path, prompt, tmp_path, bits):
     float_model = AutoModelForCausalLM.from_pretrained(float_path).eval()
     quantized, loaded = quantize_model(float_model, CONFIGS[bits]), _load(float_path, bits)
+    if bits == "mixed":  # module_formats: formats other than the rest's, the output layer included
+        assert type(quantized.lm_head) is Int8Linear and quantized.lm_head.group_size is None
+        down = quantized.model.layers[0].mlp.down_proj
+        assert type(down) is Int8Linear and down.group_size == 32
+        assert type(quantized.model.layers[1].mlp.down_proj) is Int4Linear
     assert type(float_model.model.layers[0].mlp.up_proj) is torch.nn.Linear
     assert "quantization_config" not in float_model.config.to_dict()
     assert not any(module.training for module in quantized.modules())  # eval, like the float model

@@ -157,13 +157,13 @@ def quantize_model(model: PreTrainedModel, config: WeightOnlyConfig, progress: b
     copy carries `config` as its `quantization_config`, so `save_pretrained` writes a pre-quantized checkpoint.
     `progress`: a `tqdm.auto` bar over the layers. `ValueError` names a layer whose in_features the int4 group size
     does not divide."""
-    skip = modules_kept_float(model, config)
+    skip, named = modules_kept_float(model, config), config.module_formats or {}
     targets = [(name, module) for name, module in model.named_modules()
-               if isinstance(module, nn.Linear) and should_convert_module(name, skip)]
+               if isinstance(module, nn.Linear) and (name in named or should_convert_module(name, skip))]
     memo: dict[int, Any] = {}  # deepcopy takes each converted Linear's quantized module instead of copying it
     for name, module in tqdm(targets, desc=f"quantize int{config.bits}", unit="layer", disable=not progress):
         try:
-            memo[id(module)] = quantize_linear(module, config.bits, config.group_size or 0)
+            memo[id(module)] = quantize_linear(module, *config.format_of(name))
         except ValueError as error:
             raise ValueError(f"cannot quantize {name!r}: {error}") from None
     quantized = copy.deepcopy(model, memo)
