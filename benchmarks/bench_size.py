@@ -6,7 +6,9 @@ bytes of weights read per token (the input embedding's one row aside). Measured 
 - models: the reference target (7.3M), and random-weight Llamas of 185M and 755M parameters (built from a config into a
   temp folder with the reference tokenizer; never downloaded, never kept);
 - hf_accel: `generate` eager (DynamicCache) and compiled (`cache_implementation="paged"` + `compile_config`), int8
-  (per channel) and int4 (group 32, Q4_0's granularity) through `hf_accel.quantize`'s kernels;
+  (per channel) and int4 (groups of 64, the default: 4.5 bits a weight, as Q4_0's 4-bit codes with an fp16 scale per
+  32) through `hf_accel.quantize`'s kernels; the output layer stays fp32 in both (hf_accel's default), where
+  llama.cpp's files hold theirs in Q8_0 / Q6_K;
 - llama.cpp (`llama-bench -p 0 -n N`, batch 1) on GGUF files made by its own converter and `llama-quantize` from the
   same checkpoint (`llama_cpp_peer.py`; rows skipped with a message where no build is found: `--build-llama-cpp`
   builds one from the `llama-cpp-python` sdist);
@@ -53,7 +55,7 @@ FORMATS = {  # name -> (dtype, hf_accel weight-only config)
     "fp32": (torch.float32, None),
     "bf16": (torch.bfloat16, None),
     "int8": (torch.float32, hf_accel.WeightOnlyConfig(bits=8)),
-    "int4": (torch.float32, hf_accel.WeightOnlyConfig(bits=4, group_size=32)),
+    "int4": (torch.float32, hf_accel.WeightOnlyConfig(bits=4)),  # groups of 64: Q4_0's 4.5 bits a weight
 }
 MODES = {"eager": {}, "compiled": {"cache_implementation": "paged", "compile_config": CompileConfig(fullgraph=True)}}
 TARGETS = {"int8_vs_llama_cpp": 1.2, "int4_vs_llama_cpp": 1.2, "int8_bandwidth_share": 0.8}
@@ -80,7 +82,7 @@ FULL = Plan((Size("reference", None),
              Size("755M", dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=16, num_attention_heads=32,
                                num_key_value_heads=8))),
             threads=(1, 2), prompt_len=32, new_tokens=33, repeats=3)
-QUICK = Plan((Size("tiny", dict(hidden_size=128, intermediate_size=352, num_hidden_layers=2, num_attention_heads=4,
+QUICK = Plan((Size("tiny", dict(hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
                                 num_key_value_heads=2)),),
              threads=(1,), prompt_len=8, new_tokens=5, repeats=1)
 
