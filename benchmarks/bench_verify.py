@@ -139,8 +139,7 @@ def render(report: dict[str, Any]) -> str:
     lines = ["# Verify cost at real size: a forward of k tokens against one", "",
              f"{report['hardware']['cpu']}; {report['size']} ({report['parameters'] / 1e6:.0f}M parameters), batch 1, "
              f"{report['prefill']}-token prefill in `DynamicCache`, eager forward (float Linears over panels), "
-             f"median of "
-             f"{report['repeats']} interleaved repeats.", "",
+             f"median of {report['repeats']} interleaved repeats.", "",
              "| weights | threads | " + " | ".join(f"{k} tok (ms, x one)" for k in TOKENS) + " |",
              "| --- | --- | " + " | ".join("---" for _ in TOKENS) + " |"]
     keys = sorted({(row["format"], row["threads"]) for row in report["rows"]}, key=lambda key: (key[1], key[0]))
