@@ -50,7 +50,6 @@ FORMATS = {"int4 g64": hf_accel.WeightOnlyConfig(bits=4), "int4 g32": hf_accel.W
            "int8": hf_accel.WeightOnlyConfig(bits=8), "fp32": None}
 TOKENS = (1, 2, 3, 5, 8)
 TARGET = {"formats": ("int4 g64", "int4 g32"), "tokens": 5, "goal": 1.2}  # a 5-token verify <= 1.2x one token
-COMPILED = ("int4 g64", "int4 g32")  # also timed through the compiled steps (about a minute each to compile)
 FULL = {"size": bench_size.FULL.sizes[-1], "threads": (1, 2), "prefill": 128, "calls": 3, "repeats": 5,
         "compiled_repeats": 3}
 QUICK = {"size": bench_size.QUICK.sizes[-1], "threads": (1,), "prefill": 16, "calls": 2, "repeats": 1,
@@ -95,7 +94,7 @@ def measure(quick: bool) -> dict[str, Any]:
                     ratios = [t / one for t, one in zip(per_k[k], per_k[1])]
                     rows.append({"format": fmt, "threads": threads, "tokens": k,
                                  "ms": 1000 * statistics.median(per_k[k]), "vs_one_token": statistics.median(ratios)})
-                if fmt in COMPILED:
+                if fmt in TARGET["formats"]:  # also through the compiled steps (about a minute each to compile)
                     with torch_threads(threads):
                         compiled.append({"format": fmt, "threads": threads,
                                          **verify_cost(model, plan["prefill"], plan["compiled_repeats"])})

@@ -157,9 +157,7 @@ def quantize_model(model: PreTrainedModel, config: WeightOnlyConfig, progress: b
     copy carries `config` as its `quantization_config`, so `save_pretrained` writes a pre-quantized checkpoint.
     `progress`: a `tqdm.auto` bar over the layers. `ValueError` names a layer whose in_features the int4 group size
     does not divide."""
-    skip, named = modules_kept_float(model, config), config.module_formats or {}
-    targets = [(name, module) for name, module in model.named_modules()
-               if isinstance(module, nn.Linear) and (name in named or should_convert_module(name, skip))]
+    targets = linears_to_convert(model, config, modules_kept_float(model, config))
     memo: dict[int, Any] = {}  # deepcopy takes each converted Linear's quantized module instead of copying it
     for name, module in tqdm(targets, desc=f"quantize int{config.bits}", unit="layer", disable=not progress):
         try:
@@ -192,9 +190,7 @@ def replace_linear_modules(model: nn.Module, config: WeightOnlyConfig, skip: lis
     """Replace every `nn.Linear` of `model` not matched by `skip` (or named in `config.module_formats`) with an empty
     quantized module of its format on the meta device; returns how many. `ValueError` names the layer whose
     in_features the group size does not divide."""
-    named = config.module_formats or {}
-    targets = [(name, module) for name, module in model.named_modules()
-               if isinstance(module, nn.Linear) and (name in named or should_convert_module(name, skip))]
+    targets = linears_to_convert(model, config, skip)
     for name, linear in targets:
         bits, group_size = config.format_of(name)
         try:
@@ -204,3 +200,12 @@ def replace_linear_modules(model: nn.Module, config: WeightOnlyConfig, skip: lis
             raise ValueError(f"cannot quantize {name!r}: {error}") from None
         model.set_submodule(name, quantized)
     return len(targets)
+
+
+def linears_to_convert(model: nn.Module, config: WeightOnlyConfig,
+                       skip: list[str] | None) -> list[tuple[str, nn.Linear]]:
+    """(name, module) of each `nn.Linear` that `config` quantizes: those named in `config.module_formats` (the output
+    layer too), and every other one not matched by `skip`."""
+    named = config.module_formats or {}
+    return [(name, module) for name, module in model.named_modules()
+            if isinstance(module, nn.Linear) and (name in named or should_convert_module(name, skip))]

@@ -300,11 +300,8 @@ struct Int4Kernel {
 
 #ifdef HF_ACCEL_QLINEAR_VNNI
 // Each 32-input block asks for all of its lines kVnniPrefetch bytes ahead (the format-0 kernels ask for every line,
-// kPrefetch ahead). One line a block, as before, left a pass of several rows waiting on the memory: over a 451 MB int4
-// (groups of 32) stack of a 730M Llama's Linears on an AVX-512 EPYC, one thread, 5 rows took 2.35x one row with one
-// line a block, 1.42x with all four lines 8 KB ahead (int8 per channel, 723 MB: 1.91x -> 1.30x; two threads: int4 1.66x
-// -> 1.14x, int8 1.30x -> 1.21x), and one row read 30 -> 34 GB/s. 4 KB ahead was ~8% slower at one row, 16 KB no
-// better; every other line of a block was slower than one line.
+// kPrefetch ahead): with one line a block, a pass of several rows waited on the memory, its loads no longer
+// overlapping its dot products (docs/weight-quantization.md has the measured distances).
 constexpr int64_t kVnniPrefetch = 8192;
 
 inline void prefetch_block(const uint8_t* block, int lines) {
@@ -314,8 +311,8 @@ inline void prefetch_block(const uint8_t* block, int lines) {
 
 // x [M, K] quantized per row in blocks of kXBlock: q int8 [M, K], scale fp32 [M, K / kXBlock], and sum fp32 [M, G]:
 // `factor` * the sum of the quantized row over each of G groups of K / G inputs (sum_k q_k * scale over its blocks).
-// The panel loops read those sums with broadcast loads: a sum kept in a register per row had cost a scalar add each
-// block and a register broadcast each group (int4, groups of 32, 5 rows: 11.0 -> 10.3 ns a 32 x 16 block in cache).
+// The panel loops read those sums with broadcast loads: a sum kept in a register per row costs a scalar add each
+// block and a register broadcast each group on the pipes the dot products need.
 struct QuantizedRows {
   at::Tensor q, scale, sum;
 };
