@@ -2,6 +2,7 @@
 a full queue; a dead engine loop turns /health to 503."""
 
 import json
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -169,17 +170,32 @@ def test_chat_without_a_usable_chat_template_is_400():
         assert "roles must alternate" in assert_error(response, 400, "messages", "invalid_value")["message"]
 
 
-def test_full_queue_is_429(target):
+def test_full_queue_is_429(target, monkeypatch):
+    model = target[0]
+    gated, forwards = threading.Event(), threading.Semaphore(0)  # while gated, each forward takes one permit
+    real_forward = model.forward
+
+    def gated_forward(*args, **kwargs):
+        if gated.is_set():
+            assert forwards.acquire(timeout=60), "the test never let the engine step on"
+        return real_forward(*args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", gated_forward)
     with live_server(*target, max_num_seqs=1, max_queue_len=1) as live, httpx.Client(timeout=60) as client:
         url = f"{live.url}/v1/completions"
-        body = {"prompt": "def main():", "max_tokens": live.engine.max_model_len - 16, "temperature": 0,
-                "ignore_eos": True, "stream": True}  # long enough to still run while the next two arrive
-        with client.stream("POST", url, json=body) as running:
-            next(running.iter_lines())  # its first token came: it runs and no longer waits
-            with client.stream("POST", url, json=body) as waiting:
-                assert waiting.status_code == 200
-                error = assert_error(client.post(url, json=body), 429, None, "queue_full")
-                assert "max_queue_len=1" in error["message"]
+        body = {"prompt": "def main():", "max_tokens": 64, "temperature": 0, "ignore_eos": True, "stream": True}
+        gated.set()
+        forwards.release()  # one step: the first request's prefill and first token; then the engine waits
+        try:
+            with client.stream("POST", url, json=body) as running:
+                next(running.iter_lines())  # its first token came: it runs and no longer waits
+                with client.stream("POST", url, json=body) as waiting:
+                    assert waiting.status_code == 200
+                    error = assert_error(client.post(url, json=body), 429, None, "queue_full")
+                    assert "max_queue_len=1" in error["message"]
+        finally:
+            gated.clear()
+            forwards.release(2)  # the engine may wait on a permit already
         # both streams closed: room again, once the server has seen the disconnects (it learns them asynchronously)
         deadline = time.monotonic() + 10
         while (ok := client.post(url, json={**body, "stream": False, "max_tokens": 2})).status_code == 429:
