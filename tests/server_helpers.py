@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from fastapi import FastAPI
@@ -17,15 +18,50 @@ from hf_accel.server import command, create_app, serve_in_thread
 MODEL_NAME = "reference-target"
 @dataclass(slots=True)
 class LiveServer:
-    """A running server: its base URL (`http://127.0.0.1:port`) and the engine behind it."""
+    """A running server: its base URL (`http://127.0.0.1:port`), the engine behind it and the engine's model."""
 
     url: str
     engine: Engine
     tokenizer: PreTrainedTokenizerBase
+    model: PreTrainedModel
 
     @property
     def api_url(self) -> str:
         return f"{self.url}/v1"
+
+
+class HeldSteps:
+    """`model`'s forwards held by the test (the tiny reference runs a whole request in well under a second, faster
+    than a test can act on it): each engine step waits for a step the test `allow`s, until `release`."""
+
+    def __init__(self, model: PreTrainedModel, monkeypatch) -> None:
+        self._held, self._permits = True, threading.Semaphore(0)
+        real_forward = model.forward
+
+        def held_forward(*args, **kwargs):
+            if self._held:
+                assert self._permits.acquire(timeout=60), "the test never let the engine step on"
+            return real_forward(*args, **kwargs)
+
+        monkeypatch.setattr(model, "forward", held_forward)
+
+    def allow(self, steps: int = 1) -> None:
+        self._permits.release(steps)
+
+    def step_until(self, condition: Callable[[], bool], timeout: float = 10.0) -> bool:
+        """Allow one step at a time (a pause between) until `condition()` holds; False after `timeout` s."""
+        deadline = time.monotonic() + timeout
+        while not condition():
+            if time.monotonic() > deadline:
+                return False
+            self.allow()
+            time.sleep(0.02)
+        return True
+
+    def release(self) -> None:
+        """Forwards run freely from now on (the one waiting, if any, goes on)."""
+        self._held = False
+        self._permits.release()
 
 
 def load_target() -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
@@ -44,7 +80,7 @@ def live_server(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, a
     engine = Engine(model, tokenizer, config=EngineConfig(**limits), speculative=speculative)
     app = create_app(engine, tokenizer, MODEL_NAME, api_key=api_key, max_queue_len=max_queue_len)
     with serve_in_thread(app) as url:
-        yield LiveServer(url, engine, tokenizer)
+        yield LiveServer(url, engine, tokenizer, model)
 
 
 def prompt_ids(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:

@@ -2,7 +2,6 @@
 a full queue; a dead engine loop turns /health to 503."""
 
 import json
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -12,7 +11,7 @@ import pytest
 from engine_helpers import greedy_reference
 from hf_accel import reference
 from hf_accel.engine import sampler
-from server_helpers import MODEL_NAME, live_server, load_target, prompt_ids
+from server_helpers import MODEL_NAME, HeldSteps, live_server, load_target, prompt_ids
 
 KEY = "sk-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -171,21 +170,11 @@ def test_chat_without_a_usable_chat_template_is_400():
 
 
 def test_full_queue_is_429(target, monkeypatch):
-    model = target[0]
-    gated, forwards = threading.Event(), threading.Semaphore(0)  # while gated, each forward takes one permit
-    real_forward = model.forward
-
-    def gated_forward(*args, **kwargs):
-        if gated.is_set():
-            assert forwards.acquire(timeout=60), "the test never let the engine step on"
-        return real_forward(*args, **kwargs)
-
-    monkeypatch.setattr(model, "forward", gated_forward)
     with live_server(*target, max_num_seqs=1, max_queue_len=1) as live, httpx.Client(timeout=60) as client:
         url = f"{live.url}/v1/completions"
         body = {"prompt": "def main():", "max_tokens": 64, "temperature": 0, "ignore_eos": True, "stream": True}
-        gated.set()
-        forwards.release()  # one step: the first request's prefill and first token; then the engine waits
+        steps = HeldSteps(target[0], monkeypatch)
+        steps.allow()  # the first request's prefill and first token; then nothing moves until the 429 is seen
         try:
             with client.stream("POST", url, json=body) as running:
                 next(running.iter_lines())  # its first token came: it runs and no longer waits
@@ -194,8 +183,7 @@ def test_full_queue_is_429(target, monkeypatch):
                     error = assert_error(client.post(url, json=body), 429, None, "queue_full")
                     assert "max_queue_len=1" in error["message"]
         finally:
-            gated.clear()
-            forwards.release(2)  # the engine may wait on a permit already
+            steps.release()
         # both streams closed: room again, once the server has seen the disconnects (it learns them asynchronously)
         deadline = time.monotonic() + 10
         while (ok := client.post(url, json={**body, "stream": False, "max_tokens": 2})).status_code == 429:

@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engine_helpers import assert_greedy_equal, greedy_reference
 from hf_accel import reference
-from server_helpers import MODEL_NAME, live_server, load_target
+from server_helpers import MODEL_NAME, HeldSteps, live_server, load_target
 
 NUM_REQUESTS = 32
 METRIC_NAMES = [
@@ -102,19 +102,24 @@ def test_concurrent_streams_each_equal_their_own_greedy_generate(server, ref_mod
     assert wait_until(lambda: pool_is_free(server))
 
 
-def test_disconnect_mid_stream_aborts_and_frees_the_blocks(server):
+def test_disconnect_mid_stream_aborts_and_frees_the_blocks(server, monkeypatch):
     max_tokens = server.engine.max_model_len - 16
     body = {"model": MODEL_NAME, "prompt": "def main():", "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True}
     aborted, tokens_before = aborted_requests(server), server.engine.stats().generation_tokens
-    with httpx.Client(timeout=60) as client:
-        with client.stream("POST", f"{server.url}/v1/completions", json=body) as response:
-            events = (line for line in response.iter_lines() if line.startswith("data: "))
-            assert len(list(itertools.islice(events, 5))) == 5  # five tokens streamed, hundreds to go
-            assert server.engine.stats().num_requests_running == 1
-            assert server.engine.stats().num_free_blocks < server.engine.stats().num_blocks
-    # the connection is closed: the request is aborted and its blocks come back without waiting for the rest
-    assert wait_until(lambda: pool_is_free(server), timeout=5.0)
+    steps = HeldSteps(server.model, monkeypatch)
+    steps.allow(5)  # the prefill and four decode steps: five tokens, then the engine waits for the test
+    try:
+        with httpx.Client(timeout=60) as client:
+            with client.stream("POST", f"{server.url}/v1/completions", json=body) as response:
+                events = (line for line in response.iter_lines() if line.startswith("data: "))
+                assert len(list(itertools.islice(events, 5))) == 5  # five tokens streamed, hundreds to go
+                assert server.engine.stats().num_requests_running == 1
+                assert server.engine.stats().num_free_blocks < server.engine.stats().num_blocks
+        # the connection is closed: the request is aborted and its blocks come back without waiting for the rest
+        assert steps.step_until(lambda: pool_is_free(server), timeout=5.0)
+    finally:
+        steps.release()
     metrics = scrape(server)
     assert metrics["hf_accel:kv_cache_usage_perc"]["hf_accel:kv_cache_usage_perc"] == 0
     assert metrics["hf_accel:num_requests_running"]["hf_accel:num_requests_running"] == 0
@@ -122,13 +127,18 @@ def test_disconnect_mid_stream_aborts_and_frees_the_blocks(server):
     assert server.engine.stats().generation_tokens - tokens_before < max_tokens
 
 
-def test_disconnect_before_a_non_streamed_reply_aborts(server):
+def test_disconnect_before_a_non_streamed_reply_aborts(server, monkeypatch):
     max_tokens = server.engine.max_model_len - 16
     body = {"model": MODEL_NAME, "prompt": "import os", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
     aborted, tokens_before = aborted_requests(server), server.engine.stats().generation_tokens
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{server.url}/v1/completions", json=body, timeout=httpx.Timeout(60, read=0.5))
-    assert wait_until(lambda: pool_is_free(server), timeout=5.0)
+    steps = HeldSteps(server.model, monkeypatch)
+    steps.allow(5)  # five tokens, then the engine waits: the reply cannot be whole before the client leaves
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{server.url}/v1/completions", json=body, timeout=httpx.Timeout(60, read=0.5))
+        assert steps.step_until(lambda: pool_is_free(server), timeout=5.0)
+    finally:
+        steps.release()
     assert server.engine.stats().generation_tokens - tokens_before < max_tokens
     assert aborted_requests(server) == aborted + 1
 
