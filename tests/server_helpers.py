@@ -18,12 +18,11 @@ from hf_accel.server import command, create_app, serve_in_thread
 MODEL_NAME = "reference-target"
 @dataclass(slots=True)
 class LiveServer:
-    """A running server: its base URL (`http://127.0.0.1:port`), the engine behind it and the engine's model."""
+    """A running server: its base URL (`http://127.0.0.1:port`) and the engine behind it."""
 
     url: str
     engine: Engine
     tokenizer: PreTrainedTokenizerBase
-    model: PreTrainedModel
 
     @property
     def api_url(self) -> str:
@@ -31,19 +30,29 @@ class LiveServer:
 
 
 class HeldSteps:
-    """`model`'s forwards held by the test (the tiny reference runs a whole request in well under a second, faster
-    than a test can act on it): each engine step waits for a step the test `allow`s, until `release`."""
+    """The engine's steps, held by the test (the tiny reference runs a whole request in well under a second, faster
+    than a test can act on it): while held, each step waits before its forward for a step the test `allow`s, until
+    `release`. It wraps the model runner's `execute`, which eager and compiled steps both go through."""
 
-    def __init__(self, model: PreTrainedModel, monkeypatch) -> None:
-        self._held, self._permits = True, threading.Semaphore(0)
-        real_forward = model.forward
+    def __init__(self, engine: Engine, monkeypatch, held: bool = True) -> None:
+        self._held, self._permits, self._parked = held, threading.Semaphore(0), threading.Event()
+        self.num_waits = 0  # steps that waited for a permit
+        real_execute = engine.core.runner.execute
 
-        def held_forward(*args, **kwargs):
+        def held_execute(batch):
             if self._held:
+                self.num_waits += 1
+                self._parked.set()
                 assert self._permits.acquire(timeout=60), "the test never let the engine step on"
-            return real_forward(*args, **kwargs)
+            return real_execute(batch)
 
-        monkeypatch.setattr(model, "forward", held_forward)
+        monkeypatch.setattr(engine.core.runner, "execute", held_execute)
+
+    def hold(self, timeout: float = 10.0) -> None:
+        """Hold the steps from the next one on; returns once the engine waits (a request must be running)."""
+        self._parked.clear()
+        self._held = True
+        assert self._parked.wait(timeout), "no engine step came to hold"
 
     def allow(self, steps: int = 1) -> None:
         self._permits.release(steps)
@@ -59,7 +68,8 @@ class HeldSteps:
         return True
 
     def release(self) -> None:
-        """Forwards run freely from now on (the one waiting, if any, goes on)."""
+        """Steps run freely from now on (the one waiting, if any, goes on)."""
+        assert self.num_waits, "no engine step was held: the test did not test what it says"
         self._held = False
         self._permits.release()
 
@@ -80,7 +90,7 @@ def live_server(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, a
     engine = Engine(model, tokenizer, config=EngineConfig(**limits), speculative=speculative)
     app = create_app(engine, tokenizer, MODEL_NAME, api_key=api_key, max_queue_len=max_queue_len)
     with serve_in_thread(app) as url:
-        yield LiveServer(url, engine, tokenizer, model)
+        yield LiveServer(url, engine, tokenizer)
 
 
 def prompt_ids(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:

@@ -102,21 +102,21 @@ def test_attention_switch_is_shared_between_threads():
     def first():
         with attention_implementation(model, ATTENTION_NAME):
             first_in.set()
-            second_in.wait(5)
+            second_in.wait(60)
         first_out.set()
 
     thread = threading.Thread(target=first)
     thread.start()
-    first_in.wait(5)
+    assert first_in.wait(60)
     with attention_implementation(model, ATTENTION_NAME):
         second_in.set()
-        first_out.wait(5)  # the first block has ended: the switch holds for this one
+        assert first_out.wait(60)  # the first block has ended: the switch holds for this one
         seen.append(model.config._attn_implementation)
         with pytest.raises(RuntimeError, match="another block"):
             with attention_implementation(model, "sdpa"):
                 pass
-    thread.join(5)
-    assert seen == [ATTENTION_NAME] and model.config._attn_implementation == own
+    thread.join(60)
+    assert not thread.is_alive() and seen == [ATTENTION_NAME] and model.config._attn_implementation == own
 
 
 @pytest.mark.compiled

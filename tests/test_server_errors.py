@@ -173,7 +173,7 @@ def test_full_queue_is_429(target, monkeypatch):
     with live_server(*target, max_num_seqs=1, max_queue_len=1) as live, httpx.Client(timeout=60) as client:
         url = f"{live.url}/v1/completions"
         body = {"prompt": "def main():", "max_tokens": 64, "temperature": 0, "ignore_eos": True, "stream": True}
-        steps = HeldSteps(target[0], monkeypatch)
+        steps = HeldSteps(live.engine, monkeypatch)
         steps.allow()  # the first request's prefill and first token; then nothing moves until the 429 is seen
         try:
             with client.stream("POST", url, json=body) as running:

@@ -4,6 +4,7 @@ non-streamed reply) gets its request aborted and its blocks back in the pool, se
 
 import asyncio
 import itertools
+import logging
 import random
 import time
 
@@ -107,7 +108,7 @@ def test_disconnect_mid_stream_aborts_and_frees_the_blocks(server, monkeypatch):
     body = {"model": MODEL_NAME, "prompt": "def main():", "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True}
     aborted, tokens_before = aborted_requests(server), server.engine.stats().generation_tokens
-    steps = HeldSteps(server.model, monkeypatch)
+    steps = HeldSteps(server.engine, monkeypatch)
     steps.allow(5)  # the prefill and four decode steps: five tokens, then the engine waits for the test
     try:
         with httpx.Client(timeout=60) as client:
@@ -127,11 +128,11 @@ def test_disconnect_mid_stream_aborts_and_frees_the_blocks(server, monkeypatch):
     assert server.engine.stats().generation_tokens - tokens_before < max_tokens
 
 
-def test_disconnect_before_a_non_streamed_reply_aborts(server, monkeypatch):
+def test_disconnect_before_a_non_streamed_reply_aborts(server, monkeypatch, caplog):
     max_tokens = server.engine.max_model_len - 16
     body = {"model": MODEL_NAME, "prompt": "import os", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
     aborted, tokens_before = aborted_requests(server), server.engine.stats().generation_tokens
-    steps = HeldSteps(server.model, monkeypatch)
+    steps = HeldSteps(server.engine, monkeypatch)
     steps.allow(5)  # five tokens, then the engine waits: the reply cannot be whole before the client leaves
     try:
         with pytest.raises(httpx.ReadTimeout):
@@ -141,6 +142,7 @@ def test_disconnect_before_a_non_streamed_reply_aborts(server, monkeypatch):
         steps.release()
     assert server.engine.stats().generation_tokens - tokens_before < max_tokens
     assert aborted_requests(server) == aborted + 1
+    assert not [record for record in caplog.records if record.levelno >= logging.ERROR]  # no 500 behind the abort
 
 
 def test_metrics_expose_every_name_and_agree_with_the_engine(server):

@@ -17,7 +17,7 @@ from fastapi.testclient import TestClient
 from hf_accel import Engine, EngineConfig, LoRAConfig
 from hf_accel.server import command, create_app, serve_in_thread
 
-from server_helpers import load_target, served_client
+from server_helpers import HeldSteps, load_target, served_client
 
 peft = pytest.importorskip("peft")
 
@@ -179,7 +179,7 @@ async def stream_reasons(client: openai.AsyncOpenAI, model: str, first: asyncio.
     return reasons
 
 
-def test_unload_under_load_waits_for_running_requests_and_none_fails(target, adapters):
+def test_unload_under_load_waits_for_running_requests_and_none_fails(target, adapters, monkeypatch):
     """Streams on an adapter run while it is unloaded: every one finishes whole, the unload answers only after
     them, and a load serves its first request right after the call (bench_lora.py times it: the issue's 2 s; here
     a loose bound, the machine being shared with other tests). Eager steps: the compiled LoRA step is
@@ -187,15 +187,21 @@ def test_unload_under_load_waits_for_running_requests_and_none_fails(target, ada
     attn_path, attn_tokens = adapters["ft-attn"]
     mlp_path, mlp_tokens = adapters["ft-mlp"]
     engine, app = eager_lora_app(*target, {"ft-attn": attn_path})
+    steps = HeldSteps(engine, monkeypatch, held=False)
 
     async def run(url: str) -> None:
         async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120) as client:
             started = [asyncio.Event() for _ in range(6)]
             running = [asyncio.ensure_future(stream_reasons(client, "ft-attn", first)) for first in started]
             await asyncio.gather(*(first.wait() for first in started))  # every stream has its first token
+            steps.hold()  # none can finish until the unload is seen waiting for them
             assert engine.stats().running_lora_adapters["ft-attn"] > 0
-            unload = await client.post("/unload_lora_adapter", cast_to=str, body={"lora_name": "ft-attn"})
-            assert "removed" in unload
+            unload = asyncio.ensure_future(client.post("/unload_lora_adapter", cast_to=str,
+                                                       body={"lora_name": "ft-attn"}))
+            await asyncio.sleep(0.3)
+            assert not unload.done()  # it waits for the running requests
+            steps.release()
+            assert "removed" in await unload
             # it answered once they had left the engine: none was cut short
             assert "ft-attn" not in engine.stats().running_lora_adapters
             assert all(reasons[-1] == "length" for reasons in await asyncio.gather(*running))
@@ -215,13 +221,15 @@ def test_unload_under_load_waits_for_running_requests_and_none_fails(target, ada
     assert engine.core.adapters.slots.num_pinned == 0 and engine.core.blocks.pool.num_used_blocks == 0
 
 
-def test_load_inplace_serves_the_new_folder_and_lets_running_requests_finish_on_the_old(target, adapters):
+def test_load_inplace_serves_the_new_folder_and_lets_running_requests_finish_on_the_old(target, adapters,
+                                                                                         monkeypatch):
     """vLLM's `load_inplace`: streams on a name run while the name is loaded again from another folder; the load
     answers at once, new requests get the new adapter, the streams finish whole, and the old adapter then leaves the
     engine's memory. Without `load_inplace` a served name is a 400 that names the switch."""
     attn_path, attn_tokens = adapters["ft-attn"]
     mlp_path, mlp_tokens = adapters["ft-mlp"]
     engine, app = eager_lora_app(*target, {"ft": attn_path})
+    steps = HeldSteps(engine, monkeypatch, held=False)
 
     async def run(url: str) -> None:
         async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120) as client:
@@ -237,9 +245,11 @@ def test_load_inplace_serves_the_new_folder_and_lets_running_requests_finish_on_
             started = [asyncio.Event() for _ in range(4)]
             running = [asyncio.ensure_future(stream_reasons(client, "ft", first)) for first in started]
             await asyncio.gather(*(first.wait() for first in started))
+            steps.hold()  # the streams cannot finish before the load answers
             await client.post("/load_lora_adapter", cast_to=str,
                               body={"lora_name": "ft", "lora_path": mlp_path, "load_inplace": True})
-            assert not all(task.done() for task in running)  # answered without waiting for them
+            assert not any(task.done() for task in running)  # answered without waiting for them
+            steps.release()
             assert await tokens() == mlp_tokens
             assert all(reasons[-1] == "length" for reasons in await asyncio.gather(*running))
             for _ in range(100):  # the old adapter leaves once its last request is done (the engine's next step)

@@ -171,6 +171,7 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
         watch.cancel()
         if not task.done():
             task.cancel()
+            await asyncio.wait({task})  # its cancellation runs (aborting its engine requests) before we answer
     if task.cancelled():
         raise APIError(400, "The client disconnected before the response was ready.", code="client_disconnected")
     return task.result()
