@@ -5,6 +5,7 @@ to the matmul of the dequantized weight by the rows the kernel multiplies (forma
 passes per panel, past the register kernel), every int4 group size, bf16 and strided inputs, bias; a row's result
 does not depend on the other rows (format 1) and threads split the panels without changing a bit; int8 with one
 scale per group of inputs (GGUF's Q8_0) in both formats, and a single group is the per-channel kernel bit for bit;
+symmetric int4 (GGUF's Q4_0) keeps its scales alone and gives the same bits as (scale, minimum) panels;
 `Int8Linear` / `Int4Linear` choose the panels on CPU and keep them out of `state_dict`; int8 and int4 models generate
 with `compile_config` (int8 + compile used to crash in dynamo) token for token as they do eagerly."""
 
@@ -126,6 +127,41 @@ def test_int4_linear_equals_the_dequantized_matmul(rows, group_size):
     assert relative_error(out, quantized_rows(x) @ dequantized.T) < 1e-5
     exact = x @ weights.dequantize_int4(codes, qparams, torch.float32).T  # fp16's and format 1's rounding are small
     assert relative_error(out, exact) < 2e-2
+
+
+def symmetric_int4(group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """int4 codes and qparams with every zero 0 (`w = (code - 8) * scale`, GGUF's Q4_0), scales fp16 values."""
+    w = weight()
+    groups = w.reshape(96, -1, group_size)
+    scale = (groups.abs().amax(-1) / 8).half().float()  # [N, G]
+    codes = (torch.round(groups / scale.unsqueeze(-1)) + 8).clamp(0, 15).to(torch.uint8).reshape(96, 256)
+    return codes, torch.stack([scale.t(), torch.zeros_like(scale.t())], dim=-1)  # qparams [G, N, 2]
+
+
+def two_fields(qparams: torch.Tensor) -> torch.Tensor:
+    """The (scale, minimum) qpanels of `qparams`, the layout `pack_int4_params` keeps for asymmetric groups."""
+    scale, zero = qparams.float().unbind(-1)
+    pairs = torch.stack([scale, zero - 8 * scale], dim=1).half()  # [G, 2, N]
+    return pairs.reshape(pairs.shape[0], 2, -1, 16).permute(2, 0, 1, 3).contiguous()
+
+
+@pytest.mark.parametrize("group_size", [32, 64])
+@pytest.mark.parametrize("rows", (1, 3, 5, 9, 70))
+def test_symmetric_int4_keeps_the_scale_alone_and_the_same_products(rows, group_size):
+    """Zeros all 0: qpanels `[P, G, 1, 16]` (half the bytes), the kernel deriving minimum = -8 x scale: the same
+    bits as the (scale, minimum) panels, equal to the dequantized matmul."""
+    _, int4_linear = quantized_linear_kernels()
+    codes, qparams = symmetric_int4(group_size)
+    qpanels = panels.pack_int4_params(qparams)
+    assert qpanels.shape == (6, 256 // group_size, 1, 16)
+    x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows))
+    packed = panels.pack_int4(codes, FORMAT)
+    out = int4_linear(x, packed, qpanels, None)
+    assert torch.equal(out, int4_linear(x, packed, two_fields(qparams), None))
+    exact = weights.dequantize_int4(codes, qparams, torch.float32)
+    assert relative_error(out, quantized_rows(x) @ exact.T) < 1e-5
+    _, asymmetric = weights.quantize_int4(weight(), group_size)
+    assert panels.pack_int4_params(asymmetric).shape[2] == 2
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -256,11 +292,17 @@ codes_g, scale_g = weights.quantize_int8(w, 32)
 qpanels = panels.pack_int4_params(qparams)
 s, m = qpanels.float().permute(1, 2, 0, 3).reshape(4, 2, 96).unbind(1)
 dequantized4 = codes4.float() * s.t().repeat_interleave(64, 1) + m.t().repeat_interleave(64, 1)
+symmetric = torch.stack([qparams[..., 0].half().float(), torch.zeros_like(qparams[..., 0])], dim=-1)
+qpanels_sym = panels.pack_int4_params(symmetric)  # the scale alone
+qpanels_two = torch.cat([qpanels_sym, -8 * qpanels_sym], dim=2)  # (scale, minimum)
+assert qpanels_sym.shape[2] == 1 and qpanels_two.shape[2] == 2
 for rows in (1, 3, 9, 70):
     x = torch.randn(rows, 256)
     out8 = torch.ops.hf_accel.int8_linear(x, panels.pack_int8(codes, 0), scale, None)
     out4 = torch.ops.hf_accel.int4_linear(x, panels.pack_int4(codes4, 0), qpanels, None)
     out8g = torch.ops.hf_accel.int8_linear(x, panels.pack_int8(codes_g, 0), panels.pack_int8_scales(scale_g), None)
+    sym4 = torch.ops.hf_accel.int4_linear(x, panels.pack_int4(codes4, 0), qpanels_sym, None)
+    assert torch.equal(sym4, torch.ops.hf_accel.int4_linear(x, panels.pack_int4(codes4, 0), qpanels_two, None))
     for out, ref in ((out8, x @ weights.dequantize_int8(codes, scale, torch.float32).T), (out4, x @ dequantized4.T),
                      (out8g, x @ weights.dequantize_int8(codes_g, scale_g, torch.float32).T)):
         assert ((out - ref).abs().max() / ref.abs().max()).item() < 1e-5, rows

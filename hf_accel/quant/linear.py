@@ -170,8 +170,8 @@ class Int4Linear(_QuantizedLinear):
 
     `weight` int32 `[out, in / 8]` (codes, two per byte) and `weight_qparams` `[in / group, out, 2]` are the checkpoint
     format. Layouts: None (dequantized matmul), "panels" (`torch.ops.hf_accel.int4_linear`: uint8 `[out / 16, in / 2,
-    16]` and the buffer `weight_qpanels`, fp16 scale and minimum per group and column), "cpu" / "cuda" (torch's int4
-    kernels' opaque packing, computed in bf16).
+    16]` and the buffer `weight_qpanels`, fp16 scale and minimum per group and column, the scale alone where every
+    zero is 0), "cpu" / "cuda" (torch's int4 kernels' opaque packing, computed in bf16).
     """
 
     bits = 4
@@ -187,7 +187,7 @@ class Int4Linear(_QuantizedLinear):
         self.weight_qparams = nn.Parameter(
             torch.empty(in_features // group_size, out_features, 2, dtype=dtype, device=device), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
-        self.register_buffer("weight_qpanels", None, persistent=False)  # layout "panels": [out / 16, G, 2, 16]
+        self.register_buffer("weight_qpanels", None, persistent=False)  # layout "panels": [out / 16, G, 2 or 1, 16]
         self.layout: str | None = None
         self.qparams_fit_fp16 = True  # False once found past fp16's range: torch's kernel instead of the panels
 

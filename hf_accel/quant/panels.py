@@ -9,7 +9,8 @@ of two byte orders (`kernel_format()`; the .cpp file gives the arithmetic of eac
   inputs per column) stored as `[N / 16, K, 16]`; int4 -> uint8 `[N / 16, K / 8, 16, 4]` stored as `[N / 16, K / 2,
   16]`, byte t of a column's 4 holding inputs 8i + t (low nibble) and 8i + 4 + t (high).
 Both: the int4 qparams `[G, N, 2]` (scale, zero; `w = (code - 8) * scale + zero`) -> qpanels fp16 `[N / 16, G, 2,
-16]` of (scale, minimum = zero - 8 * scale): `w = code * scale + minimum`; int8 keeps its per-column scale `[N]`,
+16]` of (scale, minimum = zero - 8 * scale): `w = code * scale + minimum`, or `[N / 16, G, 1, 16]` of the scale alone
+where every zero is 0 (the kernel takes minimum = -8 * scale); int8 keeps its per-column scale `[N]`,
 and a grouped int8 scale `[N, G]` goes to fp16 `[N / 16, G, 16]` (fp32 past fp16's range).
 Each packing has its inverse, so a module can give back its checkpoint format at any time.
 """
@@ -80,14 +81,19 @@ def unpack_int4(panels: torch.Tensor, fmt: int) -> torch.Tensor:
 
 
 def pack_int4_params(qparams: torch.Tensor) -> torch.Tensor | None:
-    """qparams `[G, N, 2]` (scale, zero) -> qpanels fp16 `[N / 16, G, 2, 16]` (scale, minimum); None where a value
-    does not fit fp16 (the module then keeps another kernel)."""
+    """qparams `[G, N, 2]` (scale, zero) -> qpanels fp16 `[N / 16, G, 2, 16]` (scale, minimum), or `[N / 16, G, 1,
+    16]` (the scale alone) where every fp16 minimum is exactly -8 x its fp16 scale (zero 0: symmetric, as GGUF's Q4_0
+    is), which the kernel then derives: the same products from half the bytes. None where a value does not fit fp16
+    (the module then keeps another kernel)."""
     scale, zero = qparams.float().unbind(-1)  # [G, N]
     pairs = torch.stack([scale, zero - INT4_OFFSET * scale], dim=1)  # [G, 2, N]
     if not pairs.isfinite().all() or pairs.abs().max() > HALF_MAX:
         return None
-    groups, _, n = pairs.shape
-    return pairs.reshape(groups, 2, n // PANEL, PANEL).permute(2, 0, 1, 3).to(torch.float16).contiguous()
+    halves = pairs.to(torch.float16)
+    if torch.equal(halves[:, 1].float(), -INT4_OFFSET * halves[:, 0].float()):
+        halves = halves[:, :1]
+    groups, fields, n = halves.shape
+    return halves.reshape(groups, fields, n // PANEL, PANEL).permute(2, 0, 1, 3).contiguous()
 
 
 def pack_int8_scales(scale: torch.Tensor) -> torch.Tensor:

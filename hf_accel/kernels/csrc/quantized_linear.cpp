@@ -11,8 +11,9 @@
 //                              [N] is the G = 1 case of the same memory.
 // int4_linear(x, panels, qpanels, bias)
 //   panels   [P, K / 2, 16] uint8   the codes (0..15) of columns 16p .. 16p + 15, two a byte (byte order: below)
-//   qpanels  [P, G, 2, 16] fp16     per group of K / G inputs and column: (scale, minimum),
-//                                   w[n, k] = code * scale + minimum
+//   qpanels  [P, G, F, 16] fp16     per group of K / G inputs and column: F = 2, (scale, minimum),
+//                                   w[n, k] = code * scale + minimum; or F = 1, the scale alone, minimum =
+//                                   -8 * scale (symmetric: GGUF's Q4_0), half the bytes at the same arithmetic
 // both: bias [N] or None; returns [M, N] in x's dtype. quantized_linear_format() says which byte order the build
 // expects (panels.py packs either):
 //
@@ -123,6 +124,12 @@ inline void codes4(const uint8_t* p, Lanes& low, Lanes& high) {
 }
 #endif
 
+// A group's (scale, minimum) from its `fields` (2: both stored; 1: the scale, minimum -8 * scale, exact in fp32).
+inline void group_params(const at::Half* q, int64_t fields, Lanes& scale, Lanes& minimum) {
+  scale = load_half(q);
+  minimum = fields == 2 ? load_half(q + kPanel) : fma(scale, -8.0f, zero());
+}
+
 #if defined(__AVX512F__)
 constexpr int kPassRows = 8;  // rows per pass over a panel: 32 registers hold their accumulators
 #else
@@ -165,10 +172,11 @@ void int8_panel(const float* x, int64_t k, const int8_t* panel, const Scale* sca
   for (int r = 0; r < R; ++r) store(out + r * n, total[r]);
 }
 
-// The same for int4: `group` inputs (group / 2 bytes) per (scale, minimum); xsum [R, G] the rows' group sums.
+// The same for int4: `group` inputs (group / 2 bytes) per (scale, minimum) of `fields` fp16 panels; xsum [R, G] the
+// rows' group sums.
 template <int R, int S>
-void int4_panel(const float* x, int64_t k, const uint8_t* panel, const at::Half* qpanel, int64_t group,
-                const float* xsum, float* out, int64_t n) {
+void int4_panel(const float* x, int64_t k, const uint8_t* panel, const at::Half* qpanel, int64_t fields,
+                int64_t group, const float* xsum, float* out, int64_t n) {
   const int64_t groups = k / group, pairs = group / 2;
   Lanes total[R];
   for (int r = 0; r < R; ++r) total[r] = zero();
@@ -191,7 +199,8 @@ void int4_panel(const float* x, int64_t k, const uint8_t* panel, const at::Half*
         }
       }
     }
-    const Lanes scale = load_half(qpanel + g * 2 * kPanel), minimum = load_half(qpanel + g * 2 * kPanel + kPanel);
+    Lanes scale, minimum;
+    group_params(qpanel + g * fields * kPanel, fields, scale, minimum);
     for (int r = 0; r < R; ++r) {
       Lanes sum = acc[r][0];
       for (int s = 1; s < S; ++s) sum = add(sum, acc[r][s]);
@@ -228,9 +237,9 @@ at::Tensor int4_block(const at::Tensor& panels, const at::Tensor& qpanels, int64
   auto codes = at::stack({bytes.bitwise_and(15), bytes.bitwise_right_shift(4)}, 2)  // [count, K / 2, 2, 16]
                    .view({count, -1, kPanel}).to(at::kFloat);                   // [count, K, 16]
   const int64_t groups = qpanels.size(1), k = codes.size(1);
-  auto q = qpanels.narrow(0, first, count).to(at::kFloat);                      // [count, G, 2, 16]
-  auto grouped = codes.view({count, groups, k / groups, kPanel});
-  auto weight = grouped * q.select(2, 0).unsqueeze(2) + q.select(2, 1).unsqueeze(2);
+  auto q = qpanels.narrow(0, first, count).to(at::kFloat);                      // [count, G, F, 16]
+  auto scale = q.select(2, 0).unsqueeze(2), minimum = q.size(2) == 2 ? q.select(2, 1).unsqueeze(2) : scale * -8.0;
+  auto weight = codes.view({count, groups, k / groups, kPanel}) * scale + minimum;
   return weight.view({count, k, kPanel}).permute({1, 0, 2}).reshape({k, count * kPanel});
 }
 
@@ -291,9 +300,9 @@ struct Int8Kernel {
 
 template <int R, int S>
 struct Int4Kernel {
-  static void run(const float* x, int64_t k, const uint8_t* panel, const at::Half* qpanel, int64_t group,
-                  const float* xsum, float* out, int64_t n) {
-    int4_panel<R, S>(x, k, panel, qpanel, group, xsum, out, n);
+  static void run(const float* x, int64_t k, const uint8_t* panel, const at::Half* qpanel, int64_t fields,
+                  int64_t group, const float* xsum, float* out, int64_t n) {
+    int4_panel<R, S>(x, k, panel, qpanel, fields, group, xsum, out, n);
   }
 };
 #endif
@@ -397,7 +406,7 @@ void int8_vnni_panel(const int8_t* q, const float* dx, const float* offset, int6
 // memory.
 template <int R>
 void int4_vnni_panel(const int8_t* q, const float* dx, const float* gsum, int64_t k, const uint8_t* panel,
-                     const at::Half* qpanel, int64_t group, float* out, int64_t n) {
+                     const at::Half* qpanel, int64_t fields, int64_t group, float* out, int64_t n) {
   constexpr int S = R <= 4 ? 2 : 1;
   const int64_t blocks = k / kXBlock, groups = k / group, per_group = group / kXBlock;
   const __m512i nibble = _mm512_set1_epi8(15);
@@ -429,11 +438,11 @@ void int4_vnni_panel(const int8_t* q, const float* dx, const float* gsum, int64_
         acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(dx[r * blocks + b]), acc[r]);
       }
     }
-    const at::Half* params = qpanel + g * 2 * kPanel;
-    const __m512 scale = load_half(params).v, minimum = load_half(params + kPanel).v;
+    Lanes scale, minimum;
+    group_params(qpanel + g * fields * kPanel, fields, scale, minimum);
     for (int r = 0; r < R; ++r) {
       const __m512 rows_sum = _mm512_set1_ps(gsum[r * groups + g]);
-      total[r] = _mm512_fmadd_ps(minimum, rows_sum, _mm512_fmadd_ps(acc[r], scale, total[r]));
+      total[r] = _mm512_fmadd_ps(minimum.v, rows_sum, _mm512_fmadd_ps(acc[r], scale.v, total[r]));
     }
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * n, total[r]);
@@ -465,8 +474,8 @@ struct Int8Vnni {
 template <int R>
 struct Int4Vnni {
   static void run(const int8_t* q, const float* dx, const float* gsum, int64_t k, const uint8_t* panel,
-                  const at::Half* qpanel, int64_t group, float* out, int64_t n) {
-    int4_vnni_panel<R>(q, dx, gsum, k, panel, qpanel, group, out, n);
+                  const at::Half* qpanel, int64_t fields, int64_t group, float* out, int64_t n) {
+    int4_vnni_panel<R>(q, dx, gsum, k, panel, qpanel, fields, group, out, n);
   }
 };
 
@@ -552,10 +561,10 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& panels, const at::
   check_common(x, panels, bias, n);
   TORCH_CHECK(panels.scalar_type() == at::kByte, "int4 panels must be uint8");
   TORCH_CHECK(x.size(1) == k, "x and panels disagree on K");
-  TORCH_CHECK(qpanels.dim() == 4 && qpanels.size(0) == p && qpanels.size(2) == 2 && qpanels.size(3) == kPanel &&
-                  qpanels.scalar_type() == at::kHalf && qpanels.is_contiguous(),
-              "qpanels must be contiguous fp16 [P, G, 2, 16]");
-  const int64_t groups = qpanels.size(1);
+  TORCH_CHECK(qpanels.dim() == 4 && qpanels.size(0) == p && (qpanels.size(2) == 1 || qpanels.size(2) == 2) &&
+                  qpanels.size(3) == kPanel && qpanels.scalar_type() == at::kHalf && qpanels.is_contiguous(),
+              "qpanels must be contiguous fp16 [P, G, 2, 16] (scale, minimum) or [P, G, 1, 16] (scale)");
+  const int64_t groups = qpanels.size(1), fields = qpanels.size(2);
   TORCH_CHECK(groups > 0 && k % groups == 0 && (k / groups) % 32 == 0, "K / G must be a multiple of 32");
   const int64_t group = k / groups;
   const uint8_t* codes = panels.data_ptr<uint8_t>();
@@ -567,7 +576,8 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& panels, const at::
   const int64_t blocks = k / kXBlock;
   auto out = over_panels(x.size(0), p, [&](int64_t panel, int64_t first, int64_t count, float* dst) {
     vnni_rows_dispatch<Int4Vnni>(count, q + first * k, dx + first * blocks, gsum + first * groups, k,
-                                 codes + panel * (k / 2) * kPanel, params + panel * groups * 2 * kPanel, group, dst, n);
+                                 codes + panel * (k / 2) * kPanel, params + panel * groups * fields * kPanel, fields,
+                                 group, dst, n);
   });
   return finish(out, x, bias);
 #else
@@ -579,7 +589,8 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& panels, const at::
     const float* xsum_data = xsum.data_ptr<float>();
     auto out = over_panels(x.size(0), p, [&](int64_t panel, int64_t first, int64_t count, float* dst) {
       rows_dispatch<Int4Kernel>(count, x_data + first * k, k, codes + panel * (k / 2) * kPanel,
-                                params + panel * groups * 2 * kPanel, group, xsum_data + first * groups, dst, n);
+                                params + panel * groups * fields * kPanel, fields, group, xsum_data + first * groups,
+                                dst, n);
     });
     return finish(out, x, bias);
   }
