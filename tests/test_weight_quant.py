@@ -84,6 +84,31 @@ def test_quantize_model_equals_quantize_on_load_and_leaves_the_float_model(float
     assert torch.equal(reloaded(prompt).logits, loaded(prompt).logits)
 
 
+def test_a_tied_output_layer_named_in_module_formats_gets_its_own_quantized_weight(prompt, tmp_path):
+    """With `tie_word_embeddings`, the output layer shares the input embedding's weight: named in module_formats it
+    is quantized from that weight (on load and by quantize_model alike), untied, and stays so after a save, a reload
+    and `tie_weights`; the embedding keeps its float weight."""
+    tied = tiny_llama()
+    tied.config.tie_word_embeddings = True
+    tied = type(tied)(tied.config).eval()
+    tied.save_pretrained(tmp_path / "float")
+    config = CONFIGS["mixed"]
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "float", quantization_config=config).eval()
+    quantized = quantize_model(tied, config, progress=False)
+    assert tied.lm_head.weight is tied.model.embed_tokens.weight and tied.config.tie_word_embeddings
+    for model in (loaded, quantized):
+        assert type(model.lm_head) is Int8Linear and not model.config.tie_word_embeddings
+        assert model.model.embed_tokens.weight.dtype == torch.float32
+        model.tie_weights()
+        assert type(model.lm_head) is Int8Linear
+    logits = loaded(prompt).logits
+    assert torch.equal(quantized(prompt).logits, logits)
+    assert (logits - tied(prompt).logits).abs().max() < 0.1
+    loaded.save_pretrained(tmp_path / "quantized")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "quantized").eval()
+    assert type(reloaded.lm_head) is Int8Linear and torch.equal(reloaded(prompt).logits, logits)
+
+
 GUARD_SCRIPT = """
 import sys
 from transformers import AutoModelForCausalLM

@@ -110,6 +110,10 @@ class WeightOnlyQuantizer(HfQuantizer):
     requires_calibration = False
     quantization_config: WeightOnlyConfig
 
+    def __init__(self, quantization_config: WeightOnlyConfig, **kwargs: Any) -> None:
+        super().__init__(quantization_config, **kwargs)
+        self.tied_to_quantize: list[str] = []  # tied Linears named in module_formats: quantized after loading
+
     @property
     def quantized_element_size(self) -> float:
         return self.quantization_config.bits / 8
@@ -121,9 +125,15 @@ class WeightOnlyQuantizer(HfQuantizer):
     def _process_model_before_weight_loading(self, model: nn.Module, **kwargs: Any) -> None:
         config = self.quantization_config
         self.modules_to_not_convert = modules_kept_float(model, config)
-        replace_linear_modules(model, config, self.modules_to_not_convert)
+        # a tied layer named in module_formats loads in float (tied to its source), then gets its own quantized copy
+        self.tied_to_quantize = [] if self.pre_quantized else tied_linears(model, config)
+        replace_linear_modules(model, config, self.modules_to_not_convert, exclude=self.tied_to_quantize)
 
     def _process_model_after_weight_loading(self, model: nn.Module, **kwargs: Any) -> nn.Module:
+        for name in self.tied_to_quantize:
+            format_ = self.quantization_config.format_of(name)
+            model.set_submodule(name, quantize_linear(model.get_submodule(name), *format_))
+        untie(model, self.tied_to_quantize)
         prepare_kernels(model)
         return model
 
@@ -165,6 +175,7 @@ def quantize_model(model: PreTrainedModel, config: WeightOnlyConfig, progress: b
         except ValueError as error:
             raise ValueError(f"cannot quantize {name!r}: {error}") from None
     quantized = copy.deepcopy(model, memo)
+    untie(quantized, tied_linears(model, config))
     quantized.hf_quantizer = WeightOnlyQuantizer(config, pre_quantized=False)
     quantized.hf_quantizer.postprocess_model(quantized)  # sets config.quantization_config, as from_pretrained does
     return quantized
@@ -186,11 +197,12 @@ def quantize_linear(linear: nn.Linear, bits: int, group_size: int) -> Int8Linear
     return quantized.train(linear.training)
 
 
-def replace_linear_modules(model: nn.Module, config: WeightOnlyConfig, skip: list[str] | None = None) -> int:
-    """Replace every `nn.Linear` of `model` not matched by `skip` (or named in `config.module_formats`) with an empty
-    quantized module of its format on the meta device; returns how many. `ValueError` names the layer whose
-    in_features the group size does not divide."""
-    targets = linears_to_convert(model, config, skip)
+def replace_linear_modules(model: nn.Module, config: WeightOnlyConfig, skip: list[str] | None = None,
+                           exclude: list[str] = ()) -> int:
+    """Replace every `nn.Linear` of `model` not matched by `skip` (or named in `config.module_formats`), the names in
+    `exclude` aside, with an empty quantized module of its format on the meta device; returns how many. `ValueError`
+    names the layer whose in_features the group size does not divide."""
+    targets = [(name, linear) for name, linear in linears_to_convert(model, config, skip) if name not in exclude]
     for name, linear in targets:
         bits, group_size = config.format_of(name)
         try:
@@ -209,3 +221,21 @@ def linears_to_convert(model: nn.Module, config: WeightOnlyConfig,
     named = config.module_formats or {}
     return [(name, module) for name, module in model.named_modules()
             if isinstance(module, nn.Linear) and (name in named or should_convert_module(name, skip))]
+
+
+def tied_linears(model: PreTrainedModel, config: WeightOnlyConfig) -> list[str]:
+    """Names in `config.module_formats` of Linears whose weight is tied to another parameter (the output layer of a
+    model with `tie_word_embeddings`): quantized, they get their own weight, and the tie goes."""
+    tied = getattr(model, "all_tied_weights_keys", None) or {}
+    return [name for name in config.module_formats or {} if f"{name}.weight" in tied]
+
+
+def untie(model: PreTrainedModel, names: list[str]) -> None:
+    """Drop the ties of the Linears `names` (now quantized, with weights of their own), in the model's tie map and its
+    config, so neither a later `tie_weights` nor a save / reload ties them back."""
+    if not names:
+        return
+    model.all_tied_weights_keys = {target: source for target, source in model.all_tied_weights_keys.items()
+                                   if target.removesuffix(".weight") not in names}
+    for config in (model.config, model.config.get_text_config()):
+        config.tie_word_embeddings = False
