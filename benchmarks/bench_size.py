@@ -7,12 +7,14 @@ bytes of weights read per token (the input embedding's one row aside). Measured 
   temp folder with the reference tokenizer; never downloaded, never kept);
 - hf_accel: `generate` eager (DynamicCache) and compiled (`cache_implementation="paged"` + `compile_config`), int8
   (per channel) and int4 (groups of 64, the default: 4.5 bits a weight, as Q4_0's 4-bit codes with an fp16 scale per
-  32) through `hf_accel.quantize`'s kernels; the output layer stays fp32 in both (hf_accel's default), where
-  llama.cpp's files hold theirs in Q8_0 / Q6_K;
+  32) through `hf_accel.quantize`'s kernels, with the output layer in int8 per channel (`module_formats`), as
+  llama.cpp's files hold theirs in Q8_0 / Q6_K (hf_accel's default keeps it fp32: 32 MiB a token at 755M, where int8
+  holds 8; its perplexity cost on the reference target: +0.02%);
 - llama.cpp (`llama-bench -p 0 -n N`, batch 1) on GGUF files made by its own converter and `llama-quantize` from the
   same checkpoint (`llama_cpp_peer.py`; rows skipped with a message where no build is found: `--build-llama-cpp`
   builds one from the `llama-cpp-python` sdist);
-- at 1 and 2 threads (torch's intra-op threads; llama.cpp's `-t`), with the read bandwidth measured at each.
+- at 1 and 2 threads (torch's intra-op threads; llama.cpp's `-t`), with the read bandwidth measured at each
+  (`read_bandwidth.py`: a probe, or an fp32 decode where it reads faster).
 Timing: every variant once per repeat, interleaved (order alternating, llama.cpp's rows between ours) after a warm-up
 round (which compiles); hf_accel's decode time is from its first new token to its last (a streamer stamps each), so it
 times N - 1 decode steps and never the prefill; ratios are medians of per-repeat ratios.
@@ -46,16 +48,19 @@ from hf_accel.display import format_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import llama_cpp_peer  # noqa: E402
+import read_bandwidth  # noqa: E402
 from bench_weight_quant import _TokenClock, reference_folder, reference_tokenizer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 NAME = "bench_size"
 COMMAND = ".venv/bin/python benchmarks/bench_size.py"
+OUTPUT_INT8 = {"lm_head": {"bits": 8}}  # the output layer quantized, as llama-quantize does (Q8_0 / Q6_K)
 FORMATS = {  # name -> (dtype, hf_accel weight-only config)
     "fp32": (torch.float32, None),
     "bf16": (torch.bfloat16, None),
-    "int8": (torch.float32, hf_accel.WeightOnlyConfig(bits=8)),
-    "int4": (torch.float32, hf_accel.WeightOnlyConfig(bits=4)),  # groups of 64: Q4_0's 4.5 bits a weight
+    "int8": (torch.float32, hf_accel.WeightOnlyConfig(bits=8, module_formats=OUTPUT_INT8)),
+    # groups of 64: Q4_0's 4.5 bits a weight
+    "int4": (torch.float32, hf_accel.WeightOnlyConfig(bits=4, module_formats=OUTPUT_INT8)),
 }
 MODES = {"eager": {}, "compiled": {"cache_implementation": "paged", "compile_config": CompileConfig(fullgraph=True)}}
 TARGETS = {"int8_vs_llama_cpp": 1.2, "int4_vs_llama_cpp": 1.2, "int8_bandwidth_share": 0.8}
@@ -141,26 +146,6 @@ def decode_seconds(model: torch.nn.Module, prompt: torch.Tensor, new_tokens: int
     return stamps[-1] - stamps[0]
 
 
-def read_bandwidth(threads: int) -> float:
-    """Bytes/s read from memory on `threads` threads: the faster of a sum over 1 GiB of fp32 and a matrix-vector
-    product over it (MKL's sgemv keeps more reads in flight), best of 3 each. An estimate from below: a layer whose
-    weights stay partly in the last-level cache (the 185M model here) can beat it."""
-    data = torch.ones(2**28)
-    matrix, vector = data.view(2**14, 2**14), torch.ones(2**14)
-    with torch_threads(threads):
-        rates = []
-        for probe in (data.sum, lambda: torch.mv(matrix, vector)):
-            probe()
-            rates.append(data.nbytes / min(_timed(probe) for _ in range(3)))
-    return max(rates)
-
-
-def _timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
 def gguf_bytes_per_token(path: Path, source: Path) -> int:
     """The GGUF file's tensor bytes but the token embedding's (read one row per token)."""
     sys.path.insert(0, str(source / "gguf-py"))
@@ -179,8 +164,7 @@ def llama_cpp_files(llama: llama_cpp_peer.LlamaCpp, folder: Path, scratch: Path)
     return files
 
 
-def measure_size(size: Size, plan: Plan, llama: llama_cpp_peer.LlamaCpp | None,
-                 bandwidth: dict[int, float]) -> dict[str, Any]:
+def measure_size(size: Size, plan: Plan, llama: llama_cpp_peer.LlamaCpp | None) -> dict[str, Any]:
     """Every format x mode of hf_accel and every format of llama.cpp at one size, at every thread count."""
     with tempfile.TemporaryDirectory() as scratch_name:
         scratch = Path(scratch_name)
@@ -197,20 +181,16 @@ def measure_size(size: Size, plan: Plan, llama: llama_cpp_peer.LlamaCpp | None,
             with torch_threads(threads):
                 seconds, theirs = _interleaved(models, gguf, llama, prompt, plan, threads)
             for fmt in FORMATS:
-                limit = bandwidth[threads] / ours_bytes[fmt]
                 for mode in MODES:
                     rates = [(plan.new_tokens - 1) / s for s in seconds[fmt, mode]]
                     ratio = statistics.median(o / t for o, t in zip(rates, theirs[fmt])) if theirs.get(fmt) else None
-                    rate = statistics.median(rates)
                     rows.append({"size": size.name, "format": fmt, "tool": f"hf_accel {mode}", "threads": threads,
-                                 "tokens_per_s": rate, "bytes_per_token": ours_bytes[fmt], "limit_tokens_per_s": limit,
-                                 "bandwidth_share": rate / limit, "vs_llama_cpp": ratio})
+                                 "tokens_per_s": statistics.median(rates), "bytes_per_token": ours_bytes[fmt],
+                                 "vs_llama_cpp": ratio})
                 if theirs.get(fmt):
-                    rate = statistics.median(theirs[fmt])
-                    limit = bandwidth[threads] / theirs_bytes[fmt]
                     rows.append({"size": size.name, "format": fmt, "tool": "llama.cpp", "threads": threads,
-                                 "tokens_per_s": rate, "bytes_per_token": theirs_bytes[fmt],
-                                 "limit_tokens_per_s": limit, "bandwidth_share": rate / limit, "vs_llama_cpp": 1.0})
+                                 "tokens_per_s": statistics.median(theirs[fmt]), "bytes_per_token": theirs_bytes[fmt],
+                                 "vs_llama_cpp": 1.0})
         del models
         gc.collect()
     return {"size": size.name, "parameters": params, "rows": rows}
@@ -236,12 +216,17 @@ def measure(quick: bool, build_llama_cpp: bool) -> dict[str, Any]:
     plan = QUICK if quick else FULL
     started = time.perf_counter()
     llama, skipped = _llama_cpp(build_llama_cpp, quick)
-    bandwidth = {threads: read_bandwidth(threads) for threads in plan.threads}
-    sizes = [measure_size(size, plan, llama, bandwidth) for size in plan.sizes]
+    probed = {threads: read_bandwidth.probe(threads) for threads in plan.threads}
+    sizes = [measure_size(size, plan, llama) for size in plan.sizes]
+    bandwidth = read_bandwidth.limits(probed, sizes)
+    for row in (row for size in sizes for row in size["rows"]):  # the limit each row's bytes allow
+        row["limit_tokens_per_s"] = bandwidth[row["threads"]] / row["bytes_per_token"]
+        row["bandwidth_share"] = row["tokens_per_s"] / row["limit_tokens_per_s"]
     report = {
         "command": COMMAND + (" --quick" if quick else ""), "hardware": hardware(),
         "llama_cpp": llama.version if llama else None, "llama_cpp_skipped": skipped,
         "bandwidth_bytes_per_s": {str(t): b for t, b in bandwidth.items()},
+        "bandwidth_probe_bytes_per_s": {str(t): b for t, b in probed.items()},
         "new_tokens": plan.new_tokens, "prompt_len": plan.prompt_len, "repeats": plan.repeats, "sizes": sizes,
         "total_seconds": time.perf_counter() - started,
     }
@@ -278,9 +263,12 @@ def render(report: dict[str, Any]) -> str:
     lines = ["# Decode speed by model size: hf_accel vs llama.cpp", "",
              f"{report['hardware']['cpu']}; batch 1, {report['prompt_len']}-token held-out prompt, "
              f"{report['new_tokens'] - 1} decode steps timed, median of {report['repeats']} interleaved repeats. "
-             f"llama.cpp: {report['llama_cpp'] or report['llama_cpp_skipped']}. Read bandwidth (the faster of a sum "
-             "and a matrix-vector product over 1 GiB; an estimate from below): " +
-             ", ".join(f"{b / 1e9:.1f} GB/s at {t} thread{'s' * (int(t) > 1)}"
+             "int8 / int4: the output layer in int8 too, as llama.cpp's Q8_0 / Q4_0 files hold theirs in Q8_0 / Q6_K. "
+             f"llama.cpp: {report['llama_cpp'] or report['llama_cpp_skipped']}. Read bandwidth, the limit's "
+             "numerator (the faster of a sum and a matrix-vector product over 1 GiB and of the fp32 decodes of models "
+             "past 1 GiB, which read only weights; an estimate from below): " +
+             ", ".join(f"{b / 1e9:.1f} GB/s at {t} thread{'s' * (int(t) > 1)} (probe "
+                       f"{report['bandwidth_probe_bytes_per_s'][t] / 1e9:.1f})"
                        for t, b in report["bandwidth_bytes_per_s"].items()) + ".", ""]
     for size in report["sizes"]:
         lines += [f"## {size['size']} ({size['parameters'] / 1e6:.0f}M parameters)", "",

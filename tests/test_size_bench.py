@@ -37,6 +37,18 @@ def test_targets_read_the_largest_models_compiled_rows(script):
                        "int8_bandwidth_share (1 thread)": (0.9, True)}
 
 
+def test_the_limit_is_the_faster_of_the_probe_and_the_large_fp32_decodes(script):
+    """An fp32 decode of a model past the probe's 1 GiB reads only weights: a rate the memory sustains."""
+    gib = 2**30
+    rows = [{"format": "fp32", "tool": "llama.cpp", "threads": 2, "tokens_per_s": 20.0, "bytes_per_token": 3 * gib},
+            {"format": "fp32", "tool": "hf_accel compiled", "threads": 1, "tokens_per_s": 10.0,
+             "bytes_per_token": 3 * gib},
+            {"format": "fp32", "tool": "llama.cpp", "threads": 1, "tokens_per_s": 1e4, "bytes_per_token": gib // 8},
+            {"format": "int8", "tool": "llama.cpp", "threads": 2, "tokens_per_s": 99.0, "bytes_per_token": gib}]
+    found = script.read_bandwidth.limits({1: 40e9, 2: 45e9}, [{"rows": rows}])
+    assert found == {1: 40e9, 2: 60 * gib}  # the small model's (cached) and the int8 rows never count
+
+
 def test_quick_run_without_llama_cpp_writes_json_markdown_and_plot(script, tmp_path):
     script.main(["--quick", "--out", str(tmp_path)])
     report = json.loads((tmp_path / "benchmarks/results/bench_size.json").read_text())
