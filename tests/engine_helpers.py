@@ -1,13 +1,18 @@
-"""Shared helpers for the engine tests: reference outputs from plain `generate`, one request at a time."""
+"""Shared helpers for the engine tests: reference outputs from plain `generate`, one request at a time, and an
+engine whose steps the test holds (`HeldSteps`)."""
 
 from __future__ import annotations
 
 import random
+import threading
+import time
+from collections.abc import Callable
 
 import torch
 from transformers import PreTrainedModel
 
 from conformance import FIRST_WORD, VOCAB_SIZE
+from hf_accel import Engine
 
 
 def random_prompts(lengths: list[int], seed: int = 0, vocab_size: int = VOCAB_SIZE) -> list[list[int]]:
@@ -42,3 +47,48 @@ def assert_greedy_equal(model: PreTrainedModel, prompt: list[int], got: list[int
     assert step is not None, f"lengths differ: {len(got)} vs {len(expected)}"
     gap = top2_gap(model, prompt + expected[:step])
     assert gap <= tie_atol, f"first difference at step {step} with a top-2 logit gap of {gap:.2e}: {got} vs {expected}"
+
+
+class HeldSteps:
+    """The engine's steps, held by the test (the tiny reference runs a whole request in well under a second, faster
+    than a test can act on it): while held, each step waits before its forward for a step the test `allow`s, until
+    `release`. It wraps the model runner's `execute`, which eager and compiled steps both go through."""
+
+    def __init__(self, engine: Engine, monkeypatch, held: bool = True) -> None:
+        self._held, self._permits, self._parked = held, threading.Semaphore(0), threading.Event()
+        self.num_waits = 0  # steps that waited for a permit
+        real_execute = engine.core.runner.execute
+
+        def held_execute(batch):
+            if self._held:
+                self.num_waits += 1
+                self._parked.set()
+                assert self._permits.acquire(timeout=60), "the test never let the engine step on"
+            return real_execute(batch)
+
+        monkeypatch.setattr(engine.core.runner, "execute", held_execute)
+
+    def hold(self, timeout: float = 10.0) -> None:
+        """Hold the steps from the next one on; returns once the engine waits (a request must be running)."""
+        self._parked.clear()
+        self._held = True
+        assert self._parked.wait(timeout), "no engine step came to hold"
+
+    def allow(self, steps: int = 1) -> None:
+        self._permits.release(steps)
+
+    def step_until(self, condition: Callable[[], bool], timeout: float = 10.0) -> bool:
+        """Allow one step at a time (a pause between) until `condition()` holds; False after `timeout` s."""
+        deadline = time.monotonic() + timeout
+        while not condition():
+            if time.monotonic() > deadline:
+                return False
+            self.allow()
+            time.sleep(0.02)
+        return True
+
+    def release(self) -> None:
+        """Steps run freely from now on (the one waiting, if any, goes on)."""
+        assert self.num_waits, "no engine step was held: the test did not test what it says"
+        self._held = False
+        self._permits.release()

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from fastapi import FastAPI
@@ -27,51 +26,6 @@ class LiveServer:
     @property
     def api_url(self) -> str:
         return f"{self.url}/v1"
-
-
-class HeldSteps:
-    """The engine's steps, held by the test (the tiny reference runs a whole request in well under a second, faster
-    than a test can act on it): while held, each step waits before its forward for a step the test `allow`s, until
-    `release`. It wraps the model runner's `execute`, which eager and compiled steps both go through."""
-
-    def __init__(self, engine: Engine, monkeypatch, held: bool = True) -> None:
-        self._held, self._permits, self._parked = held, threading.Semaphore(0), threading.Event()
-        self.num_waits = 0  # steps that waited for a permit
-        real_execute = engine.core.runner.execute
-
-        def held_execute(batch):
-            if self._held:
-                self.num_waits += 1
-                self._parked.set()
-                assert self._permits.acquire(timeout=60), "the test never let the engine step on"
-            return real_execute(batch)
-
-        monkeypatch.setattr(engine.core.runner, "execute", held_execute)
-
-    def hold(self, timeout: float = 10.0) -> None:
-        """Hold the steps from the next one on; returns once the engine waits (a request must be running)."""
-        self._parked.clear()
-        self._held = True
-        assert self._parked.wait(timeout), "no engine step came to hold"
-
-    def allow(self, steps: int = 1) -> None:
-        self._permits.release(steps)
-
-    def step_until(self, condition: Callable[[], bool], timeout: float = 10.0) -> bool:
-        """Allow one step at a time (a pause between) until `condition()` holds; False after `timeout` s."""
-        deadline = time.monotonic() + timeout
-        while not condition():
-            if time.monotonic() > deadline:
-                return False
-            self.allow()
-            time.sleep(0.02)
-        return True
-
-    def release(self) -> None:
-        """Steps run freely from now on (the one waiting, if any, goes on)."""
-        assert self.num_waits, "no engine step was held: the test did not test what it says"
-        self._held = False
-        self._permits.release()
 
 
 def load_target() -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:

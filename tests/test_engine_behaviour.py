@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conformance import make_model
-from engine_helpers import random_prompts
+from engine_helpers import HeldSteps, random_prompts
 from hf_accel import Engine, EngineConfig, EngineDeadError, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
@@ -79,14 +79,17 @@ def test_stream_yields_growing_outputs_and_the_same_tokens(model):
     assert updates[-1].finished and updates[-1].token_ids == expected
 
 
-def test_leaving_a_stream_early_aborts_and_frees_blocks(model):
+def test_leaving_a_stream_early_aborts_and_frees_blocks(model, monkeypatch):
     engine = Engine(model, config=EngineConfig(block_size=4, enable_prefix_caching=False))
     prompt = random_prompts([12], seed=16)[0]
+    steps = HeldSteps(engine, monkeypatch)
+    steps.allow(2)  # two tokens, then the engine waits: the request cannot end but by the abort
 
     async def read_two():
         async for out in engine.stream(prompt, SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)):
             if len(out.token_ids) == 2:
                 break
+        steps.release()
         for _ in range(200):  # the abort runs at the engine's next step
             if engine.core.blocks.pool.num_used_blocks == 0 and not engine.has_unfinished_requests():
                 return True
@@ -98,6 +101,7 @@ def test_leaving_a_stream_early_aborts_and_frees_blocks(model):
     finally:
         engine.shutdown()
     assert engine.stats().num_requests_running == 0
+    assert engine.stats().generation_tokens <= 3  # the two allowed and the step waiting when the stream was left
 
 
 def test_a_dying_loop_fails_requests_and_turns_unhealthy(model):

@@ -8,10 +8,10 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from engine_helpers import greedy_reference
+from engine_helpers import HeldSteps, greedy_reference
 from hf_accel import reference
 from hf_accel.engine import sampler
-from server_helpers import MODEL_NAME, HeldSteps, live_server, load_target, prompt_ids
+from server_helpers import MODEL_NAME, live_server, load_target, prompt_ids
 
 KEY = "sk-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}

@@ -13,9 +13,9 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine_helpers import assert_greedy_equal, greedy_reference
+from engine_helpers import HeldSteps, assert_greedy_equal, greedy_reference
 from hf_accel import reference
-from server_helpers import MODEL_NAME, HeldSteps, live_server, load_target
+from server_helpers import MODEL_NAME, live_server, load_target
 
 NUM_REQUESTS = 32
 METRIC_NAMES = [

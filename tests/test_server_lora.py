@@ -17,7 +17,8 @@ from fastapi.testclient import TestClient
 from hf_accel import Engine, EngineConfig, LoRAConfig
 from hf_accel.server import command, create_app, serve_in_thread
 
-from server_helpers import HeldSteps, load_target, served_client
+from engine_helpers import HeldSteps
+from server_helpers import load_target, served_client
 
 peft = pytest.importorskip("peft")
 
