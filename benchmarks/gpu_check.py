@@ -10,9 +10,10 @@ per token at batch 1 and 8; and, in fp32, compiled speculative `generate` agains
 `draft_generate` with the reference draft by default; `ngram_generate`, `eagle_generate` with the reference EAGLE head,
 chain or EAGLE-2 tree); and, in fp32, LoRA adapters in the engine (`--sections lora`, needs peft): 3 random peft
 adapters and the base in one mixed batch, greedy tokens against each adapter's merged model, and decode-step time of
-the LoRA engine (8 sequences over the adapters) against the base engine. Without CUDA it says so and measures
+the LoRA engine (8 sequences over the adapters) against the base engine; and hf_accel's weight-only int8 / int4 at
+~1B parameters against bf16 (`--sections weights`, `gpu_weights.py`). Without CUDA it says so and measures
 nothing, unless `--device cpu` asks for the same comparison on the CPU (compiled step against eager: the script's
-own check, used by its test). `--dtype fp32` or `bf16`, `--sections` (engine, generate, speculative, lora) and
+own check, used by its test). `--dtype fp32` or `bf16`, `--sections` (engine, generate, speculative, lora, weights) and
 `--batches` check a part (shorter runs, for a device that limits a command's time); each side's first-call seconds
 are printed as it finishes.
 
@@ -37,6 +38,9 @@ from hf_accel import (EagleTree, Engine, EngineConfig, LoRAConfig, LoRARequest, 
                       eagle_generate, ngram_generate, reference)
 from hf_accel.bench import torch_threads
 from hf_accel.bench.output import benchmark_parser, hardware, output_root, write_results
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_weights  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 NAME = "gpu_check"
@@ -203,7 +207,7 @@ def fresh_kwargs(model, kwargs: dict[str, Any], new_tokens: int) -> dict[str, An
     return fresh
 
 
-SECTIONS = ("engine", "generate", "speculative", "lora")
+SECTIONS = ("engine", "generate", "speculative", "lora", "weights")
 
 
 def random_adapters(model, scratch: str, count: int = 3) -> tuple[list[LoRARequest], list]:
@@ -268,7 +272,7 @@ def measure(device_name: str, quick: bool, dtypes: tuple[str, ...] = tuple(DTYPE
     report: dict[str, Any] = {"benchmark": NAME, "command": COMMAND, "hardware": hardware(), "device": str(device),
                               "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
                               "results": {}}
-    for name in (("fp32",) if quick else dtypes):
+    for name in (("fp32",) if quick else dtypes) if set(sections) - {"weights"} else ():  # the reference's sections
         model, tokenizer = reference.load("target", dtype=DTYPES[name])
         model.to(device)
         result = report["results"][name] = {}
@@ -280,6 +284,8 @@ def measure(device_name: str, quick: bool, dtypes: tuple[str, ...] = tuple(DTYPE
             result["speculative"] = check_speculative(model, tokenizer, device, quick, methods)
         if "lora" in sections and name == "fp32":
             result["lora"] = check_lora(model, tokenizer, device, quick)
+    if "weights" in sections:
+        report["weights"] = gpu_weights.check_weights(device, quick, compare_sides, compile_config)
     return report
 
 
@@ -327,6 +333,7 @@ def render(report: dict[str, Any]) -> str:
             lines += [f"| {side} failed: {error} | | | | |" for side, error in g["errors"].items()]
             lines.append("")
     lines += [line for name, r in results.items() if "lora" in r for line in _lora_lines(name, r["lora"])]
+    lines += gpu_weights.render(report["weights"]) if "weights" in report else []
     notes = "".join(f"- {note}\n" for note in report.get("notes", []))  # added by hand to a run's JSON
     return "\n".join(lines) + f"\nFrom `{report['command']}`.\n" + (f"\nNotes:\n\n{notes}" if notes else "")
 

@@ -17,7 +17,8 @@ def test_without_cuda_nothing_is_measured(load_benchmark, capsys):
 
 @pytest.mark.compiled
 def test_cpu_run_compares_default_and_eager_engines(load_benchmark, tmp_path):
-    report = load_benchmark("gpu_check").main(["--quick", "--device", "cpu", "--out", str(tmp_path)])
+    report = load_benchmark("gpu_check").main(["--quick", "--device", "cpu", "--out", str(tmp_path), "--sections",
+                                               "engine,generate,speculative,lora"])
     result = report["results"]["fp32"]
     assert result["compiled"] and not result["graphs"]
     assert result["identical"] == result["requests"] == 4
@@ -33,6 +34,22 @@ def test_cpu_run_compares_default_and_eager_engines(load_benchmark, tmp_path):
     lora = result["lora"]  # adapters in the engine: each request its merged adapter's greedy tokens
     assert lora["identical"] == lora["requests"] == 16 and lora["compiled"] and lora["lora_ms"] > 0
     assert "LoRA adapters in the engine, fp32" in (tmp_path / "docs/gpu_check.md").read_text()
+
+
+@pytest.mark.compiled
+def test_cpu_run_of_the_weights_section(load_benchmark, tmp_path):
+    """int8 / int4 copies of a random bf16 Llama: their kernels' layouts, logits close to bf16's, eager and compiled
+    generate equal, the table written."""
+    report = load_benchmark("gpu_check").main(["--quick", "--device", "cpu", "--out", str(tmp_path), "--sections",
+                                               "weights"])
+    assert report["results"] == {}
+    formats = report["weights"]["formats"]
+    assert list(formats) == ["bf16", "int8", "int4"] and formats["bf16"]["layouts"] == []
+    assert formats["int8"]["layouts"] == formats["int4"]["layouts"] == ["panels"]
+    assert formats["int4"]["weight_bytes"] < formats["int8"]["weight_bytes"] < formats["bf16"]["weight_bytes"]
+    assert all(f["logits_cosine"] > 0.95 and f["generate"]["identical"] and not f["generate"]["errors"]
+               for f in formats.values())
+    assert "| int4 | panels |" in (tmp_path / "docs/gpu_check.md").read_text()
 
 
 def test_an_unknown_section_or_method_is_refused_by_name(load_benchmark, capsys):
