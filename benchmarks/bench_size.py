@@ -8,8 +8,8 @@ bytes of weights read per token (the input embedding's one row aside). Measured 
 - hf_accel: `generate` eager (DynamicCache) and compiled (`cache_implementation="paged"` + `compile_config`), int8
   (per channel) and int4 (groups of 64, the default: 4.5 bits a weight, as Q4_0's 4-bit codes with an fp16 scale per
   32) through `hf_accel.quantize`'s kernels, with the output layer in int8 per channel (`module_formats`), as
-  llama.cpp's files hold theirs in Q8_0 / Q6_K (hf_accel's default keeps it fp32: 32 MiB a token at 755M, where int8
-  holds 8; its perplexity cost on the reference target: +0.02%);
+  llama.cpp's files hold theirs in Q8_0 / Q6_K (hf_accel's default keeps it fp32, 4x the int8 bytes;
+  docs/weight-quantization.md gives its perplexity cost);
 - llama.cpp (`llama-bench -p 0 -n N`, batch 1) on GGUF files made by its own converter and `llama-quantize` from the
   same checkpoint (`llama_cpp_peer.py`; rows skipped with a message where no build is found: `--build-llama-cpp`
   builds one from the `llama-cpp-python` sdist);

@@ -272,7 +272,8 @@ def measure(device_name: str, quick: bool, dtypes: tuple[str, ...] = tuple(DTYPE
     report: dict[str, Any] = {"benchmark": NAME, "command": COMMAND, "hardware": hardware(), "device": str(device),
                               "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
                               "results": {}}
-    for name in (("fp32",) if quick else dtypes) if set(sections) - {"weights"} else ():  # the reference's sections
+    reference_sections = set(sections) - {"weights"}  # the weights section builds its own model
+    for name in (("fp32",) if quick else dtypes) if reference_sections else ():
         model, tokenizer = reference.load("target", dtype=DTYPES[name])
         model.to(device)
         result = report["results"][name] = {}

@@ -11,11 +11,13 @@ tokens, first-call seconds, milliseconds per token, and the read rate that gives
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import CompileConfig, LlamaConfig, LlamaForCausalLM
 
+from bench_size import bytes_read_per_token  # the kernels' layouts, as a decode step reads them
 from hf_accel import Int4Linear, Int8Linear, WeightOnlyConfig, quantize_model
 from hf_accel.display import format_bytes
 
@@ -38,14 +40,8 @@ def random_llama(device: torch.device, quick: bool) -> LlamaForCausalLM:
     return model
 
 
-def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of every parameter and buffer but the input embedding's (a decode step reads one row of it)."""
-    embedding = model.get_input_embeddings().weight.data_ptr()
-    tensors = {t.data_ptr(): t for t in [*model.parameters(), *model.buffers()] if t.data_ptr() != embedding}
-    return sum(t.nbytes for t in tensors.values())
-
-
-def check_weights(device: torch.device, quick: bool, compare_sides, compile_config) -> dict[str, Any]:
+def check_weights(device: torch.device, quick: bool, compare_sides: Callable[..., dict[str, Any]],
+                  compile_config: Callable[[], CompileConfig]) -> dict[str, Any]:
     """Each format's bytes, logits cosine against bf16 and eager / compiled generate (gpu_check's `compare_sides`
     with its `compile_config`)."""
     base = random_llama(device, quick)
@@ -60,7 +56,7 @@ def check_weights(device: torch.device, quick: bool, compare_sides, compile_conf
             logits = model(prompt.to(device)).logits[0, -1].float()
         generate = compare_sides(model, prompt, 8 if quick else 64, device, sides)
         per_token_s = generate["ms_per_token"].get("paged + compile", 0) / 1e3
-        nbytes = weight_bytes(model)
+        nbytes = bytes_read_per_token(model)
         result["formats"][name] = {
             "weight_bytes": nbytes, "layouts": sorted({m.layout or "torch" for m in model.modules()
                                                        if isinstance(m, (Int8Linear, Int4Linear))}),

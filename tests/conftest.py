@@ -1,5 +1,6 @@
-"""Shared test fixtures: one torch thread everywhere, eager engine steps unless a test is marked `compiled`, loading a
-benchmark script as a module, and the reference target with its committed Medusa heads."""
+"""Shared test fixtures: one torch thread everywhere, dynamo's caches emptied at each test file's start, eager engine
+steps unless a test is marked `compiled`, loading a benchmark script as a module, and the reference target with its
+committed Medusa heads."""
 
 import importlib.util
 import sys
@@ -20,6 +21,14 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(saved)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def fresh_dynamo():
+    """Each test file starts with dynamo's caches empty, as in a process of its own. Rule: a code object every model
+    shares (transformers' forward wrapper) collects a cache entry per compiled model, and across the files one worker
+    runs they reached dynamo's recompile limit in whichever file came later (a fullgraph compile then fails)."""
+    torch._dynamo.reset()
 
 
 @pytest.fixture(autouse=True)

@@ -8,6 +8,7 @@ import threading
 import time
 from collections.abc import Callable
 
+import pytest
 import torch
 from transformers import PreTrainedModel
 
@@ -54,7 +55,7 @@ class HeldSteps:
     than a test can act on it): while held, each step waits before its forward for a step the test `allow`s, until
     `release`. It wraps the model runner's `execute`, which eager and compiled steps both go through."""
 
-    def __init__(self, engine: Engine, monkeypatch, held: bool = True) -> None:
+    def __init__(self, engine: Engine, monkeypatch: pytest.MonkeyPatch, held: bool = True) -> None:
         self._held, self._permits, self._parked = held, threading.Semaphore(0), threading.Event()
         self.num_waits = 0  # steps that waited for a permit
         real_execute = engine.core.runner.execute
@@ -69,12 +70,16 @@ class HeldSteps:
         monkeypatch.setattr(engine.core.runner, "execute", held_execute)
 
     def hold(self, timeout: float = 10.0) -> None:
-        """Hold the steps from the next one on; returns once the engine waits (a request must be running)."""
+        """Hold the steps (running freely until now) from the next one on; returns once the engine waits (a request
+        must be running). Permits left from before are dropped."""
+        while self._permits.acquire(blocking=False):
+            pass
         self._parked.clear()
         self._held = True
         assert self._parked.wait(timeout), "no engine step came to hold"
 
     def allow(self, steps: int = 1) -> None:
+        """Let `steps` more steps run (now or as they come)."""
         self._permits.release(steps)
 
     def step_until(self, condition: Callable[[], bool], timeout: float = 10.0) -> bool:

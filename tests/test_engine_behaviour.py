@@ -1,6 +1,7 @@
 """Engine behaviour with a model: preemption, priorities, prefix caching, streaming, aborts and a dying loop."""
 
 import asyncio
+import contextlib
 
 import pytest
 import torch
@@ -86,10 +87,14 @@ def test_leaving_a_stream_early_aborts_and_frees_blocks(model, monkeypatch):
     steps.allow(2)  # two tokens, then the engine waits: the request cannot end but by the abort
 
     async def read_two():
-        async for out in engine.stream(prompt, SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)):
-            if len(out.token_ids) == 2:
-                break
-        steps.release()
+        stream = engine.stream(prompt, SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
+        try:
+            async with contextlib.aclosing(stream):  # leaving it aborts the request
+                async for out in stream:
+                    if len(out.token_ids) == 2:
+                        break
+        finally:
+            steps.release()
         for _ in range(200):  # the abort runs at the engine's next step
             if engine.core.blocks.pool.num_used_blocks == 0 and not engine.has_unfinished_requests():
                 return True

@@ -8,6 +8,8 @@ import json
 import pytest
 import torch
 
+from hf_accel.kernels.custom_ops import quantized_linear_kernels
+
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
 def test_without_cuda_nothing_is_measured(load_benchmark, capsys):
@@ -37,6 +39,7 @@ def test_cpu_run_compares_default_and_eager_engines(load_benchmark, tmp_path):
 
 
 @pytest.mark.compiled
+@pytest.mark.skipif(quantized_linear_kernels() is None, reason="hf_accel's C++ extension is not built")
 def test_cpu_run_of_the_weights_section(load_benchmark, tmp_path):
     """int8 / int4 copies of a random bf16 Llama: their kernels' layouts, logits close to bf16's, eager and compiled
     generate equal, the table written."""

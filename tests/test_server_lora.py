@@ -196,12 +196,14 @@ def test_unload_under_load_waits_for_running_requests_and_none_fails(target, ada
             running = [asyncio.ensure_future(stream_reasons(client, "ft-attn", first)) for first in started]
             await asyncio.gather(*(first.wait() for first in started))  # every stream has its first token
             steps.hold()  # none can finish until the unload is seen waiting for them
-            assert engine.stats().running_lora_adapters["ft-attn"] > 0
-            unload = asyncio.ensure_future(client.post("/unload_lora_adapter", cast_to=str,
-                                                       body={"lora_name": "ft-attn"}))
-            await asyncio.sleep(0.3)
-            assert not unload.done()  # it waits for the running requests
-            steps.release()
+            try:
+                assert engine.stats().running_lora_adapters["ft-attn"] > 0
+                unload = asyncio.ensure_future(client.post("/unload_lora_adapter", cast_to=str,
+                                                           body={"lora_name": "ft-attn"}))
+                await asyncio.sleep(0.3)
+                assert not unload.done()  # it waits for the running requests
+            finally:
+                steps.release()
             assert "removed" in await unload
             # it answered once they had left the engine: none was cut short
             assert "ft-attn" not in engine.stats().running_lora_adapters
@@ -247,10 +249,12 @@ def test_load_inplace_serves_the_new_folder_and_lets_running_requests_finish_on_
             running = [asyncio.ensure_future(stream_reasons(client, "ft", first)) for first in started]
             await asyncio.gather(*(first.wait() for first in started))
             steps.hold()  # the streams cannot finish before the load answers
-            await client.post("/load_lora_adapter", cast_to=str,
-                              body={"lora_name": "ft", "lora_path": mlp_path, "load_inplace": True})
-            assert not any(task.done() for task in running)  # answered without waiting for them
-            steps.release()
+            try:
+                await client.post("/load_lora_adapter", cast_to=str,
+                                  body={"lora_name": "ft", "lora_path": mlp_path, "load_inplace": True})
+                assert not any(task.done() for task in running)  # answered without waiting for them
+            finally:
+                steps.release()
             assert await tokens() == mlp_tokens
             assert all(reasons[-1] == "length" for reasons in await asyncio.gather(*running))
             for _ in range(100):  # the old adapter leaves once its last request is done (the engine's next step)

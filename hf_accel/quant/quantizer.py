@@ -14,6 +14,7 @@ loading codes as floats.
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -198,7 +199,7 @@ def quantize_linear(linear: nn.Linear, bits: int, group_size: int) -> Int8Linear
 
 
 def replace_linear_modules(model: nn.Module, config: WeightOnlyConfig, skip: list[str] | None = None,
-                           exclude: list[str] = ()) -> int:
+                           exclude: Sequence[str] = ()) -> int:
     """Replace every `nn.Linear` of `model` not matched by `skip` (or named in `config.module_formats`), the names in
     `exclude` aside, with an empty quantized module of its format on the meta device; returns how many. `ValueError`
     names the layer whose in_features the group size does not divide."""
@@ -237,5 +238,6 @@ def untie(model: PreTrainedModel, names: list[str]) -> None:
         return
     model.all_tied_weights_keys = {target: source for target, source in model.all_tied_weights_keys.items()
                                    if target.removesuffix(".weight") not in names}
-    for config in (model.config, model.config.get_text_config()):
-        config.tie_word_embeddings = False
+    if not model.all_tied_weights_keys:  # the config's switch covers every tie: off only once none is left
+        for config in (model.config, model.config.get_text_config()):
+            config.tie_word_embeddings = False
