@@ -4,6 +4,7 @@ listener under an id no open request holds, then handed to whichever side steps 
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -102,8 +103,11 @@ class EngineClient(ABC):
         with that adapter. Leaving the loop early (or cancelling the task) aborts the request and frees its
         blocks."""
         self.start()
-        async for out in stream_request(self, prompt, params, request_id, output_kind, lora_request):
-            yield out
+        # closed with this generator (not when the garbage collector finds it): the abort is sent right away
+        async with contextlib.aclosing(stream_request(self, prompt, params, request_id, output_kind,
+                                                      lora_request)) as outputs:
+            async for out in outputs:
+                yield out
 
     def add_finish_observer(self, observer: Callable[[RequestOutput], None]) -> None:
         """Call `observer` with every finished request's whole output, in the thread that delivers the engine's

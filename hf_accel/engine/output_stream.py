@@ -13,6 +13,7 @@ Rules:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Callable, Hashable
 from functools import partial
 from typing import TYPE_CHECKING, Protocol
@@ -90,5 +91,6 @@ async def stream_request(engine: RequestSink, prompt: str | list[int], params: S
     """One request's reports as they come (`Engine.stream`, `EngineProcess.stream`); leaving early aborts it."""
     stream = OutputStream(engine, output_kind)
     stream.add(0, prompt, params, request_id, lora_request)
-    async for _, out in stream.updates():
-        yield out
+    async with contextlib.aclosing(stream.updates()) as updates:  # closing this generator aborts at once
+        async for _, out in updates:
+            yield out
