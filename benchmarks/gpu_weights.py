@@ -62,8 +62,7 @@ def check_weights(device: torch.device, quick: bool, compare_sides: Callable[...
                                                        if isinstance(m, (Int8Linear, Int4Linear))}),
             "logits_cosine": round(torch.nn.functional.cosine_similarity(logits, reference, dim=0).item(), 5),
             "generate": generate, "compiled_read_gb_s": round(nbytes / per_token_s / 1e9, 1) if per_token_s else None}
-        if model is not base:
-            del model
+        del model  # the next format's copy is made without this one held (peak device memory)
     return result
 
 
