@@ -28,6 +28,7 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from . import weights
 from .linear import Int4Linear, Int8Linear, make_quantized_linear
+from .sibling_linears import colocate_siblings
 
 METHODS = {8: "hf_accel_int8", 4: "hf_accel_int4"}  # bits -> quant_method
 FORMAT_VERSION = 1
@@ -188,6 +189,7 @@ def prepare_kernels(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, (Int8Linear, Int4Linear)):
             module.prepare_kernel()
+    colocate_siblings(model)  # compiled steps then run each group of siblings as one call
 
 
 def quantize_linear(linear: nn.Linear, bits: int, group_size: int) -> Int8Linear | Int4Linear:

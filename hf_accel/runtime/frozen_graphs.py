@@ -32,6 +32,7 @@ from torch import nn
 
 from ..kernels.linear_panels import LinearPanels
 from ..kernels.packed_linear import FROZEN_WEIGHTS, settings as packed_linear_settings
+from ..quant.sibling_linears import MergeSiblingLinears
 
 
 @dataclass
@@ -47,8 +48,8 @@ class _ModelGraphs:
                 and all(ref() is module for ref, module in zip(self.modules[1:], companions)))
 
     def fingerprint(self) -> str | None:
-        """The key of these graphs in inductor's on-disk cache, computed when a compile first asks for it (only fp32
-        graphs with packed Linears do, `PackLinears.uuid`); None: not cached."""
+        """The key of these graphs in inductor's on-disk cache, computed when a compile first asks for it (the
+        passes that add constants do: `PackLinears.uuid`, `MergeSiblingLinears.uuid`); None: not cached."""
         if self.digest is None:
             modules = tuple(ref() for ref in self.modules)
             self.digest = "" if None in modules else (weights_fingerprint(modules) or "")
@@ -135,8 +136,11 @@ def freezing(enabled: bool, dtype: torch.dtype | None = None):
     """A config patch under which inductor compiles graphs with frozen weights (or not); for a model of `dtype`
     float32, their Linears over weights packed in column panels (`kernels/packed_linear.py`: CPU graphs of a few rows
     each; other dtypes keep oneDNN's packing). Inductor reads it when a graph is compiled, so it goes around the
-    calls that compile; `torch.compile(options={"freezing": True})` does not reach it."""
-    return inductor_config.patch(freezing=enabled,
+    calls that compile; `torch.compile(options={"freezing": True})` does not reach it. Frozen graphs also run each
+    group of sibling quantized Linears as one call (`quant.sibling_linears`), unless a custom pre-pass is set."""
+    merge = {"post_grad_custom_pre_pass": MergeSiblingLinears()} if enabled and \
+        inductor_config.post_grad_custom_pre_pass is None else {}
+    return inductor_config.patch(freezing=enabled, **merge,
                                  **packed_linear_settings(enabled and dtype == torch.float32))
 
 
