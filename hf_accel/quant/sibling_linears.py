@@ -64,7 +64,7 @@ def _panel_key(module: nn.Module) -> tuple | None:
 def _colocate(members: list[nn.Module]) -> None:
     for name in _PANEL_ATTRIBUTES[type(members[0])]:
         parts = [getattr(member, name) for member in members]
-        if parts[0] is None:
+        if parts[0] is None or _spanning(parts) is not None:  # none, or already end to end: nothing to copy
             continue
         whole = torch.cat([part.detach() for part in parts])
         start = 0
