@@ -45,9 +45,10 @@ def run(attend, inputs, window, softcap):
 @pytest.mark.parametrize("window, softcap", [(0, 0.0), (5, 0.0), (0, 30.0)])
 @pytest.mark.parametrize("block_size, dim", [(4, 32), (16, 64), (16, 40), (8, 128)])  # 64, 128: register-held rows
 def test_kernel_equals_gather_then_sdpa(dtype, atol, heads, kv_heads, window, softcap, block_size, dim):
-    # decodes (one query), a speculating decode (3), a prefill chunk from 0 and one resumed mid-sequence (both longer
-    # than the kernel's 32-query task), a decode exactly as long as its queries
-    num_queries, lengths = [1, 3, 40, 37, 1, 1], [7, 13, 40, 50, 21, 1]
+    # decodes (one query), speculating decodes (3; 5, whose grouped heads make 20 query rows: the transposed-key
+    # path), a prefill chunk from 0 and one resumed mid-sequence (both longer than the kernel's 32-query task), a
+    # decode exactly as long as its queries
+    num_queries, lengths = [1, 3, 40, 37, 1, 1, 5], [7, 13, 40, 50, 21, 1, 29]
     inputs = step_inputs(dtype, heads, kv_heads, num_queries, lengths, dim=dim, block_size=block_size)
     got, got_keys, got_values = run(kernel, inputs, window, softcap)
     expected, keys, values = run(gathered_attention, inputs, window, softcap)

@@ -34,6 +34,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -94,13 +95,22 @@ struct Task {
   int64_t seq, kvh, first_query, last_query;
 };
 
+// `size` uninitialized elements: every user writes before it reads (zeroing a step's scratch cost as much as a
+// decode's scores).
+template <typename T>
+struct Buffer {
+  std::unique_ptr<T[]> memory;
+  explicit Buffer(int64_t size) : memory(new T[size]) {}
+  T* data() { return memory.get(); }
+};
+
 // Per-thread working memory, sized once per parallel chunk.
 struct Scratch {
-  std::vector<float> q, scores, acc, block, row, values;
-  std::vector<const float*> rows;  // a task's value rows, as floats
+  Buffer<float> q, scores, acc, block, row, values;
+  Buffer<const float*> rows;  // a task's value rows, as floats
   Scratch(const Layout& l, int64_t max_length, bool converts)
       : q(l.groups * kQueryChunk * l.dim), scores(l.groups * kQueryChunk * max_length),
-        acc(l.groups * kQueryChunk * l.dim), block(l.dim * l.block_size), row(l.dim),
+        acc(l.groups * kQueryChunk * l.dim), block(l.dim * l.block_size), row(16 * l.dim),
         values(converts ? max_length * l.dim : 0), rows(max_length) {}
 };
 
@@ -159,41 +169,83 @@ inline float dot(const float* a, const float* b, int64_t dim) {
   return total;
 }
 
-// Scores of query rows `q` [num_q, dim] against one block transposed to `kt` [dim, BS] (its first `width` keys valid),
-// into `scores` (row stride `columns`). Four query rows at a time: each row's BS scores stay in registers while the
-// block's dim rows stream past.
+// Scores of R query rows `q` [R, dim] against one block transposed to `kt` [dim, BS] (its first `width` keys valid),
+// into `scores` (row stride `columns`): each row's BS scores stay in registers while the block's dim rows stream past.
+template <int64_t R, int64_t BS>
+void score_rows(const float* q, int64_t dim, const float* kt, int64_t width, float* scores, int64_t columns) {
+  float a[R][BS] = {};
+  for (int64_t d = 0; d < dim; ++d) {
+    const float* kd = kt + d * BS;
+    for (int64_t r = 0; r < R; ++r) {
+      const float qd = q[r * dim + d];
+#pragma omp simd
+      for (int64_t c = 0; c < BS; ++c) a[r][c] += qd * kd[c];
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) std::copy(a[r], a[r] + width, scores + r * columns);
+}
+
+// score_rows over all `num_q` rows: eight at a time (independent chains of FMAs: four waited on their latency), then
+// four, then one.
 template <int64_t BS>
 void score_block(const float* q, int64_t num_q, int64_t dim, const float* kt, int64_t width, float* scores,
                  int64_t columns) {
   int64_t j = 0;
-  for (; j + 4 <= num_q; j += 4) {
-    float a0[BS] = {}, a1[BS] = {}, a2[BS] = {}, a3[BS] = {};
-    const float *q0 = q + j * dim, *q1 = q0 + dim, *q2 = q1 + dim, *q3 = q2 + dim;
-    for (int64_t d = 0; d < dim; ++d) {
-      const float* kd = kt + d * BS;
-#pragma omp simd
-      for (int64_t c = 0; c < BS; ++c) {
-        a0[c] += q0[d] * kd[c];
-        a1[c] += q1[d] * kd[c];
-        a2[c] += q2[d] * kd[c];
-        a3[c] += q3[d] * kd[c];
-      }
-    }
-    std::copy(a0, a0 + width, scores + j * columns);
-    std::copy(a1, a1 + width, scores + (j + 1) * columns);
-    std::copy(a2, a2 + width, scores + (j + 2) * columns);
-    std::copy(a3, a3 + width, scores + (j + 3) * columns);
+  for (; j + 8 <= num_q; j += 8) score_rows<8, BS>(q + j * dim, dim, kt, width, scores + j * columns, columns);
+  for (; j + 4 <= num_q; j += 4) score_rows<4, BS>(q + j * dim, dim, kt, width, scores + j * columns, columns);
+  for (; j < num_q; ++j) score_rows<1, BS>(q + j * dim, dim, kt, width, scores + j * columns, columns);
+}
+
+#if defined(__AVX512F__)
+// dst [16, 16] (row stride `dst_stride`) = src [16, 16] (row stride `src_stride`) transposed, in registers: pairs of
+// rows interleaved at 1, 2, 4 and 8 floats.
+inline void transpose16(const float* src, int64_t src_stride, float* dst, int64_t dst_stride) {
+  __m512 r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + i * src_stride);
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
   }
-  for (; j < num_q; ++j) {
-    float a[BS] = {};
-    const float* qj = q + j * dim;
-    for (int64_t d = 0; d < dim; ++d) {
-      const float* kd = kt + d * BS;
-#pragma omp simd
-      for (int64_t c = 0; c < BS; ++c) a[c] += qj[d] * kd[c];
+  for (int i = 0; i < 16; i += 4)
+    for (int j = 0; j < 2; ++j) {
+      r[i + 2 * j] = _mm512_shuffle_ps(t[i + j], t[i + j + 2], 0x44);
+      r[i + 2 * j + 1] = _mm512_shuffle_ps(t[i + j], t[i + j + 2], 0xee);
     }
-    std::copy(a, a + width, scores + j * columns);
+  for (int i = 0; i < 16; i += 8)
+    for (int j = 0; j < 4; ++j) {
+      t[i + j] = _mm512_shuffle_f32x4(r[i + j], r[i + j + 4], 0x88);
+      t[i + j + 4] = _mm512_shuffle_f32x4(r[i + j], r[i + j + 4], 0xdd);
+    }
+  for (int j = 0; j < 8; ++j) {
+    r[j] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0x88);
+    r[j + 8] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0xdd);
   }
+  for (int j = 0; j < 16; ++j) _mm512_storeu_ps(dst + j * dst_stride, r[j]);  // r[j]: column j of src
+}
+#endif
+
+// kt [dim, 16] = the first `width` keys [width, dim] of a 16-key block transposed, zero past them; `rows` a
+// [16 * dim] buffer for the keys as floats when the pool holds another dtype.
+template <typename scalar_t>
+void transpose_keys(const scalar_t* k, int64_t width, int64_t dim, float* rows, float* kt) {
+#if defined(__AVX512F__)
+  if (dim % 16 == 0) {
+    const float* src = rows;
+    if constexpr (std::is_same_v<scalar_t, float>) {
+      if (width == 16) src = k;
+    }
+    if (src == rows) {  // as floats, zero rows past `width`
+      for (int64_t c = 0; c < width; ++c)
+        for (int64_t d = 0; d < dim; ++d) rows[c * dim + d] = static_cast<float>(k[c * dim + d]);
+      std::fill(rows + width * dim, rows + 16 * dim, 0.f);
+    }
+    for (int64_t d = 0; d < dim; d += 16) transpose16(src + d, dim, kt + d * 16, 16);
+    return;
+  }
+#endif
+  std::fill(kt, kt + dim * 16, 0.f);
+  for (int64_t c = 0; c < width; ++c)
+    for (int64_t d = 0; d < dim; ++d) kt[d * 16 + c] = static_cast<float>(k[c * dim + d]);
 }
 
 // Scores of `num_q` scaled queries `q` [num_q, dim] against columns [0, columns) of one sequence's K, written to
@@ -208,10 +260,9 @@ void score_columns(const Layout& l, const float* q, int64_t num_q, const scalar_
     float* kt = s.block.data();
     for (int64_t b = 0; b * size < columns; ++b) {
       const int64_t width = std::min(size, columns - b * size);
-      const scalar_t* k = keys + blocks[b] * size * dim;
-      std::fill(kt, kt + dim * size, 0.f);
-      for (int64_t c = 0; c < width; ++c)
-        for (int64_t d = 0; d < dim; ++d) kt[d * size + c] = static_cast<float>(k[c * dim + d]);
+      if ((b + 1) * size < columns)  // blocks lie anywhere in the pool: ask for the next one's rows now
+        for (int64_t c = 0; c < size; ++c) prefetch_row(keys + (blocks[b + 1] * size + c) * dim, dim);
+      transpose_keys(keys + blocks[b] * size * dim, width, dim, s.row.data(), kt);
       score_block<16>(q, num_q, dim, kt, width, scores + b * size, columns);
     }
   } else {
@@ -295,12 +346,13 @@ void accumulate_values(const Layout& l, const float* weights, int64_t num_q, int
   const int64_t dim = l.dim, size = l.block_size;
   std::fill(acc, acc + num_q * dim, 0.f);
   if (dim % 16 == 0) {
-    // tiles of up to kTileRows query rows x 16 lanes kept in registers; row pointers (fp32: into the pool; else converted
-    // copies)
+    // tiles of up to kTileRows query rows x 16 lanes kept in registers; row pointers (fp32: into the pool; else
+    // converted copies)
     const float** rows = s.rows.data();
     for (int64_t c = 0; c < columns; ++c) {
       const scalar_t* row = values + (blocks[c / size] * size + c % size) * dim;  // once per key for all queries
       if constexpr (std::is_same_v<scalar_t, float>) {
+        if (num_q >= kTransposeFrom) prefetch_row(row, dim);  // all rows in flight at once, before the tiles read them
         rows[c] = row;
       } else {
         float* converted = s.values.data() + c * dim;
@@ -315,6 +367,8 @@ void accumulate_values(const Layout& l, const float* weights, int64_t num_q, int
       int64_t j = 0;
       for (; j + kTileRows <= num_q; j += kTileRows)
         accumulate_tile<kTileRows>(weights + j * columns, columns, rows, acc + j * dim + lane, dim);
+      for (; kTileRows > 4 && j + 4 <= num_q; j += 4)
+        accumulate_tile<4>(weights + j * columns, columns, rows, acc + j * dim + lane, dim);
       for (; j + 2 <= num_q; j += 2)  // a decode's query heads of one K/V head (grouped-query attention)
         accumulate_tile<2>(weights + j * columns, columns, rows, acc + j * dim + lane, dim);
       for (; j < num_q; ++j) accumulate_tile<1>(weights + j * columns, columns, rows, acc + j * dim + lane, dim);
@@ -337,6 +391,66 @@ void accumulate_values(const Layout& l, const float* weights, int64_t num_q, int
   }
 }
 
+#if defined(__AVX512F__)
+// exp_nonpositive on 16 lanes.
+inline __m512 exp_nonpositive16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f),
+                                   _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.f));
+  const __m512i exponent = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(exponent));
+}
+
+inline __mmask16 lanes_from(int64_t c, int64_t count) {  // the lanes of columns c .. c + 15 below `count`
+  return count - c >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (count - c)) - 1);
+}
+#endif
+
+// w[0, count) = softmax(w[0, count)), -inf entries to zero. With AVX-512 in masked vectors (the compiler's loops left
+// each row's last partial vector to scalar code, the larger part of a decode's softmax).
+inline void normalize(float* w, int64_t count) {
+  constexpr float kMinus = -std::numeric_limits<float>::infinity();
+#if defined(__AVX512F__)
+  __m512 top = _mm512_set1_ps(kMinus);
+  for (int64_t c = 0; c < count; c += 16)
+    top = _mm512_max_ps(top, _mm512_mask_loadu_ps(_mm512_set1_ps(kMinus), lanes_from(c, count), w + c));
+  const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t c = 0; c < count; c += 16) {
+    const __mmask16 lanes = lanes_from(c, count);
+    const __m512 x = _mm512_mask_loadu_ps(_mm512_set1_ps(kMinus), lanes, w + c);
+    const __mmask16 finite = _mm512_mask_cmp_ps_mask(lanes, x, _mm512_set1_ps(kMinus), _CMP_NEQ_OQ);
+    const __m512 e = _mm512_maskz_mov_ps(finite, exp_nonpositive16(_mm512_sub_ps(x, shift)));
+    sum = _mm512_add_ps(sum, e);
+    _mm512_mask_storeu_ps(w + c, lanes, e);
+  }
+  const __m512 inverse = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum));
+  for (int64_t c = 0; c < count; c += 16) {
+    const __mmask16 lanes = lanes_from(c, count);
+    _mm512_mask_storeu_ps(w + c, lanes, _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes, w + c), inverse));
+  }
+#else
+  float top = kMinus;
+#pragma omp simd reduction(max : top)
+  for (int64_t c = 0; c < count; ++c) top = w[c] > top ? w[c] : top;
+  float total = 0.f;
+#pragma omp simd reduction(+ : total)
+  for (int64_t c = 0; c < count; ++c) {
+    w[c] = w[c] == kMinus ? 0.f : exp_nonpositive(w[c] - top);
+    total += w[c];
+  }
+  const float inverse = 1.f / total;
+#pragma omp simd
+  for (int64_t c = 0; c < count; ++c) w[c] *= inverse;
+#endif
+}
+
 // Softmax of each row of `scores` over its allowed columns (zero elsewhere); row j is query position `position(j)`.
 // With a tree (`sees`: sequence's mask [n, m]; node i at column query_base + i, tree column j at tree_base + j) the
 // tree columns a node may see are its row's, and its window starts from its depth.
@@ -355,16 +469,9 @@ void softmax_rows(const Layout& l, float* scores, int64_t num_q, int64_t columns
     if (row != nullptr)
       for (int64_t c = tree_base; c <= position; ++c)
         if (row[c - tree_base] == 0) w[c] = -std::numeric_limits<float>::infinity();
-    float top = -std::numeric_limits<float>::infinity();
-    for (int64_t c = first; c <= position; ++c) top = std::max(top, w[c]);
-    float total = 0.f;
-#pragma omp simd reduction(+ : total)
-    for (int64_t c = first; c <= position; ++c) {
-      w[c] = w[c] == -std::numeric_limits<float>::infinity() ? 0.f : exp_nonpositive(w[c] - top);
-      total += w[c];
-    }
-    const float inverse = 1.f / total;
-    for (int64_t c = 0; c < columns; ++c) w[c] = (c >= first && c <= position) ? w[c] * inverse : 0.f;
+    normalize(w + first, position + 1 - first);
+    std::fill(w, w + first, 0.f);
+    std::fill(w + position + 1, w + columns, 0.f);
   }
 }
 
