@@ -1,10 +1,12 @@
 """The C++ paged attention against the gather path (blocks copied out, sdpa over them): the same K/V writes and
 outputs for decodes, speculative candidates and prefill chunks mixed in one call, grouped-query heads, sliding
 windows, soft-capping, fp32 and bf16, scattered blocks and ragged lengths; registered as a custom op that mutates the
-pools, with a fake implementation; a build lock left by a killed process does not hang the next one."""
+pools, with a fake implementation; a build lock left by a killed process does not hang the next one; an edited
+header gets its own build."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 
@@ -12,6 +14,7 @@ import pytest
 import torch
 
 from hf_accel.runtime.attention import gathered_attention
+from hf_accel.kernels import build as kernel_build
 from hf_accel.kernels.build import _exclusive, build_directory
 from hf_accel.kernels.custom_ops import paged_attention_kernel
 
@@ -119,3 +122,15 @@ def test_a_build_lock_left_by_a_killed_process_does_not_hang_the_next_one():
             assert not stale.exists()
     finally:
         stale.unlink(missing_ok=True)
+
+
+def test_an_edited_header_gets_its_own_build(tmp_path, monkeypatch):
+    """The build's folder is named by a hash of csrc/: the headers the sources include count, so an edited kernel
+    header is built afresh instead of loading the binary of the code before the edit."""
+    for path in kernel_build.CSRC.iterdir():
+        shutil.copy(path, tmp_path / path.name)
+    monkeypatch.setattr(kernel_build, "CSRC", tmp_path)
+    before = build_directory()
+    header = tmp_path / "attention_tiles.h"
+    header.write_text(header.read_text() + "\n// edited\n")
+    assert build_directory() != before

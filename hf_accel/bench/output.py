@@ -22,21 +22,36 @@ from .timing import torch_threads
 
 
 def hardware() -> dict[str, Any]:
-    """CPU model (from /proc/cpuinfo where present), torch threads, versions."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
+    """CPU model (from /proc/cpuinfo where present, with its family and model numbers: a virtual machine's name,
+    such as "AMD EPYC", is the same for every generation), the vector ISA torch's kernels use, torch threads,
+    versions."""
     return {
-        "cpu": cpu,
+        "cpu": _cpu_name(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "torch_threads": torch.get_num_threads(),
         "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
     }
+
+
+def _cpu_name() -> str:
+    """"model name (family F, model M)" from the first processor of /proc/cpuinfo, else the platform's name."""
+    fields: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if not line.strip():
+                    break  # the first processor's block ends here
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    name = fields.get("model name") or platform.processor() or platform.machine()
+    if "cpu family" in fields and "model" in fields:
+        name += f" (family {fields['cpu family']}, model {fields['model']})"
+    return name
 
 
 def target_table(targets: list[dict[str, Any]], heading: str = "| target | value | met |") -> list[str]:

@@ -95,4 +95,6 @@ def _cpu_tag() -> str:
 
 
 def _source_tag() -> str:
-    return hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES)).hexdigest()[:12]
+    """A short hash of every file of `csrc/`: the sources and the headers they include."""
+    files = sorted(CSRC.glob("*.cpp")) + sorted(CSRC.glob("*.h"))
+    return hashlib.sha256(b"".join(path.read_bytes() for path in files)).hexdigest()[:12]
