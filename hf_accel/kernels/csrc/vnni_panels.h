@@ -198,6 +198,5 @@ struct Int4Vnni {
   }
 };
 
-
 }  // namespace
 #endif  // HF_ACCEL_QLINEAR_VNNI
