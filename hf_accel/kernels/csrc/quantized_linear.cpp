@@ -33,7 +33,7 @@
 // dequantize and run ATen's matmul.
 //
 // Here: the ops' checks and their passes over panels and threads; format 0's kernels are fma_panels.h, format 1's
-// vnni_panels.h, what both share quantized_panels.h.
+// vnni_panels.h, what both share quantized_panels.h (build, panel width, rows a pass) and panel_lanes.h (16 lanes).
 #include <ATen/ATen.h>  // not torch/extension.h: its Python and nn headers triple the compile time
 #include <torch/library.h>
 #include <ATen/Parallel.h>

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "panel_lanes.h"  // Lanes, load, group_params
 #include "quantized_panels.h"
 
 #ifdef HF_ACCEL_QLINEAR_VNNI
