@@ -3,9 +3,11 @@
 // quantized_linear.cpp alone.
 #pragma once
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 
 #include "panel_lanes.h"  // Lanes, load, group_params
 #include "quantized_panels.h"
