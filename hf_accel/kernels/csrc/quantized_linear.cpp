@@ -194,7 +194,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& panels, const at::
                   qpanels.size(3) == kPanel && qpanels.scalar_type() == at::kHalf && qpanels.is_contiguous(),
               "qpanels must be contiguous fp16 [P, G, 2, 16] (scale, minimum) or [P, G, 1, 16] (scale)");
   const int64_t groups = qpanels.size(1), fields = qpanels.size(2);
-  TORCH_CHECK(groups > 0 && k % groups == 0 && (k / groups) % 32 == 0, "K / G must be a multiple of 32");
+  TORCH_CHECK(groups > 0 && k % groups == 0 && (k / groups) % kXBlock == 0, "K / G must be a multiple of 32");
   const int64_t group = k / groups;
   const uint8_t* codes = panels.data_ptr<uint8_t>();
   const at::Half* params = qpanels.data_ptr<at::Half>();
