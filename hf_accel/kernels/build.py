@@ -27,8 +27,9 @@ PACKED_LINEAR_SOURCE = CSRC / "packed_linear.cpp"  # packed_linear
 QUANTIZED_LINEAR_SOURCE = CSRC / "quantized_linear.cpp"  # int8_linear, int4_linear
 TOKEN_BITMASK_SOURCE = CSRC / "token_bitmask.cpp"  # apply_token_bitmask
 LORA_SOURCE = CSRC / "lora.cpp"  # lora_add
+HUGE_PAGES_SOURCE = CSRC / "huge_pages.cpp"  # huge_page_copy
 SOURCES = (PAGED_ATTENTION_SOURCE, QUANTIZED_ATTENTION_SOURCE, PACKED_LINEAR_SOURCE, QUANTIZED_LINEAR_SOURCE,
-           TOKEN_BITMASK_SOURCE, LORA_SOURCE)
+           TOKEN_BITMASK_SOURCE, LORA_SOURCE, HUGE_PAGES_SOURCE)
 # `omp simd` loops vectorized; their reductions may reassociate, so results match the gather path up to float
 # rounding, not bit for bit
 CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=fast",

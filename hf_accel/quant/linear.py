@@ -248,6 +248,11 @@ class Int4Linear(_QuantizedLinear):
                 f"group_size={self.group_size}")
 
 
+# per kind, the attributes that hold `[P, ...]` panels (16 output columns each) in layout "panels", which the kernels
+# stream
+PANEL_ATTRIBUTES = {Int4Linear: ("weight", "weight_qpanels"), Int8Linear: ("weight", "weight_scale_panels")}
+
+
 def float_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     """`module.state_dict()` as a float module of the same shape holds it: each quantized Linear's `weight` is its
     dequantized weight (in the dtype of its scales) and its scales are left out."""

@@ -28,6 +28,7 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from . import weights
 from .linear import Int4Linear, Int8Linear, make_quantized_linear
+from .panel_memory import move_panels_to_huge_pages
 from .sibling_linears import colocate_siblings
 
 METHODS = {8: "hf_accel_int8", 4: "hf_accel_int4"}  # bits -> quant_method
@@ -190,6 +191,7 @@ def prepare_kernels(model: nn.Module) -> None:
         if isinstance(module, (Int8Linear, Int4Linear)):
             module.prepare_kernel()
     colocate_siblings(model)  # compiled steps then run each group of siblings as one call
+    move_panels_to_huge_pages(model)  # last: the panels' final storages
 
 
 def quantize_linear(linear: nn.Linear, bits: int, group_size: int) -> Int8Linear | Int4Linear:

@@ -25,10 +25,7 @@ from torch._dynamo.utils import counters
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from ..kernels.packed_linear import FROZEN_WEIGHTS
-from .linear import Int4Linear, Int8Linear
-
-# per kind, the attributes that hold `[P, ...]` panels (16 output columns each) in layout "panels"
-_PANEL_ATTRIBUTES = {Int4Linear: ("weight", "weight_qpanels"), Int8Linear: ("weight", "weight_scale_panels")}
+from .linear import PANEL_ATTRIBUTES
 _VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.reshape.default)
 
 
@@ -51,7 +48,7 @@ def colocate_siblings(model: nn.Module) -> int:
 
 def _panel_key(module: nn.Module) -> tuple | None:
     """What siblings must share to be co-located: kind, group size and the trailing shapes / dtypes of their panels."""
-    names = _PANEL_ATTRIBUTES.get(type(module))
+    names = PANEL_ATTRIBUTES.get(type(module))
     if names is None or module.layout != "panels":
         return None
     tensors = [getattr(module, name) for name in names]
@@ -62,7 +59,7 @@ def _panel_key(module: nn.Module) -> tuple | None:
 @torch.inference_mode(False)
 @torch.no_grad()
 def _colocate(members: list[nn.Module]) -> None:
-    for name in _PANEL_ATTRIBUTES[type(members[0])]:
+    for name in PANEL_ATTRIBUTES[type(members[0])]:
         parts = [getattr(member, name) for member in members]
         if parts[0] is None or _spanning(parts) is not None:  # none, or already end to end: nothing to copy
             continue
