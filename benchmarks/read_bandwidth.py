@@ -1,7 +1,9 @@
 """The memory read bandwidth that bounds a weight-streaming decode, for `bench_size.py`.
 
-A probe (`probe`) reads 1 GiB of fp32 with torch's own kernels; on some machines it falls short of what a decode
-reads (torch's sum and matrix-vector product need not scale with threads as a decode's kernels do). An fp32 decode of
+A probe (`probe`) reads 1 GiB of fp32 with torch's own kernels, on transparent huge pages as hf_accel's quantized
+panels are (`kernels.custom_ops.on_huge_pages`: on 4 KiB pages a virtual machine's page walks held plain reads to
+60% of the rate; llama.cpp's mmap'd GGUF gets large pages from the page cache); on some machines it falls short of
+what a decode reads (torch's sum and matrix-vector product need not scale with threads as a decode's kernels do). An fp32 decode of
 a model larger than the probe's buffer reads nothing but its weights, once a token, so its rate is a read rate the
 machine sustains: the limit at a thread count is the faster of the probe and those decodes (`limits`).
 """
@@ -14,6 +16,7 @@ from typing import Any
 import torch
 
 from hf_accel.bench.timing import torch_threads
+from hf_accel.kernels.custom_ops import on_huge_pages
 
 PROBE_BYTES = 2**30
 
@@ -21,7 +24,7 @@ PROBE_BYTES = 2**30
 def probe(threads: int) -> float:
     """Bytes/s read from memory on `threads` threads: the faster of a sum over 1 GiB of fp32 and a matrix-vector
     product over it (MKL's sgemv keeps more reads in flight), best of 3 each."""
-    data = torch.ones(PROBE_BYTES // 4)
+    data = on_huge_pages(torch.ones(PROBE_BYTES // 4))
     side = int(data.numel() ** 0.5)
     matrix, vector = data.view(side, side), torch.ones(side)
     with torch_threads(threads):

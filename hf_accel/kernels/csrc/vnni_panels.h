@@ -15,9 +15,10 @@
 #ifdef HF_ACCEL_QLINEAR_VNNI
 namespace {
 
-// Each 32-input block asks for all of its lines kVnniPrefetch bytes ahead (the format-0 kernels ask for every line,
-// kPrefetch ahead): with one line a block, a pass of several rows waited on the memory, its loads no longer
-// overlapping its dot products (docs/weight-quantization.md has the measured distances).
+// Each int4 32-input block asks for all of its lines kVnniPrefetch bytes ahead (the format-0 kernels ask for every
+// line, kPrefetch ahead): with one line a block, a pass of several rows waited on the memory, its loads no longer
+// overlapping its dot products. int8's blocks (8 lines each) stream faster on the hardware prefetcher alone: asking
+// for them too slowed one row by 5-20% (docs/weight-quantization.md has the measured distances).
 constexpr int64_t kVnniPrefetch = 8192;
 
 inline void prefetch_block(const uint8_t* block, int lines) {
@@ -99,7 +100,6 @@ void int8_vnni_panel(const int8_t* q, const float* dx, const float* offset, int6
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
     for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) {
       const uint8_t* bytes = panel + b * kXBlock * kPanel;  // 32 inputs x 16 columns: 8 lines of 64 bytes
-      prefetch_block(bytes, 8);
       __m512i dot[R];
       for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
 #pragma GCC unroll 8
