@@ -265,8 +265,9 @@ def render(report: dict[str, Any]) -> str:
              f"{report['new_tokens'] - 1} decode steps timed, median of {report['repeats']} interleaved repeats. "
              "int8 / int4: the output layer in int8 too, as llama.cpp's Q8_0 / Q4_0 files hold theirs in Q8_0 / Q6_K. "
              f"llama.cpp: {report['llama_cpp'] or report['llama_cpp_skipped']}. Read bandwidth, the limit's "
-             "numerator (the faster of a sum and a matrix-vector product over 1 GiB and of the fp32 decodes of models "
-             "past 1 GiB, which read only weights; an estimate from below): " +
+             "numerator (the faster of a sum and a matrix-vector product over 1 GiB on huge pages, as the quantized "
+             "panels lie, and of the fp32 decodes of models past 1 GiB, which read only weights; an estimate from "
+             "below): " +
              ", ".join(f"{b / 1e9:.1f} GB/s at {t} thread{'s' * (int(t) > 1)} (probe "
                        f"{report['bandwidth_probe_bytes_per_s'][t] / 1e9:.1f})"
                        for t, b in report["bandwidth_bytes_per_s"].items()) + ".", ""]
