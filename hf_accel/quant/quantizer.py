@@ -186,7 +186,8 @@ def quantize_model(model: PreTrainedModel, config: WeightOnlyConfig, progress: b
 
 def prepare_kernels(model: nn.Module) -> None:
     """Re-lay every quantized Linear of `model` for the kernel of the device its weight is on (as a first forward
-    would), so a model compiled before it ever ran eagerly traces the fast layout."""
+    would), so a model compiled before it ever ran eagerly traces the fast layout; then put siblings' panels end to
+    end and every CPU panel on huge pages (`panel_memory.py`)."""
     for module in model.modules():
         if isinstance(module, (Int8Linear, Int4Linear)):
             module.prepare_kernel()

@@ -26,6 +26,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 
 from ..kernels.packed_linear import FROZEN_WEIGHTS
 from .linear import PANEL_ATTRIBUTES
+
 _VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.reshape.default)
 
 
