@@ -3,9 +3,9 @@
 A probe (`probe`) reads 1 GiB of fp32 with torch's own kernels, on transparent huge pages as hf_accel's quantized
 panels are (`kernels.custom_ops.on_huge_pages`: on 4 KiB pages a virtual machine's page walks held plain reads to
 60% of the rate; llama.cpp's mmap'd GGUF gets large pages from the page cache); on some machines it falls short of
-what a decode reads (torch's sum and matrix-vector product need not scale with threads as a decode's kernels do). An fp32 decode of
-a model larger than the probe's buffer reads nothing but its weights, once a token, so its rate is a read rate the
-machine sustains: the limit at a thread count is the faster of the probe and those decodes (`limits`).
+what a decode reads (torch's sum and matrix-vector product need not scale with threads as a decode's kernels do). An
+fp32 decode of a model larger than the probe's buffer reads nothing but its weights, once a token, so its rate is a
+read rate the machine sustains: the limit at a thread count is the faster of the probe and those decodes (`limits`).
 """
 
 from __future__ import annotations

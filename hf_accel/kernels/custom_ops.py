@@ -16,7 +16,7 @@
 - `torch.ops.hf_accel.lora_add` (`csrc/lora.cpp`): the LoRA update of a step mixing adapters, each token through its
   own adapter, added in place to a projection's output (eager and compiled engine steps);
 - `torch.ops.hf_accel.huge_page_copy` (`csrc/huge_pages.cpp`): a weight's copy on transparent huge pages, where the
-  kernels above stream it (`on_huge_pages`).
+  kernels above stream it (`on_huge_pages`; at load, never inside a step: no fake).
 The ops of a step each mutate only what they write and have a fake implementation, so a compiled step traces
 around each as one opaque node. Where the extension cannot be built, or with `HF_ACCEL_PAGED_KERNEL=0`, every
 accessor returns None and callers take their fallback (the engine's `runtime.attention.gathered_attention`: the
@@ -64,7 +64,6 @@ def _built_kernel() -> Callable[..., torch.Tensor] | None:
     torch.library.register_fake("hf_accel::int8_linear")(_quantized_linear_fake)
     torch.library.register_fake("hf_accel::int4_linear")(_quantized_linear_fake)
     torch.library.register_fake("hf_accel::lora_add")(_lora_fake)
-    torch.library.register_fake("hf_accel::huge_page_copy")(lambda tensor: torch.empty_like(tensor.contiguous()))
     return torch.ops.hf_accel.paged_attention
 
 

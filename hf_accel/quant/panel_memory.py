@@ -23,9 +23,12 @@ def move_panels_to_huge_pages(model: nn.Module) -> int:
     extension is not built); returns how many storages were moved."""
     copies: dict[int, torch.Tensor] = {}  # old storage's address -> its copy, as bytes
     for module in model.modules():
-        for name in PANEL_ATTRIBUTES.get(type(module), ()):
+        names = PANEL_ATTRIBUTES.get(type(module), ())
+        if not names or module.layout != "panels":
+            continue
+        for name in names:
             tensor = getattr(module, name)
-            if module.layout != "panels" or tensor is None or tensor.device.type != "cpu":
+            if tensor is None or tensor.device.type != "cpu":
                 continue
             moved = _moved(tensor, copies)
             if moved is None:
