@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from hf_accel.runtime.frozen_graphs import freezing
+from hf_accel.runtime.frozen_graphs import step_graph_settings
 from hf_accel.kernels.packed_linear import pack_weight
 from hf_accel.kernels.custom_ops import packed_linear_kernel
 
@@ -107,7 +107,7 @@ def compiled_rewrites(module: torch.nn.Module, dtype: torch.dtype | None, inputs
     compiled = torch.compile(module, dynamic=True, fullgraph=True)
     tolerance = 1e-5 if next(module.parameters()).dtype == torch.float32 else 3e-2
     with torch.inference_mode(), torch._inductor.config.patch(fx_graph_cache=False), \
-            freezing(True, dtype):
+            step_graph_settings(True, dtype):
         for x in inputs:
             torch.testing.assert_close(compiled(x), module(x), rtol=tolerance, atol=tolerance)
     return counters["hf_accel"]["packed_linears"] - before

@@ -21,7 +21,7 @@ from transformers.generation.configuration_utils import CompileConfig
 
 from ..cache.kv_shape import FULL_AND_SLIDING, KVShape
 from ..runtime.kv_pool import KVPool
-from ..runtime.frozen_graphs import compiled_for, freezing
+from ..runtime.frozen_graphs import compiled_for, step_graph_settings
 from ..runtime.dynamo import dynamo_settings
 from ..runtime.attention import StepAttention
 from .paged_rows import decode_attention_inputs, table_slots
@@ -171,13 +171,14 @@ def compile_context(device: torch.device, config: CompileConfig, dtype: torch.dt
     """Around a decode loop of a `dtype` model on `device`: sizes that happen to be equal when traced stay separate
     symbols (duck shaping off), dynamo's settings are hf_accel's (`dynamo_settings`: recompile limits raised, as a
     long session compiles more than dynamo's default total; floats traced as constants unless the loop is `sampling`
-    inside its graphs), and on CPU graphs compiled here freeze the weights (inductor's `freezing`: each
-    Linear runs over a weight packed once, a copy kept with the graph: fp32 ones through hf_accel's kernel for a few
-    rows, `kernels/packed_linear.py`, others through oneDNN, both faster than MKL's sgemm on the weights as they lie
-    at a few rows), unless `config.options` says `"freezing": False`."""
+    inside its graphs), inductor's are `step_graph_settings`' (no size asserts at each call), and on CPU graphs
+    compiled here freeze the weights (inductor's `freezing`: each Linear runs over a weight packed once, a copy kept
+    with the graph: fp32 ones through hf_accel's kernel for a few rows, `kernels/packed_linear.py`, others through
+    oneDNN, both faster than MKL's sgemm on the weights as they lie at a few rows), unless `config.options` says
+    `"freezing": False`."""
     freeze = device.type == "cpu" and (config.options or {}).get("freezing", True)
     with symbolic_config.patch(use_duck_shape=False), dynamo_settings(constant_floats=not sampling), \
-            freezing(freeze, dtype):
+            step_graph_settings(freeze, dtype):
         yield
 
 

@@ -1,8 +1,8 @@
 """Linears over weights packed in column panels (`torch.ops.hf_accel.packed_linear`, `csrc/packed_linear.cpp`): the
 panel layout (`pack_weight`) and the graph pass that puts the op into compiled CPU steps.
 
-hf_accel compiles its steps with frozen weights (`runtime.frozen_graphs.freezing`): each Linear's weight is a
-constant of the graph. Where `settings()` is applied, a post-grad pass (`PackLinears`, inductor's custom-pass seam)
+hf_accel compiles its steps with frozen weights (`runtime.frozen_graphs.step_graph_settings`): each Linear's weight
+is a constant of the graph. Where `settings()` is applied, a post-grad pass (`PackLinears`, inductor's custom-pass seam)
 rewrites every fp32 matmul whose right operand is such a constant, `mm(x, W)` or `addmm(b, x, W)`, into
 `packed_linear(x, pack_weight(W), W, b)`; the panels are computed once, when the graph is compiled, and kept as a new
 constant of the graph (as oneDNN's packed copy was, which those graphs no longer make: `cpp.weight_prepack` off). The

@@ -5,9 +5,10 @@ Two halves:
 - `colocate_siblings` (at load, after the panels are packed): the panels of the quantized Linears that one module
   holds directly, of the same kind and input width, are copied into one buffer, each module keeping a view of its
   part (no extra memory; `state_dict` still writes each module's checkpoint format).
-- `MergeSiblingLinears`, a post-grad pass of the graphs that freeze the weights (`runtime.frozen_graphs.freezing`):
-  calls of `hf_accel::int4_linear` / `int8_linear` on the same input whose frozen panels lie end to end become one
-  call over the panels they span, and each former call's result a slice of its columns.
+- `MergeSiblingLinears`, a post-grad pass of the graphs that freeze the weights
+  (`runtime.frozen_graphs.step_graph_settings`): calls of `hf_accel::int4_linear` / `int8_linear` on the same input
+  whose frozen panels lie end to end become one call over the panels they span, and each former call's result a
+  slice of its columns.
 
 Why: a decode step of a 16-layer Llama makes 112 such calls; each pays the op's fixed cost, a parallel region and
 the short stream of a small weight (k / v). Merged it makes 64 (benchmarks/bench_size.py measures decode). Each

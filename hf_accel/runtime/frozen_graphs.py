@@ -132,26 +132,19 @@ def _module_digest(module: nn.Module) -> str:
     return _DIGESTS[module][1]
 
 
-def freezing(enabled: bool, dtype: torch.dtype | None = None):
-    """A config patch under which inductor compiles graphs with frozen weights (or not); for a model of `dtype`
-    float32, their Linears over weights packed in column panels (`kernels/packed_linear.py`: CPU graphs of a few rows
-    each; other dtypes keep oneDNN's packing). Inductor reads it when a graph is compiled, so it goes around the
-    calls that compile; `torch.compile(options={"freezing": True})` does not reach it. Frozen graphs also run each
-    group of sibling quantized Linears as one call (`quant.sibling_linears`), unless a custom pre-pass is set."""
-    merge = {"post_grad_custom_pre_pass": MergeSiblingLinears()} if enabled and \
+def step_graph_settings(freeze: bool, dtype: torch.dtype | None = None):
+    """The config patch hf_accel's step graphs compile under. With `freeze`, the weights frozen into the graphs
+    (inductor's `freezing`): for a model of `dtype` float32 their Linears run over weights packed in column panels
+    (`kernels/packed_linear.py`: CPU graphs of a few rows each; other dtypes keep oneDNN's packing), and each group of
+    sibling quantized Linears runs as one call (`quant.sibling_linears`), unless a custom pre-pass is set. Always: no
+    assert of each input's and each custom op's output's sizes and strides at every call (they took a tenth of a
+    small model's step, one per input or op; dynamo's guards check the inputs, and hf_accel's ops return the shapes
+    their fake implementations state). Inductor reads it when a graph is compiled, so it goes around the calls that
+    compile; `torch.compile(options={"freezing": True})` does not reach it."""
+    merge = {"post_grad_custom_pre_pass": MergeSiblingLinears()} if freeze and \
         inductor_config.post_grad_custom_pre_pass is None else {}
-    return inductor_config.patch(freezing=enabled, **merge,
-                                 **packed_linear_settings(enabled and dtype == torch.float32))
-
-
-def graph_settings(over_panels: bool, dtype: torch.dtype):
-    """The config patch an engine's step graphs compile under: `freezing`, or for graphs whose Linears run over
-    `panels_for`'s panels, nothing frozen and no assert of the inputs' sizes and strides at each call (the asserts
-    took a tenth of a small model's step, ~80 inputs; dynamo's guards check the same, and a saved step's key
-    stands for them: the engine builds every step's inputs the same way)."""
-    if over_panels:
-        return inductor_config.patch(freezing=False, size_asserts=False)
-    return freezing(True, dtype)
+    return inductor_config.patch(freezing=freeze, size_asserts=False, **merge,
+                                 **packed_linear_settings(freeze and dtype == torch.float32))
 
 
 def weights_signature(model: nn.Module) -> tuple:

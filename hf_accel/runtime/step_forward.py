@@ -56,7 +56,7 @@ from .attention import ATTENTION_NAME
 from .cuda_graphs import DecodeGraphs
 from .dynamo import (begin_background_compile, dynamo_settings, end_background_compile, hooks_key, warm_guards,
                      without_hook_guards)
-from .frozen_graphs import compiled_for, graph_settings, panels_for
+from .frozen_graphs import compiled_for, panels_for, step_graph_settings
 from .kv_pool import KVPool
 from .saved_steps import SavedStep, enabled as saved_steps_enabled, hook_descriptions, model_description
 from .step_inputs import StepInputs
@@ -243,8 +243,9 @@ class StepForward:
                 self._run(_one_token(self._scratch, self.kv.block_size), self.model, 1, graph=False)
             forward, single = self._compiled_functions()
             # each engine's graphs count toward dynamo's process-wide total (accumulated_recompile_limit),
-            # which a long notebook or test session would otherwise reach
-            with dynamo_settings(), graph_settings(self._panels is not None, self.model.dtype):
+            # which a long notebook or test session would otherwise reach; steps over panels freeze nothing (a
+            # saved step's key stands for the inputs' sizes and strides that step_graph_settings asserts no more)
+            with dynamo_settings(), step_graph_settings(self._panels is None, self.model.dtype):
                 self._trace_graphs(forward, single)
             graphs = (forward, single)
         except _Cancelled:  # the engine shut down: nothing to warn about

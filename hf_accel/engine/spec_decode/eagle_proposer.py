@@ -32,7 +32,7 @@ from transformers import PreTrainedModel
 from ...cache.kv_shape import KVShape
 from ...speculative.eagle_head import EagleHead, token_embeddings
 from ...runtime.attention import ATTENTION_NAME, StepAttention
-from ...runtime.frozen_graphs import compiled_for, freezing
+from ...runtime.frozen_graphs import compiled_for, step_graph_settings
 from ...runtime.kv_pool import KVPool
 from ..sequence import Sequence
 from ...runtime.dynamo import dynamo_settings, warm_guards
@@ -113,7 +113,7 @@ class EagleProposer(Proposer):
                                   companions=(self.model,))
         self.compiled = True
         try:
-            with dynamo_settings(), freezing(True, self.head.dtype), torch.inference_mode():
+            with dynamo_settings(), step_graph_settings(True, self.head.dtype), torch.inference_mode():
                 self._trace_both_graphs(device)
             self._warm = True
         except Exception as error:
