@@ -137,9 +137,9 @@ def step_graph_settings(freeze: bool, dtype: torch.dtype | None = None):
     (inductor's `freezing`): for a model of `dtype` float32 their Linears run over weights packed in column panels
     (`kernels/packed_linear.py`: CPU graphs of a few rows each; other dtypes keep oneDNN's packing), and each group of
     sibling quantized Linears runs as one call (`quant.sibling_linears`), unless a custom pre-pass is set. Always: no
-    assert of each input's and each custom op's output's sizes and strides at every call (they took a tenth of a
-    small model's step, one per input or op; dynamo's guards check the inputs, and hf_accel's ops return the shapes
-    their fake implementations state). Inductor reads it when a graph is compiled, so it goes around the calls that
+    assert of each input's and each custom op's output's sizes and strides at every call (about a microsecond each,
+    one per input or op: up to a tenth of a small model's step; dynamo's guards check the inputs, and hf_accel's ops
+    return the shapes their fake implementations state). Inductor reads it when a graph is compiled, so it goes around the calls that
     compile; `torch.compile(options={"freezing": True})` does not reach it."""
     merge = {"post_grad_custom_pre_pass": MergeSiblingLinears()} if freeze and \
         inductor_config.post_grad_custom_pre_pass is None else {}
