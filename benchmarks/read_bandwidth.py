@@ -21,10 +21,10 @@ from hf_accel.kernels.custom_ops import on_huge_pages
 PROBE_BYTES = 2**30
 
 
-def probe(threads: int) -> float:
-    """Bytes/s read from memory on `threads` threads: the faster of a sum over 1 GiB of fp32 and a matrix-vector
-    product over it (MKL's sgemv keeps more reads in flight), best of 3 each."""
-    data = on_huge_pages(torch.ones(PROBE_BYTES // 4))
+def probe(threads: int, nbytes: int = PROBE_BYTES) -> float:
+    """Bytes/s read from memory on `threads` threads: the faster of a sum over `nbytes` (1 GiB) of fp32 and a
+    matrix-vector product over it (MKL's sgemv keeps more reads in flight), best of 3 each."""
+    data = on_huge_pages(torch.ones(nbytes // 4))
     side = int(data.numel() ** 0.5)
     matrix, vector = data.view(side, side), torch.ones(side)
     with torch_threads(threads):
