@@ -8,7 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 from torch._dynamo.utils import counters
+from torch._inductor.utils import run_and_get_code
 
+from hf_accel.bench.timing import torch_threads
 from hf_accel.runtime.frozen_graphs import step_graph_settings
 from hf_accel.kernels.packed_linear import pack_weight
 from hf_accel.kernels.custom_ops import packed_linear_kernel
@@ -124,3 +126,18 @@ def test_the_pass_leaves_bf16_linears_and_runs_only_when_asked():
     assert compiled_rewrites(mlp(torch.bfloat16), torch.float32, [torch.randn(1, 4, 48, dtype=torch.bfloat16)]) == 0
     torch._dynamo.reset()
     assert compiled_rewrites(mlp(torch.float32), None, [torch.randn(1, 4, 48)]) == 0
+
+
+def test_step_graphs_run_their_own_kernels_on_one_thread_without_per_call_asserts():
+    def step(x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.silu(x) * x + 1
+
+    x = torch.randn(64, 4096)
+    with torch_threads(2), torch.inference_mode(), torch._inductor.config.patch(fx_graph_cache=False):
+        torch._dynamo.reset()
+        _, (plain,) = run_and_get_code(torch.compile(step, fullgraph=True), x)
+        torch._dynamo.reset()
+        with step_graph_settings(False):
+            _, (ours,) = run_and_get_code(torch.compile(step, fullgraph=True), x)
+    assert "#pragma omp parallel" in plain and "assert_size_stride(" in plain  # what the settings take away
+    assert "#pragma omp parallel" not in ours and "assert_size_stride(" not in ours and "assert_alignment(" not in ours

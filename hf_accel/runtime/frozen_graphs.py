@@ -137,14 +137,17 @@ def step_graph_settings(freeze: bool, dtype: torch.dtype | None = None):
     (inductor's `freezing`): for a model of `dtype` float32 their Linears run over weights packed in column panels
     (`kernels/packed_linear.py`: CPU graphs of a few rows each; other dtypes keep oneDNN's packing), and each group of
     sibling quantized Linears runs as one call (`quant.sibling_linears`), unless a custom pre-pass is set. Always: no
-    assert of each input's and each custom op's output's sizes and strides at every call (about a microsecond each,
-    one per input or op: up to a tenth of a small model's step; dynamo's guards check the inputs, and hf_accel's ops
-    return the shapes their fake implementations state). Inductor reads it when a graph is compiled, so it goes around the calls that
-    compile; `torch.compile(options={"freezing": True})` does not reach it."""
+    assert of each input's and each custom op's output's sizes, strides and alignment at every call (about a
+    microsecond each, one per input or op: up to a tenth of a small model's step; dynamo's guards check the inputs,
+    and hf_accel's ops return the shapes their fake implementations state), and the graph's own C++ kernels (norms,
+    rotary embeddings, activations) on one thread: at a step's few rows each does less work than a parallel region
+    costs to open and join, where hf_accel's ops and the matmuls keep torch's threads. Inductor reads it when a graph
+    is compiled, so it goes around the calls that compile; `torch.compile(options={"freezing": True})` does not reach
+    it."""
     merge = {"post_grad_custom_pre_pass": MergeSiblingLinears()} if freeze and \
         inductor_config.post_grad_custom_pre_pass is None else {}
-    return inductor_config.patch(freezing=freeze, size_asserts=False, **merge,
-                                 **packed_linear_settings(freeze and dtype == torch.float32))
+    return inductor_config.patch(freezing=freeze, size_asserts=False, alignment_asserts=False, **{"cpp.threads": 1},
+                                 **merge, **packed_linear_settings(freeze and dtype == torch.float32))
 
 
 def weights_signature(model: nn.Module) -> tuple:
