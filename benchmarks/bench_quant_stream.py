@@ -9,7 +9,7 @@ share near 100% puts what is missing in the step around the kernels; a low one i
 Method: the 755M random-weight Llama of bench_size.py, int8 (per channel) and int4 (groups of 64) as bench_size
 loads them (output layer in int8); a sweep calls `hf_accel::int8_linear` / `int4_linear` on every quantized Linear of
 the model in module order (q, k, v, o, gate, up, down per layer, then the output layer: the panels stream from memory,
-a sweep being ten times the last-level cache), on a fixed random row; each repeat times a sweep of each format and the
+a sweep being over ten times the last-level cache), on a fixed random row; each repeat times a sweep of each format and the
 probe (the faster of a sum and a matrix-vector product over 1 GiB on huge pages), one thread count at a time, after a
 warm-up sweep. Share: the median of per-repeat ratios of a sweep's read rate to the probe's.
 
@@ -51,17 +51,10 @@ def sweep(model: torch.nn.Module) -> tuple[Callable[[], None], int]:
     """A call of every quantized Linear kernel of `model` at one row, and the bytes of weights those calls read."""
     calls, total = [], 0
     for module in model.modules():
-        if isinstance(module, hf_accel.Int4Linear):
-            tensors = (module.weight, module.weight_qpanels)
-            op = torch.ops.hf_accel.int4_linear.default
-        elif isinstance(module, hf_accel.Int8Linear):
-            scale = module.weight_scale if module.weight_scale_panels is None else module.weight_scale_panels
-            tensors, op = (module.weight, scale), torch.ops.hf_accel.int8_linear.default
-        else:
-            continue
-        row = torch.randn(1, module.in_features)
-        calls.append(lambda op=op, row=row, tensors=tensors: op(row, *tensors, None))
-        total += sum(tensor.nbytes for tensor in tensors)
+        if isinstance(module, (hf_accel.Int4Linear, hf_accel.Int8Linear)) and module.layout == "panels":
+            # the module's own kernel call, without nn.Module's call machinery around it
+            calls.append(lambda module=module, row=torch.randn(1, module.in_features): module._matmul(row, True))
+            total += sum(tensor.nbytes for tensor in bench_size.tensors_read(module))
     if not calls:
         raise RuntimeError("no quantized Linear runs on hf_accel's kernels here (a build without them?)")
 

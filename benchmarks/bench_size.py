@@ -121,18 +121,26 @@ def bytes_read_per_token(model: torch.nn.Module) -> int:
     embedding = model.get_input_embeddings().weight
     total, seen = 0, {embedding.data_ptr()}
     for module in model.modules():
-        tensors = list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False))
-        for name, tensor in tensors:
-            if tensor is None or tensor.data_ptr() in seen or name in ("inv_freq", "original_inv_freq"):
-                continue
-            if isinstance(module, hf_accel.Int4Linear) and module.layout == "panels" and name == "weight_qparams":
-                continue  # the kernel reads weight_qpanels instead
-            if isinstance(module, hf_accel.Int8Linear) and module.weight_scale_panels is not None and \
-                    name == "weight_scale":
-                continue  # grouped: the kernel reads weight_scale_panels instead
-            seen.add(tensor.data_ptr())
-            total += tensor.nbytes
+        for tensor in tensors_read(module):
+            if tensor.data_ptr() not in seen:
+                seen.add(tensor.data_ptr())
+                total += tensor.nbytes
     return total
+
+
+def tensors_read(module: torch.nn.Module) -> list[torch.Tensor]:
+    """The parameters and buffers of `module` itself (not its children's) that its forward reads at a decode step."""
+    tensors = list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False))
+    return [tensor for name, tensor in tensors if tensor is not None and not _unread(module, name)]
+
+
+def _unread(module: torch.nn.Module, name: str) -> bool:
+    if name in ("inv_freq", "original_inv_freq"):
+        return True
+    if isinstance(module, hf_accel.Int4Linear) and module.layout == "panels":
+        return name == "weight_qparams"  # the kernel reads weight_qpanels instead
+    # grouped int8: the kernel reads weight_scale_panels instead
+    return isinstance(module, hf_accel.Int8Linear) and module.weight_scale_panels is not None and name == "weight_scale"
 
 
 def decode_seconds(model: torch.nn.Module, prompt: torch.Tensor, new_tokens: int, mode: str) -> float:
